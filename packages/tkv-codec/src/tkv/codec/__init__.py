@@ -1,0 +1,77 @@
+"""tkv.codec — the TurboQuant KV-cache codec in pure PyTorch.
+
+Public API::
+
+    from tkv.codec import TurboKVCodec, SlotLayout, CalibrationBundle
+    codec = TurboKVCodec(head_dim=128, bit_width=4, device="cpu")
+    packed, norms = codec.compress_k(torch.randn(8, 128))
+    recon = codec.decompress_k(packed, norms)
+
+Modules: :mod:`~tkv.codec.codec` (the codec), :mod:`~tkv.codec.rotation` (randomized WHT),
+:mod:`~tkv.codec.codebooks` (Lloyd-Max), :mod:`~tkv.codec.packing` (bit order),
+:mod:`~tkv.codec.layout` (bytes of the paged cache), :mod:`~tkv.codec.bundle` (calibration
+bundle), :mod:`~tkv.codec.errors` (named exceptions).
+"""
+
+from .bundle import (
+    CalibrationBundle,
+    LayerAllocation,
+    LayerCalibration,
+    ModelGeometry,
+    normalize_tkv_bits,
+    resolve_allocation,
+)
+from .codebooks import Codebook, beta_codebook, fit_codebook, gaussian_codebook
+from .codec import SideCodec, TurboKVCodec
+from .errors import (
+    BitWidthError,
+    BudgetRowMissingError,
+    BundleError,
+    BundleGeometryError,
+    BundleSchemaError,
+    CodebookError,
+    DeviceMismatchError,
+    DtypeError,
+    NonFiniteError,
+    ShapeError,
+    TkvBitsError,
+    TkvError,
+)
+from .layout import ModelLayout, SlotLayout, effective_bits_per_element
+from .packing import pack_codes, unpack_codes
+from .rotation import HadamardRotation
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BitWidthError",
+    "BudgetRowMissingError",
+    "BundleError",
+    "BundleGeometryError",
+    "BundleSchemaError",
+    "CalibrationBundle",
+    "Codebook",
+    "CodebookError",
+    "DeviceMismatchError",
+    "DtypeError",
+    "HadamardRotation",
+    "LayerAllocation",
+    "LayerCalibration",
+    "ModelGeometry",
+    "ModelLayout",
+    "NonFiniteError",
+    "ShapeError",
+    "SideCodec",
+    "SlotLayout",
+    "TkvBitsError",
+    "TkvError",
+    "TurboKVCodec",
+    "beta_codebook",
+    "effective_bits_per_element",
+    "fit_codebook",
+    "gaussian_codebook",
+    "normalize_tkv_bits",
+    "pack_codes",
+    "resolve_allocation",
+    "unpack_codes",
+]

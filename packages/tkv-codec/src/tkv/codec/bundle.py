@@ -1,0 +1,467 @@
+"""The calibration bundle: a versioned JSON file that carries everything calibration learned
+about one model, validated on load with named errors.
+
+Format (``schema_version`` 1)::
+
+    {
+      "format": "tkv-calibration-bundle",
+      "schema_version": 1,
+      "seed": 0,                                  # rotation seed the codebooks were fit under
+      "geometry": {"model": "SmolLM2-135M-Instruct", "num_layers": 30, "num_kv_heads": 3,
+                   "head_dim": 64, "layer_types": ["full", ...], "sliding_window": null},
+      "layers": [                                 # one entry per layer, in order
+        {"k_channel_scales": [...head_dim floats > 0] | null,
+         "v_channel_scales": [...] | null,
+         "codebooks": {"k_bits_4": {"centroids": [16 floats], "boundaries": [15 floats]},
+                       "v_bits_3": {...}, ...}}   # any subset of k_bits_2..8 / v_bits_2..8
+      ],
+      "byte_budget_table": {                      # TKV_BITS value -> per-layer widths
+        "4.0": {"k_bits": [30 ints], "v_bits": [30 ints], "source": "smartmix" | "uniform"}
+      },
+      "provenance": {"tool": ..., "tool_version": ..., "corpus": ..., "corpus_sha256": ...,
+                     "num_tokens": ..., "date": ...},
+      "metrics": {...},                           # free-form measured numbers
+      "integrity": "sha256 of the canonical JSON of every other field"
+    }
+
+``TKV_BITS`` is the average bits per element across K and V that a row was chosen for; the
+real cost of a row, norms included, is :attr:`LayerAllocation.bits_per_element` (priced by
+:mod:`tkv.codec.layout`). Resolving a value with no row is a hard
+:class:`~tkv.codec.errors.BudgetRowMissingError` listing the rows that exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+
+from .codebooks import Codebook
+from .errors import (
+    BudgetRowMissingError,
+    BundleGeometryError,
+    BundleSchemaError,
+    CodebookError,
+    TkvBitsError,
+)
+from .layout import effective_bits_per_element
+from .packing import MAX_BITS, MIN_BITS
+
+__all__ = [
+    "BUNDLE_FORMAT",
+    "DEFAULT_K_BITS",
+    "DEFAULT_V_BITS",
+    "SCHEMA_VERSION",
+    "CalibrationBundle",
+    "LayerAllocation",
+    "LayerCalibration",
+    "ModelGeometry",
+    "normalize_tkv_bits",
+    "resolve_allocation",
+]
+
+log = logging.getLogger("tkv")
+
+SCHEMA_VERSION = 1
+BUNDLE_FORMAT = "tkv-calibration-bundle"
+DEFAULT_K_BITS = 4
+DEFAULT_V_BITS = 4
+LAYER_TYPES = ("full", "sliding")
+
+
+def normalize_tkv_bits(value: str | float | int) -> str:
+    """Canonical ``byte_budget_table`` key of a ``TKV_BITS`` value: ``4`` / ``"4"`` → ``"4.0"``.
+
+    Raises:
+        TkvBitsError: not a number, not finite, or outside [2.0, 8.0].
+    """
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TkvBitsError(f"TKV_BITS must be a number in [2.0, 8.0], got {value!r}") from None
+    if not math.isfinite(v) or not 2.0 <= v <= 8.0:
+        raise TkvBitsError(f"TKV_BITS must be in [2.0, 8.0], got {value!r}")
+    return repr(v)
+
+
+def _fail(path: str, msg: str) -> BundleSchemaError:
+    return BundleSchemaError(f"bundle field {path}: {msg}")
+
+
+def _req(d: Mapping, key: str, path: str) -> Any:
+    if not isinstance(d, Mapping):
+        raise _fail(path, f"expected an object, got {type(d).__name__}")
+    if key not in d:
+        raise _fail(f"{path}.{key}", "missing")
+    return d[key]
+
+
+def _int(v: Any, path: str, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _fail(path, f"expected an integer, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise _fail(path, f"{v} outside [{lo}, {hi}]")
+    return v
+
+
+def _floats(v: Any, path: str, n: int | None = None, positive: bool = False) -> list[float]:
+    if not isinstance(v, list) or not all(
+        isinstance(x, int | float) and not isinstance(x, bool) for x in v
+    ):
+        raise _fail(path, "expected a list of numbers")
+    if n is not None and len(v) != n:
+        raise _fail(path, f"expected {n} numbers, got {len(v)}")
+    if not all(math.isfinite(x) for x in v):
+        raise _fail(path, "non-finite number")
+    if positive and not all(x > 0 for x in v):
+        raise _fail(path, "every entry must be > 0")
+    return [float(x) for x in v]
+
+
+# ----------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class ModelGeometry:
+    """Attention geometry a bundle was calibrated for.
+
+    Attributes:
+        num_layers: attention layers. num_kv_heads: KV heads per layer (whole model, not per
+        TP rank). head_dim: elements per head. layer_types: ``"full"`` or ``"sliding"`` per
+        layer. sliding_window: window in tokens of the sliding layers, or None. model: name.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "num_layers": self.num_layers,
+                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "layer_types": list(self.layer_types), "sliding_window": self.sliding_window}
+
+    @classmethod
+    def from_dict(cls, d: Mapping, path: str = "geometry") -> ModelGeometry:
+        n = _int(_req(d, "num_layers", path), f"{path}.num_layers", 1)
+        types = d.get("layer_types") or ["full"] * n
+        if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
+            raise _fail(f"{path}.layer_types", f"expected {n} entries from {LAYER_TYPES}")
+        sw = d.get("sliding_window")
+        if sw is not None:
+            sw = _int(sw, f"{path}.sliding_window", 1)
+        model = d.get("model", "")
+        if not isinstance(model, str):
+            raise _fail(f"{path}.model", "expected a string")
+        return cls(n, _int(_req(d, "num_kv_heads", path), f"{path}.num_kv_heads", 1),
+                   _int(_req(d, "head_dim", path), f"{path}.head_dim", 1), tuple(types), sw, model)
+
+
+@dataclass(frozen=True)
+class LayerCalibration:
+    """What calibration learned for one layer.
+
+    Attributes:
+        k_channel_scales, v_channel_scales: float ``(head_dim,)`` lists of positive prescales, or None.
+        codebooks: fitted codebooks keyed ``"k_bits_N"`` / ``"v_bits_N"`` (standardized units).
+    """
+
+    k_channel_scales: tuple[float, ...] | None = None
+    v_channel_scales: tuple[float, ...] | None = None
+    codebooks: Mapping[str, Codebook] = field(default_factory=dict)
+
+    def codebook(self, side: str, bits: int) -> Codebook | None:
+        """The fitted codebook of ``side`` ("k"/"v") at ``bits``, or None (→ Gaussian default)."""
+        return self.codebooks.get(f"{side}_bits_{bits}")
+
+    def to_dict(self) -> dict:
+        return {
+            "k_channel_scales": None if self.k_channel_scales is None else list(self.k_channel_scales),
+            "v_channel_scales": None if self.v_channel_scales is None else list(self.v_channel_scales),
+            "codebooks": {k: cb.to_dict() for k, cb in sorted(self.codebooks.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping, head_dim: int, path: str) -> LayerCalibration:
+        scales = {}
+        for side in ("k", "v"):
+            key = f"{side}_channel_scales"
+            v = d.get(key) if isinstance(d, Mapping) else None
+            scales[side] = None if v is None else tuple(
+                _floats(v, f"{path}.{key}", head_dim, positive=True))
+        cbs_raw = d.get("codebooks", {}) if isinstance(d, Mapping) else None
+        if not isinstance(cbs_raw, Mapping):
+            raise _fail(f"{path}.codebooks", "expected an object")
+        cbs = {}
+        for key, cb in cbs_raw.items():
+            side, _, bits_s = key.partition("_bits_")
+            if side not in ("k", "v") or not bits_s.isdigit() or not MIN_BITS <= int(bits_s) <= MAX_BITS:
+                raise _fail(f"{path}.codebooks.{key}", "key must be k_bits_N or v_bits_N, N in 2..8")
+            bits = int(bits_s)
+            p = f"{path}.codebooks.{key}"
+            cents = _floats(_req(cb, "centroids", p), f"{p}.centroids", 1 << bits)
+            bounds = _floats(_req(cb, "boundaries", p), f"{p}.boundaries", (1 << bits) - 1)
+            try:
+                book = Codebook.from_centroids(cents, bits)
+            except CodebookError as e:
+                raise _fail(p, str(e)) from None
+            if max(abs(a - b) for a, b in zip(book.boundaries.tolist(), bounds, strict=True)) > 1e-5:
+                raise _fail(f"{p}.boundaries", "boundaries are not the midpoints of the centroids")
+            cbs[key] = book
+        return cls(scales["k"], scales["v"], cbs)
+
+
+@dataclass(frozen=True)
+class LayerAllocation:
+    """Per-layer ``(k_bits, v_bits)`` for one ``TKV_BITS`` budget.
+
+    Attributes:
+        k_bits, v_bits: one width 2..8 per layer.
+        source: ``"smartmix"`` (verified mix), ``"uniform"`` or ``"default"`` (no bundle).
+    """
+
+    k_bits: tuple[int, ...]
+    v_bits: tuple[int, ...]
+    source: str = "uniform"
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Real average bits per K/V element over layers, norms included (tkv.codec.layout)."""
+        return sum(effective_bits_per_element(head_dim, kb, vb)
+                   for kb, vb in zip(self.k_bits, self.v_bits, strict=True)) / len(self.k_bits)
+
+    def to_dict(self) -> dict:
+        return {"k_bits": list(self.k_bits), "v_bits": list(self.v_bits), "source": self.source}
+
+    @classmethod
+    def uniform(cls, num_layers: int, k_bits: int, v_bits: int, source: str = "uniform"):
+        return cls((k_bits,) * num_layers, (v_bits,) * num_layers, source)
+
+    @classmethod
+    def from_dict(cls, d: Mapping, num_layers: int, path: str) -> LayerAllocation:
+        out = []
+        for side in ("k_bits", "v_bits"):
+            v = _req(d, side, path)
+            if not isinstance(v, list) or len(v) != num_layers:
+                raise _fail(f"{path}.{side}", f"expected a list of {num_layers} widths")
+            out.append(tuple(_int(b, f"{path}.{side}[{i}]", MIN_BITS, MAX_BITS)
+                             for i, b in enumerate(v)))
+        src = d.get("source", "uniform")
+        if src not in ("smartmix", "uniform", "default"):
+            raise _fail(f"{path}.source", f"unknown source {src!r}")
+        return cls(out[0], out[1], src)
+
+
+# ----------------------------------------------------------------------------- bundle
+@dataclass(frozen=True)
+class CalibrationBundle:
+    """A validated calibration bundle (see module docstring for the JSON format).
+
+    Build one with the constructor (calibration does), or read one with :meth:`load`.
+    ``save`` writes canonical JSON with an ``integrity`` hash; ``load`` refuses a file whose
+    hash does not match (corruption) with BundleSchemaError.
+    """
+
+    geometry: ModelGeometry
+    layers: tuple[LayerCalibration, ...]
+    byte_budget_table: Mapping[str, LayerAllocation]
+    provenance: Mapping[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != self.geometry.num_layers:
+            raise BundleSchemaError(
+                f"bundle has {len(self.layers)} layer entries for {self.geometry.num_layers} layers")
+        table = {}
+        for key, alloc in self.byte_budget_table.items():
+            if len(alloc.k_bits) != self.geometry.num_layers or len(alloc.v_bits) != self.geometry.num_layers:
+                raise BundleSchemaError(f"byte_budget_table[{key}] does not cover every layer")
+            table[normalize_tkv_bits(key)] = alloc
+        object.__setattr__(self, "byte_budget_table", table)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        """JSON-ready dict, ``integrity`` included."""
+        body = {
+            "format": BUNDLE_FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "seed": self.seed,
+            "geometry": self.geometry.to_dict(),
+            "layers": [lay.to_dict() for lay in self.layers],
+            "byte_budget_table": {k: a.to_dict() for k, a in
+                                  sorted(self.byte_budget_table.items(), key=lambda kv: float(kv[0]))},
+            "provenance": dict(self.provenance),
+            "metrics": dict(self.metrics),
+        }
+        body["integrity"] = _digest(body)
+        return body
+
+    @classmethod
+    def from_dict(cls, d: Any) -> CalibrationBundle:
+        """Validate and build. Raises BundleSchemaError naming the first offending field."""
+        if not isinstance(d, Mapping):
+            raise BundleSchemaError("a bundle must be a JSON object")
+        if d.get("format") != BUNDLE_FORMAT:
+            raise _fail("format", f"expected {BUNDLE_FORMAT!r}, got {d.get('format')!r}")
+        ver = d.get("schema_version")
+        if ver != SCHEMA_VERSION:
+            raise _fail("schema_version", f"this tkv reads version {SCHEMA_VERSION}, got {ver!r}")
+        if "integrity" in d:
+            body = {k: v for k, v in d.items() if k != "integrity"}
+            if _digest(body) != d["integrity"]:
+                raise BundleSchemaError(
+                    "bundle integrity check failed: the file was modified or corrupted "
+                    "after it was written (recompute with CalibrationBundle.save)")
+        geo = ModelGeometry.from_dict(_req(d, "geometry", "bundle"))
+        layers_raw = _req(d, "layers", "bundle")
+        if not isinstance(layers_raw, list) or len(layers_raw) != geo.num_layers:
+            raise _fail("layers", f"expected {geo.num_layers} layer entries")
+        layers = tuple(LayerCalibration.from_dict(x, geo.head_dim, f"layers[{i}]")
+                       for i, x in enumerate(layers_raw))
+        table_raw = _req(d, "byte_budget_table", "bundle")
+        if not isinstance(table_raw, Mapping) or not table_raw:
+            raise _fail("byte_budget_table", "expected a non-empty object")
+        table = {}
+        for key, row in table_raw.items():
+            try:
+                norm = normalize_tkv_bits(key)
+            except TkvBitsError as e:
+                raise _fail(f"byte_budget_table.{key}", str(e)) from None
+            table[norm] = LayerAllocation.from_dict(row, geo.num_layers, f"byte_budget_table.{key}")
+        prov = d.get("provenance", {})
+        metrics = d.get("metrics", {})
+        if not isinstance(prov, Mapping) or not isinstance(metrics, Mapping):
+            raise _fail("provenance/metrics", "expected objects")
+        seed = _int(d.get("seed", 0), "seed")
+        return cls(geo, layers, table, dict(prov), dict(metrics), seed)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write canonical JSON (sorted keys). Returns the path."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
+        return p
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CalibrationBundle:
+        """Read and validate a bundle file.
+
+        Raises:
+            FileNotFoundError: no such file (message names TKV_CALIBRATION_FILE's usual role).
+            BundleSchemaError: not JSON, wrong format/version, bad field, integrity mismatch.
+        """
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"calibration bundle not found: {p}")
+        try:
+            d = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BundleSchemaError(f"calibration bundle {p} is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+    # ------------------------------------------------------------------ use
+    def check_geometry(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        """Refuse a bundle made for another model.
+
+        Raises:
+            BundleGeometryError: naming every field that differs.
+        """
+        g = self.geometry
+        diffs = [f"{n}: bundle {a}, model {b}" for n, a, b in (
+            ("num_layers", g.num_layers, num_layers), ("num_kv_heads", g.num_kv_heads, num_kv_heads),
+            ("head_dim", g.head_dim, head_dim)) if a != b]
+        if diffs:
+            raise BundleGeometryError(
+                f"calibration bundle for {g.model or 'another model'} does not match the model "
+                f"being served ({'; '.join(diffs)})")
+
+    def budgets(self) -> list[str]:
+        """The ``TKV_BITS`` rows present, ascending."""
+        return sorted(self.byte_budget_table, key=float)
+
+    def allocation(self, tkv_bits: str | float) -> LayerAllocation:
+        """The per-layer widths for ``tkv_bits``.
+
+        Raises:
+            TkvBitsError: value not in [2, 8]. BudgetRowMissingError: no row (lists the rows).
+        """
+        key = normalize_tkv_bits(tkv_bits)
+        if key not in self.byte_budget_table:
+            raise BudgetRowMissingError(
+                f"TKV_BITS={tkv_bits} has no row in the calibration bundle's byte_budget_table; "
+                f"rows present: {', '.join(self.budgets())}")
+        return self.byte_budget_table[key]
+
+    def codec(self, layer: int, k_bits: int, v_bits: int, device="cpu", **kwargs):
+        """A :class:`~tkv.codec.TurboKVCodec` for ``layer`` at the given widths, with this bundle's
+        channel scales, fitted codebooks (Gaussian where none was fitted) and seed."""
+        from .codec import TurboKVCodec
+
+        if not 0 <= layer < self.geometry.num_layers:
+            raise IndexError(f"layer {layer} outside 0..{self.geometry.num_layers - 1}")
+        cal = self.layers[layer]
+        return TurboKVCodec(
+            self.geometry.head_dim, k_bits=k_bits, v_bits=v_bits, device=device, seed=self.seed,
+            k_channel_scales=cal.k_channel_scales, v_channel_scales=cal.v_channel_scales,
+            k_codebook=cal.codebook("k", k_bits), v_codebook=cal.codebook("v", v_bits),
+            **kwargs)
+
+    def codecs(self, tkv_bits: str | float, device="cpu", **kwargs) -> list:
+        """One codec per layer for the ``tkv_bits`` row."""
+        a = self.allocation(tkv_bits)
+        return [self.codec(i, kb, vb, device, **kwargs)
+                for i, (kb, vb) in enumerate(zip(a.k_bits, a.v_bits, strict=True))]
+
+
+def _digest(body: Mapping) -> str:
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def resolve_allocation(bundle: CalibrationBundle | None, tkv_bits: str | float | None,
+                       num_layers: int, num_kv_heads: int | None = None,
+                       head_dim: int | None = None) -> LayerAllocation:
+    """Turn ``(bundle, TKV_BITS)`` into per-layer widths, the way engines do at startup.
+
+    * bundle given: geometry checked (if num_kv_heads/head_dim given), row for ``tkv_bits``
+      required (``None`` → "4.0").
+    * no bundle: uniform K4V4 with a loud warning (meant for tests and smoke runs);
+      a ``tkv_bits`` other than 4.0 without a bundle is refused, since only a calibrated
+      bundle knows how to spend another budget.
+
+    Raises:
+        TkvBitsError, BudgetRowMissingError, BundleGeometryError.
+    """
+    key = normalize_tkv_bits(4.0 if tkv_bits is None else tkv_bits)
+    if bundle is None:
+        if key != "4.0":
+            raise BudgetRowMissingError(
+                f"TKV_BITS={tkv_bits} needs a calibration bundle (TKV_CALIBRATION_FILE); "
+                "without one only the uniform K4V4 default (TKV_BITS=4.0) is available")
+        msg = ("tkv: no calibration bundle (TKV_CALIBRATION_FILE unset): using uniform K4V4 "
+               "with Gaussian codebooks and no channel scales. Quality is uncalibrated; run "
+               "`tkv-calibrate` for production.")
+        warnings.warn(msg, UserWarning, stacklevel=2)
+        log.warning(msg)
+        return LayerAllocation.uniform(num_layers, DEFAULT_K_BITS, DEFAULT_V_BITS, "default")
+    if num_kv_heads is not None and head_dim is not None:
+        bundle.check_geometry(num_layers, num_kv_heads, head_dim)
+    elif bundle.geometry.num_layers != num_layers:
+        raise BundleGeometryError(
+            f"bundle has {bundle.geometry.num_layers} layers, model has {num_layers}")
+    return bundle.allocation(key)
+
+

@@ -1,0 +1,127 @@
+"""Bit packing of b-bit codes into bytes, LSB-first, for every width 2..8.
+
+Bit order (one rule for every width)
+------------------------------------
+The codes ``c_0, c_1, ..., c_{n-1}`` of one vector form a little-endian bit stream: bit ``j``
+of code ``c_i`` is stream bit ``i*b + j``, and stream bit ``s`` is bit ``s % 8`` of byte
+``s // 8``. A vector of ``n`` codes therefore takes exactly ``ceil(n*b/8)`` bytes; the unused
+high bits of the last byte are zero. For ``b = 4`` this is the familiar "low nibble first"
+layout; for ``b = 3`` the 8 codes of a group fill 3 bytes, code 2 straddling bytes 0 and 1.
+
+Implementation: codes are processed in groups of ``g = 8 / gcd(b, 8)`` codes, which fill
+exactly ``g*b/8`` bytes (at most 56 bits, so one int64 word per group). All work is batched
+tensor arithmetic; there is no Python loop over vectors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import BitWidthError, DtypeError, ShapeError
+
+__all__ = ["MAX_BITS", "MIN_BITS", "check_bits", "pack_codes", "packed_bytes", "unpack_codes"]
+
+MIN_BITS = 2
+MAX_BITS = 8
+
+
+def check_bits(bits: int, name: str = "bits") -> int:
+    """Return ``bits`` as int if it is an integer in ``[2, 8]``.
+
+    Raises:
+        BitWidthError: ``bits`` is not an integer or lies outside ``2..8``.
+    """
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise BitWidthError(f"{name} must be an int in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
+    if not MIN_BITS <= bits <= MAX_BITS:
+        raise BitWidthError(f"{name} must be in [{MIN_BITS}, {MAX_BITS}], got {bits}")
+    return bits
+
+
+def packed_bytes(num_codes: int, bits: int) -> int:
+    """Bytes taken by ``num_codes`` codes of ``bits`` bits: ``ceil(num_codes * bits / 8)``."""
+    check_bits(bits)
+    return (num_codes * bits + 7) // 8
+
+
+def _group(bits: int) -> tuple[int, int]:
+    g = 8 // math.gcd(bits, 8)  # codes per group
+    return g, g * bits // 8  # (codes, bytes) per group
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes into bytes (LSB-first, see module docstring).
+
+    Args:
+        codes: integer tensor ``(..., n)`` with values in ``[0, 2**bits)``; any integer dtype.
+        bits: code width, 2..8.
+
+    Returns:
+        uint8 tensor ``(..., ceil(n*bits/8))`` on the same device.
+
+    Raises:
+        BitWidthError: bad ``bits``. DtypeError: ``codes`` is not an integer tensor.
+        ShapeError: ``codes`` is 0-d.
+    """
+    check_bits(bits)
+    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+        raise DtypeError(f"codes must be an integer tensor, got {codes.dtype}")
+    if codes.dim() == 0:
+        raise ShapeError("codes must have at least one dimension")
+    n = codes.shape[-1]
+    lead = codes.shape[:-1]
+    nbytes = (n * bits + 7) // 8
+    if bits == 8:
+        return codes.to(torch.uint8)
+    g, gb = _group(bits)
+    ngroups = -(-n // g)
+    c = codes.to(torch.int64)
+    if ngroups * g != n:
+        c = torch.nn.functional.pad(c, (0, ngroups * g - n))
+    c = c.reshape(*lead, ngroups, g)
+    shifts = torch.arange(g, device=c.device, dtype=torch.int64) * bits
+    words = (c << shifts).sum(dim=-1, keepdim=True)  # (..., ngroups, 1), < 2**56
+    byte_shifts = torch.arange(gb, device=c.device, dtype=torch.int64) * 8
+    out = ((words >> byte_shifts) & 0xFF).to(torch.uint8)  # (..., ngroups, gb)
+    return out.reshape(*lead, ngroups * gb)[..., :nbytes]
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, num_codes: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`.
+
+    Args:
+        packed: uint8 tensor ``(..., ceil(num_codes*bits/8))``.
+        bits: code width, 2..8.
+        num_codes: codes per vector (``head_dim``).
+
+    Returns:
+        int64 tensor ``(..., num_codes)`` with values in ``[0, 2**bits)``.
+
+    Raises:
+        BitWidthError, DtypeError (not uint8), ShapeError (wrong last dim).
+    """
+    check_bits(bits)
+    if packed.dtype != torch.uint8:
+        raise DtypeError(f"packed codes must be uint8, got {packed.dtype}")
+    nbytes = (num_codes * bits + 7) // 8
+    if packed.dim() == 0 or packed.shape[-1] != nbytes:
+        raise ShapeError(
+            f"packed last dim must be ceil({num_codes}*{bits}/8) = {nbytes} bytes, "
+            f"got shape {tuple(packed.shape)}"
+        )
+    lead = packed.shape[:-1]
+    if bits == 8:
+        return packed.to(torch.int64)
+    g, gb = _group(bits)
+    ngroups = -(-num_codes // g)
+    p = packed.to(torch.int64)
+    if ngroups * gb != nbytes:
+        p = torch.nn.functional.pad(p, (0, ngroups * gb - nbytes))
+    p = p.reshape(*lead, ngroups, gb)
+    byte_shifts = torch.arange(gb, device=p.device, dtype=torch.int64) * 8
+    words = (p << byte_shifts).sum(dim=-1, keepdim=True)
+    shifts = torch.arange(g, device=p.device, dtype=torch.int64) * bits
+    codes = (words >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*lead, ngroups * g)[..., :num_codes]

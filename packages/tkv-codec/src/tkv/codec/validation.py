@@ -1,0 +1,61 @@
+"""Input checks shared by the codec and the bundle: one place that turns bad input into a
+named error with a clear message (see :mod:`tkv.codec.errors`)."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import DeviceMismatchError, DtypeError, NonFiniteError, ShapeError
+
+__all__ = ["FLOAT_DTYPES", "check_channel_scales", "check_device", "check_vectors"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_device(t: torch.Tensor, device: torch.device, name: str) -> None:
+    """Raise DeviceMismatchError unless ``t`` is on ``device`` (an index-less device matches any
+    index of its type)."""
+    if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
+        raise DeviceMismatchError(f"{name} is on {t.device}, but the codec lives on {device}")
+
+
+def check_vectors(x: torch.Tensor, head_dim: int, device: torch.device, name: str,
+                  check_finite: bool) -> None:
+    """Validate a K/V/query tensor ``(..., head_dim)`` of a float dtype on ``device``.
+
+    Raises:
+        DtypeError: not a tensor of float16/bfloat16/float32/float64.
+        ShapeError: 0-d, or last dim != head_dim.
+        DeviceMismatchError: wrong device.
+        NonFiniteError: NaN or Inf present (only when ``check_finite``).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise DtypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise DtypeError(
+            f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}"
+        )
+    if x.dim() == 0 or x.shape[-1] != head_dim:
+        raise ShapeError(f"{name} must have shape (..., {head_dim}), got {tuple(x.shape)}")
+    check_device(x, device, name)
+    if check_finite and x.numel() and not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise NonFiniteError(f"{name} holds {bad} NaN/Inf value(s); K/V must be finite")
+
+
+def check_channel_scales(s, head_dim: int, name: str) -> torch.Tensor | None:
+    """Return per-channel scales as a float32 CPU tensor ``(head_dim,)``, or None.
+
+    Raises:
+        ShapeError: not ``(head_dim,)``. NonFiniteError: NaN/Inf. ValueError: a scale <= 0.
+    """
+    if s is None:
+        return None
+    t = torch.as_tensor(s).detach().to("cpu", torch.float32)
+    if t.shape != (head_dim,):
+        raise ShapeError(f"{name} must have shape ({head_dim},), got {tuple(t.shape)}")
+    if not bool(torch.isfinite(t).all()):
+        raise NonFiniteError(f"{name} must be finite")
+    if not bool((t > 0).all()):
+        raise ValueError(f"{name} must be strictly positive")
+    return t
