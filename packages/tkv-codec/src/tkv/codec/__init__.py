@@ -23,6 +23,7 @@ from .bundle import (
 )
 from .codebooks import Codebook, beta_codebook, fit_codebook, gaussian_codebook
 from .codec import SideCodec, TurboKVCodec
+from .config import TkvConfig, load_config
 from .errors import (
     BitWidthError,
     BudgetRowMissingError,
@@ -64,12 +65,14 @@ __all__ = [
     "SideCodec",
     "SlotLayout",
     "TkvBitsError",
+    "TkvConfig",
     "TkvError",
     "TurboKVCodec",
     "beta_codebook",
     "effective_bits_per_element",
     "fit_codebook",
     "gaussian_codebook",
+    "load_config",
     "normalize_tkv_bits",
     "pack_codes",
     "resolve_allocation",

@@ -43,8 +43,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-
 from .codebooks import Codebook
 from .errors import (
     BudgetRowMissingError,

@@ -138,7 +138,7 @@ def solve_gaussian_lloyd_max(bits: int, iters: int = 20000, tol: float = 1e-14) 
     return c
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gaussian_codebook(bits: int) -> Codebook:
     """The baked Lloyd-Max codebook of N(0, 1) for ``bits`` in 2..8 (cached, no solve).
 
@@ -154,7 +154,7 @@ def gaussian_codebook(bits: int) -> Codebook:
 
 
 # --------------------------------------------------------------------------- exact sphere marginal
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def beta_codebook(head_dim: int, bits: int, grid: int = 1 << 18, iters: int = 3000) -> Codebook:
     """Lloyd-Max codebook for the exact marginal of a uniformly random unit vector's coordinate.
 

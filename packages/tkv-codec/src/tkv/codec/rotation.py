@@ -50,7 +50,7 @@ def splitmix64_signs(seed: int, n: int) -> list[int]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hadamard_cpu(n: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
@@ -65,7 +65,7 @@ def hadamard_matrix(n: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
     return _hadamard_cpu(n).to(device=device, dtype=dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dct_cpu(m: int) -> torch.Tensor:
     k = torch.arange(m, dtype=torch.float64)[:, None]
     n = torch.arange(m, dtype=torch.float64)[None, :]

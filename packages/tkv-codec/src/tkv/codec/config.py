@@ -1,0 +1,99 @@
+"""Serving configuration shared by every engine adapter (vLLM, SGLang, ...).
+
+An operator configures tkv with two environment variables, read and validated ONCE at engine
+startup by :func:`load_config`:
+
+* ``TKV_BITS`` — average bits per K/V element to spend, a float in [2.0, 8.0] (default 4.0).
+* ``TKV_CALIBRATION_FILE`` — path of a calibration bundle (``tkv-calibrate`` writes one).
+  Unset: uniform K4V4, Gaussian codebooks, no channel scales, with a loud warning.
+
+Every failure is a named error raised before the engine allocates anything: missing bundle
+file (FileNotFoundError), malformed bundle (BundleSchemaError), bundle for another model
+(BundleGeometryError), no row for ``TKV_BITS`` (BudgetRowMissingError), bad ``TKV_BITS``
+(TkvBitsError). Engine code never parses these variables itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .bundle import CalibrationBundle, LayerAllocation, normalize_tkv_bits, resolve_allocation
+from .codec import TurboKVCodec
+from .layout import SlotLayout
+
+__all__ = ["ENV_BITS", "ENV_CALIBRATION_FILE", "TkvConfig", "load_config"]
+
+ENV_BITS = "TKV_BITS"
+ENV_CALIBRATION_FILE = "TKV_CALIBRATION_FILE"
+
+
+@dataclass(frozen=True)
+class TkvConfig:
+    """Validated tkv serving config for one model.
+
+    Attributes:
+        tkv_bits: canonical budget key ("4.0").
+        allocation: per-layer (k_bits, v_bits).
+        bundle: the loaded bundle, or None (uniform K4V4 default).
+        num_layers, num_kv_heads, head_dim: the served model's geometry (num_kv_heads is the
+            whole model's, before tensor-parallel sharding).
+    """
+
+    tkv_bits: str
+    allocation: LayerAllocation
+    bundle: CalibrationBundle | None
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def layer_bits(self, layer: int) -> tuple[int, int]:
+        """``(k_bits, v_bits)`` of attention layer ``layer``."""
+        return self.allocation.k_bits[layer], self.allocation.v_bits[layer]
+
+    def slot_layout(self, layer: int, block_size: int, num_kv_heads: int | None = None) -> SlotLayout:
+        """The :class:`SlotLayout` of ``layer``; ``num_kv_heads`` overrides for a TP rank's shard."""
+        kb, vb = self.layer_bits(layer)
+        return SlotLayout(self.head_dim, num_kv_heads or self.num_kv_heads, kb, vb, block_size)
+
+    def codec(self, layer: int, device: torch.device | str = "cpu", **kwargs) -> TurboKVCodec:
+        """The :class:`TurboKVCodec` of ``layer`` (bundle scales/codebooks if a bundle is set).
+        Hot paths should pass ``check_finite=False``."""
+        kb, vb = self.layer_bits(layer)
+        if self.bundle is not None:
+            return self.bundle.codec(layer, kb, vb, device, **kwargs)
+        return TurboKVCodec(self.head_dim, k_bits=kb, v_bits=vb, device=device, **kwargs)
+
+    def describe(self) -> str:
+        """One line for the engine's startup log."""
+        src = "uniform K4V4 default (no bundle)" if self.bundle is None else (
+            f"bundle {self.bundle.geometry.model or '?'} row {self.tkv_bits} ({self.allocation.source})")
+        return (f"tkv: TKV_BITS={self.tkv_bits}, {src}, "
+                f"{self.allocation.bits_per_element(self.head_dim):.3f} bits/element incl. norms")
+
+
+def load_config(num_layers: int, num_kv_heads: int, head_dim: int,
+                env: Mapping[str, str] | None = None) -> TkvConfig:
+    """Read ``TKV_BITS`` / ``TKV_CALIBRATION_FILE`` from ``env`` (default ``os.environ``) and
+    validate them against the model geometry.
+
+    Raises:
+        TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
+        BudgetRowMissingError (see module docstring).
+    """
+    env = os.environ if env is None else env
+    raw_bits = env.get(ENV_BITS) or "4.0"
+    key = normalize_tkv_bits(raw_bits)
+    path = env.get(ENV_CALIBRATION_FILE)
+    bundle = None
+    if path:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"{ENV_CALIBRATION_FILE}={path}: no such file")
+        bundle = CalibrationBundle.load(p)
+    alloc = resolve_allocation(bundle, key, num_layers, num_kv_heads, head_dim)
+    return TkvConfig(key, alloc, bundle, num_layers, num_kv_heads, head_dim)
