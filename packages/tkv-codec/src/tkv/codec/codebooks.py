@@ -67,6 +67,9 @@ class Codebook:
             raise CodebookError("codebook centroids must be finite")
         if not (c[1:] > c[:-1]).all():
             raise CodebookError("codebook centroids must be strictly increasing")
+        c = c.to(torch.float32).double()  # boundaries from the stored float32 centroids
+        if not (c[1:] > c[:-1]).all():
+            raise CodebookError("codebook centroids collapse in float32")
         object.__setattr__(self, "centroids", c.to(torch.float32))
         object.__setattr__(self, "boundaries", ((c[1:] + c[:-1]) / 2).to(torch.float32))
 

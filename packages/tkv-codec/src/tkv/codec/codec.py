@@ -123,19 +123,23 @@ class SideCodec:
 
     def decompress_rotated(self, packed: torch.Tensor, norms: torch.Tensor,
                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rotated-space reconstruction ``ŷ = n · c[idx] / sqrt(d)``: ``(..., head_dim)`` ``dtype``."""
+        """Rotated-space reconstruction ``ŷ = n · c[idx] / sqrt(d)``, ``(..., head_dim)`` in
+        ``dtype`` (computed in float64 when ``dtype`` is float64, for reference oracles)."""
         self._check_packed(packed, norms)
+        work = torch.float64 if dtype == torch.float64 else torch.float32
         codes = unpack_codes(packed, self.bits, self.head_dim)
-        y = self._scaled_centroids[codes] * norms.float().unsqueeze(-1)
+        table = self._scaled_centroids if work == torch.float32 else (
+            self.centroids.double() / math.sqrt(self.head_dim))
+        y = table[codes] * norms.to(work).unsqueeze(-1)
         return y.to(dtype)
 
     def decompress(self, packed: torch.Tensor, norms: torch.Tensor,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Original-space reconstruction ``x̂ = s ⊙ Rᵀ ŷ``: ``(..., head_dim)`` ``dtype``."""
-        y = self.decompress_rotated(packed, norms, torch.float32)
-        x = self.rotation.inverse(y)
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        x = self.rotation.inverse(self.decompress_rotated(packed, norms, work))
         if self.channel_scales is not None:
-            x = x * self.channel_scales
+            x = x * self.channel_scales.to(work)
         return x.to(dtype)
 
 

@@ -1,0 +1,131 @@
+"""Calibration bundle: round trip, corruption and mismatch refused, budget rows, env config."""
+
+import json
+
+import pytest
+import torch
+
+from tkv.codec import (
+    BudgetRowMissingError,
+    BundleGeometryError,
+    BundleSchemaError,
+    CalibrationBundle,
+    LayerAllocation,
+    LayerCalibration,
+    ModelGeometry,
+    TkvBitsError,
+    fit_codebook,
+    load_config,
+    resolve_allocation,
+)
+
+
+def make_bundle(num_layers=3, heads=2, d=64) -> CalibrationBundle:
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for i in range(num_layers):
+        cbs = {"k_bits_3": fit_codebook(torch.randn(20000, generator=g) * 1.1, 3, generator=g),
+               "v_bits_4": fit_codebook(torch.randn(20000, generator=g), 4, generator=g)}
+        layers.append(LayerCalibration(
+            tuple((torch.rand(d, generator=g) + 0.5).tolist()), None, cbs))
+    table = {"4.0": LayerAllocation.uniform(num_layers, 4, 4),
+             "3.5": LayerAllocation((3,) * num_layers, (4,) * num_layers, "smartmix")}
+    geo = ModelGeometry(num_layers, heads, d, model="tiny")
+    return CalibrationBundle(geo, tuple(layers), table,
+                             {"tool": "test", "corpus_sha256": "0" * 64}, {"kl": {"4.0": 0.01}}, 5)
+
+
+def test_round_trip(tmp_path):
+    b = make_bundle()
+    p = b.save(tmp_path / "b.json")
+    b2 = CalibrationBundle.load(p)
+    assert b2.to_dict() == b.to_dict()
+    assert b2.budgets() == ["3.5", "4.0"]
+    assert b2.allocation(3.5).k_bits == (3, 3, 3)
+    assert b2.allocation("4").source == "uniform"
+    c = b2.codec(1, 3, 4)
+    assert torch.equal(c.k.centroids, b.layers[1].codebooks["k_bits_3"].centroids)
+    assert c.seed == 5 and c.k.channel_scales is not None and c.v.channel_scales is None
+    codecs = b2.codecs("3.5")
+    assert [x.k_bits for x in codecs] == [3, 3, 3]
+
+
+def test_missing_row_lists_rows():
+    b = make_bundle()
+    with pytest.raises(BudgetRowMissingError, match=r"rows present: 3\.5, 4\.0"):
+        b.allocation(3.0)
+    with pytest.raises(TkvBitsError):
+        b.allocation(9)
+    with pytest.raises(TkvBitsError):
+        b.allocation("four")
+
+
+def test_geometry_mismatch_refused_by_name():
+    b = make_bundle()
+    with pytest.raises(BundleGeometryError, match="num_kv_heads: bundle 2, model 8"):
+        b.check_geometry(3, 8, 64)
+    with pytest.raises(BundleGeometryError, match="head_dim"):
+        resolve_allocation(b, "4.0", 3, 2, 128)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d.update(schema_version=99), "schema_version"),
+    (lambda d: d.update(format="other"), "format"),
+    (lambda d: d["geometry"].pop("head_dim"), "geometry.head_dim"),
+    (lambda d: d["layers"].pop(), "layers"),
+    (lambda d: d["byte_budget_table"]["4.0"]["k_bits"].__setitem__(0, 9), r"k_bits\[0\]"),
+    (lambda d: d["byte_budget_table"].update({"9.5": d["byte_budget_table"]["4.0"]}), "9.5"),
+    (lambda d: d["layers"][0]["codebooks"]["k_bits_3"]["centroids"].pop(), "centroids"),
+    (lambda d: d["layers"][0].update(k_channel_scales=[-1.0] * 64), "k_channel_scales"),
+    (lambda d: d["layers"][0]["codebooks"].update(q_bits_3={}), "q_bits_3"),
+])
+def test_malformed_bundles_refused(tmp_path, mutate, match):
+    d = make_bundle().to_dict()
+    d.pop("integrity")
+    mutate(d)
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(BundleSchemaError, match=match):
+        CalibrationBundle.load(p)
+
+
+def test_corruption_detected(tmp_path):
+    p = make_bundle().save(tmp_path / "b.json")
+    d = json.loads(p.read_text())
+    d["byte_budget_table"]["4.0"]["v_bits"][1] = 3  # valid schema, silently different
+    p.write_text(json.dumps(d))
+    with pytest.raises(BundleSchemaError, match="integrity"):
+        CalibrationBundle.load(p)
+    p.write_text(p.read_text()[:-40])
+    with pytest.raises(BundleSchemaError, match="not valid JSON"):
+        CalibrationBundle.load(p)
+    with pytest.raises(FileNotFoundError):
+        CalibrationBundle.load(tmp_path / "nope.json")
+
+
+def test_no_bundle_defaults_to_k4v4_loudly():
+    with pytest.warns(UserWarning, match="uniform K4V4"):
+        a = resolve_allocation(None, None, 30)
+    assert a.k_bits == (4,) * 30 and a.source == "default"
+    with pytest.raises(BudgetRowMissingError, match="needs a calibration bundle"):
+        resolve_allocation(None, "3.0", 30)
+
+
+def test_load_config_from_env(tmp_path):
+    p = make_bundle().save(tmp_path / "b.json")
+    cfg = load_config(3, 2, 64, {"TKV_BITS": "3.5", "TKV_CALIBRATION_FILE": str(p)})
+    assert cfg.layer_bits(0) == (3, 4) and cfg.allocation.source == "smartmix"
+    assert cfg.slot_layout(0, 16, num_kv_heads=1).num_kv_heads == 1
+    assert cfg.codec(2).k.codebook is not None
+    assert "3.5" in cfg.describe()
+    with pytest.raises(FileNotFoundError, match="TKV_CALIBRATION_FILE"):
+        load_config(3, 2, 64, {"TKV_CALIBRATION_FILE": str(tmp_path / "missing.json")})
+    with pytest.raises(BudgetRowMissingError):
+        load_config(3, 2, 64, {"TKV_BITS": "6.0", "TKV_CALIBRATION_FILE": str(p)})
+    with pytest.raises(BundleGeometryError):
+        load_config(30, 2, 64, {"TKV_CALIBRATION_FILE": str(p)})
+    with pytest.raises(TkvBitsError):
+        load_config(3, 2, 64, {"TKV_BITS": "1.5"})
+    with pytest.warns(UserWarning):
+        cfg = load_config(3, 2, 64, {})
+    assert cfg.bundle is None and cfg.layer_bits(1) == (4, 4)

@@ -1,0 +1,58 @@
+"""Lloyd-Max codebooks: baked tables, exact-marginal option, fitting, validation."""
+
+import pytest
+import torch
+
+from tkv.codec import Codebook, CodebookError, beta_codebook, fit_codebook, gaussian_codebook
+from tkv.codec.codebooks import solve_gaussian_lloyd_max
+
+# Lloyd-Max MSE of N(0,1) (Max 1960): the codec's distortion targets.
+LLOYD_MAX_MSE = {2: 0.1175, 3: 0.03454, 4: 0.009497, 5: 0.002499, 6: 0.000642}
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_baked_tables_match_a_fresh_solve(bits):
+    fresh = solve_gaussian_lloyd_max(bits, iters=50000, tol=1e-15)
+    assert torch.allclose(gaussian_codebook(bits).centroids.double(), fresh, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_baked_tables_are_symmetric_sorted_and_optimal(bits):
+    cb = gaussian_codebook(bits)
+    c = cb.centroids
+    assert c.numel() == 1 << bits and cb.boundaries.numel() == (1 << bits) - 1
+    assert torch.all(c[1:] > c[:-1])
+    assert torch.allclose(c, -c.flip(0))
+    if bits in LLOYD_MAX_MSE:
+        x = torch.randn(2_000_000, generator=torch.Generator().manual_seed(bits))
+        assert cb.distortion(x) == pytest.approx(LLOYD_MAX_MSE[bits], rel=0.02)
+
+
+def test_beta_codebook_converges_to_gaussian():
+    small = beta_codebook(16, 3)
+    big = beta_codebook(1024, 3)
+    g = gaussian_codebook(3).centroids
+    assert (big.centroids - g).abs().max() < 0.01
+    assert (small.centroids - g).abs().max() > (big.centroids - g).abs().max()
+
+
+def test_fit_codebook_recovers_gaussian_and_beats_it_on_skewed_data():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(400_000, generator=gen)
+    fitted = fit_codebook(x, 3, generator=gen)
+    assert (fitted.centroids - gaussian_codebook(3).centroids).abs().max() < 0.03
+    skew = torch.distributions.Laplace(0.0, 2**-0.5).sample((400_000,))
+    fl = fit_codebook(skew, 3, generator=gen)
+    assert fl.distortion(skew) < gaussian_codebook(3).distortion(skew)
+
+
+def test_codebook_validation():
+    with pytest.raises(CodebookError):
+        Codebook(torch.tensor([0.0, 1.0, 2.0]), 2)
+    with pytest.raises(CodebookError):
+        Codebook(torch.tensor([0.0, 2.0, 1.0, 3.0]), 2)
+    with pytest.raises(CodebookError):
+        Codebook(torch.tensor([0.0, 1.0, float("nan"), 3.0]), 2)
+    with pytest.raises(CodebookError):
+        Codebook.from_centroids([1.0, 2.0, 3.0])
+    assert Codebook.from_centroids([-1.0, 0.0, 1.0, 2.0]).bits == 2
