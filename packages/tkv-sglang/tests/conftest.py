@@ -1,0 +1,125 @@
+"""Fixtures: the pristine SGLang v0.5.11 source, fetched once from PyPI into ~/.cache/tkv.
+
+SGLang 0.5.11 publishes no sdist on PyPI (its last sdist is 0.5.10.post1), only a wheel,
+``sglang-0.5.11-cp311-cp311-manylinux_2_34_x86_64.whl``. The wheel is pure Python apart from
+``sglang/srt/grpc/_core.cpython-311-*.so`` (gRPC server mode), so unpacking it gives exactly
+the tree the patch series targets: the installed layout, ``sglang/`` next to
+``sglang-0.5.11.dist-info/``. Only the files the series touches are extracted (plus the
+version markers), which keeps the cache small and the fixture fast.
+
+The wheel is fetched with ``pip download`` when a pip is on hand (honours the user's pip
+configuration), else straight from the PyPI JSON API with its published sha256 checked.
+Tests skip, naming the reason, only when PyPI cannot be reached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tkv.sglang.patching import SGLANG_VERSION, series_patches
+
+WHEEL = f"sglang-{SGLANG_VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
+CACHE = Path(os.environ.get("TKV_CACHE_DIR", Path.home() / ".cache" / "tkv")) / f"sglang-{SGLANG_VERSION}"
+
+
+class PyPIUnreachable(Exception):
+    pass
+
+
+def _download_with_pip(dest: Path) -> bool:
+    pips = [[sys.executable, "-m", "pip"]] if _has_pip_module() else []
+    if shutil.which("pip"):
+        pips.append([shutil.which("pip")])
+    for pip in pips:
+        r = subprocess.run([*pip, "download", "--no-deps", "--only-binary", ":all:",
+                            "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64",
+                            "-d", str(dest), f"sglang=={SGLANG_VERSION}"],
+                           capture_output=True, text=True, timeout=600, check=False)
+        if r.returncode == 0 and (dest / WHEEL).is_file():
+            return True
+    return False
+
+
+def _has_pip_module() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("pip") is not None
+
+
+def _download_from_json_api(dest: Path) -> None:
+    url = f"https://pypi.org/pypi/sglang/{SGLANG_VERSION}/json"
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            meta = json.load(r)
+        entry = next(u for u in meta["urls"] if u["filename"] == WHEEL)
+        with urllib.request.urlopen(entry["url"], timeout=600) as r:
+            data = r.read()
+    except (urllib.error.URLError, OSError, TimeoutError) as e:
+        raise PyPIUnreachable(f"PyPI unreachable ({url}): {e}") from e
+    if hashlib.sha256(data).hexdigest() != entry["digests"]["sha256"]:
+        raise RuntimeError(f"{WHEEL}: sha256 mismatch with PyPI's published digest")
+    (dest / WHEEL).write_bytes(data)
+
+
+def _needed_members(names: list[str]) -> list[str]:
+    touched = set()
+    for p in series_patches():
+        touched |= set(re.findall(r"^diff --git a/(\S+) b/", p.read_text(), re.M))
+    keep = []
+    for n in names:
+        if n in touched or n == "sglang/_version.py" or n.endswith(".dist-info/METADATA"):
+            keep.append(n)
+    return keep
+
+
+def pristine_tree() -> Path:
+    """The extracted pristine tree (cached); raises PyPIUnreachable."""
+    tree = CACHE / "tree"
+    stamp = CACHE / "tree.stamp"
+    want = "\n".join(sorted(p.name + ":" + hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+                            for p in series_patches()))
+    if stamp.is_file() and stamp.read_text() == want and tree.is_dir():
+        return tree
+    CACHE.mkdir(parents=True, exist_ok=True)
+    if not (CACHE / WHEEL).is_file() and not _download_with_pip(CACHE):
+        _download_from_json_api(CACHE)
+    tmp = CACHE / "tree.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(CACHE / WHEEL) as z:
+        members = _needed_members(z.namelist())
+        for m in members:
+            z.extract(m, tmp)
+    (tmp / "sglang" / "srt").mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tree, ignore_errors=True)
+    tmp.rename(tree)
+    stamp.write_text(want)
+    return tree
+
+
+@pytest.fixture(scope="session")
+def sglang_source() -> Path:
+    """Read-only pristine SGLang v0.5.11 tree (the files the series touches)."""
+    try:
+        return pristine_tree()
+    except PyPIUnreachable as e:
+        pytest.skip(f"cannot fetch sglang=={SGLANG_VERSION} from PyPI: {e}")
+
+
+@pytest.fixture
+def sglang_copy(sglang_source: Path, tmp_path: Path) -> Path:
+    """A writable copy of the pristine tree."""
+    dst = tmp_path / "site-packages"
+    shutil.copytree(sglang_source, dst)
+    return dst
