@@ -1,0 +1,79 @@
+"""Shared fixtures: the vLLM v0.20.1 sdist from PyPI, cached under ~/.cache/tkv."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tarfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tkv.vllm import patching
+
+SDIST = f"vllm-{patching.VLLM_VERSION}.tar.gz"
+SIMPLE_INDEX = "https://pypi.org/simple/vllm/"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TKV_CACHE_DIR", Path.home() / ".cache" / "tkv"))
+
+
+def _download_sdist(dest: Path) -> None:
+    """Find the sdist on PyPI's simple index, download it and verify its sha256."""
+    with urllib.request.urlopen(SIMPLE_INDEX, timeout=30) as r:
+        page = r.read().decode()
+    m = re.search(r'href="([^"]*/' + re.escape(SDIST) + r')#sha256=([0-9a-f]{64})"', page)
+    if m is None:
+        raise RuntimeError(f"{SDIST} not listed on {SIMPLE_INDEX}")
+    url, sha = m.group(1), m.group(2)
+    tmp = dest.with_suffix(".part")
+    with urllib.request.urlopen(url, timeout=300) as r, tmp.open("wb") as f:
+        shutil.copyfileobj(r, f)
+    got = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    if got != sha:
+        tmp.unlink()
+        raise RuntimeError(f"{SDIST}: sha256 {got} != PyPI's {sha}")
+    tmp.replace(dest)
+
+
+@pytest.fixture(scope="session")
+def vllm_sdist_tree() -> Path:
+    """Root of the unpacked (pristine, read-only by convention) vLLM v0.20.1 sdist.
+
+    Downloaded once from PyPI into ~/.cache/tkv (or $TKV_CACHE_DIR); skips only when
+    PyPI cannot be reached and no cached copy exists.
+    """
+    cache = _cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    tarball = cache / SDIST
+    root = cache / "src" / f"vllm-{patching.VLLM_VERSION}"
+    if not tarball.is_file():
+        try:
+            _download_sdist(tarball)
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            pytest.skip(f"PyPI unreachable, cannot fetch {SDIST}: {e}")
+    if not (root / "vllm" / "_version.py").is_file():
+        with tarfile.open(tarball) as t:
+            t.extractall(cache / "src", filter="data")
+    return root
+
+
+def touched_files() -> list[str]:
+    """Paths (relative to the tree root) the series modifies."""
+    return sorted({fp.path for pf in patching.load_series() for fp in pf.files})
+
+
+@pytest.fixture
+def vllm_tree_copy(vllm_sdist_tree: Path, tmp_path: Path) -> Path:
+    """A scratch copy of the files the series touches (plus vllm/_version.py)."""
+    root = tmp_path / "vllm-tree"
+    for rel in [*touched_files(), "vllm/_version.py"]:
+        dst = root / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(vllm_sdist_tree / rel, dst)
+    return root
