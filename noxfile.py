@@ -1,0 +1,118 @@
+"""nox sessions: build and test each package and engine combination.
+
+``uv run --frozen nox`` (the README's test command, also ``.ci/run``) runs the default
+sessions: ``lint``, ``codec`` and ``tests``. Every venv installs pinned versions exported from
+``uv.lock`` (torch==2.11.0), so CI tests exactly what the lock says.
+
+* ``lint``     — ruff over the whole tree.
+* ``codec``    — a fresh venv with ONLY tkv-codec, its torch dependency and the test tools:
+                 proves the codec installs and works alone (e.g. beside FlashInfer).
+* ``tests``    — every package's CPU tests in the workspace env (Triton kernels under
+                 TRITON_INTERPRET=1, GPU tests skip). ``slow`` tests excluded; ``nox -s tests --
+                 -m slow`` runs them.
+* ``kernels``, ``calibrate`` — one package's tests in a venv of its own.
+* ``vllm``, ``sglang`` — the engine adapters with the pinned engine installed (large downloads;
+                 not in the default run).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "codec", "tests"]
+nox.options.error_on_external_run = True
+
+PYTHON = "3.11"
+VLLM_VERSION = "0.20.1"
+SGLANG_VERSION = "0.5.11"
+
+
+def _install_locked(session: nox.Session, *export_args: str) -> None:
+    """Install the pinned requirement set ``uv export --frozen <export_args>`` into the venv."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        req = f.name
+    try:
+        session.run("uv", "export", "--frozen", "--no-hashes", "--no-emit-project",
+                    "--output-file", req, *export_args, external=True, silent=True)
+        session.install("-r", req)
+    finally:
+        os.unlink(req)
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    args = session.posargs or ["-m", "not slow"]
+    session.run("python", "-m", "pytest", *paths, *args)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check over the tree (pinned by uv.lock's lint group)."""
+    _install_locked(session, "--only-group", "lint")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON)
+def codec(session: nox.Session) -> None:
+    """tkv-codec alone: torch + the codec + test tools, nothing else."""
+    _install_locked(session, "--package", "tkv-codec", "--no-dev")
+    _install_locked(session, "--only-group", "test")
+    session.install("--no-deps", "./packages/tkv-codec")
+    # Prove the isolation: no other tkv distribution, no transformers/vllm in this venv.
+    session.run("python", "-c",
+                "import importlib.util as u, sys; "
+                "bad=[m for m in ('tkv.kernels','tkv.calibrate','transformers','vllm') "
+                "if u.find_spec(m.split('.')[0]) and (m.startswith('tkv.') and u.find_spec(m) or "
+                "not m.startswith('tkv.'))]; "
+                "sys.exit(f'codec venv is not isolated: {bad}') if bad else print('isolated: ok')")
+    _pytest(session, "packages/tkv-codec/tests")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """All CPU tests of every package, in the locked workspace environment."""
+    session.run_install("uv", "sync", "--frozen", "--all-packages", "--group", "test",
+                        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+                        external=True)
+    _pytest(session)
+
+
+@nox.session(python=PYTHON)
+def kernels(session: nox.Session) -> None:
+    """tkv-kernels (Triton kernels under TRITON_INTERPRET=1 on CPU; GPU tests skip)."""
+    _install_locked(session, "--package", "tkv-kernels", "--no-dev")
+    _install_locked(session, "--only-group", "test")
+    session.install("--no-deps", "./packages/tkv-codec", "./packages/tkv-kernels")
+    _pytest(session, "packages/tkv-kernels/tests")
+
+
+@nox.session(python=PYTHON)
+def calibrate(session: nox.Session) -> None:
+    """tkv-calibrate."""
+    _install_locked(session, "--package", "tkv-calibrate", "--no-dev")
+    _install_locked(session, "--only-group", "test")
+    session.install("--no-deps", "./packages/tkv-codec", "./packages/tkv-calibrate")
+    _pytest(session, "packages/tkv-calibrate/tests")
+
+
+@nox.session(python=PYTHON)
+def vllm(session: nox.Session) -> None:
+    """tkv-vllm against the pinned vLLM (downloads vLLM and its dependencies)."""
+    session.install(f"vllm=={VLLM_VERSION}", "torch==2.11.0")
+    _install_locked(session, "--only-group", "test")
+    session.install("--no-deps", "./packages/tkv-codec", "./packages/tkv-kernels",
+                    "./packages/tkv-vllm")
+    _pytest(session, "packages/tkv-vllm/tests")
+
+
+@nox.session(python=PYTHON)
+def sglang(session: nox.Session) -> None:
+    """tkv-sglang against the pinned SGLang (downloads SGLang and its dependencies)."""
+    session.install(f"sglang=={SGLANG_VERSION}", "torch==2.11.0")
+    _install_locked(session, "--only-group", "test")
+    session.install("--no-deps", "./packages/tkv-codec", "./packages/tkv-kernels",
+                    "./packages/tkv-sglang")
+    _pytest(session, "packages/tkv-sglang/tests")
