@@ -23,7 +23,7 @@ from tkv.codec import (
 def make_bundle(num_layers=3, heads=2, d=64) -> CalibrationBundle:
     g = torch.Generator().manual_seed(0)
     layers = []
-    for i in range(num_layers):
+    for _i in range(num_layers):
         cbs = {"k_bits_3": fit_codebook(torch.randn(20000, generator=g) * 1.1, 3, generator=g),
                "v_bits_4": fit_codebook(torch.randn(20000, generator=g), 4, generator=g)}
         layers.append(LayerCalibration(

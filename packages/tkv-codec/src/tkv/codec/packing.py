@@ -77,13 +77,20 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes.to(torch.uint8)
     g, gb = _group(bits)
     ngroups = -(-n // g)
-    c = codes.to(torch.int64)
+    # Word type: the g*bits bits of a group fit int32 for widths 2, 3, 4, 6 (<= 24 bits).
+    wt = torch.int32 if g * bits <= 31 else torch.int64
+    c = codes.to(wt)
     if ngroups * g != n:
         c = torch.nn.functional.pad(c, (0, ngroups * g - n))
     c = c.reshape(*lead, ngroups, g)
-    shifts = torch.arange(g, device=c.device, dtype=torch.int64) * bits
-    words = (c << shifts).sum(dim=-1, keepdim=True)  # (..., ngroups, 1), < 2**56
-    byte_shifts = torch.arange(gb, device=c.device, dtype=torch.int64) * 8
+    if gb == 1:  # widths 2 and 4: one byte per group, OR the shifted codes directly
+        out = c[..., 0].clone()
+        for i in range(1, g):
+            out |= c[..., i] << (i * bits)
+        return out.to(torch.uint8).reshape(*lead, ngroups)[..., :nbytes]
+    shifts = torch.arange(g, device=c.device, dtype=wt) * bits
+    words = (c << shifts).sum(dim=-1, keepdim=True, dtype=wt)  # (..., ngroups, 1)
+    byte_shifts = torch.arange(gb, device=c.device, dtype=wt) * 8
     out = ((words >> byte_shifts) & 0xFF).to(torch.uint8)  # (..., ngroups, gb)
     return out.reshape(*lead, ngroups * gb)[..., :nbytes]
 
@@ -116,12 +123,19 @@ def unpack_codes(packed: torch.Tensor, bits: int, num_codes: int) -> torch.Tenso
         return packed.to(torch.int64)
     g, gb = _group(bits)
     ngroups = -(-num_codes // g)
-    p = packed.to(torch.int64)
+    mask = (1 << bits) - 1
+    if gb == 1:  # widths 2 and 4
+        p = packed.to(torch.int32).unsqueeze(-1)
+        shifts = torch.arange(g, device=p.device, dtype=torch.int32) * bits
+        codes = (p >> shifts) & mask
+        return codes.reshape(*lead, nbytes * g)[..., :num_codes].to(torch.int64)
+    wt = torch.int32 if g * bits <= 31 else torch.int64
+    p = packed.to(wt)
     if ngroups * gb != nbytes:
         p = torch.nn.functional.pad(p, (0, ngroups * gb - nbytes))
     p = p.reshape(*lead, ngroups, gb)
-    byte_shifts = torch.arange(gb, device=p.device, dtype=torch.int64) * 8
-    words = (p << byte_shifts).sum(dim=-1, keepdim=True)
-    shifts = torch.arange(g, device=p.device, dtype=torch.int64) * bits
-    codes = (words >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*lead, ngroups * g)[..., :num_codes]
+    byte_shifts = torch.arange(gb, device=p.device, dtype=wt) * 8
+    words = (p << byte_shifts).sum(dim=-1, keepdim=True, dtype=wt)
+    shifts = torch.arange(g, device=p.device, dtype=wt) * bits
+    codes = (words >> shifts) & mask
+    return codes.reshape(*lead, ngroups * g)[..., :num_codes].to(torch.int64)
