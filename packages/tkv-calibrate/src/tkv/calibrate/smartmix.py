@@ -1,0 +1,137 @@
+"""Step 4: SmartMix — per-layer ``(k_bits, v_bits)`` minimizing predicted drift under a budget.
+
+Budget semantics: ``TKV_BITS = β`` buys the memory of a uniform cache whose K and V codes
+average β bits per element, norms included — e.g. β = 4.0 is the bytes of uniform K4V4 (68 B
+per token per KV head at head_dim 64), β = 2.5 the bytes of K2V3. The byte cap is
+interpolated between the uniform ⌊β⌋ and ⌈β⌉ caches, both priced by
+:class:`tkv.codec.ModelLayout` / :class:`tkv.codec.SlotLayout` (codes + bf16 norms, block 16),
+and every candidate allocation is priced by the same layout — so the budget the user asks for
+is the memory they get.
+
+Solver: the predicted drift is additive over layers and sides (first-order independence of
+small perturbations), so the problem is a multiple-choice knapsack; it is solved exactly by
+dynamic programming over the layout's integer bytes per token (49 width pairs per layer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import reduce
+
+import torch
+
+from tkv.codec import LayerAllocation, ModelGeometry, ModelLayout, SlotLayout
+from tkv.codec.errors import TkvBitsError
+
+from .quantizers import PRICE_BLOCK_SIZE
+
+__all__ = [
+    "DEFAULT_BUDGETS",
+    "MixPlan",
+    "allocation_bytes",
+    "budget_cap_bytes",
+    "check_budget",
+    "solve_mix",
+    "uniform_candidates",
+]
+
+DEFAULT_BUDGETS = (2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 8.0)
+WIDTHS = tuple(range(2, 9))
+
+
+def check_budget(b: float) -> float:
+    """A budget in bits per element; raises TkvBitsError outside [2.0, 8.0]."""
+    try:
+        v = float(b)
+    except (TypeError, ValueError):
+        raise TkvBitsError(f"budget must be a number in [2.0, 8.0], got {b!r}") from None
+    if not math.isfinite(v) or not 2.0 <= v <= 8.0:
+        raise TkvBitsError(f"budget {b!r} is outside [2.0, 8.0] bits per element")
+    return v
+
+
+def _uniform_bytes(geo: ModelGeometry, kb: int, vb: int) -> float:
+    return ModelLayout.uniform(geo.num_layers, geo.head_dim, geo.num_kv_heads, kb, vb,
+                               PRICE_BLOCK_SIZE).bytes_per_token
+
+
+def budget_cap_bytes(geo: ModelGeometry, budget: float) -> float:
+    """Cache bytes per token (all layers, K+V, norms) that ``budget`` buys (module docstring)."""
+    b = check_budget(budget)
+    lo, hi = math.floor(b), math.ceil(b)
+    t = b - lo
+    return (1 - t) * _uniform_bytes(geo, lo, lo) + t * _uniform_bytes(geo, hi, hi)
+
+
+def allocation_bytes(geo: ModelGeometry, alloc: LayerAllocation) -> float:
+    """Cache bytes per token of a per-layer allocation, priced by ModelLayout."""
+    return ModelLayout.from_allocation(geo.head_dim, geo.num_kv_heads, alloc.k_bits, alloc.v_bits,
+                                       PRICE_BLOCK_SIZE).bytes_per_token
+
+
+def uniform_candidates(geo: ModelGeometry, cap: float) -> list[tuple[int, int]]:
+    """Every uniform ``(k_bits, v_bits)`` whose bytes fit ``cap``."""
+    return [(kb, vb) for kb in WIDTHS for vb in WIDTHS if _uniform_bytes(geo, kb, vb) <= cap + 1e-9]
+
+
+@dataclass(frozen=True)
+class MixPlan:
+    """A solved allocation: widths, predicted drift (sum of per-layer KL), bytes per token."""
+
+    allocation: LayerAllocation
+    predicted_kl: float
+    bytes_per_token: float
+
+
+def predicted_drift(pred: dict[str, torch.Tensor], k_bits, v_bits) -> float:
+    """Sum of per-layer predicted KL for widths (``pred[side]`` is ``(L, 7)`` over 2..8)."""
+    return float(sum(pred["k"][i, kb - 2] + pred["v"][i, vb - 2]
+                     for i, (kb, vb) in enumerate(zip(k_bits, v_bits, strict=True))))
+
+
+def solve_mix(pred: dict[str, torch.Tensor], geo: ModelGeometry, cap: float,
+              widths=WIDTHS) -> MixPlan:
+    """Exact multiple-choice knapsack: minimize Σ pred_k[l, kb] + pred_v[l, vb] subject to the
+    layout-priced bytes per token ≤ ``cap``.
+
+    Args:
+        pred: ``{"k": (L, 7), "v": (L, 7)}`` predicted KL per layer for widths 2..8.
+
+    Raises:
+        TkvBitsError: no allocation fits ``cap``.
+    """
+    n = geo.num_layers
+    opts = [(kb, vb, int(round(SlotLayout(geo.head_dim, geo.num_kv_heads, kb, vb,
+                                          PRICE_BLOCK_SIZE).bytes_per_token)))
+            for kb in widths for vb in widths]
+    g = reduce(math.gcd, [c for _, _, c in opts])
+    units = int(math.floor(cap / g + 1e-9))
+    inf = float("inf")
+    dp = torch.full((units + 1,), inf, dtype=torch.float64)
+    dp[0] = 0.0
+    choice = torch.full((n, units + 1), -1, dtype=torch.long)
+    for layer in range(n):
+        new = torch.full_like(dp, inf)
+        for j, (kb, vb, c) in enumerate(opts):
+            cu = c // g
+            if cu > units:
+                continue
+            cand = dp[: units + 1 - cu] + float(pred["k"][layer, kb - 2] + pred["v"][layer, vb - 2])
+            better = cand < new[cu:]
+            new[cu:] = torch.where(better, cand, new[cu:])
+            choice[layer, cu:] = torch.where(better, torch.full_like(cand, j, dtype=torch.long),
+                                             choice[layer, cu:])
+        dp = new
+    if not torch.isfinite(dp).any():
+        raise TkvBitsError(f"no allocation fits {cap:g} bytes per token")
+    u = int(torch.argmin(dp))
+    best = float(dp[u])
+    ks, vs = [0] * n, [0] * n
+    for layer in range(n - 1, -1, -1):
+        j = int(choice[layer, u])
+        kb, vb, c = opts[j]
+        ks[layer], vs[layer] = kb, vb
+        u -= c // g
+    alloc = LayerAllocation(tuple(ks), tuple(vs), "smartmix")
+    return MixPlan(alloc, best, allocation_bytes(geo, alloc))
