@@ -1,0 +1,65 @@
+"""Small shared helpers for the kernel wrappers: validation with named errors, sizes."""
+
+from __future__ import annotations
+
+import torch
+
+from tkv.codec.errors import DeviceMismatchError, DtypeError, ShapeError
+
+__all__ = ["check_dtype", "check_int_tensor", "check_same_device", "check_tensor", "next_pow2"]
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two ≥ ``n`` (≥ 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def check_tensor(x, name: str, ndim: int | None = None) -> torch.Tensor:
+    """Raise DtypeError unless ``x`` is a tensor; ShapeError unless it has ``ndim`` dims."""
+    if not isinstance(x, torch.Tensor):
+        raise DtypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        raise ShapeError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_dtype(x: torch.Tensor, name: str, dtypes) -> None:
+    """Raise DtypeError unless ``x.dtype`` is one of ``dtypes``."""
+    if x.dtype not in tuple(dtypes):
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise DtypeError(f"{name} must be {names}, got {str(x.dtype).replace('torch.', '')}")
+
+
+def check_int_tensor(x, name: str, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+    """An index tensor of exactly ``dtype`` and ``ndim`` dims (engine metadata)."""
+    check_tensor(x, name, ndim)
+    check_dtype(x, name, (dtype,))
+    return x
+
+
+def check_same_device(device: torch.device, **tensors) -> None:
+    """Raise DeviceMismatchError unless every tensor lives on ``device``."""
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise DeviceMismatchError(f"{name} is on {t.device}, expected {device}")
+
+
+def check_last_dim_contiguous(x: torch.Tensor, name: str) -> None:
+    """Kernels read the head_dim axis with unit stride."""
+    if x.stride(-1) != 1:
+        raise ShapeError(f"{name} must have unit stride on its last dim, got strides {x.stride()}")
+
+
+def interpreting() -> bool:
+    """True under the Triton CPU interpreter (``TRITON_INTERPRET=1``)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+
+
+def dot_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Tensor-core operand dtype for a query dtype: the query's own fp16/bf16 on a GPU;
+    float32 under the interpreter (its ``tl.dot`` multiplies bf16 bit patterns as integers)."""
+    if interpreting():
+        return torch.float32
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16

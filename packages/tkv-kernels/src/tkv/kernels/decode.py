@@ -1,0 +1,238 @@
+"""Split-K paged decode with inline dequant (one query token per sequence)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tkv.codec.errors import ShapeError
+
+from ._util import (
+    check_dtype,
+    check_int_tensor,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_tensor,
+    dot_dtype_for,
+    next_pow2,
+)
+from .loaders import Loader
+from .workspace import Workspace
+
+__all__ = ["decode"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+        Q, sq_s, sq_h, block_table, s_bt, seq_lens, max_blocks, num_blocks,
+        k_base, k_aux, k_table, k_sb, k_sh, k_st,
+        v_base, v_aux, v_table, v_sb, v_sh, v_st,
+        part_o, part_lse, scale_log2, window,
+        LOAD_K: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr, KP2: tl.constexpr,
+        KP3: tl.constexpr, LOAD_V: tl.constexpr, VP0: tl.constexpr, VP1: tl.constexpr,
+        VP2: tl.constexpr, VP3: tl.constexpr,
+        G: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        DOT_DTYPE: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < G
+    qh = kvh * G + offs_h
+    offs_d = tl.arange(0, D_PAD)
+    dmask = offs_d < HEAD_DIM
+    L = tl.load(seq_lens + seq)
+    start = 0
+    if window > 0:
+        start = tl.maximum(L - window, 0)
+    t0 = start // BLOCK_N
+    t1 = tl.cdiv(L, BLOCK_N)
+    per = tl.cdiv(t1 - t0, NUM_SPLITS)
+    my0 = t0 + split * per
+    my1 = tl.minimum(my0 + per, t1)
+    q = tl.load(Q + seq.to(tl.int64) * sq_s + qh[:, None] * sq_h + offs_d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0).to(DOT_DTYPE)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    cap = max_blocks * BLOCK_SIZE
+    for t in range(my0, my1):
+        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = (pos < L) & (pos >= start) & (pos < cap)
+        blk = tl.load(block_table + seq.to(tl.int64) * s_bt + pos // BLOCK_SIZE, mask=mask_n,
+                      other=0)
+        mask_n = mask_n & (blk >= 0) & (blk < num_blocks)
+        blk = tl.where(mask_n, blk, 0)
+        off = pos % BLOCK_SIZE
+        k, ks = LOAD_K(k_base, k_aux, k_table, blk, off, mask_n, kvh, offs_d, dmask,
+                       k_sb, k_sh, k_st, KP0, KP1, KP2, KP3, DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k)) * (ks * scale_log2)[None, :]
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v, vs = LOAD_V(v_base, v_aux, v_table, blk, off, mask_n, kvh, offs_d, dmask,
+                       v_sb, v_sh, v_st, VP0, VP1, VP2, VP3, DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(DOT_DTYPE), v)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    row = (seq.to(tl.int64) * (G * tl.num_programs(1)) + qh) * NUM_SPLITS + split
+    tl.store(part_o + row[:, None] * D_PAD + offs_d[None, :], o, mask=hmask[:, None])
+    tl.store(part_lse + row, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U,
+                          G: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          UNROTATE: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < G
+    qh = kvh * G + offs_h
+    offs_d = tl.arange(0, D_PAD)
+    base = (seq.to(tl.int64) * (G * tl.num_programs(1)) + qh) * NUM_SPLITS
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(part_lse + base + s, mask=hmask, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(part_lse + base + s, mask=hmask, other=float("-inf")) - m_safe)
+        o = tl.load(part_o + (base + s)[:, None] * D_PAD + offs_d[None, :],
+                    mask=hmask[:, None], other=0.0)
+        acc += w[:, None] * o
+        den += w
+    acc = acc / tl.where(den > 0, den, 1.0)[:, None]
+    if UNROTATE:
+        u = tl.load(U + offs_d[:, None] * D_PAD + offs_d[None, :])
+        acc = tl.dot(acc, u, input_precision="tf32x3")
+    tl.store(Out + seq.to(tl.int64) * so_s + qh[:, None] * so_h + offs_d[None, :],
+             acc.to(Out.dtype.element_ty), mask=hmask[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor,
+           loader: Loader, workspace: Workspace, *, out: torch.Tensor | None = None,
+           sm_scale: float | None = None, window: int = 0, query_rotated: bool = False,
+           output_rotated: bool = False, num_splits: int | None = None,
+           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2
+           ) -> torch.Tensor:
+    """Paged decode attention, one query token per sequence, reading the cache through
+    ``loader`` with inline dequant (split-K over the sequence, LSE merge of the splits).
+
+    GQA: the ``num_q_heads / num_kv_heads`` query heads sharing a KV head are the M dimension
+    of the tensor-core dots, so each cache byte is read once per KV head. Scores use the
+    per-token ``row_scale`` (tkv: the norm) once per token; so does P (for V).
+    CUDA-graph safe: no host sync; grid = ``(num_seqs, num_kv_heads, splits)`` where splits
+    depends only on ``num_seqs`` (:meth:`Workspace.splits_for`); scratch from ``workspace``.
+
+    Args:
+        query: ``(num_seqs, num_q_heads, head_dim)`` float16/bfloat16 in model space (or, with
+            ``query_rotated=True`` and a rotated loader, already ``loader.q_in``-rotated, any
+            float dtype). Unit stride on head_dim.
+        cache: the layer's cache in the loader's format (tkv: uint8 ``(num_blocks,
+            page_bytes)``; bypass/fp8: ``(k_cache, v_cache)``).
+        block_table: int32 ``(num_seqs, max_blocks_per_seq)``; entries past a sequence's last
+            block are never read.
+        seq_lens: int32 ``(num_seqs,)`` tokens in the cache per sequence (the new token
+            included); 0 gives a zero output.
+        loader: :class:`TkvLoader`, :class:`BypassLoader`, :class:`Fp8Loader` or any Loader.
+        workspace: the shared :class:`Workspace`.
+        out: optional ``(num_seqs, num_q_heads, head_dim)`` output (query dtype by default).
+        sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
+        window: sliding window in tokens (attend to the last ``window`` tokens; 0 = full).
+        query_rotated: the query is already in the loader's rotated space.
+        output_rotated: leave the output in rotated space (fold ``loader.out_mat`` into
+            o_proj) instead of unrotating it.
+        num_splits: override the split-K count (power of two ≤ workspace.max_splits).
+
+    Returns:
+        ``out``. Raises DtypeError / ShapeError / DeviceMismatchError /
+        WorkspaceTooSmallError on malformed inputs (host-side checks only).
+    """
+    check_tensor(query, "query", 3)
+    ns, hq, d = query.shape
+    hkv = loader.num_kv_heads
+    if d != loader.head_dim:
+        raise ShapeError(f"query head_dim {d} ≠ loader head_dim {loader.head_dim}")
+    if hq % hkv:
+        raise ShapeError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    if query_rotated and loader.rotated:
+        check_dtype(query, "query", (torch.float16, torch.bfloat16, torch.float32))
+    else:
+        check_dtype(query, "query", (torch.float16, torch.bfloat16))
+    check_last_dim_contiguous(query, "query")
+    num_blocks = loader.check_cache(cache)
+    check_int_tensor(block_table, "block_table", torch.int32, 2)
+    check_int_tensor(seq_lens, "seq_lens", torch.int32, 1)
+    if block_table.shape[0] != ns or seq_lens.shape[0] != ns:
+        raise ShapeError(f"block_table {tuple(block_table.shape)} / seq_lens "
+                         f"{tuple(seq_lens.shape)} do not match num_seqs={ns}")
+    if block_table.stride(1) != 1:
+        raise ShapeError("block_table must have unit stride on its last dim")
+    dev = query.device
+    kargs = loader.side_args(cache, "k")
+    vargs = loader.side_args(cache, "v")
+    check_same_device(dev, block_table=block_table, seq_lens=seq_lens, cache_k=kargs[0],
+                      cache_v=vargs[0], workspace=workspace._part_lse)
+    if window is None:
+        window = 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ShapeError(f"window must be an int ≥ 0 (0 = full attention), got {window!r}")
+    dot_dtype = dot_dtype_for(query.dtype)
+    if out is None:
+        out_dtype = query.dtype if query.dtype != torch.float32 else torch.bfloat16
+        out = torch.empty(ns, hq, d, dtype=out_dtype, device=dev)
+    else:
+        check_tensor(out, "out", 3)
+        if tuple(out.shape) != (ns, hq, d):
+            raise ShapeError(f"out must be {(ns, hq, d)}, got {tuple(out.shape)}")
+        check_dtype(out, "out", (torch.float16, torch.bfloat16, torch.float32))
+        check_last_dim_contiguous(out, "out")
+        check_same_device(dev, out=out)
+    if ns == 0:
+        return out
+    d_pad = max(16, next_pow2(d))
+    g = hq // hkv
+    block_h = max(16, next_pow2(g))
+    splits = workspace.splits_for(ns, hkv) if num_splits is None else int(num_splits)
+    if splits < 1 or splits & (splits - 1) or splits > workspace.max_splits:
+        raise ShapeError(f"num_splits must be a power of two in [1, {workspace.max_splits}]")
+    part_o, part_lse = workspace.partials(ns, hq, splits, d_pad)
+    q = query
+    if loader.rotated and not query_rotated:
+        q = workspace.rotated_queries(ns, hq, d)
+        torch.matmul(query.float(), loader.q_in[:d, :d], out=q)
+    if block_n is None:
+        block_n = 64 if d <= 128 else 32
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    _decode_split_kernel[(ns, hkv, splits)](
+        q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
+        block_table.shape[1], num_blocks, *kargs[:6], *vargs[:6], part_o, part_lse,
+        scale * _LOG2E, window,
+        LOAD_K=loader.tile, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8], KP3=kargs[9],
+        LOAD_V=loader.tile, VP0=vargs[6], VP1=vargs[7], VP2=vargs[8], VP3=vargs[9],
+        G=g, BLOCK_H=block_h, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=loader.block_size,
+        BLOCK_N=block_n, NUM_SPLITS=splits, DOT_DTYPE=_TL[dot_dtype],
+        num_warps=num_warps, num_stages=num_stages)
+    unrotate = bool(loader.rotated and not output_rotated)
+    u = loader.out_mat if unrotate else part_lse
+    _decode_reduce_kernel[(ns, hkv)](
+        part_o, part_lse, out, out.stride(0), out.stride(1), u,
+        G=g, BLOCK_H=block_h, HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=splits, UNROTATE=unrotate,
+        num_warps=4)
+    return out

@@ -1,0 +1,243 @@
+"""Varlen causal chunked prefill: prefix from the paged cache (inline dequant through the
+loader) + the current chunk from the uncompressed new K/V, flash-attention tiling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tkv.codec.errors import ShapeError
+
+from ._util import (
+    check_dtype,
+    check_int_tensor,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_tensor,
+    dot_dtype_for,
+    next_pow2,
+)
+from .loaders import Loader
+
+__all__ = ["prefill"]
+
+_LOG2E = 1.4426950408889634
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _online_update(s, m_i, l_i, acc):
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    return p, m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+        Q, sq_t, sq_h, KN, sk_t, sk_h, VN, sv_t, sv_h, Out, so_t, so_h,
+        cu_q, seq_lens, block_table, s_bt, max_blocks, num_blocks,
+        k_base, k_aux, k_table, k_sb, k_sh, k_st,
+        v_base, v_aux, v_table, v_sb, v_sh, v_st,
+        QM, UM, scale_log2, window,
+        LOAD_K: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr, KP2: tl.constexpr,
+        KP3: tl.constexpr, LOAD_V: tl.constexpr, VP0: tl.constexpr, VP1: tl.constexpr,
+        VP2: tl.constexpr, VP3: tl.constexpr, ROTATED: tl.constexpr,
+        G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_MT: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q0 = tl.load(cu_q + seq)
+    q_len = tl.load(cu_q + seq + 1) - q0
+    if tile * BLOCK_MT >= q_len:
+        return
+    L = tl.load(seq_lens + seq)
+    prefix = L - q_len
+    BLOCK_M: tl.constexpr = BLOCK_MT * G_PAD
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile * BLOCK_MT + rows // G_PAD          # chunk-relative query index
+    hh = rows % G_PAD
+    rmask = (tok < q_len) & (hh < G)
+    qh = kvh * G + hh
+    offs_d = tl.arange(0, D_PAD)
+    dmask = offs_d < HEAD_DIM
+    q = tl.load(Q + (q0 + tok).to(tl.int64)[:, None] * sq_t + qh[:, None] * sq_h
+                + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    qpos = prefix + tok                            # absolute position of each query row
+    tile_lo = prefix + tile * BLOCK_MT             # smallest query position of the tile
+    # ---- prefix: read (compressed) from the paged cache through the loader
+    if prefix > 0:
+        if ROTATED:
+            qm = tl.load(QM + offs_d[:, None] * D_PAD + offs_d[None, :])
+            qr = tl.dot(q.to(tl.float32), qm, input_precision="tf32x3").to(DOT_DTYPE)
+        else:
+            qr = q.to(DOT_DTYPE)
+        lo = 0
+        if window > 0:
+            lo = tl.maximum(tile_lo - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        for n0 in range(lo, prefix, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            mask_n = (pos < prefix) & (pos < max_blocks * BLOCK_SIZE)
+            blk = tl.load(block_table + seq.to(tl.int64) * s_bt + pos // BLOCK_SIZE,
+                          mask=mask_n, other=0)
+            mask_n = mask_n & (blk >= 0) & (blk < num_blocks)
+            blk = tl.where(mask_n, blk, 0)
+            off = pos % BLOCK_SIZE
+            k, ks = LOAD_K(k_base, k_aux, k_table, blk, off, mask_n, kvh, offs_d, dmask,
+                           k_sb, k_sh, k_st, KP0, KP1, KP2, KP3, DOT_DTYPE)
+            s = tl.dot(qr, tl.trans(k)) * (ks * scale_log2)[None, :]
+            vis = mask_n[None, :]
+            if window > 0:
+                vis = vis & ((qpos[:, None] - pos[None, :]) < window)
+            s = tl.where(vis, s, float("-inf"))
+            p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
+            v, vs = LOAD_V(v_base, v_aux, v_table, blk, off, mask_n, kvh, offs_d, dmask,
+                           v_sb, v_sh, v_st, VP0, VP1, VP2, VP3, DOT_DTYPE)
+            acc += tl.dot((p * vs[None, :]).to(DOT_DTYPE), v)
+        if ROTATED:  # back to model space before mixing with the chunk's raw values (linear)
+            um = tl.load(UM + offs_d[:, None] * D_PAD + offs_d[None, :])
+            acc = tl.dot(acc, um, input_precision="tf32x3")
+    # ---- current chunk: uncompressed new K/V, causal
+    qd = q.to(DOT_DTYPE)
+    hi = tl.minimum(q_len, (tile + 1) * BLOCK_MT)
+    lo2 = 0
+    if window > 0:
+        lo2 = tl.maximum(tile * BLOCK_MT - window + 1, 0)
+    lo2 = (lo2 // BLOCK_N) * BLOCK_N
+    for j0 in range(lo2, hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        jm = j < q_len
+        kv_off = (q0 + j).to(tl.int64)
+        k = tl.load(KN + kv_off[:, None] * sk_t + kvh * sk_h + offs_d[None, :],
+                    mask=jm[:, None] & dmask[None, :], other=0.0).to(DOT_DTYPE)
+        s = tl.dot(qd, tl.trans(k)) * scale_log2
+        vis = jm[None, :] & (j[None, :] <= tok[:, None])
+        if window > 0:
+            vis = vis & ((tok[:, None] - j[None, :]) < window)
+        s = tl.where(vis, s, float("-inf"))
+        p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
+        v = tl.load(VN + kv_off[:, None] * sv_t + kvh * sv_h + offs_d[None, :],
+                    mask=jm[:, None] & dmask[None, :], other=0.0).to(DOT_DTYPE)
+        acc += tl.dot(p.to(DOT_DTYPE), v)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + (q0 + tok).to(tl.int64)[:, None] * so_t + qh[:, None] * so_h
+             + offs_d[None, :], o.to(Out.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])
+
+
+def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int,
+            cache, block_table: torch.Tensor, loader: Loader, *,
+            out: torch.Tensor | None = None, sm_scale: float | None = None, window: int = 0,
+            block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+            num_stages: int | None = None) -> torch.Tensor:
+    """Varlen causal attention for (chunked) prefill, flash-attention tiling with tl.dot.
+
+    Sequence ``i`` has ``q_len = cu_seqlens_q[i+1] − cu_seqlens_q[i]`` new tokens at absolute
+    positions ``seq_lens[i] − q_len … seq_lens[i] − 1``. Its prefix (``seq_lens[i] − q_len``
+    tokens) is read from ``cache`` through ``loader`` with inline dequant (tkv: rotated query,
+    values unrotated once after the prefix loop); the chunk itself comes from the
+    uncompressed ``key``/``value`` (so a first chunk is plain bf16 flash attention — the
+    prefill bypass). GQA: the query heads of a KV head are packed into the M dimension.
+
+    Args:
+        query: ``(total_q, num_q_heads, head_dim)`` float16/bfloat16.
+        key, value: ``(total_q, num_kv_heads, head_dim)``, same dtype (new tokens, model space).
+        cu_seqlens_q: int32 ``(num_seqs + 1,)`` cumulative query lengths, starting at 0.
+        seq_lens: int32 ``(num_seqs,)`` total tokens per sequence (prefix + chunk).
+        max_query_len: host int ≥ every q_len (sizes the grid).
+        cache, block_table, loader: as :func:`tkv.kernels.decode` (block_table int32
+            ``(num_seqs, max_blocks_per_seq)``).
+        out: optional ``(total_q, num_q_heads, head_dim)`` output (query dtype default).
+        sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
+        window: sliding window (key visible iff ``q_pos − k_pos < window``; 0 = full).
+
+    Returns:
+        ``out``. Raises DtypeError / ShapeError / DeviceMismatchError on malformed inputs.
+    """
+    check_tensor(query, "query", 3)
+    check_dtype(query, "query", (torch.float16, torch.bfloat16))
+    tq, hq, d = query.shape
+    hkv = loader.num_kv_heads
+    if d != loader.head_dim or hq % hkv:
+        raise ShapeError(f"query {tuple(query.shape)} does not fit loader (kv_heads={hkv}, "
+                         f"head_dim={loader.head_dim})")
+    for name, x in (("key", key), ("value", value)):
+        check_tensor(x, name, 3)
+        check_dtype(x, name, (query.dtype,))
+        if tuple(x.shape) != (tq, hkv, d):
+            raise ShapeError(f"{name} must be {(tq, hkv, d)}, got {tuple(x.shape)}")
+        check_last_dim_contiguous(x, name)
+    check_last_dim_contiguous(query, "query")
+    check_int_tensor(cu_seqlens_q, "cu_seqlens_q", torch.int32, 1)
+    check_int_tensor(seq_lens, "seq_lens", torch.int32, 1)
+    check_int_tensor(block_table, "block_table", torch.int32, 2)
+    ns = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != ns + 1 or block_table.shape[0] != ns:
+        raise ShapeError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_table "
+                         f"{tuple(block_table.shape)} do not match num_seqs={ns}")
+    if block_table.stride(1) != 1:
+        raise ShapeError("block_table must have unit stride on its last dim")
+    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ShapeError(f"max_query_len must be a host int ≥ 0, got {max_query_len!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ShapeError(f"window must be an int ≥ 0 (0 = full attention), got {window!r}")
+    num_blocks = loader.check_cache(cache)
+    kargs, vargs = loader.side_args(cache, "k"), loader.side_args(cache, "v")
+    dev = query.device
+    check_same_device(dev, key=key, value=value, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+                      block_table=block_table, cache_k=kargs[0], cache_v=vargs[0])
+    if out is None:
+        out = torch.empty_like(query)
+    else:
+        check_tensor(out, "out", 3)
+        if tuple(out.shape) != (tq, hq, d):
+            raise ShapeError(f"out must be {(tq, hq, d)}, got {tuple(out.shape)}")
+        check_dtype(out, "out", (torch.float16, torch.bfloat16, torch.float32))
+        check_last_dim_contiguous(out, "out")
+        check_same_device(dev, out=out)
+    if ns == 0 or tq == 0 or max_query_len == 0:
+        return out
+    g = hq // hkv
+    g_pad = next_pow2(g)
+    d_pad = max(16, next_pow2(d))
+    if block_m is None:  # rows of the M tile = query tokens x padded group
+        block_m = 128 if d <= 128 else 64
+    block_mt = max(1, block_m // g_pad)
+    block_m = block_mt * g_pad
+    if block_m < 16:
+        block_mt = 16 // g_pad
+    if block_n is None:
+        block_n = 64 if d <= 128 else 32
+    if num_warps is None:
+        num_warps = 8 if block_mt * g_pad >= 128 else 4
+    if num_stages is None:
+        num_stages = 2
+    rotated = bool(loader.rotated)
+    qm = loader.q_in if rotated else seq_lens
+    um = loader.out_mat if rotated else seq_lens
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    grid = (triton.cdiv(max_query_len, block_mt), ns, hkv)
+    _prefill_kernel[grid](
+        query, query.stride(0), query.stride(1), key, key.stride(0), key.stride(1),
+        value, value.stride(0), value.stride(1), out, out.stride(0), out.stride(1),
+        cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
+        num_blocks, *kargs[:6], *vargs[:6], qm, um, scale * _LOG2E, window,
+        LOAD_K=loader.tile, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8], KP3=kargs[9],
+        LOAD_V=loader.tile, VP0=vargs[6], VP1=vargs[7], VP2=vargs[8], VP3=vargs[9],
+        ROTATED=rotated, G=g, G_PAD=g_pad, BLOCK_MT=block_mt, BLOCK_N=block_n, HEAD_DIM=d,
+        D_PAD=d_pad, BLOCK_SIZE=loader.block_size, DOT_DTYPE=_TL[dot_dtype_for(query.dtype)],
+        num_warps=num_warps, num_stages=num_stages)
+    return out

@@ -1,0 +1,187 @@
+"""Fused compress + store: rotate, norm, quantize, pack and scatter new K/V into the paged
+tkv cache in one launch (no intermediate tensor through HBM)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tkv.codec.errors import ShapeError
+
+from ._util import (
+    check_dtype,
+    check_int_tensor,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_tensor,
+)
+from .loaders import TkvLoader
+
+__all__ = ["compress_store"]
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _bf16_rne(x):
+    """float32 → bfloat16, round to nearest even, with integer ops (identical on the GPU and
+    in the CPU interpreter, whose float cast truncates). x finite."""
+    b = x.to(tl.int32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, blk, off,
+                page_bytes, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
+                CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr, CODE_BYTES: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, NORM_CORR: tl.constexpr, GROUP: tl.constexpr,
+                GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_STRIDE: tl.constexpr,
+                TOK_STRIDE: tl.constexpr, NORM_HEAD_STRIDE: tl.constexpr):
+    offs_d = tl.arange(0, D_PAD)
+    dmask = offs_d < HEAD_DIM
+    x = tl.load(X + tok.to(tl.int64)[:, None] * sx_t + head * sx_h + offs_d[None, :],
+                mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    a = tl.load(A + offs_d[:, None] * D_PAD + offs_d[None, :])
+    y = tl.dot(x, a, input_precision="tf32x3")                       # R (x / s), [T, D_PAD]
+    n = tl.sqrt_rn(tl.sum(y * y, axis=1))
+    inv = tl.div_rn(tl.full([BLOCK_T], math.sqrt(HEAD_DIM), tl.float32), tl.where(n > 0, n, 1.0))
+    inv = tl.where(n > 0, inv, 0.0)
+    z = y * inv[:, None]
+    # branch-free lower bound over the 2**BITS - 1 sorted boundaries: code = #{b_j < z}
+    code = tl.zeros([BLOCK_T, D_PAD], dtype=tl.int32)
+    for step in tl.static_range(BITS):
+        half = 1 << (BITS - 1 - step)
+        cand = code + half
+        bnd = tl.load(bounds + cand - 1)
+        code = tl.where(bnd < z, cand, code)
+    code = tl.where(dmask[None, :], code, 0)
+    if NORM_CORR:  # store n / ||c[code]/sqrt(d)|| so that ||x_hat|| = ||x|| (codec, K side)
+        c = tl.load(table + code)
+        c = tl.where(dmask[None, :], c, 0.0)
+        un = tl.sqrt_rn(tl.sum(c * c, axis=1))
+        n = tl.div_rn(n, tl.maximum(un, 1e-12))
+    page = blk * page_bytes
+    nidx = (page + NORMS_OFF) // 2 + head * NORM_HEAD_STRIDE + off
+    tl.store(aux + nidx, _bf16_rne(n), mask=valid)
+    row = page + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
+    if BITS == 8:
+        tl.store(cache + row[:, None] + offs_d[None, :], code.to(tl.uint8),
+                 mask=valid[:, None] & dmask[None, :])
+    else:
+        NG: tl.constexpr = D_PAD // GROUP
+        c3 = tl.reshape(code.to(tl.int64), (BLOCK_T, NG, GROUP))
+        shifts = (tl.arange(0, GROUP) * BITS).to(tl.int64)
+        word = tl.sum(c3 << shifts[None, None, :], axis=2)          # [T, NG], < 2**56
+        gidx = tl.arange(0, NG)
+        for k in tl.static_range(GROUP_BYTES):
+            byte = ((word >> (8 * k)) & 0xFF).to(tl.uint8)
+            bidx = gidx * GROUP_BYTES + k
+            tl.store(cache + row[:, None] + bidx[None, :], byte,
+                     mask=valid[:, None] & (bidx < CODE_BYTES)[None, :])
+
+
+@triton.jit
+def _compress_store_kernel(
+        K, skt, skh, V, svt, svh, slots, num_tokens, num_slots, cache, aux,
+        Ak, Av, kbounds, vbounds, ktable, vtable, page_bytes,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        K_BITS: tl.constexpr, K_CODES_OFF: tl.constexpr, K_NORMS_OFF: tl.constexpr,
+        K_CODE_BYTES: tl.constexpr, K_NORM_CORR: tl.constexpr, K_GROUP: tl.constexpr,
+        K_GROUP_BYTES: tl.constexpr,
+        V_BITS: tl.constexpr, V_CODES_OFF: tl.constexpr, V_NORMS_OFF: tl.constexpr,
+        V_CODE_BYTES: tl.constexpr, V_NORM_CORR: tl.constexpr, V_GROUP: tl.constexpr,
+        V_GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, K_HEAD_STRIDE: tl.constexpr,
+        K_TOK_STRIDE: tl.constexpr, V_HEAD_STRIDE: tl.constexpr, V_TOK_STRIDE: tl.constexpr,
+        NORM_HEAD_STRIDE: tl.constexpr):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = tok < num_tokens
+    slot = tl.load(slots + tok, mask=tm, other=-1)
+    valid = tm & (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kbounds, ktable, blk, off,
+                page_bytes, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES,
+                BLOCK_SIZE, K_NORM_CORR, K_GROUP, K_GROUP_BYTES, BLOCK_T, K_HEAD_STRIDE,
+                K_TOK_STRIDE, NORM_HEAD_STRIDE)
+    _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, vbounds, vtable, blk, off,
+                page_bytes, HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES,
+                BLOCK_SIZE, V_NORM_CORR, V_GROUP, V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE,
+                V_TOK_STRIDE, NORM_HEAD_STRIDE)
+
+
+def _group(bits: int) -> tuple[int, int]:
+    g = 8 // math.gcd(bits, 8)
+    return g, g * bits // 8
+
+
+def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, loader: TkvLoader, *,
+                   block_t: int = 16, num_warps: int = 4) -> None:
+    """Compress new tokens' K and V and scatter them into their slots, in one launch.
+
+    Per token and KV head: ``y = R (x / s)`` (prescale + randomized WHT), ``n = ‖y‖``,
+    codes = Lloyd-Max bucket of ``sqrt(d) · y / n`` (binary search over the boundaries),
+    K norm stored as ``n / ‖c[code]/sqrt(d)‖`` when the codec's norm correction is on,
+    codes packed LSB-first — bit-for-bit the codec's ``compress_k`` / ``compress_v`` up to
+    float32 rounding at bucket boundaries (TurboQuant, Zandieh et al. 2025, Alg. 1).
+
+    Args:
+        key, value: ``(num_tokens, num_kv_heads, head_dim)`` float16/bfloat16/float32, unit
+            stride on head_dim (other strides free, e.g. views of a fused QKV output).
+        cache: the layer's uint8 ``(num_blocks, page_bytes)`` cache (``loader.layout``).
+        slot_mapping: int64 ``(num_tokens,)``, ``slot = block_id · block_size + offset``;
+            ``-1`` (any negative) skips the token; slots ≥ ``num_blocks · block_size`` are
+            skipped too (never written out of bounds).
+        loader: the layer's :class:`TkvLoader`.
+
+    Raises:
+        DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
+        no device sync).
+    """
+    if not isinstance(loader, TkvLoader):
+        raise TypeError(f"compress_store needs a TkvLoader, got {type(loader).__name__}")
+    num_blocks = loader.check_cache(cache)
+    lay = loader.layout
+    for name, x in (("key", key), ("value", value)):
+        check_tensor(x, name, 3)
+        check_dtype(x, name, _FLOAT)
+        if tuple(x.shape[1:]) != (lay.num_kv_heads, lay.head_dim):
+            raise ShapeError(f"{name} must be (num_tokens, {lay.num_kv_heads}, {lay.head_dim}),"
+                             f" got {tuple(x.shape)}")
+        check_last_dim_contiguous(x, name)
+    if key.shape[0] != value.shape[0]:
+        raise ShapeError(f"key has {key.shape[0]} tokens, value {value.shape[0]}")
+    check_int_tensor(slot_mapping, "slot_mapping", torch.int64, 1)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ShapeError(f"slot_mapping has {slot_mapping.shape[0]} entries for "
+                         f"{key.shape[0]} tokens")
+    check_same_device(cache.device, key=key, value=value, slot_mapping=slot_mapping,
+                      tables=loader.k_table)
+    n = key.shape[0]
+    if n == 0:
+        return
+    st = lay.strides()
+    kg, kgb = _group(lay.k_bits)
+    vg, vgb = _group(lay.v_bits)
+    grid = (triton.cdiv(n, block_t), lay.num_kv_heads)
+    _compress_store_kernel[grid](
+        key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
+        slot_mapping, n, num_blocks * lay.block_size, cache, cache.view(torch.bfloat16),
+        loader.k_in, loader.v_in, loader.k_bounds, loader.v_bounds, loader.k_table,
+        loader.v_table, lay.page_bytes,
+        HEAD_DIM=lay.head_dim, D_PAD=loader.d_pad, BLOCK_SIZE=lay.block_size,
+        K_BITS=lay.k_bits, K_CODES_OFF=lay.k_codes_offset, K_NORMS_OFF=lay.k_norms_offset,
+        K_CODE_BYTES=lay.k_code_bytes, K_NORM_CORR=loader.k_norm_correction, K_GROUP=kg,
+        K_GROUP_BYTES=kgb,
+        V_BITS=lay.v_bits, V_CODES_OFF=lay.v_codes_offset, V_NORMS_OFF=lay.v_norms_offset,
+        V_CODE_BYTES=lay.v_code_bytes, V_NORM_CORR=loader.v_norm_correction, V_GROUP=vg,
+        V_GROUP_BYTES=vgb, BLOCK_T=block_t, K_HEAD_STRIDE=st["k_head"],
+        K_TOK_STRIDE=st["k_token"], V_HEAD_STRIDE=st["v_head"], V_TOK_STRIDE=st["v_token"],
+        NORM_HEAD_STRIDE=st["norm_head"], num_warps=num_warps)

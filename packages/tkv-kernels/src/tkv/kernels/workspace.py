@@ -1,0 +1,99 @@
+"""One scratch object shared by every layer: split-K partial outputs and rotated queries."""
+
+from __future__ import annotations
+
+import torch
+
+from tkv.codec.errors import ShapeError
+
+from ._util import next_pow2
+
+__all__ = ["Workspace", "WorkspaceTooSmallError"]
+
+
+class WorkspaceTooSmallError(ShapeError):
+    """A call needs more scratch than the :class:`Workspace` was built for."""
+
+
+class Workspace:
+    """Scratch memory for :func:`tkv.kernels.decode`, allocated once and shared by all layers.
+
+    All buffers are allocated in ``__init__``; every call takes views of them, so a decode
+    captured in a CUDA graph always reads and writes the same addresses (graph-safe).
+
+    Args:
+        max_num_seqs: the largest decode batch (sequences) any call will use.
+        max_num_q_heads: the largest number of query heads of any layer (per TP rank).
+        max_head_dim: the largest head_dim of any layer (elements).
+        device: CUDA device (or CPU for the Triton interpreter).
+        max_splits: the most split-K partitions a sequence is cut into (power of two).
+        target_programs: split-K aims for ``num_seqs · num_kv_heads · splits ≥ target_programs``
+            CTAs; default ``4 × SM count`` on CUDA (fills the chip with several waves).
+
+    Memory: ``rows · d_pad · 4`` bytes of float32 partial outputs plus ``rows · 4`` of LSEs, with
+    ``rows = max over n ≤ max_num_seqs of n · max_num_q_heads · splits(n, 1)`` — bounded because
+    the split count shrinks as the batch grows.
+    """
+
+    def __init__(self, max_num_seqs: int, max_num_q_heads: int, max_head_dim: int,
+                 device: torch.device | str = "cuda", *, max_splits: int = 32,
+                 target_programs: int | None = None):
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_q_heads", max_num_q_heads),
+                        ("max_head_dim", max_head_dim), ("max_splits", max_splits)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ShapeError(f"Workspace.{name} must be a positive int, got {v!r}")
+        if max_splits & (max_splits - 1):
+            raise ShapeError(f"max_splits must be a power of two, got {max_splits}")
+        self.device = torch.device(device)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_q_heads = max_num_q_heads
+        self.max_head_dim = max_head_dim
+        self.d_pad = max(16, next_pow2(max_head_dim))
+        self.max_splits = max_splits
+        if target_programs is None:
+            if self.device.type == "cuda":
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+                target_programs = 4 * sms
+            else:
+                target_programs = 8
+        self.target_programs = int(target_programs)
+        rows = max(n * max_num_q_heads * self.splits_for(n, 1) for n in range(1, max_num_seqs + 1))
+        self.rows = rows
+        self._part_o = torch.empty(rows * self.d_pad, dtype=torch.float32, device=self.device)
+        self._part_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
+        self._q_rot = torch.empty(max_num_seqs * max_num_q_heads * self.d_pad,
+                                  dtype=torch.float32, device=self.device)
+
+    def splits_for(self, num_seqs: int, num_kv_heads: int) -> int:
+        """Split-K count for a batch: a power of two in ``[1, max_splits]``; depends only on
+        the batch shape (never on sequence lengths), so it is static under CUDA graphs."""
+        want = -(-self.target_programs // max(1, num_seqs * num_kv_heads))
+        return max(1, min(self.max_splits, next_pow2(want)))
+
+    def partials(self, num_seqs: int, num_q_heads: int, splits: int, d_pad: int):
+        """Views ``(o float32 (num_seqs, num_q_heads, splits, d_pad), lse float32 (num_seqs,
+        num_q_heads, splits))``. Raises WorkspaceTooSmallError if they do not fit."""
+        rows = num_seqs * num_q_heads * splits
+        if (num_seqs > self.max_num_seqs or num_q_heads > self.max_num_q_heads
+                or d_pad > self.d_pad or rows > self.rows):
+            raise WorkspaceTooSmallError(
+                f"workspace built for max_num_seqs={self.max_num_seqs}, max_num_q_heads="
+                f"{self.max_num_q_heads}, head_dim≤{self.d_pad}, {self.rows} partial rows; call "
+                f"needs num_seqs={num_seqs}, q_heads={num_q_heads}, splits={splits}, d_pad={d_pad}")
+        o = self._part_o[: rows * d_pad].view(num_seqs, num_q_heads, splits, d_pad)
+        lse = self._part_lse[:rows].view(num_seqs, num_q_heads, splits)
+        return o, lse
+
+    def rotated_queries(self, num_seqs: int, num_q_heads: int, head_dim: int) -> torch.Tensor:
+        """View ``float32 (num_seqs, num_q_heads, head_dim)`` for rotated queries."""
+        n = num_seqs * num_q_heads * head_dim
+        if num_seqs > self.max_num_seqs or num_q_heads > self.max_num_q_heads or \
+                head_dim > self.max_head_dim:
+            raise WorkspaceTooSmallError(
+                f"workspace too small for rotated queries ({num_seqs}, {num_q_heads}, {head_dim})")
+        return self._q_rot[:n].view(num_seqs, num_q_heads, head_dim)
+
+    def __repr__(self) -> str:
+        return (f"Workspace(max_num_seqs={self.max_num_seqs}, max_num_q_heads="
+                f"{self.max_num_q_heads}, max_head_dim={self.max_head_dim}, "
+                f"max_splits={self.max_splits}, device={str(self.device)!r})")
