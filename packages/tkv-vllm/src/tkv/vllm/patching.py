@@ -20,7 +20,7 @@ import importlib.util
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 from tkv.codec.errors import TkvError
@@ -60,7 +60,7 @@ class PatchConflictError(TkvError, RuntimeError):
     """A hunk matches neither the unpatched nor the patched text of its file."""
 
 
-class PatchState(str, Enum):
+class PatchState(StrEnum):
     """State of one patch (or of the whole series) on a vLLM tree."""
 
     APPLIED = "applied"

@@ -1,0 +1,376 @@
+"""turbo-attn: the vLLM v1 attention backend over the tkv packed paged KV cache.
+
+``vllm serve MODEL --kv-cache-dtype tkv --attention-backend turbo-attn``
+
+Thin glue over :mod:`tkv.kernels`:
+
+* **store** (``do_kv_cache_update``): :func:`tkv.kernels.compress_store` writes every new
+  token's K/V (rotate, quantize, pack, norms) into its slot — one launch per layer.
+* **decode** rows (query length 1, first in the batch thanks to ``reorder_batch_threshold=1``):
+  :func:`tkv.kernels.decode` — split-K paged attention with inline dequant, GQA, sliding
+  window, scratch from the one shared :class:`tkv.kernels.Workspace`.
+* **prefill / chunked-prefill / spec-decode-verify** rows: first chunks with no cached
+  context run FlashAttention on the raw K/V when vLLM's flash-attn is present (exact);
+  everything else reads the compressed cache: every query token becomes one decode row
+  whose sequence ends at that token (causal by construction), with the per-token
+  ``seq_lens`` / block-table rows built by the metadata builder on the device.
+
+CUDA graphs: the builder reports ``UNIFORM_SINGLE_TOKEN_DECODE`` — pure-decode batches are
+captured whole (their tensors are vLLM's persistent ones); other batches run attention
+eagerly between graph pieces. Nothing in ``forward`` or ``do_kv_cache_update`` reads a
+device value on the host (no ``.item()``, ``.tolist()``, ``.cpu()``, no data-dependent
+shapes): every size comes from host ints the builder already has.
+
+Per-layer state (widths, codec tables on the device) is bound when vLLM asks the layer for
+its KV-cache spec — before memory profiling and CUDA-graph capture — so nothing is allocated
+later except transient prefill tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from tkv import kernels
+from tkv.codec.layout import SlotLayout
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+from .errors import PatchesNotAppliedError, UnsupportedModelError
+from .spec import TKV_DTYPE, kv_cache_spec_for_layer, page_plan
+from .startup import layer_codec, layer_index, tkv_config
+from .workspace import shared_workspace
+
+__all__ = ["TurboAttnBackend", "TurboAttnImpl", "TurboAttnMetadata", "TurboAttnMetadataBuilder"]
+
+log = logging.getLogger("tkv.vllm")
+
+try:  # FlashAttention for first-chunk prefills on raw K/V (CUDA builds of vLLM only).
+    from vllm.v1.attention.backends.fa_utils import (
+        flash_attn_varlen_func,
+        get_flash_attn_version,
+        is_flash_attn_varlen_func_available,
+    )
+
+    _HAS_FA = bool(is_flash_attn_varlen_func_available()) and torch.cuda.is_available()
+except ImportError:  # pragma: no cover - depends on the vLLM build
+    _HAS_FA = False
+
+
+class TurboAttnBackend(AttentionBackend):
+    """vLLM attention backend ``TURBO_ATTN`` for ``--kv-cache-dtype tkv``."""
+
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = [TKV_DTYPE]
+
+    @staticmethod
+    def get_name() -> str:
+        return "TURBO_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[TurboAttnImpl]:
+        return TurboAttnImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TurboAttnMetadataBuilder]:
+        return TurboAttnMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        # A page is one block; multiples of 16 tokens make every SlotLayout region a
+        # multiple of 16 bytes (zero padding), and keep kernel block == vLLM block.
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        # The randomized Walsh-Hadamard rotation needs a power-of-two head_dim.
+        return head_size >= 16 and head_size & (head_size - 1) == 0 and head_size <= 256
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        raise PatchesNotAppliedError(
+            "tkv page bytes depend on each layer's (k_bits, v_bits), which "
+            "get_kv_cache_shape cannot see; this vLLM lacks tkv patch 0003 "
+            "(get_kv_cache_shape_for_spec) or a code path (KV connectors) that tkv does not "
+            "support. Run `tkv-vllm patch apply`.")
+
+    @classmethod
+    def get_kv_cache_shape_for_spec(cls, num_blocks: int, block_size: int, kv_cache_spec: Any,
+                                    cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        """``(num_blocks, page_bytes)`` with page_bytes from the spec's SlotLayout at
+        ``block_size`` (the kernel block size vLLM chose)."""
+        return (num_blocks, kv_cache_spec.layout(block_size).page_bytes)
+
+    @classmethod
+    def get_kv_cache_spec(cls, layer: torch.nn.Module, vllm_config: Any):
+        """The layer's tkv spec (:func:`tkv.vllm.spec.kv_cache_spec_for_layer`); also binds
+        the layer's device state and the shared workspace, before memory profiling."""
+        spec = kv_cache_spec_for_layer(layer, vllm_config)
+        bind_layer(layer, vllm_config)
+        return spec
+
+
+# ----------------------------------------------------------------------------- metadata
+@dataclass
+class TurboAttnMetadata(AttentionMetadata):
+    """Per-batch metadata (shared by all layers of a KV-cache group).
+
+    Host ints: num_actual_tokens, num_decodes (= num_decode_tokens: query length 1),
+    num_prefills, num_prefill_tokens, block_size, max_prefill_query_len,
+    prefill_no_context (every prefill row starts at position 0).
+    Device tensors: seq_lens int32 (num_reqs,), block_table int32 (num_reqs, max_blocks),
+    slot_mapping int64 (num_tokens,), and for prefill rows prefill_cu_seqlens int32
+    (num_prefills + 1,), prefill_seq_lens int32 (num_prefill_tokens,) — context length seen
+    by each prefill token, itself included — and prefill_block_table int32
+    (num_prefill_tokens, max_blocks).
+    """
+
+    num_actual_tokens: int
+    num_decodes: int
+    num_prefills: int
+    num_prefill_tokens: int
+    block_size: int
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_prefill_query_len: int = 0
+    prefill_no_context: bool = False
+    prefill_cu_seqlens: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
+    prefill_block_table: torch.Tensor | None = None
+
+
+class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
+    """Builds :class:`TurboAttnMetadata`; decodes first (``reorder_batch_threshold = 1``)."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TurboAttnMetadata:
+        cam = common_attn_metadata
+        if common_prefix_len:
+            raise UnsupportedModelError("turbo-attn does not implement cascade attention")
+        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = (
+            split_decodes_and_prefills(cam, decode_threshold=1))
+        num_reqs = cam.num_reqs
+        md = TurboAttnMetadata(
+            num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
+            num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
+            block_size=int(self.kv_cache_spec.block_size),
+            seq_lens=cam.seq_lens, block_table=cam.block_table_tensor,
+            slot_mapping=cam.slot_mapping)
+        if num_prefills == 0:
+            return md
+        # Host-side facts from CPU tensors (no device sync).
+        qsl_cpu = cam.query_start_loc_cpu[num_decodes:num_reqs + 1]
+        q_lens_cpu = qsl_cpu[1:] - qsl_cpu[:-1]
+        md.max_prefill_query_len = int(q_lens_cpu.max())
+        ub = cam.seq_lens_cpu_upper_bound  # precise for prefill rows
+        if ub is not None:
+            md.prefill_no_context = bool(torch.equal(ub[num_decodes:num_reqs].to(q_lens_cpu.dtype),
+                                                     q_lens_cpu))
+        # Device-side per-token expansion (sizes are host ints -> no sync).
+        dev = cam.query_start_loc.device
+        qsl = cam.query_start_loc[num_decodes:num_reqs + 1]
+        md.prefill_cu_seqlens = (qsl - num_decode_tokens).to(torch.int32)
+        q_lens = (qsl[1:] - qsl[:-1]).to(torch.int64)
+        req = torch.repeat_interleave(
+            torch.arange(num_decodes, num_reqs, device=dev), q_lens,
+            output_size=num_prefill_tokens)
+        tok = torch.arange(num_decode_tokens, num_decode_tokens + num_prefill_tokens,
+                           device=dev)
+        pos = tok - cam.query_start_loc[req].to(torch.int64)          # 0-based within query
+        ctx = cam.seq_lens[req].to(torch.int64) - q_lens[req - num_decodes]
+        md.prefill_seq_lens = (ctx + pos + 1).to(torch.int32)
+        md.prefill_block_table = cam.block_table_tensor[req]
+        return md
+
+
+# ----------------------------------------------------------------------------- per-layer state
+@dataclass
+class LayerState:
+    """What one tkv layer needs at run time: its index, served widths, codec on the device
+    and one :class:`tkv.kernels.TkvLoader` per block size."""
+
+    index: int
+    k_bits: int
+    v_bits: int
+    num_kv_heads: int
+    codec: Any
+    loaders: dict[int, Any]
+    default_block_size: int
+
+    def loader(self, block_size: int) -> Any:
+        ld = self.loaders.get(block_size)
+        if ld is None:  # only if vLLM changed the kernel block size after binding
+            ld = kernels.TkvLoader(self.codec, self.num_kv_heads, block_size)
+            self.loaders[block_size] = ld
+        return ld
+
+    def layout(self, block_size: int) -> SlotLayout:
+        return self.loader(block_size).layout
+
+
+def _layer_device(layer: torch.nn.Module) -> torch.device:
+    for t in list(layer.buffers()) + list(layer.parameters()):
+        return t.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None) -> LayerState:
+    """Create (once) the :class:`LayerState` of a tkv layer and size the shared workspace.
+
+    Raises:
+        UnsupportedModelError, the codec's config errors.
+    """
+    impl = layer.impl
+    if getattr(impl, "_tkv_state", None) is not None:
+        return impl._tkv_state
+    cfg = tkv_config(vllm_config)
+    plan = page_plan(vllm_config)
+    idx = layer_index(layer.layer_name, cfg.num_layers)
+    k_bits, v_bits = plan.served[idx]
+    dev = _layer_device(layer) if device is None else torch.device(device)
+    block = int(vllm_config.cache_config.block_size)
+    codec = layer_codec(cfg, idx, k_bits, v_bits, dev)
+    state = LayerState(idx, k_bits, v_bits, int(impl.num_kv_heads), codec, {}, block)
+    state.loader(block)
+    sc = vllm_config.scheduler_config
+    max_rows = max(int(sc.max_num_seqs), int(sc.max_num_batched_tokens))
+    shared_workspace(dev, max_rows, int(impl.num_heads), int(impl.head_size))
+    impl._tkv_state = state
+    return state
+
+
+# ----------------------------------------------------------------------------- impl
+class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
+    """Decoder self-attention (MHA/GQA/MQA, optional sliding window) over a tkv cache."""
+
+    supports_quant_query_input: bool = False
+
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: int | None = None, alibi_slopes: list[float] | None = None,
+                 sliding_window: int | None = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **kwargs: Any) -> None:
+        refusals = [
+            (kv_cache_dtype != TKV_DTYPE, f"kv_cache_dtype={kv_cache_dtype!r} (needs 'tkv'; "
+             "--kv-cache-dtype-skip-layers is not supported)"),
+            (attn_type != AttentionType.DECODER, f"attention type {attn_type} (only decoder "
+             "self-attention; encoder / cross / encoder-only attention are not supported)"),
+            (alibi_slopes is not None, "ALiBi"),
+            (bool(logits_soft_cap), "logits soft-capping"),
+            (kwargs.get("sinks") is not None, "attention sinks"),
+            (kv_sharing_target_layer_name is not None, "cross-layer KV-cache sharing"),
+        ]
+        bad = [why for cond, why in refusals if cond]
+        if bad:
+            raise UnsupportedModelError("turbo-attn cannot serve this layer: " + "; ".join(bad))
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self._tkv_state: LayerState | None = None
+        self._fa_version = get_flash_attn_version() if _HAS_FA else None
+        # Validate TKV_BITS / TKV_CALIBRATION_FILE now: the first layer built fails the
+        # engine with the codec's named error, before any KV cache is allocated.
+        tkv_config(get_current_vllm_config())
+
+    # -- helpers ------------------------------------------------------------------------
+    def _state(self, layer: Any) -> LayerState:
+        st = self._tkv_state
+        if st is None:  # spec hook not reached (e.g. unit use); bind from the layer
+            st = bind_layer(layer, get_current_vllm_config())
+        return st
+
+    @property
+    def _window(self) -> int:
+        return int(self.sliding_window or 0)
+
+    # -- store ----------------------------------------------------------------------------
+    def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Compress and store ``key``/``value`` ``(num_tokens, num_kv_heads, head_dim)`` at
+        ``slot_mapping`` (int64; vLLM already sliced it to the real tokens, -1 = skip)."""
+        n = slot_mapping.shape[0]
+        if n == 0:
+            return
+        st = self._state(layer)
+        kernels.compress_store(key[:n], value[:n], kv_cache, slot_mapping,
+                               st.loader(st.default_block_size))
+
+    # -- attention ------------------------------------------------------------------------
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: TurboAttnMetadata,
+                output: torch.Tensor | None = None, output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention for ``query`` ``(num_tokens, num_heads, head_dim)``, reading K/V from
+        the tkv cache (already updated by :meth:`do_kv_cache_update`); writes ``output``
+        ``(num_tokens, num_heads, head_dim)``."""
+        if output is None:
+            raise UnsupportedModelError("turbo-attn needs vLLM's output buffer")
+        if output_scale is not None or output_block_scale is not None:
+            raise UnsupportedModelError("turbo-attn does not fuse output quantization")
+        if attn_metadata is None:  # memory-profiling run: no KV cache yet
+            return output.fill_(0)
+        md = attn_metadata
+        st = self._state(layer)
+        loader = st.loader(md.block_size)
+        ws = shared_workspace(query.device)
+        nd, n = md.num_decodes, md.num_actual_tokens
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        q = query.view(query.shape[0], self.num_heads, self.head_size)
+        if nd:
+            kernels.decode(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], loader, ws,
+                           out=out[:nd], sm_scale=self.scale, window=self._window)
+        if md.num_prefills:
+            qp, op = q[nd:n], out[nd:n]
+            if md.prefill_no_context and _HAS_FA:
+                kv_shape = (key.shape[0], self.num_kv_heads, self.head_size)
+                self._flash_prefill(qp, key.view(kv_shape)[nd:n], value.view(kv_shape)[nd:n],
+                                    op, md)
+            else:
+                kernels.decode(qp, kv_cache, md.prefill_block_table, md.prefill_seq_lens,
+                               loader, ws, out=op, sm_scale=self.scale, window=self._window)
+        return output
+
+    def _flash_prefill(self, q, k, v, out, md: TurboAttnMetadata) -> None:
+        w = self._window
+        kwargs = dict(q=q, k=k, v=v, max_seqlen_q=md.max_prefill_query_len,
+                      cu_seqlens_q=md.prefill_cu_seqlens, max_seqlen_k=md.max_prefill_query_len,
+                      cu_seqlens_k=md.prefill_cu_seqlens, softmax_scale=self.scale, causal=True,
+                      window_size=[w - 1, 0] if w else [-1, -1], out=out)
+        if self._fa_version is not None:
+            kwargs["fa_version"] = self._fa_version
+        flash_attn_varlen_func(**kwargs)

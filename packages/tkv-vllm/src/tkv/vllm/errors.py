@@ -1,0 +1,18 @@
+"""Named errors of the vLLM adapter (all derive from :class:`tkv.codec.errors.TkvError`)."""
+
+from __future__ import annotations
+
+from tkv.codec.errors import TkvError
+
+__all__ = ["PatchesNotAppliedError", "UnsupportedModelError"]
+
+
+class UnsupportedModelError(TkvError, ValueError):
+    """The model (or one of its attention layers) is something the turbo-attn backend cannot
+    serve: MLA, encoder / cross / encoder-only attention, hybrid Mamba or linear-attention
+    stacks, attention sinks, ALiBi, soft-capped logits. Raised at startup, before the KV
+    cache is allocated — never silent garbage."""
+
+
+class PatchesNotAppliedError(TkvError, RuntimeError):
+    """The installed vLLM lacks the tkv patch series (run ``tkv-vllm patch apply``)."""

@@ -1,0 +1,63 @@
+"""The ``vllm.general_plugins`` entry point of tkv-vllm (``tkv = tkv.vllm.plugin:register``).
+
+vLLM calls :func:`register` once in every process it starts (API server, engine core,
+workers) before it parses ``--kv-cache-dtype`` / ``--attention-backend``. It registers
+
+* the KV-cache dtype ``tkv`` (storage ``torch.uint8``: ``(num_blocks, page_bytes)`` pages),
+* the attention backend ``TURBO_ATTN`` (``--attention-backend turbo-attn``) →
+  :class:`tkv.vllm.backend.TurboAttnBackend`.
+
+Both need the tkv patch series in vLLM (``tkv-vllm patch apply``). On an unpatched vLLM
+this logs an error saying so and registers nothing: a plugin must not break vLLM for users
+who do not ask for tkv, and ``--kv-cache-dtype tkv`` is then refused by vLLM itself.
+Model-dependent configuration (``TKV_BITS``, ``TKV_CALIBRATION_FILE``) is validated when
+the first attention layer is built (:mod:`tkv.vllm.startup`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .errors import PatchesNotAppliedError
+
+__all__ = ["BACKEND_PATH", "TKV_DTYPE", "check_patched", "register"]
+
+log = logging.getLogger("tkv.vllm")
+
+TKV_DTYPE = "tkv"
+BACKEND_PATH = "tkv.vllm.backend.TurboAttnBackend"
+
+
+def check_patched() -> None:
+    """Raise :class:`PatchesNotAppliedError` unless the installed vLLM has the tkv hooks."""
+    import vllm.config.cache as cache
+    from vllm.v1.attention.backend import AttentionBackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    missing = []
+    if not hasattr(cache, "register_kv_cache_dtype"):
+        missing.append("0001 kv-cache dtype registry")
+    if "TURBO_ATTN" not in AttentionBackendEnum.__members__:
+        missing.append("0002 TURBO_ATTN backend slot")
+    if not hasattr(AttentionBackend, "get_kv_cache_shape_for_spec"):
+        missing.append("0003 spec/shape from backend")
+    if missing:
+        raise PatchesNotAppliedError(
+            "vLLM is missing tkv patches (" + ", ".join(missing) + "); run "
+            "`tkv-vllm patch apply` in this environment")
+
+
+def register() -> None:
+    """Register the ``tkv`` KV-cache dtype and the ``TURBO_ATTN`` backend (idempotent)."""
+    try:
+        check_patched()
+    except PatchesNotAppliedError as e:
+        log.error("tkv-vllm: %s; --kv-cache-dtype tkv is unavailable.", e)
+        return
+    from vllm.config.cache import register_kv_cache_dtype
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_kv_cache_dtype(TKV_DTYPE, torch.uint8)
+    register_backend(AttentionBackendEnum.TURBO_ATTN, BACKEND_PATH)

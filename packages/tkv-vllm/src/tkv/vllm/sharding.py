@@ -1,0 +1,64 @@
+"""Tensor-parallel sharding of the tkv KV cache.
+
+vLLM shards KV heads across TP ranks the way ``QKVParallelLinear`` does: with
+``H = total_num_kv_heads`` and ``T = tensor_parallel_size``,
+
+* ``H ≥ T`` (``H % T == 0``): rank ``r`` owns heads ``[r·H/T, (r+1)·H/T)``;
+* ``H < T`` (``T % H == 0``): every head is replicated on ``T/H`` ranks, rank ``r`` owns
+  head ``r // (T/H)`` (one head per rank).
+
+The tkv cache of a rank is then the :class:`~tkv.codec.layout.SlotLayout` of its local
+heads; nothing else is sharded: a layer's rotation, codebooks and channel scales act on
+``head_dim`` and are shared by all heads, so every rank loads the same bundle entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tkv.codec.errors import ShapeError
+
+__all__ = ["KvHeadShard", "shard_kv_heads"]
+
+
+@dataclass(frozen=True)
+class KvHeadShard:
+    """KV heads one TP rank holds.
+
+    Attributes:
+        num_local_heads: KV heads in this rank's cache (``num_kv_heads`` of its SlotLayout).
+        first_head: global index of its first KV head.
+        replicas: how many ranks hold the same heads (1 unless ``H < T``).
+    """
+
+    num_local_heads: int
+    first_head: int
+    replicas: int
+
+    @property
+    def heads(self) -> range:
+        """Global indices of the KV heads of this rank."""
+        return range(self.first_head, self.first_head + self.num_local_heads)
+
+
+def shard_kv_heads(total_num_kv_heads: int, tp_size: int, tp_rank: int) -> KvHeadShard:
+    """The :class:`KvHeadShard` of ``tp_rank`` (vLLM's QKVParallelLinear rule, see module doc).
+
+    Raises:
+        ShapeError: non-positive sizes, rank out of range, or head counts that vLLM itself
+        cannot shard (neither ``H % T == 0`` nor ``T % H == 0``).
+    """
+    h, t, r = total_num_kv_heads, tp_size, tp_rank
+    if h < 1 or t < 1:
+        raise ShapeError(f"total_num_kv_heads={h} and tp_size={t} must be ≥ 1")
+    if not 0 <= r < t:
+        raise ShapeError(f"tp_rank={r} outside 0..{t - 1}")
+    if h >= t:
+        if h % t:
+            raise ShapeError(f"{h} KV heads cannot be split over {t} TP ranks")
+        n = h // t
+        return KvHeadShard(n, r * n, 1)
+    if t % h:
+        raise ShapeError(f"{t} TP ranks cannot replicate {h} KV heads evenly")
+    rep = t // h
+    return KvHeadShard(1, r // rep, rep)

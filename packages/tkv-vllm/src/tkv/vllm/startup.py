@@ -1,0 +1,123 @@
+"""Startup configuration of the tkv backend inside vLLM: validated once per process.
+
+``TKV_BITS`` / ``TKV_CALIBRATION_FILE`` are read by :func:`tkv.codec.config.load_config`
+(never parsed here), against the served model's geometry taken from vLLM's
+``ModelConfig``: ``num_layers = total_num_hidden_layers``, ``num_kv_heads =
+total_num_kv_heads`` (whole model, before TP sharding), ``head_dim = head_size``. The
+first attention layer built calls :func:`tkv_config`; every later call returns the same
+object, so a bad bundle fails the engine before any KV-cache byte is allocated, with the
+codec's named errors (``FileNotFoundError``, ``BundleSchemaError``,
+``BundleGeometryError``, ``BudgetRowMissingError``, ``TkvBitsError``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+
+from tkv.codec.codec import TurboKVCodec
+from tkv.codec.config import ENV_BITS, ENV_CALIBRATION_FILE, TkvConfig, load_config
+
+from .errors import UnsupportedModelError
+from .sharding import KvHeadShard, shard_kv_heads
+
+__all__ = ["check_model_supported", "layer_codec", "layer_index", "model_geometry",
+           "tkv_config", "tp_shard"]
+
+log = logging.getLogger("tkv.vllm")
+
+_CONFIGS: dict[tuple, TkvConfig] = {}
+
+
+def model_geometry(model_config: Any) -> tuple[int, int, int]:
+    """``(num_layers, total_num_kv_heads, head_dim)`` of a vLLM ``ModelConfig``."""
+    return (int(model_config.get_total_num_hidden_layers()),
+            int(model_config.get_total_num_kv_heads()), int(model_config.get_head_size()))
+
+
+def check_model_supported(model_config: Any) -> None:
+    """Refuse models the turbo-attn backend cannot serve, naming the reason.
+
+    Raises:
+        UnsupportedModelError: MLA, encoder-decoder, hybrid Mamba/linear-attention,
+        attention-free or no-op-layer models.
+    """
+    name = getattr(model_config, "model", "the model")
+    checks = (
+        ("use_mla", "uses MLA (latent KV); tkv compresses per-head K/V only"),
+        ("is_encoder_decoder", "is encoder-decoder (cross-attention is not supported)"),
+        ("is_hybrid", "mixes attention with Mamba/linear-attention layers"),
+        ("is_attention_free", "has no attention layers"),
+        ("has_noops", "has no-op attention layers (layer indices would not match the bundle)"),
+    )
+    for attr, why in checks:
+        if bool(getattr(model_config, attr, False)):
+            raise UnsupportedModelError(
+                f"--kv-cache-dtype tkv / --attention-backend turbo-attn: {name} {why}")
+
+
+def tkv_config(vllm_config: Any, env: dict[str, str] | None = None) -> TkvConfig:
+    """The process-wide validated :class:`TkvConfig` for the served model (cached on the
+    geometry and the two environment variables)."""
+    mc = vllm_config.model_config
+    check_model_supported(mc)
+    geo = model_geometry(mc)
+    e = os.environ if env is None else env
+    key = (*geo, e.get(ENV_BITS), e.get(ENV_CALIBRATION_FILE))
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = load_config(*geo, env=e)
+        _CONFIGS[key] = cfg
+        log.warning("%s", cfg.describe())
+    return cfg
+
+
+def tp_shard(vllm_config: Any) -> KvHeadShard:
+    """KV heads of this process's TP rank."""
+    pc = vllm_config.parallel_config
+    tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    rank = 0
+    if tp > 1:
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        except (ImportError, AssertionError, RuntimeError):
+            rank = 0
+    return shard_kv_heads(vllm_config.model_config.get_total_num_kv_heads(), tp, rank)
+
+
+_INT = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+
+
+def layer_index(layer_name: str, num_layers: int) -> int:
+    """Decoder-layer index of an attention layer named like ``model.layers.12.self_attn.attn``.
+
+    Raises:
+        UnsupportedModelError: no single layer index in the name, or one outside the model
+        (e.g. a speculative-decoding drafter's own attention layers).
+    """
+    ints = [int(m) for m in _INT.findall(layer_name)]
+    if len(ints) != 1:
+        raise UnsupportedModelError(
+            f"tkv: cannot tell the decoder-layer index of attention layer {layer_name!r}")
+    i = ints[0]
+    if not 0 <= i < num_layers:
+        raise UnsupportedModelError(
+            f"tkv: attention layer {layer_name!r} has index {i} outside the model's "
+            f"{num_layers} layers (drafter / extra attention layers are not supported)")
+    return i
+
+
+def layer_codec(config: TkvConfig, layer: int, k_bits: int, v_bits: int,
+                device: torch.device | str) -> TurboKVCodec:
+    """The codec of ``layer`` at the widths it is served at (the bundle's channel scales,
+    codebooks and seed when a bundle is set; Gaussian codebooks otherwise)."""
+    if config.bundle is not None:
+        return config.bundle.codec(layer, k_bits, v_bits, device, check_finite=False)
+    return TurboKVCodec(config.head_dim, k_bits=k_bits, v_bits=v_bits, device=device,
+                        check_finite=False)

@@ -1,0 +1,57 @@
+"""The one scratch :class:`tkv.kernels.Workspace` shared by every tkv layer of a process.
+
+vLLM's own TurboQuant backend registers decode buffers on every attention layer
+(``B·Hq·S·(D+1)`` floats each — tens of GiB on 32B models). Here all layers share one
+workspace per device, sized for the largest layer and batch at bind time (before memory
+profiling, so vLLM budgets it, and before CUDA-graph capture, so captured graphs always
+see the same addresses).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tkv.kernels import Workspace
+
+__all__ = ["shared_workspace"]
+
+_WORKSPACES: dict[str, Workspace] = {}
+
+
+def _key(device: torch.device | str) -> str:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
+def shared_workspace(device: torch.device | str, max_num_seqs: int | None = None,
+                     max_num_q_heads: int | None = None, max_head_dim: int | None = None
+                     ) -> Workspace:
+    """The process-wide workspace of ``device``.
+
+    With sizes: create it, or replace it by a larger one if a layer needs more (only
+    during binding, before any graph capture). Without sizes: return the existing one.
+
+    Args:
+        max_num_seqs: most rows one decode call sees (decode sequences, or prefill tokens
+            expanded into decode rows). max_num_q_heads: query heads per rank.
+        max_head_dim: head_dim (elements).
+
+    Raises:
+        RuntimeError: asked for without sizes before any layer was bound.
+    """
+    key = _key(device)
+    ws = _WORKSPACES.get(key)
+    if max_num_seqs is None:
+        if ws is None:
+            raise RuntimeError(f"tkv: no workspace bound on {key} (layer not bound)")
+        return ws
+    need = (int(max_num_seqs), int(max_num_q_heads), int(max_head_dim))
+    have = None if ws is None else (ws.max_num_seqs, ws.max_num_q_heads, ws.max_head_dim)
+    if have is None or any(a < b for a, b in zip(have, need, strict=True)):
+        if have is not None:
+            need = tuple(max(a, b) for a, b in zip(have, need, strict=True))
+        ws = Workspace(*need, device=key)
+        _WORKSPACES[key] = ws
+    return ws
