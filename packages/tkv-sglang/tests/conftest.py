@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -123,3 +124,90 @@ def sglang_copy(sglang_source: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "site-packages"
     shutil.copytree(sglang_source, dst)
     return dst
+
+
+# ----------------------------------------------------------------------------- tkv config
+MIXED_K = (3, 5, 8, 2)
+MIXED_V = (4, 2, 6, 7)
+
+
+@pytest.fixture
+def bundle_file(tmp_path):
+    """A 4-layer bundle (2 KV heads, head_dim 64) with a per-layer mixed row at TKV_BITS=4.5
+    and a uniform row at 4.0; random channel scales, Gaussian codebooks."""
+    from tkv.codec import CalibrationBundle, LayerAllocation, LayerCalibration, ModelGeometry
+
+    g = torch_generator()
+    layers = tuple(LayerCalibration(tuple((torch_rand(64, g) + 0.5).tolist()), None, {})
+                   for _ in range(4))
+    table = {"4.0": LayerAllocation.uniform(4, 4, 4),
+             "4.5": LayerAllocation(MIXED_K, MIXED_V, "smartmix")}
+    b = CalibrationBundle(ModelGeometry(4, 2, 64, model="tiny-test"), layers, table,
+                          {"tool": "test"}, {}, 3)
+    return b.save(tmp_path / "bundle.json")
+
+
+def torch_generator():
+    import torch
+
+    return torch.Generator().manual_seed(1234)
+
+
+def torch_rand(n, g):
+    import torch
+
+    return torch.rand(n, generator=g)
+
+
+@pytest.fixture
+def tkv_env(monkeypatch):
+    """Clean TKV_* environment and config cache; returns a setter."""
+    from tkv.sglang.config import clear_config_cache
+
+    monkeypatch.delenv("TKV_BITS", raising=False)
+    monkeypatch.delenv("TKV_CALIBRATION_FILE", raising=False)
+    clear_config_cache()
+
+    def set_env(bits=None, bundle=None):
+        clear_config_cache()
+        for k, v in (("TKV_BITS", bits), ("TKV_CALIBRATION_FILE", bundle)):
+            if v is None:
+                monkeypatch.delenv(k, raising=False)
+            else:
+                monkeypatch.setenv(k, str(v))
+
+    yield set_env
+    clear_config_cache()
+
+
+class FakeModelConfig(SimpleNamespace):
+    def __init__(self, num_layers=4, kv_heads=2, head_dim=64, q_heads=4, **kw):
+        super().__init__(num_hidden_layers=num_layers, num_attention_layers=num_layers,
+                         head_dim=head_dim, v_head_dim=head_dim, num_attention_heads=q_heads,
+                         attention_arch=SimpleNamespace(name="MHA"), is_hybrid_swa=False,
+                         is_encoder_decoder=False, context_len=4096,
+                         hf_config=SimpleNamespace(architectures=["TinyForCausalLM"]),
+                         _kv_heads=kv_heads, **kw)
+
+    def get_total_num_kv_heads(self):
+        return self._kv_heads
+
+    def get_num_kv_heads(self, tp):
+        return max(1, self._kv_heads // tp)
+
+
+class FakeServerArgs(SimpleNamespace):
+    def __init__(self, model_config=None, **kw):
+        base = dict(page_size=None, speculative_algorithm=None, enable_hierarchical_cache=False,
+                    enable_lmcache=False, enable_hisparse=False, disaggregation_mode="null")
+        base.update(kw)
+        super().__init__(_mc=model_config or FakeModelConfig(), **base)
+
+    def get_model_config(self):
+        return self._mc
+
+
+@pytest.fixture
+def fakes():
+    """Namespace with FakeModelConfig and FakeServerArgs (duck-typed SGLang stand-ins)."""
+    return SimpleNamespace(ModelConfig=FakeModelConfig, ServerArgs=FakeServerArgs)

@@ -1,0 +1,53 @@
+"""Startup checks run by the patched ServerArgs for --kv-cache-dtype tkv (duck-typed args)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tkv.codec import BudgetRowMissingError, BundleGeometryError
+from tkv.sglang.errors import UnsupportedFeatureError
+from tkv.sglang.server_args_check import check_server_args
+
+
+def test_page_size_defaults_to_16(fakes, tkv_env, bundle_file):
+    tkv_env("4.5", bundle_file)
+    sa = fakes.ServerArgs()
+    check_server_args(sa)
+    assert sa.page_size == 16
+    sa = fakes.ServerArgs(page_size=64)
+    check_server_args(sa)
+    assert sa.page_size == 64
+
+
+@pytest.mark.parametrize("page", [1, 8, 24, 0])
+def test_page_size_must_be_a_multiple_of_16(fakes, page):
+    with pytest.raises(UnsupportedFeatureError, match="multiple of 16"):
+        check_server_args(fakes.ServerArgs(page_size=page), validate_model=False)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"speculative_algorithm": "EAGLE"}, "speculative"),
+    ({"enable_hierarchical_cache": True}, "hierarchical"),
+    ({"enable_lmcache": True}, "lmcache"),
+    ({"enable_hisparse": True}, "hisparse"),
+    ({"disaggregation_mode": "prefill"}, "disaggregation"),
+])
+def test_unsupported_features_are_refused(fakes, kw, match):
+    with pytest.raises(UnsupportedFeatureError, match=match):
+        check_server_args(fakes.ServerArgs(**kw), validate_model=False)
+
+
+def test_config_is_validated_against_the_model_at_startup(fakes, tkv_env, bundle_file):
+    tkv_env("4.5", bundle_file)
+    with pytest.raises(BundleGeometryError):
+        check_server_args(fakes.ServerArgs(fakes.ModelConfig(kv_heads=8)))
+    tkv_env("6.0", bundle_file)
+    with pytest.raises(BudgetRowMissingError, match=r"rows present: 4\.0, 4\.5"):
+        check_server_args(fakes.ServerArgs())
+
+
+def test_unsupported_model_is_refused_at_startup(fakes, tkv_env):
+    mc = fakes.ModelConfig()
+    mc.is_hybrid_swa = True
+    with pytest.raises(UnsupportedFeatureError, match="sliding-window"):
+        check_server_args(fakes.ServerArgs(mc))
