@@ -77,3 +77,47 @@ def vllm_tree_copy(vllm_sdist_tree: Path, tmp_path: Path) -> Path:
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(vllm_sdist_tree / rel, dst)
     return root
+
+
+# ----------------------------------------------------------------------------- fakes
+def fake_model_config(num_layers=4, num_kv_heads=2, head_dim=64, **flags):
+    """Duck-typed stand-in for vLLM's ModelConfig (only what tkv.vllm reads)."""
+    from types import SimpleNamespace
+
+    ns = SimpleNamespace(model="fake/model", use_mla=False, is_encoder_decoder=False,
+                         is_hybrid=False, is_attention_free=False, has_noops=False)
+    for k, v in flags.items():
+        setattr(ns, k, v)
+    ns.get_total_num_hidden_layers = lambda: num_layers
+    ns.get_total_num_kv_heads = lambda: num_kv_heads
+    ns.get_head_size = lambda: head_dim
+    return ns
+
+
+def fake_vllm_config(model_config=None, *, tp=1, block_size=16, layers=None,
+                     disable_hybrid=False, max_num_seqs=8):
+    """Duck-typed VllmConfig with the fields tkv.vllm and vLLM's builder base read."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        model_config=model_config or fake_model_config(),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, decode_context_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=block_size),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=disable_hybrid,
+                                         max_num_seqs=max_num_seqs, max_num_batched_tokens=256),
+        compilation_config=SimpleNamespace(static_forward_context=dict(layers or {})),
+        speculative_config=None)
+
+
+def make_bundle(path: Path, num_layers=4, num_kv_heads=2, head_dim=64, rows=None) -> Path:
+    """A small valid calibration bundle (uniform 4.0 row + a SmartMix-like 3.5 row)."""
+    from tkv.codec.bundle import CalibrationBundle, LayerAllocation, LayerCalibration, ModelGeometry
+
+    if rows is None:
+        rows = {"4.0": LayerAllocation.uniform(num_layers, 4, 4),
+                "3.5": LayerAllocation(tuple([4, 3] * (num_layers // 2)),
+                                       tuple([3, 3] * (num_layers // 2)), "smartmix")}
+    b = CalibrationBundle(ModelGeometry(num_layers, num_kv_heads, head_dim, model="fake/model"),
+                          tuple(LayerCalibration() for _ in range(num_layers)), rows,
+                          provenance={"tool": "test"})
+    return b.save(path)

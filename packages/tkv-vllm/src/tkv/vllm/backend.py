@@ -9,11 +9,10 @@ Thin glue over :mod:`tkv.kernels`:
 * **decode** rows (query length 1, first in the batch thanks to ``reorder_batch_threshold=1``):
   :func:`tkv.kernels.decode` — split-K paged attention with inline dequant, GQA, sliding
   window, scratch from the one shared :class:`tkv.kernels.Workspace`.
-* **prefill / chunked-prefill / spec-decode-verify** rows: first chunks with no cached
-  context run FlashAttention on the raw K/V when vLLM's flash-attn is present (exact);
-  everything else reads the compressed cache: every query token becomes one decode row
-  whose sequence ends at that token (causal by construction), with the per-token
-  ``seq_lens`` / block-table rows built by the metadata builder on the device.
+* **prefill / chunked-prefill / spec-decode-verify** rows (query length > 1):
+  :func:`tkv.kernels.prefill` — varlen causal flash-attention tiling; the cached prefix is
+  read from the compressed cache with inline dequant, the chunk itself from the new
+  uncompressed K/V (a first chunk is plain bf16 attention).
 
 CUDA graphs: the builder reports ``UNIFORM_SINGLE_TOKEN_DECODE`` — pure-decode batches are
 captured whole (their tensors are vLLM's persistent ones); other batches run attention
@@ -57,18 +56,6 @@ from .workspace import shared_workspace
 __all__ = ["TurboAttnBackend", "TurboAttnImpl", "TurboAttnMetadata", "TurboAttnMetadataBuilder"]
 
 log = logging.getLogger("tkv.vllm")
-
-try:  # FlashAttention for first-chunk prefills on raw K/V (CUDA builds of vLLM only).
-    from vllm.v1.attention.backends.fa_utils import (
-        flash_attn_varlen_func,
-        get_flash_attn_version,
-        is_flash_attn_varlen_func_available,
-    )
-
-    _HAS_FA = bool(is_flash_attn_varlen_func_available()) and torch.cuda.is_available()
-except ImportError:  # pragma: no cover - depends on the vLLM build
-    _HAS_FA = False
-
 
 class TurboAttnBackend(AttentionBackend):
     """vLLM attention backend ``TURBO_ATTN`` for ``--kv-cache-dtype tkv``."""
@@ -135,17 +122,16 @@ class TurboAttnBackend(AttentionBackend):
 class TurboAttnMetadata(AttentionMetadata):
     """Per-batch metadata (shared by all layers of a KV-cache group).
 
-    Host ints: num_actual_tokens, num_decodes (= num_decode_tokens: query length 1),
-    num_prefills, num_prefill_tokens, block_size, max_prefill_query_len,
-    prefill_no_context (every prefill row starts at position 0).
-    Device tensors: seq_lens int32 (num_reqs,), block_table int32 (num_reqs, max_blocks),
-    slot_mapping int64 (num_tokens,), and for prefill rows prefill_cu_seqlens int32
-    (num_prefills + 1,), prefill_seq_lens int32 (num_prefill_tokens,) — context length seen
-    by each prefill token, itself included — and prefill_block_table int32
-    (num_prefill_tokens, max_blocks).
+    Host ints: num_actual_tokens, num_reqs, num_decodes (= decode tokens: query length 1,
+    first in the batch), num_prefills, num_prefill_tokens, max_prefill_query_len,
+    block_size. Device tensors (vLLM's persistent buffers, so CUDA-graph replays see the
+    same addresses): seq_lens int32 (≥ num_reqs,), block_table int32 (≥ num_reqs,
+    max_blocks), slot_mapping int64, and prefill_cu_seqlens int32 (num_prefills + 1,) —
+    the prefill rows' query offsets rebased to 0 (a small per-batch tensor).
     """
 
     num_actual_tokens: int
+    num_reqs: int
     num_decodes: int
     num_prefills: int
     num_prefill_tokens: int
@@ -154,10 +140,7 @@ class TurboAttnMetadata(AttentionMetadata):
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     max_prefill_query_len: int = 0
-    prefill_no_context: bool = False
     prefill_cu_seqlens: torch.Tensor | None = None
-    prefill_seq_lens: torch.Tensor | None = None
-    prefill_block_table: torch.Tensor | None = None
 
 
 class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
@@ -177,37 +160,18 @@ class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
             raise UnsupportedModelError("turbo-attn does not implement cascade attention")
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = (
             split_decodes_and_prefills(cam, decode_threshold=1))
-        num_reqs = cam.num_reqs
         md = TurboAttnMetadata(
-            num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
-            num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
-            block_size=int(self.kv_cache_spec.block_size),
+            num_actual_tokens=cam.num_actual_tokens, num_reqs=cam.num_reqs,
+            num_decodes=num_decodes, num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens, block_size=int(self.kv_cache_spec.block_size),
             seq_lens=cam.seq_lens, block_table=cam.block_table_tensor,
             slot_mapping=cam.slot_mapping)
-        if num_prefills == 0:
-            return md
-        # Host-side facts from CPU tensors (no device sync).
-        qsl_cpu = cam.query_start_loc_cpu[num_decodes:num_reqs + 1]
-        q_lens_cpu = qsl_cpu[1:] - qsl_cpu[:-1]
-        md.max_prefill_query_len = int(q_lens_cpu.max())
-        ub = cam.seq_lens_cpu_upper_bound  # precise for prefill rows
-        if ub is not None:
-            md.prefill_no_context = bool(torch.equal(ub[num_decodes:num_reqs].to(q_lens_cpu.dtype),
-                                                     q_lens_cpu))
-        # Device-side per-token expansion (sizes are host ints -> no sync).
-        dev = cam.query_start_loc.device
-        qsl = cam.query_start_loc[num_decodes:num_reqs + 1]
-        md.prefill_cu_seqlens = (qsl - num_decode_tokens).to(torch.int32)
-        q_lens = (qsl[1:] - qsl[:-1]).to(torch.int64)
-        req = torch.repeat_interleave(
-            torch.arange(num_decodes, num_reqs, device=dev), q_lens,
-            output_size=num_prefill_tokens)
-        tok = torch.arange(num_decode_tokens, num_decode_tokens + num_prefill_tokens,
-                           device=dev)
-        pos = tok - cam.query_start_loc[req].to(torch.int64)          # 0-based within query
-        ctx = cam.seq_lens[req].to(torch.int64) - q_lens[req - num_decodes]
-        md.prefill_seq_lens = (ctx + pos + 1).to(torch.int32)
-        md.prefill_block_table = cam.block_table_tensor[req]
+        if num_prefills:
+            # Host facts from the CPU copy (no device sync); offsets rebased on the device.
+            qsl_cpu = cam.query_start_loc_cpu[num_decodes:cam.num_reqs + 1]
+            md.max_prefill_query_len = int((qsl_cpu[1:] - qsl_cpu[:-1]).max())
+            qsl = cam.query_start_loc[num_decodes:cam.num_reqs + 1]
+            md.prefill_cu_seqlens = (qsl - num_decode_tokens).to(torch.int32)
         return md
 
 
@@ -261,8 +225,7 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
     state = LayerState(idx, k_bits, v_bits, int(impl.num_kv_heads), codec, {}, block)
     state.loader(block)
     sc = vllm_config.scheduler_config
-    max_rows = max(int(sc.max_num_seqs), int(sc.max_num_batched_tokens))
-    shared_workspace(dev, max_rows, int(impl.num_heads), int(impl.head_size))
+    shared_workspace(dev, int(sc.max_num_seqs), int(impl.num_heads), int(impl.head_size))
     impl._tkv_state = state
     return state
 
@@ -302,7 +265,6 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
         self.sliding_window = sliding_window
         self.kv_cache_dtype = kv_cache_dtype
         self._tkv_state: LayerState | None = None
-        self._fa_version = get_flash_attn_version() if _HAS_FA else None
         # Validate TKV_BITS / TKV_CALIBRATION_FILE now: the first layer built fails the
         # engine with the codec's named error, before any KV cache is allocated.
         tkv_config(get_current_vllm_config())
@@ -355,22 +317,10 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
             kernels.decode(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], loader, ws,
                            out=out[:nd], sm_scale=self.scale, window=self._window)
         if md.num_prefills:
-            qp, op = q[nd:n], out[nd:n]
-            if md.prefill_no_context and _HAS_FA:
-                kv_shape = (key.shape[0], self.num_kv_heads, self.head_size)
-                self._flash_prefill(qp, key.view(kv_shape)[nd:n], value.view(kv_shape)[nd:n],
-                                    op, md)
-            else:
-                kernels.decode(qp, kv_cache, md.prefill_block_table, md.prefill_seq_lens,
-                               loader, ws, out=op, sm_scale=self.scale, window=self._window)
+            r0, r1 = nd, md.num_reqs
+            kv_shape = (key.shape[0], self.num_kv_heads, self.head_size)
+            kernels.prefill(q[nd:n], key.view(kv_shape)[nd:n], value.view(kv_shape)[nd:n],
+                            md.prefill_cu_seqlens, md.seq_lens[r0:r1],
+                            md.max_prefill_query_len, kv_cache, md.block_table[r0:r1], loader,
+                            out=out[nd:n], sm_scale=self.scale, window=self._window)
         return output
-
-    def _flash_prefill(self, q, k, v, out, md: TurboAttnMetadata) -> None:
-        w = self._window
-        kwargs = dict(q=q, k=k, v=v, max_seqlen_q=md.max_prefill_query_len,
-                      cu_seqlens_q=md.prefill_cu_seqlens, max_seqlen_k=md.max_prefill_query_len,
-                      cu_seqlens_k=md.prefill_cu_seqlens, softmax_scale=self.scale, causal=True,
-                      window_size=[w - 1, 0] if w else [-1, -1], out=out)
-        if self._fa_version is not None:
-            kwargs["fa_version"] = self._fa_version
-        flash_attn_varlen_func(**kwargs)

@@ -1,0 +1,73 @@
+"""Page plan (per-layer vs common pages) and TP sharding: math equals tkv.codec.layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from tkv.codec.bundle import LayerAllocation
+from tkv.codec.errors import ShapeError
+from tkv.codec.layout import ModelLayout, SlotLayout
+from tkv.vllm.pages import COMMON, PER_LAYER, plan_pages
+from tkv.vllm.sharding import shard_kv_heads
+
+MIX = LayerAllocation((4, 3, 8, 2, 5, 4), (3, 3, 4, 2, 6, 4), "smartmix")
+
+
+def test_single_attention_kind_keeps_per_layer_widths():
+    plan = plan_pages(MIX, 128, 8, [None] * 6)
+    assert plan.mode == PER_LAYER
+    assert plan.served == plan.allocated
+    assert plan.capacity_loss(16) == 0.0
+    ml = ModelLayout.from_allocation(128, 8, MIX.k_bits, MIX.v_bits, 16)
+    assert plan.bytes_per_block(16) == sum(lay.page_bytes for lay in ml.layers)
+    for i, lay in enumerate(ml.layers):
+        assert plan.layout(i, 16) == lay
+    # one sliding window everywhere is one kind too
+    assert plan_pages(MIX, 128, 8, [4096] * 6).mode == PER_LAYER
+
+
+def test_hybrid_uses_widest_layer_for_every_page_and_reports_the_loss():
+    kinds = [None, 4096, 4096, None, 4096, 4096]
+    plan = plan_pages(MIX, 128, 8, kinds)
+    assert plan.mode == COMMON
+    widest = max(zip(MIX.k_bits, MIX.v_bits, strict=True),
+                 key=lambda p: SlotLayout(128, 8, p[0], p[1], 16).page_bytes)
+    assert set(plan.served) == {widest} == {(8, 4)}
+    pages = {plan.layout(i, 32).page_bytes for i in range(6)}
+    assert len(pages) == 1
+    ideal = sum(SlotLayout(128, 8, k, v, 32).page_bytes for k, v in plan.allocated)
+    assert plan.capacity_loss(32) == pytest.approx(1 - ideal / (6 * pages.pop()))
+    assert 0 < plan.capacity_loss(32) < 1
+    assert "fewer tokens" in plan.describe(32)
+
+
+def test_hybrid_with_uniform_widths_or_manager_off_has_no_loss():
+    kinds = [None, 4096] * 3
+    uni = LayerAllocation.uniform(6, 4, 4)
+    assert plan_pages(uni, 128, 8, kinds).mode == PER_LAYER
+    assert plan_pages(MIX, 128, 8, kinds, hybrid_manager=False).mode == PER_LAYER
+
+
+def test_empty_allocation_is_refused():
+    with pytest.raises(ShapeError):
+        plan_pages(LayerAllocation((), ()), 128, 8, [])
+
+
+@pytest.mark.parametrize(("h", "t"), [(8, 1), (8, 2), (8, 4), (8, 8), (2, 4), (1, 8), (4, 8)])
+def test_kv_head_shards_cover_the_heads(h, t):
+    shards = [shard_kv_heads(h, t, r) for r in range(t)]
+    covered = sorted({x for s in shards for x in s.heads})
+    assert covered == list(range(h))
+    assert all(s.num_local_heads == max(1, h // t) for s in shards)
+    assert all(s.replicas == max(1, t // h) for s in shards)
+    # per-rank pages add up to the whole model's page when heads are split
+    if h >= t:
+        whole = SlotLayout(128, h, 4, 3, 16).page_bytes
+        assert sum(SlotLayout(128, s.num_local_heads, 4, 3, 16).page_bytes
+                   for s in shards) == whole
+
+
+@pytest.mark.parametrize(("h", "t", "r"), [(6, 4, 0), (3, 2, 0), (8, 2, 2), (0, 1, 0)])
+def test_bad_sharding_is_refused(h, t, r):
+    with pytest.raises(ShapeError):
+        shard_kv_heads(h, t, r)

@@ -1,0 +1,88 @@
+"""Startup validation: TKV_BITS / TKV_CALIBRATION_FILE through tkv.codec.config with named
+errors, refusal of models the backend cannot serve, layer indices."""
+
+from __future__ import annotations
+
+import pytest
+
+from tkv.codec.errors import (
+    BudgetRowMissingError,
+    BundleGeometryError,
+    BundleSchemaError,
+    TkvBitsError,
+)
+from tkv.vllm import startup
+from tkv.vllm.errors import UnsupportedModelError
+
+from .conftest import fake_model_config, fake_vllm_config, make_bundle
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    startup._CONFIGS.clear()
+    yield
+    startup._CONFIGS.clear()
+
+
+def test_bundle_row_is_resolved_once(tmp_path):
+    path = make_bundle(tmp_path / "b.json")
+    env = {"TKV_BITS": "3.5", "TKV_CALIBRATION_FILE": str(path)}
+    vc = fake_vllm_config()
+    cfg = startup.tkv_config(vc, env)
+    assert cfg.tkv_bits == "3.5" and cfg.allocation.source == "smartmix"
+    assert cfg.layer_bits(0) == (4, 3) and cfg.layer_bits(1) == (3, 3)
+    assert startup.tkv_config(vc, env) is cfg  # validated once, cached
+
+
+def test_no_bundle_is_uniform_k4v4_with_loud_warning():
+    with pytest.warns(UserWarning, match="no calibration bundle"):
+        cfg = startup.tkv_config(fake_vllm_config(), {})
+    assert set(zip(cfg.allocation.k_bits, cfg.allocation.v_bits, strict=True)) == {(4, 4)}
+
+
+@pytest.mark.parametrize(("env", "exc"), [
+    ({"TKV_BITS": "9"}, TkvBitsError),
+    ({"TKV_BITS": "four"}, TkvBitsError),
+    ({"TKV_BITS": "3.0"}, BudgetRowMissingError),  # no bundle: only 4.0
+])
+def test_bad_bits_are_named_errors(env, exc):
+    with pytest.raises(exc):
+        startup.tkv_config(fake_vllm_config(), env)
+
+
+def test_missing_row_missing_file_bad_geometry_bad_json(tmp_path):
+    path = make_bundle(tmp_path / "b.json")
+    with pytest.raises(BudgetRowMissingError, match=r"rows present: 3\.5, 4\.0"):
+        startup.tkv_config(fake_vllm_config(), {"TKV_BITS": "3.0",
+                                                "TKV_CALIBRATION_FILE": str(path)})
+    with pytest.raises(FileNotFoundError, match="TKV_CALIBRATION_FILE"):
+        startup.tkv_config(fake_vllm_config(), {"TKV_CALIBRATION_FILE": str(tmp_path / "no")})
+    other = fake_vllm_config(fake_model_config(num_layers=4, num_kv_heads=8, head_dim=64))
+    with pytest.raises(BundleGeometryError, match="num_kv_heads"):
+        startup.tkv_config(other, {"TKV_CALIBRATION_FILE": str(path)})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(BundleSchemaError):
+        startup.tkv_config(fake_vllm_config(), {"TKV_CALIBRATION_FILE": str(bad)})
+
+
+@pytest.mark.parametrize("flag", ["use_mla", "is_encoder_decoder", "is_hybrid",
+                                  "is_attention_free", "has_noops"])
+def test_unsupported_models_are_refused(flag):
+    vc = fake_vllm_config(fake_model_config(**{flag: True}))
+    with pytest.raises(UnsupportedModelError, match="tkv"):
+        startup.tkv_config(vc, {})
+
+
+def test_layer_index():
+    assert startup.layer_index("model.layers.12.self_attn.attn", 36) == 12
+    assert startup.layer_index("layers.0.attn", 1) == 0
+    with pytest.raises(UnsupportedModelError, match="outside"):
+        startup.layer_index("model.layers.36.self_attn.attn", 36)
+    with pytest.raises(UnsupportedModelError, match="cannot tell"):
+        startup.layer_index("model.attn", 36)
+
+
+def test_tp_shard_from_config():
+    vc = fake_vllm_config(fake_model_config(num_kv_heads=8), tp=1)
+    assert startup.tp_shard(vc).num_local_heads == 8
