@@ -1,0 +1,78 @@
+"""Helpers to build random paged-cache scenarios (for tests, benchmarks and engine adapters'
+tests): random non-contiguous block tables, slot mappings, poisoned caches."""
+
+from __future__ import annotations
+
+import torch
+
+from .loaders import BypassLoader, Fp8Loader, TkvLoader
+from .store import compress_store
+
+__all__ = ["PagedBatch", "fill_cache", "make_cache", "make_paged_batch"]
+
+
+class PagedBatch:
+    """A batch of sequences placed in random, non-contiguous physical blocks.
+
+    Attributes:
+        seq_lens: int32 ``(num_seqs,)``; block_table: int32 ``(num_seqs, max_blocks)``
+        (unused entries poisoned with out-of-range ids); num_blocks: physical blocks.
+    """
+
+    def __init__(self, seq_lens, block_table, num_blocks, block_size):
+        self.seq_lens, self.block_table = seq_lens, block_table
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def slots(self, i: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """int64 slot ids of sequence ``i``'s tokens ``start..end-1``."""
+        n = int(self.seq_lens[i]) if end is None else end
+        pos = torch.arange(start, n, device=self.block_table.device)
+        return (self.block_table[i].long()[pos // self.block_size] * self.block_size
+                + pos % self.block_size)
+
+
+def make_paged_batch(lens, block_size: int, device, extra_blocks: int = 3,
+                     generator: torch.Generator | None = None) -> PagedBatch:
+    """Random permutation of physical blocks over the sequences of lengths ``lens``."""
+    need = [-(-int(n) // block_size) for n in lens]
+    num_blocks = sum(need) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=generator)
+    maxb = max(max(need), 1) + 1
+    bt = torch.full((len(lens), maxb), 10**6, dtype=torch.int32)  # poison: never read
+    k = 0
+    for i, nb in enumerate(need):
+        bt[i, :nb] = perm[k: k + nb].int()
+        k += nb
+    return PagedBatch(torch.tensor([int(n) for n in lens], dtype=torch.int32, device=device),
+                      bt.to(device), num_blocks, block_size)
+
+
+def make_cache(loader, num_blocks: int, device, generator: torch.Generator | None = None):
+    """A poisoned cache of ``num_blocks`` blocks in the loader's format: random bytes (tkv;
+    may decode to NaN norms), NaN (bypass) or NaN encodings (fp8) — never zeros."""
+    if isinstance(loader, TkvLoader):
+        return torch.randint(0, 256, (num_blocks, loader.layout.page_bytes), dtype=torch.uint8,
+                             generator=generator).to(device)
+    shape = (num_blocks, loader.block_size, loader.num_kv_heads, loader.head_dim)
+    if isinstance(loader, BypassLoader):
+        return tuple(torch.full(shape, float("nan"), dtype=loader.dtype, device=device)
+                     for _ in range(2))
+    if isinstance(loader, Fp8Loader):
+        return tuple(torch.full(shape, 0x7F, dtype=torch.uint8, device=device)
+                     .view(torch.float8_e4m3fn) for _ in range(2))
+    raise TypeError(f"unknown loader {type(loader).__name__}")
+
+
+def fill_cache(loader, cache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor):
+    """Write ``key``/``value`` ``(n, num_kv_heads, head_dim)`` into ``slots`` (int64 ``(n,)``):
+    :func:`compress_store` for tkv, plain indexing for bypass / fp8 (value / scale)."""
+    if isinstance(loader, TkvLoader):
+        compress_store(key, value, cache, slots, loader)
+        return
+    b, o = slots // loader.block_size, slots % loader.block_size
+    if isinstance(loader, BypassLoader):
+        cache[0][b, o] = key.to(loader.dtype)
+        cache[1][b, o] = value.to(loader.dtype)
+    else:
+        cache[0][b, o] = (key.float() / loader.k_scale).to(torch.float8_e4m3fn)
+        cache[1][b, o] = (value.float() / loader.v_scale).to(torch.float8_e4m3fn)

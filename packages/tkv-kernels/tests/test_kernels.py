@@ -1,0 +1,358 @@
+"""Correctness of compress_store / decode / prefill against the float64 oracle.
+
+Under TRITON_INTERPRET=1 (CPU, CI) the kernels run with float32 dots at tiny shapes; on a GPU
+the same tests run compiled with fp16/bf16 tensor-core dots (looser tolerance)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from tkv.codec import TurboKVCodec
+from tkv.codec.errors import BitWidthError, DeviceMismatchError, DtypeError, ShapeError
+from tkv.kernels import (
+    BypassLoader,
+    Fp8Loader,
+    TkvLoader,
+    Workspace,
+    WorkspaceTooSmallError,
+    compress_store,
+    decode,
+    prefill,
+)
+from tkv.kernels._util import interpreting
+from tkv.kernels.reference import attention_reference, decode_reference, prefill_reference
+from tkv.kernels.testing import fill_cache, make_cache, make_paged_batch
+
+DEV = "cpu" if interpreting() or not torch.cuda.is_available() else "cuda"
+
+
+def _tol(dtype):
+    if interpreting():
+        return 1e-4
+    return 6e-3 if dtype == torch.float16 else 2.5e-2
+
+
+def _rel(out, ref):
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or poisoned)"
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _gen(seed):
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def _scenario(loader, lens, seed, dtype=torch.bfloat16):
+    g = _gen(seed)
+    batch = make_paged_batch(lens, loader.block_size, DEV, generator=g)
+    cache = make_cache(loader, batch.num_blocks, DEV, generator=g)
+    for i, n in enumerate(lens):
+        if n:
+            kv = torch.randn(2, n, loader.num_kv_heads, loader.head_dim, generator=g)
+            fill_cache(loader, cache, kv[0].to(DEV, dtype), kv[1].to(DEV, dtype), batch.slots(i))
+    return batch, cache
+
+
+def _ws(max_seqs=8, heads=32, d=128):
+    return Workspace(max_seqs, heads, d, DEV, max_splits=8)
+
+
+def _decode_check(loader, lens, group, seed, window=0, dtype=torch.bfloat16, splits=None):
+    batch, cache = _scenario(loader, lens, seed, dtype)
+    hq = loader.num_kv_heads * group
+    q = (torch.randn(len(lens), hq, loader.head_dim) * 2).to(DEV, dtype)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
+    decode(q, cache, batch.block_table, batch.seq_lens, loader, _ws(), out=out, window=window,
+           num_splits=splits, block_n=16)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, loader, window=window)
+    assert _rel(out, ref) < _tol(dtype)
+    return out, q, cache, batch
+
+
+# --------------------------------------------------------------------- compress_store
+@pytest.mark.parametrize("head_dim,kb,vb", [(64, 4, 4), (96, 3, 5), (128, 2, 8), (64, 7, 6)])
+def test_compress_store_matches_codec(head_dim, kb, vb):
+    g = _gen(1)
+    codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=7)
+    ld = TkvLoader(codec, 2, 16)
+    nblk = 6
+    cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8, generator=g)
+    cache = cache.to(DEV)
+    before = cache.clone()
+    n = 37
+    k = (torch.randn(n, 2, head_dim, generator=g) * 3).to(DEV, torch.bfloat16)
+    v = torch.randn(n, 2, head_dim, generator=g).to(DEV, torch.float16)
+    slots = torch.randperm(nblk * 16, generator=g)[:n].to(DEV)
+    slots[5] = -1  # skipped
+    compress_store(k, v, cache, slots, ld)
+    views = ld.layout.views(cache)
+    keep = slots >= 0
+    s = slots[keep]
+    b, o = s // 16, s % 16
+    pk, nk = codec.compress_k(k[keep])
+    pv, nv = codec.compress_v(v[keep])
+    # codes bit-exact except (on GPU) for rare float32 ties at bucket boundaries
+    ck = codec.k.quantize(k[keep])[0]
+    got_k = __import__("tkv.codec.packing", fromlist=["x"]).unpack_codes(
+        views["k_codes"][b, :, o], kb, head_dim)
+    assert (got_k == ck).float().mean() > 0.999
+    assert ((got_k - ck).abs() <= 1).all()
+    if interpreting():
+        assert torch.equal(views["k_codes"][b, :, o], pk)
+        assert torch.equal(views["v_codes"][b, :, o], pv)
+        assert torch.equal(views["k_norms"][b, :, o], nk)
+        assert torch.equal(views["v_norms"][b, :, o], nv)
+    else:
+        torch.testing.assert_close(views["k_norms"][b, :, o].float(), nk.float(), rtol=8e-3, atol=0)
+    # untouched slots keep their bytes
+    written = torch.zeros(nblk * 16, dtype=torch.bool, device=DEV)
+    written[s] = True
+    for name in ("k_codes", "v_codes"):
+        vb_ = ld.layout.views(before)[name].transpose(1, 2).reshape(nblk * 16, 2, -1)
+        va_ = views[name].transpose(1, 2).reshape(nblk * 16, 2, -1)
+        assert torch.equal(vb_[~written], va_[~written])
+
+
+def test_compress_store_channel_scales_and_no_norm_correction():
+    g = _gen(2)
+    d = 64
+    ks = torch.rand(d, generator=g) + 0.5
+    vs = torch.rand(d, generator=g) + 0.5
+    codec = TurboKVCodec(d, 4, device=DEV, k_channel_scales=ks, v_channel_scales=vs,
+                         k_norm_correction=False, k_codebook="beta")
+    ld = TkvLoader(codec, 1, 16)
+    lens = [21, 9]
+    batch, cache = _scenario(ld, lens, 3)
+    q = torch.randn(2, 4, d).to(DEV, torch.bfloat16)
+    out = torch.full(q.shape, float("nan"), device=DEV)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    assert _rel(out, ref) < _tol(torch.bfloat16)
+
+
+# --------------------------------------------------------------------- every width pair
+@pytest.mark.parametrize("kb", range(2, 9))
+def test_every_width_pair_store_and_decode(kb):
+    for vb in range(2, 9):
+        codec = TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV, seed=kb * 10 + vb)
+        ld = TkvLoader(codec, 1, 16)
+        _decode_check(ld, [19, 1], group=2, seed=kb * 10 + vb)
+
+
+# --------------------------------------------------------------------- decode geometry
+@pytest.mark.parametrize("head_dim,group,block_size,window,lens", [
+    (64, 1, 16, 0, [33, 1, 16, 50]),
+    (128, 4, 16, 0, [47, 5]),
+    (96, 7, 32, 0, [70, 1, 31]),
+    (64, 8, 16, 9, [40, 3, 17]),
+    (128, 4, 64, 20, [130, 64]),
+])
+def test_decode_tkv_geometry(head_dim, group, block_size, window, lens):
+    codec = TurboKVCodec(head_dim, k_bits=4, v_bits=3, device=DEV, seed=head_dim)
+    ld = TkvLoader(codec, 2, block_size)
+    _decode_check(ld, lens, group, seed=group + block_size, window=window)
+
+
+def test_decode_splits_and_rotated_io():
+    codec = TurboKVCodec(64, 4, device=DEV)
+    ld = TkvLoader(codec, 2, 16)
+    batch, cache = _scenario(ld, [45, 12], 5)
+    q = torch.randn(2, 8, 64).to(DEV, torch.float16)
+    ws = _ws()
+    outs = []
+    for sp in (1, 4):
+        o = torch.full(q.shape, float("nan"), device=DEV)
+        outs.append(decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=o,
+                           num_splits=sp))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
+    # rotated in / rotated out round trip through the codec's own rotation
+    qr = codec.rotate_query(q.float())
+    o_rot = torch.full(q.shape, float("nan"), device=DEV)
+    decode(qr, cache, batch.block_table, batch.seq_lens, ld, ws, out=o_rot,
+           query_rotated=True, output_rotated=True)
+    torch.testing.assert_close(codec.unrotate_output(o_rot), outs[0], rtol=1e-2, atol=1e-2)
+
+
+def test_decode_zero_length_gives_zeros():
+    codec = TurboKVCodec(64, 4, device=DEV)
+    ld = TkvLoader(codec, 1, 16)
+    batch, cache = _scenario(ld, [0, 7], 6)
+    q = torch.randn(2, 2, 64).to(DEV, torch.bfloat16)
+    out = torch.full(q.shape, float("nan"), device=DEV)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    assert _rel(out[1], ref[1]) < _tol(torch.bfloat16)
+
+
+# --------------------------------------------------------------------- bypass / fp8
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bypass_decode_equals_plain_attention(dtype):
+    ld = BypassLoader(2, 64, 16, dtype)
+    lens = [29, 1, 16]
+    g = _gen(8)
+    batch = make_paged_batch(lens, 16, DEV, generator=g)
+    cache = make_cache(ld, batch.num_blocks, DEV)
+    q = torch.randn(3, 8, 64, generator=g).to(DEV, dtype)
+    out = torch.full(q.shape, float("nan"), device=DEV)
+    ks, vs = [], []
+    for i, n in enumerate(lens):
+        k = torch.randn(n, 2, 64, generator=g).to(DEV, dtype)
+        v = torch.randn(n, 2, 64, generator=g).to(DEV, dtype)
+        fill_cache(ld, cache, k, v, batch.slots(i))
+        ks.append(k)
+        vs.append(v)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out)
+    for i, n in enumerate(lens):  # plain attention on the raw tensors, no cache involved
+        pos = torch.arange(n, device=DEV)
+        ref = attention_reference(q[i:i + 1], ks[i], vs[i], pos[-1:], pos)[0]
+        assert _rel(out[i], ref) < _tol(dtype)
+
+
+def test_fp8_loader_decode_and_prefill():
+    ld = Fp8Loader(2, 64, 16, torch.tensor([0.05], device=DEV), torch.tensor([0.03], device=DEV))
+    _decode_check(ld, [30, 2, 17], group=4, seed=9)
+    _prefill_check(ld, prefix=[20, 0], qlens=[7, 5], group=4, seed=10)
+
+
+def test_fp8_tile_decodes_every_byte():
+    """All 254 finite e4m3 encodings through the kernel's integer decoding: zero keys give
+    uniform attention, so the output is the mean of the value rows, which hold every byte."""
+    ld = Fp8Loader(1, 16, 16, torch.tensor([1.0], device=DEV), torch.tensor([0.5], device=DEV))
+    allb = torch.arange(256, dtype=torch.uint8)
+    allb = allb[(allb & 0x7F) != 0x7F]  # the two NaN encodings are never written by vLLM
+    vals = torch.zeros(256, dtype=torch.uint8)
+    vals[: allb.numel()] = allb
+    expect = vals.view(torch.float8_e4m3fn).float().view(16, 16).mean(0) * 0.5
+    vcache = vals.view(1, 16, 1, 16).to(DEV).view(torch.float8_e4m3fn)
+    kcache = torch.zeros_like(vcache)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    q = torch.randn(1, 1, 16, device=DEV, dtype=torch.float16)
+    out = torch.full((1, 1, 16), float("nan"), device=DEV)
+    decode(q, (kcache, vcache), bt, torch.tensor([16], dtype=torch.int32, device=DEV), ld,
+           _ws(), out=out)
+    torch.testing.assert_close(out[0, 0].cpu(), expect, rtol=1e-3, atol=1e-3)
+
+
+# --------------------------------------------------------------------- prefill
+def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.float16):
+    lens = [p + q for p, q in zip(prefix, qlens, strict=True)]
+    g = _gen(seed)
+    batch = make_paged_batch(lens, loader.block_size, DEV, generator=g)
+    cache = make_cache(loader, batch.num_blocks, DEV, generator=g)
+    hkv, d = loader.num_kv_heads, loader.head_dim
+    qs, ks, vs = [], [], []
+    for i, (p, ql) in enumerate(zip(prefix, qlens, strict=True)):
+        kv = torch.randn(2, p + ql, hkv, d, generator=g).to(DEV, dtype)
+        fill_cache(loader, cache, kv[0], kv[1], batch.slots(i))  # whole sequence, as engines do
+        ks.append(kv[0, p:])
+        vs.append(kv[1, p:])
+        qs.append(torch.randn(ql, hkv * group, d, generator=g).to(DEV, dtype))
+    q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+    cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=DEV)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
+    prefill(q, k, v, cu, batch.seq_lens, max(qlens), cache, batch.block_table, loader, out=out,
+            window=window, block_m=16 * min(group, 2), block_n=16)
+    ref = prefill_reference(q, k, v, cu, batch.seq_lens, cache, batch.block_table, loader,
+                            window=window)
+    assert _rel(out, ref) < _tol(dtype)
+
+
+@pytest.mark.parametrize("head_dim,group,prefix,qlens,window", [
+    (64, 4, [0, 0], [19, 1], 0),               # first chunk: pure bf16 path (prefill bypass)
+    (64, 1, [35, 16, 0], [9, 1, 12], 0),
+    (96, 7, [20, 3], [5, 17], 0),
+    (128, 8, [40, 10], [8, 3], 11),
+])
+def test_prefill_tkv(head_dim, group, prefix, qlens, window):
+    codec = TurboKVCodec(head_dim, k_bits=3, v_bits=4, device=DEV, seed=3)
+    ld = TkvLoader(codec, 2, 16)
+    _prefill_check(ld, prefix, qlens, group, seed=head_dim + group, window=window)
+
+
+def test_prefill_bypass_equals_plain_attention():
+    ld = BypassLoader(2, 64, 16, torch.float16)
+    _prefill_check(ld, prefix=[21, 0, 5], qlens=[6, 9, 1], group=4, seed=12, window=0)
+
+
+# --------------------------------------------------------------------- errors
+def test_named_errors_on_bad_input():
+    codec = TurboKVCodec(64, 4, device=DEV)
+    ld = TkvLoader(codec, 2, 16)
+    ws = _ws()
+    cache = ld.layout.allocate(4, DEV)
+    bt = torch.zeros(2, 3, dtype=torch.int32, device=DEV)
+    sl = torch.ones(2, dtype=torch.int32, device=DEV)
+    q = torch.randn(2, 8, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(DtypeError):
+        decode(q.int(), cache, bt, sl, ld, ws)
+    with pytest.raises(ShapeError):
+        decode(q[:, :7], cache, bt, sl, ld, ws)
+    with pytest.raises(DtypeError):
+        decode(q, cache, bt.long(), sl, ld, ws)
+    with pytest.raises(DtypeError):
+        decode(q, cache, bt, sl.long(), ld, ws)
+    with pytest.raises(ShapeError):
+        decode(q, cache[:, :-16], bt, sl, ld, ws)
+    with pytest.raises(DtypeError):
+        decode(q, cache.float(), bt, sl, ld, ws)
+    with pytest.raises(ShapeError):
+        decode(q, cache, bt[:1], sl, ld, ws)
+    with pytest.raises(ShapeError):
+        decode(q, cache, bt, sl, ld, ws, window=-1)
+    with pytest.raises(ShapeError):
+        decode(q, cache, bt, sl, ld, ws, num_splits=3)
+    with pytest.raises(WorkspaceTooSmallError):
+        decode(q, cache, bt, sl, ld, Workspace(1, 8, 64, DEV))
+    k = torch.randn(3, 2, 64, device=DEV)
+    with pytest.raises(DtypeError):
+        compress_store(k, k, cache, torch.zeros(3, dtype=torch.int32, device=DEV), ld)
+    with pytest.raises(ShapeError):
+        compress_store(k, k[:2], cache, torch.zeros(3, dtype=torch.int64, device=DEV), ld)
+    with pytest.raises(ShapeError):
+        compress_store(k[..., :32], k, cache, torch.zeros(3, dtype=torch.int64, device=DEV), ld)
+    with pytest.raises(DtypeError):
+        compress_store(k.int(), k, cache, torch.zeros(3, dtype=torch.int64, device=DEV), ld)
+    with pytest.raises(BitWidthError):
+        TkvLoader(TurboKVCodec(64, 9), 2, 16)
+    with pytest.raises(DtypeError):
+        Fp8Loader(1, 64, 16, torch.ones(1, dtype=torch.float64), torch.ones(1))
+    if DEV == "cuda":
+        with pytest.raises(DeviceMismatchError):
+            decode(q, cache, bt.cpu(), sl, ld, ws)
+    bl = BypassLoader(2, 64, 16, torch.bfloat16)
+    with pytest.raises(DtypeError):
+        decode(q, torch.zeros(4, 16, 2, 64, device=DEV), bt, sl, bl, ws)
+    with pytest.raises(ShapeError):
+        kc = torch.zeros(4, 16, 2, 32, device=DEV, dtype=torch.bfloat16)
+        decode(q, (kc, kc), bt, sl, bl, ws)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    with pytest.raises(ShapeError):
+        prefill(q, k.bfloat16(), k.bfloat16(), cu, sl, 1, cache, bt, ld)
+    with pytest.raises(DtypeError):
+        prefill(q, q[:, :2], q[:, :2].half(), cu, sl, 1, cache, bt, ld)
+
+
+def test_workspace_split_count_is_static_and_bounded():
+    ws = Workspace(64, 32, 128, DEV, max_splits=16, target_programs=512)
+    assert ws.splits_for(1, 8) == 16
+    assert ws.splits_for(64, 8) == 1
+    assert all(ws.splits_for(n, 8) & (ws.splits_for(n, 8) - 1) == 0 for n in range(1, 65))
+    o, lse = ws.partials(4, 32, ws.splits_for(4, 8), 128)
+    assert o.shape == (4, 32, 16, 128) and lse.shape == (4, 32, 16)
+    with pytest.raises(ShapeError):
+        Workspace(0, 32, 128, DEV)
+
+
+def test_loader_protocol():
+    from tkv.kernels import Loader
+
+    codec = TurboKVCodec(64, 4, device=DEV)
+    for ld in (TkvLoader(codec, 2, 16), BypassLoader(2, 64, 16),
+               Fp8Loader(2, 64, 16, torch.ones(1, device=DEV), torch.ones(1, device=DEV))):
+        assert isinstance(ld, Loader)
+        assert ld.bytes_per_token() > 0
+    assert TkvLoader(codec, 2, 16).bytes_per_token() == codec.layout(2, 16).bytes_per_token
+    assert math.isclose(BypassLoader(2, 64, 16).bytes_per_token(), 2 * 2 * 64 * 2)
