@@ -1,0 +1,369 @@
+"""With sglang==0.5.11 installed and patched (`tkv-sglang patch apply`): plugin registration,
+server-args validation, the patched ModelRunner paths (dtype, cell size, pool) and the
+turbo-attn backend on CPU against a float64 attention over codec round-tripped K/V.
+
+Skipped cleanly when sglang is not installed (the default workspace run)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang", reason="sglang==0.5.11 not installed (nox session `sglang`)")
+
+from tkv.codec import SlotLayout, TurboKVCodec  # noqa: E402
+from tkv.sglang.cell_size import cell_size_bytes  # noqa: E402
+from tkv.sglang.errors import UnsupportedFeatureError  # noqa: E402
+
+MIXED_K = (3, 5, 8, 2)
+MIXED_V = (4, 2, 6, 7)
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def sgl():
+    """Heavy sglang modules, imported once with their import-time platform warnings muted,
+    and the plugin registered."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            from sglang.srt.mem_cache import kv_cache_dtype_registry as reg
+        except ImportError:
+            pytest.skip("sglang is not patched: run `tkv-sglang patch apply`")
+        from sglang.srt.layers.attention import attention_registry
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.model_executor import model_runner, pool_configurator
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin
+        from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, prepare_server_args
+
+        from tkv.sglang import plugin
+
+        plugin.register()
+        plugin.register()  # idempotent
+    return SimpleNamespace(reg=reg, attention_registry=attention_registry,
+                           Allocator=PagedTokenToKVPoolAllocator, ReqToTokenPool=ReqToTokenPool,
+                           model_runner=model_runner, pool_configurator=pool_configurator,
+                           ForwardMode=ForwardMode, Mixin=ModelRunnerKVCacheMixin,
+                           choices=ATTENTION_BACKEND_CHOICES, prepare=prepare_server_args,
+                           plugin=plugin)
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    """A local 4-layer Llama config (2 KV heads, head_dim 64): enough for ServerArgs."""
+    d = tmp_path / "tiny"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}))
+    return d
+
+
+def _args(model, *extra):
+    return ["--model-path", str(model), "--device", "cpu", "--skip-tokenizer-init", *extra]
+
+
+# ----------------------------------------------------------------------------- registration
+def test_plugin_is_an_entry_point_and_registers_dtype_and_backend(sgl):
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("tkv") == "tkv.sglang.plugin:register"
+    spec = sgl.reg.get_kv_cache_dtype_spec("tkv")
+    assert spec.torch_dtype == torch.uint8 and spec.attention_backends == ("turbo-attn",)
+    assert "tkv" in sgl.reg.get_kv_cache_dtype_choices()
+    assert sgl.attention_registry.ATTENTION_BACKENDS["turbo-attn"] is sgl.plugin.create_backend
+    assert sgl.choices.count("turbo-attn") == 1
+
+
+def test_server_args_accept_tkv_and_validate(sgl, tiny_model, tkv_env, bundle_file):
+    tkv_env("4.5", bundle_file)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sa = sgl.prepare(_args(tiny_model, "--kv-cache-dtype", "tkv", "--attention-backend", "turbo-attn"))
+        assert (sa.kv_cache_dtype, sa.attention_backend, sa.page_size) == ("tkv", "turbo-attn", 16)
+        with pytest.raises(ValueError, match="can only be read by the attention backend"):
+            sgl.prepare(_args(tiny_model, "--kv-cache-dtype", "tkv", "--attention-backend", "triton"))
+        with pytest.raises(ValueError, match="only reads --kv-cache-dtype tkv"):
+            sgl.prepare(_args(tiny_model, "--attention-backend", "turbo-attn"))
+        with pytest.raises(UnsupportedFeatureError, match="multiple of 16"):
+            sgl.prepare(_args(tiny_model, "--kv-cache-dtype", "tkv", "--attention-backend",
+                              "turbo-attn", "--page-size", "8"))
+        tkv_env("6.0", bundle_file)
+        with pytest.raises(KeyError, match="6.0"):
+            sgl.prepare(_args(tiny_model, "--kv-cache-dtype", "tkv", "--attention-backend", "turbo-attn"))
+
+
+# ----------------------------------------------------------------------------- model runner
+class FakeRunner(SimpleNamespace):
+    """The attributes of ModelRunner that the patched pool paths read."""
+
+
+def _runner(sgl, fakes, layers=(0, 4), page=PAGE, tokens=32 * PAGE):
+    mc = fakes.ModelConfig()
+    sa = SimpleNamespace(kv_cache_dtype="tkv", enable_memory_saver=False, page_size=page,
+                         speculative_num_draft_tokens=None, disaggregation_mode="null",
+                         attention_backend="turbo-attn", enable_pdmux=False,
+                         speculative_algorithm=None)
+    return FakeRunner(
+        server_args=sa, model_config=mc, start_layer=layers[0], end_layer=layers[1],
+        num_effective_layers=layers[1] - layers[0], page_size=page, device="cpu",
+        mambaish_config=None, is_draft_worker=False, is_hybrid_swa=False, enable_hisparse=False,
+        use_mla_backend=False, spec_algorithm=SimpleNamespace(is_dflash=lambda: False),
+        max_total_num_tokens=tokens, max_running_requests=8, req_to_token_pool=None,
+        token_to_kv_pool_allocator=None, hybrid_gdn_config=None, kv_cache_dtype=torch.uint8)
+
+
+@pytest.fixture
+def tp1(monkeypatch):
+    import sglang.srt.layers.dp_attention as dpa
+
+    monkeypatch.setattr(dpa, "get_attention_tp_size", lambda: 1)
+
+
+def test_configure_kv_cache_dtype_takes_the_plugin_dtype(sgl, fakes):
+    r = _runner(sgl, fakes)
+    sgl.model_runner.ModelRunner.configure_kv_cache_dtype(r)
+    assert r.kv_cache_dtype == torch.uint8
+
+
+@pytest.mark.parametrize("layers", [(0, 4), (1, 3)])
+def test_pool_configurator_prices_tokens_with_slotlayout(sgl, fakes, tkv_env, bundle_file, tp1,
+                                                        layers):
+    tkv_env("4.5", bundle_file)
+    r = _runner(sgl, fakes, layers)
+    conf = sgl.pool_configurator.create_memory_pool_configurator(r)
+    assert type(conf).__name__ == "PluginKVCacheDtypePoolConfigurator"
+    lays = [SlotLayout(64, 2, MIXED_K[i], MIXED_V[i], PAGE) for i in range(*layers)]
+    assert conf._cell_size == cell_size_bytes(lays) == sum(l.page_bytes for l in lays) // PAGE
+    pages = 1234
+    cfg = conf.calculate_pool_sizes(pages * sum(l.page_bytes for l in lays) + 99, PAGE)
+    assert cfg.max_total_num_tokens == pages * PAGE
+    bf16 = sum(l.bf16_bytes_per_token for l in lays)
+    assert bf16 / conf._cell_size == pytest.approx(
+        bf16 / sum(l.bytes_per_token for l in lays))
+
+
+def test_init_pools_builds_the_tkv_pool_and_paged_allocator(sgl, fakes, tkv_env, bundle_file, tp1):
+    tkv_env("4.5", bundle_file)
+    r = _runner(sgl, fakes)
+    sgl.Mixin._init_pools(r)
+    pool = r.token_to_kv_pool
+    assert type(pool).__name__ == "TkvTokenToKVPool"
+    assert isinstance(r.token_to_kv_pool_allocator, sgl.Allocator)
+    lays = [SlotLayout(64, 2, kb, vb, PAGE) for kb, vb in zip(MIXED_K, MIXED_V, strict=True)]
+    assert pool.layouts == lays
+    assert [tuple(b.shape) for b in pool.paged.buffers] == [(32 + 1, l.page_bytes) for l in lays]
+    assert pool.get_kv_size_bytes() == 33 * sum(l.page_bytes for l in lays)
+    assert pool.get_key_buffer(2) is pool.paged.buffers[2]
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    assert items == [l.page_bytes for l in lays] and lens == [33 * l.page_bytes for l in lays]
+    # allocator hands out whole pages ≥ 1 (page 0 is padding)
+    locs = r.token_to_kv_pool_allocator.alloc(3 * PAGE)
+    assert locs.min() >= PAGE and (locs.view(3, PAGE) % PAGE == torch.arange(PAGE)).all()
+
+
+@pytest.mark.parametrize(("attr", "val", "match"), [
+    ("mambaish_config", object(), "Mamba"),
+    ("is_draft_worker", True, "draft"),
+])
+def test_pool_factory_refuses(sgl, fakes, tkv_env, tp1, attr, val, match):
+    tkv_env()
+    r = _runner(sgl, fakes)
+    setattr(r, attr, val)
+    from tkv.sglang.factories import create_pool
+
+    with pytest.raises(UnsupportedFeatureError, match=match):
+        create_pool(r)
+
+
+# ----------------------------------------------------------------------------- backend
+def _attention64(q, k, v, scale, qpos, kpos):
+    g = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(g, 1)
+    v = v.double().repeat_interleave(g, 1)
+    s = torch.einsum("mhd,nhd->hmn", q.double(), k) * scale
+    s = s.masked_fill(~(kpos[None, :] <= qpos[:, None])[None], float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", torch.softmax(s, -1), v)
+
+
+class World:
+    """A fake worker: runner + tkv pool + req_to_token, and per request the K/V it stored."""
+
+    def __init__(self, sgl, fakes, monkeypatch):
+        import sglang.srt.layers.dp_attention as dpa
+
+        monkeypatch.setattr(dpa, "get_attention_tp_size", lambda: 1)
+        self.sgl = sgl
+        self.r = _runner(sgl, fakes, tokens=24 * PAGE)
+        sgl.Mixin._init_pools(self.r)
+        self.pool = self.r.token_to_kv_pool
+        self.req_to_token = self.r.req_to_token_pool.req_to_token
+        self.r.server_args.speculative_algorithm = None
+        from tkv.sglang.backend import TurboAttnBackend
+
+        self.backend = TurboAttnBackend(self.r)
+        self.layer = SimpleNamespace(layer_id=1, tp_q_head_num=4, tp_k_head_num=2,
+                                     tp_v_head_num=2, head_dim=64, qk_head_dim=64, v_head_dim=64,
+                                     scaling=0.125, logit_cap=0.0, sliding_window_size=-1,
+                                     is_cross_attention=False)
+        self.codec: TurboKVCodec = self.pool.codec(1)
+        self.k = {}
+        self.v = {}
+        self.g = torch.Generator().manual_seed(42)
+
+    def rand(self, *shape):
+        return torch.randn(*shape, generator=self.g)
+
+    def batch(self, mode, rows, seq_lens, ext=None):
+        sl = torch.tensor(seq_lens)
+        b = SimpleNamespace(forward_mode=mode, batch_size=len(rows),
+                            req_pool_indices=torch.tensor(rows), seq_lens=sl, seq_lens_cpu=sl,
+                            encoder_lens=None, spec_info=None)
+        if ext is not None:
+            b.extend_seq_lens = torch.tensor(ext, dtype=torch.int32)
+            b.extend_seq_lens_cpu = list(ext)
+            b.extend_prefix_lens_cpu = [n - e for n, e in zip(seq_lens, ext, strict=True)]
+        locs = [self.req_to_token[r, n - (ext[i] if ext else 1): n].long()
+                for i, (r, n) in enumerate(zip(rows, seq_lens, strict=True))]
+        b.out_cache_loc = torch.cat(locs)
+        return b
+
+    def expected(self, rows, seq_lens, q, q_lens, chunk_exact):
+        """float64: prefix K/V codec-round-tripped, the chunk exact (extend) or
+        round-tripped too (decode, where the new token is read back from the cache)."""
+        out, a = [], 0
+        for r, n, ql in zip(rows, seq_lens, q_lens, strict=True):
+            k, v = self.k[r][:n], self.v[r][:n]
+            kr = self.codec.decompress_k(*self.codec.compress_k(k)).double()
+            vr = self.codec.decompress_v(*self.codec.compress_v(v)).double()
+            if chunk_exact:
+                kr[n - ql:], vr[n - ql:] = k[n - ql:].double(), v[n - ql:].double()
+            out.append(_attention64(q[a:a + ql], kr, vr, 0.125, torch.arange(n - ql, n),
+                                    torch.arange(n)))
+            a += ql
+        return torch.cat(out)
+
+
+@pytest.fixture
+def world(sgl, fakes, tkv_env, bundle_file, monkeypatch):
+    tkv_env("4.5", bundle_file)
+    monkeypatch.setenv("TKV_SGLANG_IMPL", "reference")
+    return World(sgl, fakes, monkeypatch)
+
+
+def test_extend_then_chunked_prefill_then_decode_with_shared_prefix(world, sgl):
+    w, FM = world, sgl.ForwardMode
+    # request rows 1 and 2; pages deliberately out of order; row 2 shares row 1's first page
+    # (a radix-cache prefix hit: same compressed page, read by both)
+    pages1, pages2 = [7, 3, 12], [7, 5, 9]
+    for row, pages in ((1, pages1), (2, pages2)):
+        w.req_to_token[row, : len(pages) * PAGE] = torch.cat(
+            [torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages]).int()
+    w.k[1], w.v[1] = w.rand(40, 2, 64), w.rand(40, 2, 64)
+    w.k[2], w.v[2] = w.rand(40, 2, 64), w.rand(40, 2, 64)
+    w.k[2][:PAGE], w.v[2][:PAGE] = w.k[1][:PAGE], w.v[1][:PAGE]
+
+    # 1) prefill row 1 (21 tokens) and row 2's shared page is then a prefix hit
+    fb = w.batch(FM.EXTEND, [1], [21], [21])
+    w.backend.init_forward_metadata(fb)
+    assert w.backend.forward_metadata.block_table.tolist() == [[7, 3]]
+    q = w.rand(21, 4, 64)
+    o = w.backend.forward_extend(q, w.k[1][:21].reshape(21, -1), w.v[1][:21].reshape(21, -1),
+                                 w.layer, fb)
+    exp = w.expected([1], [21], q, [21], chunk_exact=True)
+    assert torch.allclose(o.view(21, 4, 64).double(), exp, atol=1e-4)
+
+    # 2) row 2: prefix = shared page (16 tokens, cached) + chunk of 9; row 1: chunk of 9 more
+    fb = w.batch(FM.EXTEND, [2, 1], [25, 30], [9, 9])
+    w.backend.init_forward_metadata(fb)
+    md = w.backend.forward_metadata
+    assert md.block_table.tolist() == [[7, 5], [7, 3]] and md.cu_seqlens_q.tolist() == [0, 9, 18]
+    q = w.rand(18, 4, 64)
+    kk = torch.cat([w.k[2][16:25], w.k[1][21:30]]).reshape(18, -1)
+    vv = torch.cat([w.v[2][16:25], w.v[1][21:30]]).reshape(18, -1)
+    o = w.backend.forward_extend(q, kk, vv, w.layer, fb)
+    exp = w.expected([2, 1], [25, 30], q, [9, 9], chunk_exact=True)
+    assert torch.allclose(o.view(18, 4, 64).double(), exp, atol=1e-4)
+
+    # 3) decode one token each: everything read back compressed
+    fb = w.batch(FM.DECODE, [1, 2], [31, 26])
+    w.backend.init_forward_metadata(fb)
+    assert w.backend.forward_metadata.block_table.tolist() == [[7, 3], [7, 5]]
+    q = w.rand(2, 4, 64)
+    kk = torch.stack([w.k[1][30], w.k[2][25]]).reshape(2, -1)
+    vv = torch.stack([w.v[1][30], w.v[2][25]]).reshape(2, -1)
+    o = w.backend.forward_decode(q.reshape(2, -1), kk, vv, w.layer, fb)
+    exp = w.expected([1, 2], [31, 26], q, [1, 1], chunk_exact=False)
+    assert torch.allclose(o.view(2, 4, 64).double(), exp, atol=1e-4)
+    # the stored bytes are the codec's bytes (layer 1 is K5V2 in the mixed row)
+    reg = w.pool.paged.gather(0 + 1, w.req_to_token[1, :31].long())
+    kc, kn = w.codec.compress_k(w.k[1][:31])
+    assert w.pool.layout(1).k_bits == 5 and torch.equal(reg["k_codes"], kc)
+    assert torch.equal(reg["k_norms"], kn)
+
+
+def test_cuda_graph_metadata_is_static_and_refilled_in_place(world, sgl):
+    w, FM = world, sgl.ForwardMode
+    for row, pages in ((1, [4, 2]), (2, [9, 1, 6])):
+        w.req_to_token[row, : len(pages) * PAGE] = torch.cat(
+            [torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages]).int()
+    w.backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    rows = torch.tensor([1, 2, 0, 0])
+    w.backend.init_forward_metadata_capture_cuda_graph(4, 4, rows, torch.ones(4, dtype=torch.int64),
+                                                       None, FM.DECODE, None)
+    cap = w.backend.forward_metadata
+    ptrs = (cap.block_table.data_ptr(), cap.seq_lens.data_ptr())
+    sl = torch.tensor([20, 40, 1, 1])
+    w.backend.init_forward_metadata_replay_cuda_graph(4, rows, sl, int(sl.sum()), None,
+                                                      FM.DECODE, None, sl)
+    rep = w.backend.forward_metadata
+    assert (rep.block_table.data_ptr(), rep.seq_lens.data_ptr()) == ptrs
+    assert rep.seq_lens.tolist() == [20, 40, 1, 1]
+    assert rep.block_table[:2, :3].tolist() == [[4, 2, 0], [9, 1, 6]]
+    # eager metadata of the same batch names the same pages
+    w.backend.init_forward_metadata(w.batch(FM.DECODE, [1, 2], [20, 40]))
+    eager = w.backend.forward_metadata.block_table
+    assert eager.tolist() == [[4, 2, 0], [9, 1, 6]]
+    assert w.backend.get_cuda_graph_seq_len_fill_value() == 1
+    with pytest.raises(UnsupportedFeatureError, match="decode batches only"):
+        w.backend.init_forward_metadata_capture_cuda_graph(4, 4, rows, sl, None, FM.EXTEND, None)
+
+
+def test_backend_refuses_what_it_cannot_serve(world, sgl):
+    w, FM = world, sgl.ForwardMode
+    fb = w.batch(FM.DECODE, [1], [1])
+    w.backend.init_forward_metadata(fb)
+    q = w.rand(1, 256)
+    kv = w.rand(1, 128)
+    for attr, val, match in (("logit_cap", 30.0, "soft-capping"),
+                             ("is_cross_attention", True, "cross attention")):
+        layer = SimpleNamespace(**vars(w.layer))
+        setattr(layer, attr, val)
+        with pytest.raises(UnsupportedFeatureError, match=match):
+            w.backend.forward_decode(q, kv, kv, layer, fb)
+    with pytest.raises(UnsupportedFeatureError, match="sinks"):
+        w.backend.forward_decode(q, kv, kv, w.layer, fb, sinks=torch.zeros(4))
+    fb.spec_info = object()
+    with pytest.raises(UnsupportedFeatureError, match="speculative"):
+        w.backend.init_forward_metadata(fb)
+    w.r.token_to_kv_pool = object()
+    from tkv.sglang.backend import TurboAttnBackend
+
+    with pytest.raises(UnsupportedFeatureError, match="--kv-cache-dtype tkv"):
+        TurboAttnBackend(w.r)
+
+
+def test_window_conversion():
+    from tkv.sglang.backend import _window
+
+    assert _window(SimpleNamespace(sliding_window_size=-1)) == 0
+    assert _window(SimpleNamespace(sliding_window_size=4095)) == 4096
