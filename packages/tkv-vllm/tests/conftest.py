@@ -121,3 +121,45 @@ def make_bundle(path: Path, num_layers=4, num_kv_heads=2, head_dim=64, rows=None
                           tuple(LayerCalibration() for _ in range(num_layers)), rows,
                           provenance={"tool": "test"})
     return b.save(path)
+
+
+@pytest.fixture(scope="session")
+def patched_vllm():
+    """vLLM 0.20.1 with the tkv series applied and the plugins loaded; skips without vLLM
+    (the default workspace run), and when vLLM is unpatched (test_installed_vllm_is_patched
+    fails loudly in that case)."""
+    pytest.importorskip("vllm", reason="vllm not installed (nox -s vllm installs it)")
+    st = patching.status(patching.find_vllm_root())
+    if st.state is not patching.PatchState.APPLIED:
+        pytest.skip("installed vLLM is not patched: run `tkv-vllm patch apply`")
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    import vllm
+
+    return vllm
+
+
+class FakeAttention:
+    """Just what tkv.vllm reads from a vLLM ``Attention`` layer (a torch Module is built in
+    make_layer so that ``buffers()`` gives the device)."""
+
+
+def make_layer(name, impl=None, *, num_kv_heads=2, head_size=64, sliding_window=None,
+               num_heads=4):
+    import torch
+
+    class _Layer(torch.nn.Module):
+        pass
+
+    lay = _Layer()
+    lay.register_buffer("_k_scale", torch.ones(1))
+    lay.layer_name = name
+    lay.num_kv_heads = num_kv_heads
+    lay.num_heads = num_heads
+    lay.head_size = head_size
+    lay.sliding_window = sliding_window
+    lay.kv_cache_dtype = "tkv"
+    lay.kv_sharing_target_layer_name = None
+    lay.impl = impl
+    return lay

@@ -1,0 +1,229 @@
+"""With vLLM 0.20.1 installed and patched (nox -s vllm): plugin registration, CLI flags,
+KV-cache specs and vLLM's own page/group bookkeeping over them, backend contract."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+
+from tkv.codec.layout import ModelLayout, SlotLayout
+from tkv.vllm import patching, startup
+
+from .conftest import fake_vllm_config, make_bundle, make_layer
+
+
+@pytest.fixture(autouse=True)
+def _fresh_config():
+    startup._CONFIGS.clear()
+    yield
+    startup._CONFIGS.clear()
+
+
+def test_installed_vllm_is_patched():
+    pytest.importorskip("vllm", reason="vllm not installed (nox -s vllm installs it)")
+    st = patching.status(patching.find_vllm_root())
+    assert st.state is patching.PatchState.APPLIED, st.describe()
+
+
+def test_plugin_registers_dtype_and_backend(patched_vllm):
+    from vllm.config.cache import get_valid_cache_dtypes
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+
+    from tkv.vllm.backend import TurboAttnBackend
+
+    assert "tkv" in get_valid_cache_dtypes()
+    assert STR_DTYPE_TO_TORCH_DTYPE["tkv"] is torch.uint8
+    # its own member, not an alias of CUSTOM (None) or TORCH_SDPA ("")
+    assert E.TURBO_ATTN.name == "TURBO_ATTN"
+    assert E.TURBO_ATTN is not E.CUSTOM and E.TURBO_ATTN is not E.TORCH_SDPA
+    assert E["turbo-attn"] is E.TURBO_ATTN
+    assert E.TURBO_ATTN.get_class() is TurboAttnBackend
+    assert TurboAttnBackend.get_name() == "TURBO_ATTN"
+
+
+def test_cli_flags(patched_vllm):
+    """The two flags, built exactly the way vLLM's EngineArgs builds them (the full
+    parser needs a device to compute other defaults)."""
+    import argparse
+
+    from vllm.config import CacheConfig
+    from vllm.config.attention import AttentionConfig
+    from vllm.engine.arg_utils import get_kwargs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kv-cache-dtype", **get_kwargs(CacheConfig)["cache_dtype"])
+    parser.add_argument("--attention-backend", **get_kwargs(AttentionConfig)["backend"])
+    args = parser.parse_args(["--kv-cache-dtype", "tkv", "--attention-backend", "turbo-attn"])
+    assert args.kv_cache_dtype == "tkv"
+    assert CacheConfig(cache_dtype=args.kv_cache_dtype).cache_dtype == "tkv"
+    assert AttentionConfig(backend=args.attention_backend).backend is E.TURBO_ATTN
+    assert AttentionConfig(backend="TURBO_ATTN").backend is E.TURBO_ATTN
+    with pytest.raises(ValueError, match="Unknown kv-cache dtype 'tkv8'"):
+        CacheConfig(cache_dtype="tkv8")
+
+
+def _specs(vc, names_windows, head_size=64, num_kv_heads=2):
+    from tkv.vllm.spec import kv_cache_spec_for_layer
+
+    layers = {n: make_layer(n, head_size=head_size, num_kv_heads=num_kv_heads,
+                            sliding_window=w) for n, w in names_windows}
+    vc.compilation_config.static_forward_context.update(layers)
+    return {n: kv_cache_spec_for_layer(lay, vc) for n, lay in layers.items()}
+
+
+def _use_bundle(monkeypatch, tmp_path, rows=None, bits="3.5"):
+    path = make_bundle(tmp_path / "b.json", rows=rows)
+    monkeypatch.setenv("TKV_BITS", bits)
+    monkeypatch.setenv("TKV_CALIBRATION_FILE", str(path))
+
+
+def _vllm_cfg_for_groups(vc):
+    vc.cache_config.num_gpu_blocks_override = None
+    return vc
+
+
+def test_spec_page_bytes_come_from_slot_layout(patched_vllm, tmp_path, monkeypatch):
+    _use_bundle(monkeypatch, tmp_path)
+    vc = fake_vllm_config(block_size=16)
+    cfg = startup.tkv_config(vc)
+    specs = _specs(vc, [(f"model.layers.{i}.self_attn.attn", None) for i in range(4)])
+    assert len({(s.tkv_k_bits, s.tkv_v_bits) for s in specs.values()}) == 2
+    for i, spec in enumerate(specs.values()):
+        k, v = cfg.layer_bits(i)
+        assert (spec.tkv_k_bits, spec.tkv_v_bits) == (k, v)
+        assert spec.dtype is torch.uint8 and spec.head_size == 64
+        assert spec.page_size_bytes == SlotLayout(64, 2, k, v, 16).page_bytes
+        bigger = spec.copy_with_new_block_size(64)
+        assert bigger.page_size_bytes == SlotLayout(64, 2, k, v, 64).page_bytes
+
+
+def test_mixed_widths_share_one_block_pool_without_waste(patched_vllm, tmp_path, monkeypatch):
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    from tkv.codec.bundle import LayerAllocation
+
+    vc = _vllm_cfg_for_groups(fake_vllm_config(block_size=16))
+    alloc = LayerAllocation((4, 3, 8, 2), (3, 3, 4, 2), "smartmix")
+    _use_bundle(monkeypatch, tmp_path, {"3.5": alloc})
+    specs = _specs(vc, [(f"model.layers.{i}.self_attn.attn", None) for i in range(4)])
+    groups = get_kv_cache_groups(vc, dict(specs))
+    assert len(groups) == 1 and isinstance(groups[0].kv_cache_spec, UniformTypeKVCacheSpecs)
+    mem = 10 * 2**20
+    kcfg = get_kv_cache_config_from_groups(vc, groups, mem)
+    ml = ModelLayout.from_allocation(64, 2, alloc.k_bits, alloc.v_bits, 16)
+    assert kcfg.num_blocks * 16 == ml.tokens_that_fit(mem)
+    sizes = {t.shared_by[0]: t.size for t in kcfg.kv_cache_tensors}
+    for i, name in enumerate(specs):
+        assert sizes[name] == ml.layers[i].page_bytes * kcfg.num_blocks
+
+
+def test_hybrid_model_groups_with_one_common_page(patched_vllm, tmp_path, monkeypatch):
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    from tkv.codec.bundle import LayerAllocation
+
+    vc = _vllm_cfg_for_groups(fake_vllm_config(block_size=16))
+    alloc = LayerAllocation((4, 3, 8, 2), (3, 3, 4, 2), "smartmix")
+    _use_bundle(monkeypatch, tmp_path, {"3.5": alloc})
+    windows = [None, 64, None, 64]
+    specs = _specs(vc, [(f"model.layers.{i}.self_attn.attn", w) for i, w in enumerate(windows)])
+    page = SlotLayout(64, 2, 8, 4, 16).page_bytes  # widest allocated pair
+    assert {s.page_size_bytes for s in specs.values()} == {page}
+    groups = get_kv_cache_groups(vc, dict(specs))
+    assert len(groups) == 2  # full and sliding: vLLM's usual hybrid grouping
+    kcfg = get_kv_cache_config_from_groups(vc, groups, 10 * 2**20)
+    assert all(t.size == page * kcfg.num_blocks for t in kcfg.kv_cache_tensors)
+
+
+def test_hybrid_manager_off_keeps_per_layer_pages(patched_vllm, tmp_path, monkeypatch):
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+
+    from tkv.codec.bundle import LayerAllocation
+
+    vc = _vllm_cfg_for_groups(fake_vllm_config(block_size=16, disable_hybrid=True))
+    alloc = LayerAllocation((4, 3, 8, 2), (3, 3, 4, 2), "smartmix")
+    _use_bundle(monkeypatch, tmp_path, {"3.5": alloc})
+    windows = [None, 64, None, 64]
+    specs = _specs(vc, [(f"model.layers.{i}.self_attn.attn", w) for i, w in enumerate(windows)])
+    assert [s.page_size_bytes for s in specs.values()] == [
+        SlotLayout(64, 2, k, v, 16).page_bytes for k, v in zip(alloc.k_bits, alloc.v_bits,
+                                                                strict=True)]
+    assert len(get_kv_cache_groups(vc, dict(specs))) == 1
+
+
+def test_backend_contract(patched_vllm):
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backend import AttentionType
+
+    from tkv.vllm.backend import (
+        TurboAttnBackend,
+        TurboAttnImpl,
+        TurboAttnMetadataBuilder,
+    )
+    from tkv.vllm.errors import PatchesNotAppliedError
+
+    B = TurboAttnBackend
+    assert B.get_impl_cls() is TurboAttnImpl and B.get_builder_cls() is TurboAttnMetadataBuilder
+    assert B.forward_includes_kv_cache_update is False and B.accept_output_buffer is True
+    assert B.supports_block_size(16) and B.supports_block_size(32) and not B.supports_block_size(8)
+    cap = DeviceCapability(9, 0)
+    ok = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="tkv", block_size=16,
+              use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+              use_per_head_quant_scales=False, device_capability=cap,
+              attn_type=AttentionType.DECODER)
+    assert B.validate_configuration(**ok) == []
+    for change, reason in [({"use_mla": True}, "MLA"), ({"kv_cache_dtype": "auto"}, "kv_cache"),
+                           ({"attn_type": AttentionType.ENCODER_DECODER}, "attention type"),
+                           ({"attn_type": AttentionType.ENCODER_ONLY}, "attention type"),
+                           ({"head_size": 96}, "head_size"), ({"has_sink": True}, "sink")]:
+        reasons = B.validate_configuration(**{**ok, **change})
+        assert any(reason in r for r in reasons), (change, reasons)
+    with pytest.raises(PatchesNotAppliedError):
+        B.get_kv_cache_shape(10, 16, 2, 64, "tkv")
+    from tkv.vllm.spec import TkvFullAttentionSpec
+
+    spec = TkvFullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+                                tkv_k_bits=5, tkv_v_bits=3)
+    assert B.get_kv_cache_shape_for_spec(10, 16, spec) == (10, SlotLayout(64, 2, 5, 3, 16).page_bytes)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"alibi_slopes": [1.0, 2.0]}, "ALiBi"),
+    ({"logits_soft_cap": 30.0}, "soft-capping"),
+    ({"attn_type": "encoder_decoder"}, "attention type"),
+    ({"kv_sharing_target_layer_name": "model.layers.0.attn"}, "sharing"),
+    ({"kv_cache_dtype": "auto"}, "kv_cache_dtype"),
+    ({"sinks": torch.zeros(4)}, "sinks"),
+])
+def test_impl_refuses_what_it_cannot_serve(patched_vllm, kwargs, match):
+    from tkv.vllm.backend import TurboAttnImpl
+    from tkv.vllm.errors import UnsupportedModelError
+
+    base = dict(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, kv_cache_dtype="tkv")
+    with pytest.raises(UnsupportedModelError, match=match):
+        TurboAttnImpl(**{**base, **kwargs})
+
+
+def test_forward_path_has_no_host_sync(patched_vllm):
+    """CUDA-graph discipline, checked on the source: nothing in the per-step path pulls a
+    device value to the host or builds a tensor from host data."""
+    from tkv.vllm import backend
+
+    banned = re.compile(r"\.item\(|\.tolist\(|\.cpu\(|\.numpy\(|torch\.tensor\(|"
+                        r"\.nonzero\(|torch\.where\([^,]*\)$|\.max\(\)\.|synchronize")
+    for fn in (backend.TurboAttnImpl.forward, backend.TurboAttnImpl.do_kv_cache_update,
+               backend.LayerState.loader):
+        src = inspect.getsource(fn)
+        code = "\n".join(line for line in src.splitlines()
+                         if not line.strip().startswith(("#", '"""')))
+        assert not banned.search(code), fn.__qualname__
+    # the builder may only read host values from the *_cpu copies vLLM provides
+    build = inspect.getsource(backend.TurboAttnMetadataBuilder.build)
+    for m in re.finditer(r"int\(([^)]*)\)", build):
+        assert "_cpu" in m.group(1) or "block_size" in m.group(1), m.group(0)
