@@ -405,3 +405,34 @@ def test_triton_impl_store_and_decode_match_the_reference(sgl, fakes, tkv_env, b
     o = w.backend.forward_decode(q.reshape(2, -1), None, None, w.layer, fb, save_kv_cache=False)
     exp = w.expected([1, 2], lens, q.float(), [1, 1], chunk_exact=False)
     assert torch.allclose(o.view(2, 4, 64).double(), exp, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not _TRITON_OK, reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, bundle_file,
+                                                           monkeypatch):
+    """Extend through tkv.kernels.prefill: first chunk, then a second chunk whose prefix is
+    read compressed from the pages the first chunk stored."""
+    kernels = pytest.importorskip("tkv.kernels")
+    if not hasattr(kernels, "prefill"):
+        pytest.skip("tkv.kernels lacks prefill")
+    tkv_env("4.5", bundle_file)
+    monkeypatch.setenv("TKV_SGLANG_IMPL", "triton")
+    w = World(sgl, fakes, monkeypatch)
+    FM = sgl.ForwardMode
+    bf = torch.bfloat16
+    for row, pages in ((1, [6, 1]), (2, [2, 9])):
+        w.req_to_token[row, : len(pages) * PAGE] = torch.cat(
+            [torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages]).int()
+        w.k[row] = w.rand(32, 2, 64).to(bf).float()
+        w.v[row] = w.rand(32, 2, 64).to(bf).float()
+    for prev, lens in (([0, 0], [20, 7]), ([20, 7], [29, 19])):
+        ext = [n - p for n, p in zip(lens, prev, strict=True)]
+        fb = w.batch(FM.EXTEND, [1, 2], lens, ext)
+        w.backend.init_forward_metadata(fb)
+        q = w.rand(sum(ext), 4, 64).to(bf)
+        kk = torch.cat([w.k[1][prev[0]:lens[0]], w.k[2][prev[1]:lens[1]]]).to(bf)
+        vv = torch.cat([w.v[1][prev[0]:lens[0]], w.v[2][prev[1]:lens[1]]]).to(bf)
+        o = w.backend.forward_extend(q.reshape(len(q), -1), kk.reshape(len(q), -1),
+                                     vv.reshape(len(q), -1), w.layer, fb)
+        exp = w.expected([1, 2], lens, q.float(), ext, chunk_exact=True)
+        assert torch.allclose(o.view(-1, 4, 64).double(), exp, atol=3e-2, rtol=3e-2)

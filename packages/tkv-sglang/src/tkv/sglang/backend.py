@@ -151,7 +151,6 @@ class TurboAttnBackend(AttentionBackend):
         self.forward_metadata: TurboAttnMetadata | None = None
         self._cuda_graph_block_table = None
         self._cuda_graph_seq_lens = None
-        self._warned_reference_prefill = False
         pool.prepare()
 
     @staticmethod
@@ -299,18 +298,12 @@ class TurboAttnBackend(AttentionBackend):
         hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
         out = q.new_empty(q3.shape[0], hq * d)
-        prefill = None
         if self.impl == "triton":
-            import tkv.kernels as kernels
+            from tkv.kernels import prefill
 
-            prefill = getattr(kernels, "prefill", None)
-            if prefill is None and not self._warned_reference_prefill:
-                log.warning("tkv.kernels has no prefill kernel yet: turbo-attn extend runs the "
-                            "PyTorch reference path (slow)")
-                self._warned_reference_prefill = True
-        if prefill is not None:
-            prefill(q3, k3, v3, md.cu_seqlens_q, md.seq_lens, self.pool.get_key_buffer(layer.layer_id),
-                    md.block_table, self.pool.loader(layer.layer_id), out=out.view(-1, hq, d),
+            prefill(q3, k3, v3, md.cu_seqlens_q, md.seq_lens, md.max_seq_len_q,
+                    self.pool.get_key_buffer(layer.layer_id), md.block_table,
+                    self.pool.loader(layer.layer_id), out=out.view(-1, hq, d),
                     sm_scale=layer.scaling, window=_window(layer))
         else:
             out.view(-1, hq, d).copy_(reference_attention(
