@@ -115,11 +115,19 @@ def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U,
         acc += w[:, None] * o
         den += w
     acc = acc / tl.where(den > 0, den, 1.0)[:, None]
+    optr = Out + seq.to(tl.int64) * so_s + qh[:, None] * so_h
     if UNROTATE:
-        u = tl.load(U + offs_d[:, None] * D_PAD + offs_d[None, :])
-        acc = tl.dot(acc, u, input_precision="tf32x3")
-    tl.store(Out + seq.to(tl.int64) * so_s + qh[:, None] * so_h + offs_d[None, :],
-             acc.to(Out.dtype.element_ty), mask=hmask[:, None] & (offs_d < HEAD_DIM)[None, :])
+        # out = acc @ U, by column blocks of CH so that U's tile fits shared memory (D=256)
+        CH: tl.constexpr = 64 if D_PAD > 64 else D_PAD
+        for c in tl.static_range(D_PAD // CH):
+            cols = c * CH + tl.arange(0, CH)
+            u = tl.load(U + offs_d[:, None] * D_PAD + cols[None, :])
+            oc = tl.dot(acc, u, input_precision="tf32x3")
+            tl.store(optr + cols[None, :], oc.to(Out.dtype.element_ty),
+                     mask=hmask[:, None] & (cols < HEAD_DIM)[None, :])
+    else:
+        tl.store(optr + offs_d[None, :], acc.to(Out.dtype.element_ty),
+                 mask=hmask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

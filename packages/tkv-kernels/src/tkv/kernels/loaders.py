@@ -84,24 +84,47 @@ class Loader(Protocol):
 @triton.jit
 def tkv_tile(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
              stride_block, stride_head, stride_tok,
-             BITS: tl.constexpr, CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr,
+             BITS_BYTES: tl.constexpr, CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr,
              NORM_HEAD: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """tkv packed tile. base: uint8 cache; aux: the same cache viewed as bf16 (norms);
     table: float32 scaled centroids ``c / sqrt(d)``, ``2**BITS`` entries. Codes LSB-first
-    (tkv.codec.packing): code i = bits [i*BITS, (i+1)*BITS) of the token's code bytes."""
+    (tkv.codec.packing): code i = bits [i*BITS, (i+1)*BITS) of the token's code bytes.
+    ``BITS_BYTES = BITS + 16 * code_bytes`` (both compile-time constants)."""
+    BITS: tl.constexpr = BITS_BYTES % 16
+    CODE_BYTES: tl.constexpr = BITS_BYTES // 16
+    BLOCK_N: tl.constexpr = blk.shape[0]
+    D_PAD: tl.constexpr = offs_d.shape[0]
     page = blk.to(tl.int64) * stride_block                                  # [N] bytes
     row = page + CODES_OFF + head * stride_head + off.to(tl.int64) * stride_tok
-    bit = offs_d * BITS
-    byte = bit // 8
-    sh = bit % 8
-    m2 = mask_n[:, None] & mask_d[None, :]
-    ptr = base + (row[:, None] + byte[None, :])
-    w = tl.load(ptr, mask=m2, other=0).to(tl.int32)
-    if (8 % BITS) != 0:  # widths 3, 5, 6, 7: a code may straddle two bytes
+    if (8 % BITS) == 0:
+        # widths 2, 4, 8: whole bytes per row, loaded contiguously (16-byte vectors), each
+        # byte split into 8/BITS codes with shifts; tl.join interleaves them back in order.
+        PER: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = D_PAD // PER
+        offs_b = tl.arange(0, NB)
+        bmask = mask_n[:, None] & (offs_b < CODE_BYTES)[None, :]
+        byt = tl.load(base + (row[:, None] + offs_b[None, :]), mask=bmask, other=0)
+        byt = byt.to(tl.int32)
+        if PER == 1:
+            code = byt
+        elif PER == 2:
+            code = tl.reshape(tl.join(byt & 15, byt >> 4), (BLOCK_N, D_PAD))
+        else:
+            c02 = tl.join(byt & 3, (byt >> 4) & 3)
+            c13 = tl.join((byt >> 2) & 3, byt >> 6)
+            code = tl.reshape(tl.join(c02, c13), (BLOCK_N, D_PAD))
+    else:
+        # widths 3, 5, 6, 7: a code may straddle two bytes; read both, shift, mask
+        bit = offs_d * BITS
+        byte = bit // 8
+        sh = bit % 8
+        m2 = mask_n[:, None] & mask_d[None, :]
+        ptr = base + (row[:, None] + byte[None, :])
+        w = tl.load(ptr, mask=m2, other=0).to(tl.int32)
         need = (sh + BITS) > 8
         hi = tl.load(ptr + 1, mask=m2 & need[None, :], other=0).to(tl.int32)
         w = w | (hi << 8)
-    code = (w >> sh[None, :]) & ((1 << BITS) - 1)
+        code = (w >> sh[None, :]) & ((1 << BITS) - 1)
     val = tl.load(table + code)
     nidx = (page + NORMS_OFF) // 2 + head * NORM_HEAD + off
     norm = tl.load(aux + nidx, mask=mask_n, other=0.0).to(tl.float32)
@@ -190,9 +213,11 @@ class TkvLoader:
         aux = cache.view(torch.bfloat16)
         if side == "k":
             return (cache, aux, self.k_table, lay.page_bytes, st["k_head"], st["k_token"],
-                    lay.k_bits, lay.k_codes_offset, lay.k_norms_offset, st["norm_head"])
+                    lay.k_bits + 16 * lay.k_code_bytes, lay.k_codes_offset, lay.k_norms_offset,
+                    st["norm_head"])
         return (cache, aux, self.v_table, lay.page_bytes, st["v_head"], st["v_token"],
-                lay.v_bits, lay.v_codes_offset, lay.v_norms_offset, st["norm_head"])
+                lay.v_bits + 16 * lay.v_code_bytes, lay.v_codes_offset, lay.v_norms_offset,
+                st["norm_head"])
 
     def bytes_per_token(self) -> float:
         return self.layout.bytes_per_token

@@ -1,0 +1,260 @@
+"""tkv kernels on one GPU: decode / compress_store / prefill side by side with bf16 baselines.
+
+One run, one table (markdown + raw JSON lines) with the device-to-device copy bandwidth
+measured in the same run. Baselines named in each row:
+
+* decode: torch SDPA bf16 on contiguous KV (cuDNN and flash backends, GQA), tkv's own
+  BypassLoader on paged bf16 (same kernel, raw tiles), tkv K/V widths (TkvLoader).
+  GB/s counts the bytes the format must read (cache bytes of all tokens, all heads, K+V).
+* compress_store: GB/s over bytes read (bf16 K+V) + written (packed codes + norms).
+* prefill: TFLOP/s (causal FLOPs actually needed) for a 2K chunk over prefixes 0/8K/32K vs
+  SDPA bf16 (flash, causal) at prefix 0 and SDPA with an explicit mask (efficient backend)
+  over a prefix; tkv through TkvLoader (compressed prefix) and BypassLoader (bf16 prefix).
+
+Usage: python benchmarks/kernels_gpu.py --out benchmarks/results [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from tkv.codec import TurboKVCodec
+from tkv.kernels import BypassLoader, TkvLoader, Workspace, compress_store, decode, prefill
+
+DEV = "cuda"
+ROWS: list[dict] = []
+
+
+def bench(fn, rep=60):
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def log(row):
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def copy_bandwidth():
+    n = 1 << 30  # 2 GiB of bf16 each way
+    a = torch.empty(n, dtype=torch.bfloat16, device=DEV).normal_()
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a), rep=200)
+    gbs = 2 * a.numel() * 2 / ms / 1e6
+    del a, b
+    return gbs
+
+
+def paged(num_seqs, seq_len, block, device=DEV):
+    nblk = -(-seq_len // block)
+    total = num_seqs * nblk
+    perm = torch.randperm(total, device=device).int()
+    bt = perm.view(num_seqs, nblk)
+    sl = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)
+    return bt, sl, total
+
+
+def tkv_cache(ld, nblocks):
+    cache = torch.randint(0, 256, (nblocks, ld.layout.page_bytes), dtype=torch.uint8, device=DEV)
+    v = ld.layout.views(cache)
+    v["k_norms"].copy_(torch.rand_like(v["k_norms"], dtype=torch.float32) * 4 + 8)
+    v["v_norms"].copy_(torch.rand_like(v["v_norms"], dtype=torch.float32) * 4 + 8)
+    return cache
+
+
+def decode_rows(cfgs, widths, copy_gbs, tune):
+    ws = Workspace(128, 64, 256, DEV)
+    for (B, L, hq, hkv, d) in cfgs:
+        block = 16
+        bt, sl, nblk = paged(B, L, block)
+        q = torch.randn(B, hq, d, device=DEV, dtype=torch.bfloat16)
+        base = dict(kernel="decode", B=B, L=L, Hq=hq, Hkv=hkv, D=d)
+        # bf16 SDPA, contiguous KV
+        kc = torch.randn(B, hkv, L, d, device=DEV, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        bf16_bytes = 2 * B * L * hkv * d * 2
+        q4 = q.view(B, hq, 1, d)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                         ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel([be]):
+                    f = lambda: torch.nn.functional.scaled_dot_product_attention(
+                        q4, kc, vc, enable_gqa=True)
+                    f()
+                    ms = bench(f)
+                log({**base, "impl": name, "ms": ms, "GBps": bf16_bytes / ms / 1e6,
+                     "frac_copy": bf16_bytes / ms / 1e6 / copy_gbs})
+            except Exception as e:  # backend refuses this shape
+                log({**base, "impl": name, "error": str(e)[:120]})
+        del kc, vc
+        # bypass loader on paged bf16
+        bl = BypassLoader(hkv, d, block, torch.bfloat16)
+        kp = torch.randn(nblk, block, hkv, d, device=DEV, dtype=torch.bfloat16)
+        vp = torch.randn_like(kp)
+        ms = bench(lambda: decode(q, (kp, vp), bt, sl, bl, ws))
+        log({**base, "impl": "tkv_bypass_bf16_paged", "ms": ms, "GBps": bf16_bytes / ms / 1e6,
+             "frac_copy": bf16_bytes / ms / 1e6 / copy_gbs})
+        del kp, vp
+        for kb, vb in widths:
+            codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV)
+            ld = TkvLoader(codec, hkv, block)
+            cache = tkv_cache(ld, nblk)
+            nbytes = B * L * ld.layout.bytes_per_token
+            opts = [dict()]
+            if tune:
+                opts = [dict(block_n=bn, num_warps=nw, num_stages=st)
+                        for bn in (32, 64, 128) for nw in (4, 8) for st in (2, 3)]
+            for o in opts:
+                try:
+                    ms = bench(lambda o=o: decode(q, cache, bt, sl, ld, ws, **o))
+                except Exception as e:
+                    log({**base, "impl": f"tkv_K{kb}V{vb}", **o, "error": str(e)[:160]})
+                    continue
+                log({**base, "impl": f"tkv_K{kb}V{vb}", **o, "ms": ms,
+                     "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+            del cache
+        torch.cuda.empty_cache()
+
+
+def store_rows(copy_gbs):
+    for d, T in ((128, 16384), (128, 2048), (64, 16384), (256, 16384)):
+        hkv = 8
+        for kb, vb in ((4, 4), (3, 3), (8, 8)):
+            codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV)
+            ld = TkvLoader(codec, hkv, 16)
+            nblk = T // 16 + 1
+            cache = ld.layout.allocate(nblk, DEV)
+            k = torch.randn(T, hkv, d, device=DEV, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            slots = torch.randperm(nblk * 16, device=DEV)[:T]
+            nbytes = 2 * T * hkv * d * 2 + T * ld.layout.ideal_bytes_per_token + T * 8
+            row = {"kernel": "compress_store", "T": T, "Hkv": hkv, "D": d, "impl": f"K{kb}V{vb}"}
+            try:
+                ms = bench(lambda: compress_store(k, v, cache, slots, ld))
+            except Exception as e:
+                log({**row, "error": str(e)[:160]})
+                continue
+            log({**row, "ms": ms, "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+
+
+def prefill_rows():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    hq, hkv, d, ql, block = 32, 8, 128, 2048, 16
+    for prefix in (0, 8192, 32768):
+        L = prefix + ql
+        flops = 4 * hq * d * (ql * prefix + ql * (ql + 1) / 2)
+        base = dict(kernel="prefill", q_len=ql, prefix=prefix, Hq=hq, Hkv=hkv, D=d)
+        q = torch.randn(ql, hq, d, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(ql, hkv, d, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        cu = torch.tensor([0, ql], dtype=torch.int32, device=DEV)
+        sl = torch.tensor([L], dtype=torch.int32, device=DEV)
+        bt, _, nblk = paged(1, L, block)
+        # SDPA baseline
+        kf = torch.randn(1, hkv, L, d, device=DEV, dtype=torch.bfloat16)
+        vf = torch.randn_like(kf)
+        qf = q.transpose(0, 1)[None]
+        try:
+            if prefix == 0:
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    f = lambda: torch.nn.functional.scaled_dot_product_attention(
+                        qf, kf, vf, is_causal=True, enable_gqa=True)
+                    f()
+                    ms = bench(f)
+                name = "sdpa_flash_causal"
+            else:
+                mask = (torch.arange(L, device=DEV)[None, :]
+                        <= (prefix + torch.arange(ql, device=DEV))[:, None])
+                with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+                    f = lambda: torch.nn.functional.scaled_dot_product_attention(
+                        qf, kf, vf, attn_mask=mask, enable_gqa=True)
+                    f()
+                    ms = bench(f)
+                name = "sdpa_masked"
+            log({**base, "impl": name, "ms": ms, "TFLOPs": flops / ms / 1e9})
+        except Exception as e:
+            log({**base, "impl": "sdpa", "error": str(e)[:160]})
+        del kf, vf
+        bl = BypassLoader(hkv, d, block, torch.bfloat16)
+        kp = torch.randn(nblk, block, hkv, d, device=DEV, dtype=torch.bfloat16)
+        ms = bench(lambda: prefill(q, k, v, cu, sl, ql, (kp, kp), bt, bl))
+        log({**base, "impl": "tkv_bypass_bf16_paged", "ms": ms, "TFLOPs": flops / ms / 1e9})
+        del kp
+        codec = TurboKVCodec(d, 4, device=DEV)
+        ld = TkvLoader(codec, hkv, block)
+        cache = tkv_cache(ld, nblk)
+        for bm, bn, nw in ((128, 64, 8), (128, 32, 8), (64, 64, 4)):
+            try:
+                ms = bench(lambda: prefill(q, k, v, cu, sl, ql, cache, bt, ld, block_m=bm,
+                                           block_n=bn, num_warps=nw))
+                log({**base, "impl": "tkv_K4V4", "block_m": bm, "block_n": bn, "num_warps": nw,
+                     "ms": ms, "TFLOPs": flops / ms / 1e9})
+            except Exception as e:
+                log({**base, "impl": "tkv_K4V4", "block_m": bm, "error": str(e)[:160]})
+        del cache
+        torch.cuda.empty_cache()
+
+
+def table(copy_gbs, path):
+    lines = [f"# tkv kernels on {torch.cuda.get_device_name()} ({time.strftime('%Y-%m-%d')})",
+             "", f"torch {torch.__version__}, triton {triton.__version__}. Device-to-device copy "
+             f"bandwidth measured in this run: **{copy_gbs:.0f} GB/s** (read + write).", "",
+             "| kernel | shape | impl | opts | ms | GB/s | % copy BW | TFLOP/s |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
+    for r in ROWS:
+        shape = ", ".join(f"{k}={r[k]}" for k in ("B", "L", "T", "q_len", "prefix", "Hq", "Hkv", "D")
+                          if k in r)
+        opts = ", ".join(f"{k}={r[k]}" for k in ("block_n", "num_warps", "num_stages", "block_m")
+                         if k in r)
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {opts} | error: "
+                         f"{r['error'][:60]} | | | |")
+            continue
+        gbs = f"{r['GBps']:.0f}" if "GBps" in r else ""
+        fr = f"{100 * r['frac_copy']:.0f}%" if "frac_copy" in r else ""
+        tf = f"{r['TFLOPs']:.0f}" if "TFLOPs" in r else ""
+        lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {opts} | {r['ms']:.4f} | {gbs} |"
+                     f" {fr} | {tf} |")
+    Path(path).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="sweep decode tile options at B=32 L=8K")
+    ap.add_argument("--tag", default="")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth()
+    log({"kernel": "copy", "impl": "torch copy_", "GBps": copy_gbs, "ms": 0.0})
+    if a.tune:
+        decode_rows([(32, 8192, 32, 8, 128)], [(4, 4)], copy_gbs, tune=True)
+    main_cfgs = [(b, l, 32, 8, 128) for b in (1, 8, 32, 128) for l in (1024, 8192, 32768)]
+    main_cfgs.append((1, 131072, 32, 8, 128))
+    if a.quick:
+        main_cfgs = [(32, 8192, 32, 8, 128), (1, 32768, 32, 8, 128)]
+    decode_rows(main_cfgs, [(4, 4)], copy_gbs, tune=False)
+    decode_rows([(32, 8192, 32, 8, 64), (32, 8192, 32, 8, 256)], [(4, 4)], copy_gbs, tune=False)
+    decode_rows([(32, 8192, 32, 8, 128)], [(2, 2), (3, 3), (8, 8), (4, 2)], copy_gbs,
+                tune=False)
+    store_rows(copy_gbs)
+    prefill_rows()
+    tag = f"_{a.tag}" if a.tag else ""
+    table(copy_gbs, out / f"kernels_gpu{tag}.md")
+    (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
