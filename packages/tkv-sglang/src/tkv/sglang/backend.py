@@ -199,8 +199,9 @@ class TurboAttnBackend(AttentionBackend):
             return
         ext = forward_batch.extend_seq_lens
         cu = torch.nn.functional.pad(torch.cumsum(ext, dim=0, dtype=torch.int32), (1, 0))
-        max_q = max(forward_batch.extend_seq_lens_cpu) if forward_batch.extend_seq_lens_cpu else 0
-        self.forward_metadata = TurboAttnMetadata(block_table, seq_lens, cu, int(max_q))
+        ext_cpu = [int(x) for x in forward_batch.extend_seq_lens_cpu]   # list or CPU tensor
+        self.forward_metadata = TurboAttnMetadata(block_table, seq_lens, cu,
+                                                  max(ext_cpu, default=0))
 
     # ---------------------------------------------------------------- CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -308,5 +309,6 @@ class TurboAttnBackend(AttentionBackend):
         else:
             out.view(-1, hq, d).copy_(reference_attention(
                 self.pool, layer.layer_id, q3, k3, v3, self._token_locs(forward_batch),
-                list(forward_batch.extend_seq_lens_cpu), layer.scaling, _window(layer)))
+                [int(x) for x in forward_batch.extend_seq_lens_cpu], layer.scaling,
+                _window(layer)))
         return out
