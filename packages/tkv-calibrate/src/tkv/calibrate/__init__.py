@@ -1,1 +1,32 @@
-"""tkv.calibrate."""
+"""tkv.calibrate — calibrate tkv for a model and report its quality.
+
+The job (``tkv-calibrate`` / ``python -m tkv.calibrate``): collect post-RoPE K/V over
+calibration text, fit per-channel scales and per-layer Lloyd-Max codebooks, measure per-layer
+sensitivity, choose per-layer widths per bits-per-element budget (SmartMix, verified against
+uniform), write a :class:`tkv.codec.CalibrationBundle`, and evaluate on held-out text beside
+uncompressed and peer formats (report.md + report.png).
+
+Public API::
+
+    from tkv.calibrate import JobConfig, run_job, TkvCache
+    res = run_job(JobConfig(out="tkv-calibration"))
+    cache = TkvCache.from_bundle(CalibrationBundle.load(res.bundle_path), 4.0, prefill="bypass")
+"""
+
+from .cache import QuantizedKVCache, TkvCache
+from .errors import CalibrateError, ModelNotFoundError, TextTooShortError, UnsupportedModelError
+from .pipeline import JobConfig, JobResult, run_job
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CalibrateError",
+    "JobConfig",
+    "JobResult",
+    "ModelNotFoundError",
+    "QuantizedKVCache",
+    "TextTooShortError",
+    "TkvCache",
+    "UnsupportedModelError",
+    "run_job",
+]

@@ -53,15 +53,18 @@ class SideCodebooks:
 
 
 def fit_side_codebooks(train: torch.Tensor, held: torch.Tensor, widths=WIDTHS,
-                       max_samples: int = 1 << 18, seed: int = 0) -> SideCodebooks:
+                       max_samples: int = 1 << 16, seed: int = 0) -> SideCodebooks:
     """Fit codebooks on standardized coords ``train`` and judge them on ``held`` (any shapes)."""
     g = torch.Generator().manual_seed(seed)
     held_flat = held.reshape(-1)
     if held_flat.numel() > max_samples:
         held_flat = held_flat[torch.randperm(held_flat.numel(), generator=g)[:max_samples]]
+    train_flat = train.reshape(-1)
+    if train_flat.numel() > max_samples:
+        train_flat = train_flat[torch.randperm(train_flat.numel(), generator=g)[:max_samples]]
     books, fm, gm = {}, {}, {}
     for b in widths:
-        cb = fit_codebook(train, b, iters=100, max_samples=max_samples, generator=g)
+        cb = fit_codebook(train_flat, b, iters=60, max_samples=max_samples, generator=g)
         fm[b] = cb.distortion(held_flat)
         gm[b] = gaussian_codebook(b).distortion(held_flat)
         if fm[b] < gm[b]:

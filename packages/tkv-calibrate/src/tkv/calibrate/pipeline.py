@@ -1,0 +1,361 @@
+"""The main job: calibrate → sensitivity → SmartMix (verified) → bundle → evaluate → report.
+
+:class:`JobConfig` holds every knob (the CLI maps flags onto it); :func:`run_job` runs the
+job and returns a :class:`JobResult`. The default job (budgets 3.0/4.0/5.0, 8 evaluation
+windows of 1,024 tokens, no peers, no needle) is sized for ≤ 10 minutes on a 2-core CPU with
+SmolLM2-135M; ``full=True`` runs every budget of the grid, every peer on 16 windows, and the
+needle test.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from tkv.codec import CalibrationBundle, LayerAllocation, ModelGeometry, ModelLayout
+
+from .calibrate import Calibration, draft_bundle, fit_calibration
+from .data import default_calib_text, default_eval_text, tokenize_windows
+from .evaluate import Arm, EvalResult, evaluate_arms, measure_kl
+from .model import LoadedModel, load_model
+from .peers import bf16_bytes_per_token_head, peer_arms, uncalibrated_arm
+from .quantizers import PRICE_BLOCK_SIZE, TkvQuantizer
+from .sensitivity import Sensitivity, measure_sensitivity
+from .smartmix import (
+    DEFAULT_BUDGETS,
+    allocation_bytes,
+    budget_cap_bytes,
+    check_budget,
+    predicted_drift,
+    solve_mix,
+    uniform_candidates,
+)
+
+__all__ = ["BudgetDecision", "JobConfig", "JobResult", "run_job", "tkv_arm"]
+
+TOOL_VERSION = "0.1.0"
+DEFAULT_JOB_BUDGETS = (3.0, 4.0, 5.0)
+
+
+@dataclass
+class JobConfig:
+    """Settings of one calibration job (see the CLI for the flags)."""
+
+    model: str | None = None
+    calib_text: str | None = None
+    eval_text: str | None = None
+    out: str = "tkv-calibration"
+    budgets: tuple[float, ...] = DEFAULT_JOB_BUDGETS
+    full: bool = False
+    calib_window: int = 512
+    collect_windows: int = 8
+    sensitivity_windows: int = 1
+    verify_windows: int = 2
+    eval_window: int = 1024
+    eval_windows: int = 8
+    probe_bits: int = 3
+    peers: bool = False
+    needle: bool = False
+    decode: bool = True
+    seed: int = 0
+    threads: int | None = None
+    show_progress: bool = True
+
+    @classmethod
+    def full_report(cls, **kw) -> JobConfig:
+        """Every budget of the grid, every peer, 16 evaluation windows, needle test."""
+        base = dict(budgets=DEFAULT_BUDGETS, full=True, eval_windows=16, sensitivity_windows=2,
+                    verify_windows=3, peers=True, needle=True)
+        base.update(kw)
+        return cls(**base)
+
+    def validate(self) -> None:
+        """Raises TkvBitsError for a budget outside [2, 8]; ValueError for bad counts."""
+        self.budgets = tuple(sorted({check_budget(b) for b in self.budgets}))
+        for name in ("calib_window", "collect_windows", "sensitivity_windows", "verify_windows",
+                     "eval_window", "eval_windows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 2 <= self.probe_bits <= 7:
+            raise ValueError("probe_bits must be in 2..7")
+
+
+@dataclass
+class BudgetDecision:
+    """SmartMix outcome of one budget, verified on held-out calibration text."""
+
+    budget: float
+    cap_bytes: float
+    mix: LayerAllocation
+    mix_bytes: float
+    mix_predicted_kl: float
+    mix_measured_kl: float
+    uniform: tuple[int, int]
+    uniform_bytes: float
+    uniform_predicted_kl: float
+    uniform_measured_kl: float
+    uniform_tried: list[tuple[int, int, float]]
+    chosen: LayerAllocation
+
+    def to_dict(self) -> dict:
+        return {
+            "budget": self.budget, "cap_bytes_per_token": self.cap_bytes,
+            "mix_k_bits": list(self.mix.k_bits), "mix_v_bits": list(self.mix.v_bits),
+            "mix_bytes_per_token": self.mix_bytes, "mix_predicted_kl": self.mix_predicted_kl,
+            "mix_heldout_kl": self.mix_measured_kl,
+            "best_uniform": f"K{self.uniform[0]}V{self.uniform[1]}",
+            "best_uniform_bytes_per_token": self.uniform_bytes,
+            "best_uniform_predicted_kl": self.uniform_predicted_kl,
+            "best_uniform_heldout_kl": self.uniform_measured_kl,
+            "uniform_tried": [{"k_bits": k, "v_bits": v, "heldout_kl": m}
+                              for k, v, m in self.uniform_tried],
+            "shipped": self.chosen.source,
+        }
+
+
+@dataclass
+class JobResult:
+    """Everything the report needs."""
+
+    config: JobConfig
+    model_name: str
+    geometry: ModelGeometry
+    calibration: Calibration
+    sensitivity: Sensitivity
+    decisions: list[BudgetDecision]
+    bundle_path: Path
+    evaluation: EvalResult | None
+    needle: dict | None
+    timings: dict = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)
+
+    @property
+    def bf16_bytes(self) -> float:
+        return bf16_bytes_per_token_head(self.geometry.head_dim)
+
+
+def tkv_arm(bundle: CalibrationBundle, alloc: LayerAllocation, name: str, group: str,
+            meta: dict | None = None) -> Arm:
+    """An evaluation arm reading ``bundle``'s calibrated codecs at ``alloc``'s widths; bytes
+    per token per KV head from :class:`tkv.codec.ModelLayout`."""
+    g = bundle.geometry
+    qs = [TkvQuantizer(bundle.codec(i, kb, vb, check_finite=False))
+          for i, (kb, vb) in enumerate(zip(alloc.k_bits, alloc.v_bits, strict=True))]
+    lay = ModelLayout.from_allocation(g.head_dim, g.num_kv_heads, alloc.k_bits, alloc.v_bits,
+                                      PRICE_BLOCK_SIZE)
+    per_head = lay.bytes_per_token / (g.num_layers * g.num_kv_heads)
+    m = {"k_bits": list(alloc.k_bits), "v_bits": list(alloc.v_bits),
+         "bits_per_element": round(alloc.bits_per_element(g.head_dim), 4)}
+    m.update(meta or {})
+    return Arm(name, qs, per_head, group, m)
+
+
+def _uniform_alloc(n: int, kb: int, vb: int) -> LayerAllocation:
+    return LayerAllocation.uniform(n, kb, vb, "uniform")
+
+
+def _describe(alloc: LayerAllocation) -> str:
+    pairs = list(zip(alloc.k_bits, alloc.v_bits, strict=True))
+    if len(set(pairs)) == 1:
+        return f"K{pairs[0][0]}V{pairs[0][1]}"
+    ks, vs = sum(alloc.k_bits) / len(pairs), sum(alloc.v_bits) / len(pairs)
+    return f"mix K~{ks:.2f} V~{vs:.2f}"
+
+
+def decide_budgets(model, bundle: CalibrationBundle, sens: Sensitivity, budgets,
+                   verify: torch.Tensor, show_progress: bool = True,
+                   uniform_tries: int = 2) -> list[BudgetDecision]:
+    """Solve SmartMix per budget and verify it against the best uniform allocation that fits
+    the same byte cap, on held-out calibration windows ``verify``; ship the mix only if its
+    measured KL is lower."""
+    geo = bundle.geometry
+    n = geo.num_layers
+    pred = sens.table()
+    plans, sets, index = [], [], {}
+
+    def want(alloc: LayerAllocation) -> int:
+        key = (alloc.k_bits, alloc.v_bits)
+        if key not in index:
+            index[key] = len(sets)
+            sets.append([TkvQuantizer(bundle.codec(i, kb, vb, check_finite=False))
+                         for i, (kb, vb) in enumerate(zip(alloc.k_bits, alloc.v_bits, strict=True))])
+        return index[key]
+
+    for b in budgets:
+        cap = budget_cap_bytes(geo, b)
+        plan = solve_mix(pred, geo, cap)
+        cands = sorted(uniform_candidates(geo, cap),
+                       key=lambda kv: predicted_drift(pred, (kv[0],) * n, (kv[1],) * n))
+        # Always try the plain K=V uniform at floor(budget) too, and the top predicted ones.
+        lo = int(b)
+        tries = cands[:uniform_tries]
+        if (lo, lo) in cands and (lo, lo) not in tries:
+            tries.append((lo, lo))
+        plans.append((b, cap, plan, tries, want(plan.allocation),
+                      [want(_uniform_alloc(n, kb, vb)) for kb, vb in tries]))
+    kls = measure_kl(model, verify, sets, show_progress, "verify SmartMix")
+    out = []
+    for b, cap, plan, tries, mi, uis in plans:
+        tried = [(kb, vb, kls[ui]) for (kb, vb), ui in zip(tries, uis, strict=True)]
+        kb, vb, ukl = min(tried, key=lambda t: t[2])
+        ualloc = _uniform_alloc(n, kb, vb)
+        mkl = kls[mi]
+        is_uniform = len(set(zip(plan.allocation.k_bits, plan.allocation.v_bits, strict=True))) == 1
+        if mkl < ukl and not is_uniform:
+            chosen = plan.allocation
+        else:
+            chosen = ualloc if ukl <= mkl else LayerAllocation(plan.allocation.k_bits,
+                                                               plan.allocation.v_bits, "uniform")
+        out.append(BudgetDecision(
+            b, cap, plan.allocation, plan.bytes_per_token, plan.predicted_kl, mkl, (kb, vb),
+            allocation_bytes(geo, ualloc), predicted_drift(pred, ualloc.k_bits, ualloc.v_bits),
+            ukl, tried, chosen))
+    return out
+
+
+def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
+    """Run the whole job (module docstring). ``loaded`` skips model loading (tests).
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError, TextTooShortError, TkvBitsError.
+    """
+    from .report import write_report
+
+    cfg.validate()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    times: dict[str, float] = {}
+    t_start = time.perf_counter()
+    t = time.perf_counter()
+    lm = loaded or load_model(cfg.model)
+    times["load_model"] = time.perf_counter() - t
+    geo = lm.geometry
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    t = time.perf_counter()
+    calib_path = cfg.calib_text or str(default_calib_text())
+    eval_path = cfg.eval_text or str(default_eval_text())
+    n_cal = cfg.collect_windows + cfg.sensitivity_windows + cfg.verify_windows
+    cal_w = tokenize_windows(lm.tokenizer, calib_path, cfg.calib_window, n_cal)
+    ev_w = tokenize_windows(lm.tokenizer, eval_path, cfg.eval_window, cfg.eval_windows)
+    collect_ids = cal_w.subset(0, cfg.collect_windows)
+    sens_ids = cal_w.subset(cfg.collect_windows, cfg.sensitivity_windows)
+    verify_ids = cal_w.subset(cfg.collect_windows + cfg.sensitivity_windows, cfg.verify_windows)
+    eval_ids = ev_w.subset(0, cfg.eval_windows)
+    times["tokenize"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    cal = fit_calibration(lm.model, geo, collect_ids, cfg.seed, show_progress=cfg.show_progress)
+    times["collect"] = cal.seconds["collect"]
+    times["scales_codebooks"] = cal.seconds["fit"]
+    draft = draft_bundle(cal)
+
+    t = time.perf_counter()
+    sens = measure_sensitivity(lm.model, sens_ids, draft, cal.distortion, cfg.probe_bits,
+                               seed=cfg.seed, show_progress=cfg.show_progress)
+    times["sensitivity"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    decisions = decide_budgets(lm.model, draft, sens, cfg.budgets, verify_ids, cfg.show_progress)
+    times["smartmix_verify"] = time.perf_counter() - t
+
+    prov = {
+        "tool": "tkv-calibrate", "tool_version": TOOL_VERSION, "model": lm.name,
+        "model_path": lm.path, "corpus": Path(calib_path).name, "corpus_path": calib_path,
+        "corpus_sha256": cal_w.sha256,
+        "num_tokens": int(collect_ids.numel()),
+        "sensitivity_tokens": int(sens_ids.numel()), "verify_tokens": int(verify_ids.numel()),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "budget_semantics": "TKV_BITS=b buys the bytes of a uniform cache with b-bit K and V "
+                            "codes plus bf16 norms (interpolated between floor(b) and ceil(b)), "
+                            "priced by tkv.codec.layout",
+    }
+    metrics = {
+        "calibration": cal.summary(),
+        "sensitivity": {"probe_bits": sens.probe_bits, "gamma": sens.gamma, **sens.correlation()},
+        "smartmix": {f"{d.budget:.1f}": d.to_dict() for d in decisions},
+    }
+    table = {repr(d.budget): d.chosen for d in decisions}
+    bundle_path = out / "tkv_bundle.json"
+    bundle = draft_bundle(cal, table, prov, metrics)
+    bundle.save(bundle_path)
+    bundle = CalibrationBundle.load(bundle_path)  # what we evaluate is what we ship
+
+    evaluation = None
+    if cfg.eval_windows:
+        t = time.perf_counter()
+        arms = []
+        n = geo.num_layers
+        for d in decisions:
+            u = _uniform_alloc(n, *d.uniform)
+            arms.append(tkv_arm(bundle, u, f"TKV@{d.budget:g} uniform K{d.uniform[0]}V{d.uniform[1]}",
+                                "tkv", {"budget": d.budget}))
+            if d.chosen.source == "smartmix":
+                arms.append(tkv_arm(bundle, d.chosen, f"TKV@{d.budget:g} SmartMix", "smartmix",
+                                    {"budget": d.budget}))
+            elif d.mix != d.chosen:
+                # Report the rejected mix too, so the verification decision is visible.
+                arms.append(tkv_arm(bundle, d.mix, f"TKV@{d.budget:g} SmartMix (rejected)",
+                                    "smartmix-rejected", {"budget": d.budget}))
+        if cfg.peers:
+            arms += peer_arms(n, geo.head_dim, cfg.seed)
+            arms += [uncalibrated_arm(n, geo.head_dim, b, cfg.seed) for b in (3, 4, 5)]
+        evaluation = evaluate_arms(lm.model, eval_ids, arms, decode=cfg.decode,
+                                   show_progress=cfg.show_progress, desc="evaluate (test)")
+        times["evaluate"] = time.perf_counter() - t
+
+    needle = None
+    if cfg.needle:
+        from .needle import NeedleConfig, run_needle
+
+        t = time.perf_counter()
+        needle = run_needle(lm, bundle, NeedleConfig(seed=cfg.seed), show_progress=cfg.show_progress)
+        times["needle"] = time.perf_counter() - t
+
+    times["total"] = time.perf_counter() - t_start
+    res = JobResult(cfg, lm.name, geo, cal, sens, decisions, bundle_path, evaluation, needle,
+                    times, prov)
+    if evaluation is not None:
+        m = dict(bundle.metrics)
+        m["evaluation"] = {"text": Path(eval_path).name, "windows": evaluation.windows,
+                           "window": evaluation.window, "decode_prefix": evaluation.prefix,
+                           "baseline_ppl": evaluation.base.ppl,
+                           "rows": evaluation.rows(res.bf16_bytes)}
+        if needle is not None:
+            m["needle"] = needle["summary"]
+        m["timings_s"] = {k: round(v, 1) for k, v in times.items()}
+        CalibrationBundle(bundle.geometry, bundle.layers, bundle.byte_budget_table,
+                          bundle.provenance, m, bundle.seed).save(bundle_path)
+        CalibrationBundle.load(bundle_path)
+    write_report(res, out)
+    (out / "metrics.json").write_text(json.dumps(_jsonable(res), indent=1) + "\n")
+    return res
+
+
+def _jsonable(res: JobResult) -> dict:
+    d = {
+        "model": res.model_name, "geometry": res.geometry.to_dict(),
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(res.config).items()},
+        "calibration": res.calibration.summary(),
+        "sensitivity": {"probe_bits": res.sensitivity.probe_bits, "gamma": res.sensitivity.gamma,
+                        "probe_kl": res.sensitivity.probe, **res.sensitivity.correlation(),
+                        "validation": [list(v) for v in res.sensitivity.validation]},
+        "smartmix": [x.to_dict() for x in res.decisions],
+        "timings_s": res.timings, "provenance": res.provenance,
+        "bundle": str(res.bundle_path),
+    }
+    if res.evaluation is not None:
+        d["evaluation"] = {"baseline_ppl": res.evaluation.base.ppl,
+                           "windows": res.evaluation.windows, "window": res.evaluation.window,
+                           "decode_prefix": res.evaluation.prefix,
+                           "rows": res.evaluation.rows(res.bf16_bytes)}
+    if res.needle is not None:
+        d["needle"] = res.needle
+    return d

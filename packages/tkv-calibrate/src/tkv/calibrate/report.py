@@ -1,0 +1,160 @@
+"""Step 6: ``report.md`` + ``report.png`` (matplotlib) and the stdout summary table (rich)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["print_summary", "write_report"]
+
+
+def _fmt_kl(x: float) -> str:
+    return f"{x:.4f}" if x >= 1e-3 else f"{x:.2e}"
+
+
+def _rows(res) -> list[dict]:
+    if res.evaluation is None:
+        return []
+    base = {"name": f"uncompressed ({res.model_name} bf16/fp32)", "group": "baseline",
+            "bytes_per_token_head": res.bf16_bytes, "capacity_vs_bf16": 1.0,
+            "ppl": res.evaluation.base.ppl, "delta_ppl_pct": 0.0, "kl": 0.0, "top1": 1.0,
+            "decode_kl": 0.0, "decode_top1": 1.0}
+    return [base, *sorted(res.evaluation.rows(res.bf16_bytes),
+                          key=lambda r: (-r["bytes_per_token_head"], r["name"]))]
+
+
+def write_report(res, out: Path) -> tuple[Path, Path]:
+    """Write ``out/report.md`` and ``out/report.png``; returns their paths."""
+    out = Path(out)
+    md = out / "report.md"
+    png = out / "report.png"
+    g = res.geometry
+    rows = _rows(res)
+    L = []
+    L.append(f"# tkv calibration report — {res.model_name}\n")
+    L.append(f"Geometry: {g.num_layers} layers, {g.num_kv_heads} KV heads, head_dim {g.head_dim}. "
+             f"bf16 K+V = {res.bf16_bytes:g} B per token per KV head.  ")
+    p = res.provenance
+    L.append(f"Calibration text: `{p.get('corpus')}` ({p.get('num_tokens')} tokens collected, "
+             f"{p.get('sensitivity_tokens')} for sensitivity, {p.get('verify_tokens')} held out "
+             "for SmartMix verification). Bundle: `" + res.bundle_path.name + "`.\n")
+    if res.evaluation is not None:
+        ev = res.evaluation
+        L.append(f"Evaluation text: the first {ev.windows} windows of {ev.window} tokens of the "
+                 f"test split ({ev.windows * ev.window} tokens), never used for calibration. "
+                 f"Teacher-forced: every attention reads the quantize-dequantized cache "
+                 f"(prefill compressed). Decode path: first {ev.prefix} tokens of each window "
+                 f"prefilled uncompressed and stored compressed, the remaining "
+                 f"{ev.window - ev.prefix} decoded teacher-forced reading the compressed cache. "
+                 f"KL = mean KL(uncompressed ‖ compressed) of next-token distributions, nats.\n")
+        L.append(f"Baseline perplexity: **{ev.base.ppl:.3f}**.\n")
+        L.append("| format | B/tok/head | capacity vs bf16 | PPL | ΔPPL | mean KL | top-1 | "
+                 "decode KL | decode top-1 |")
+        L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            L.append(f"| {r['name']} | {r['bytes_per_token_head']:.1f} | "
+                     f"{r['capacity_vs_bf16']:.2f}× | {r['ppl']:.3f} | {r['delta_ppl_pct']:+.2f} % | "
+                     f"{_fmt_kl(r['kl'])} | {100 * r['top1']:.1f} % | {_fmt_kl(r['decode_kl'])} | "
+                     f"{100 * r['decode_top1']:.1f} % |")
+        L.append("\nB/tok/head = K+V bytes per token per KV head averaged over all layers "
+                 "(tkv: priced by `tkv.codec.layout`, codes + bf16 norms; vLLM presets: their "
+                 "slot formula, boundary layers at bf16; KIVI: codes + fp16 scale/zero per group).\n")
+    L.append("## SmartMix decisions (held-out calibration text)\n")
+    L.append("| budget | cap B/token (all layers) | mix | mix held-out KL | best uniform | "
+             "uniform held-out KL | shipped |")
+    L.append("|---:|---:|---|---:|---|---:|---|")
+    for d in res.decisions:
+        ks = sum(d.mix.k_bits) / len(d.mix.k_bits)
+        vs = sum(d.mix.v_bits) / len(d.mix.v_bits)
+        L.append(f"| {d.budget:g} | {d.cap_bytes:g} | K̄={ks:.2f} V̄={vs:.2f} ({d.mix_bytes:g} B) | "
+                 f"{_fmt_kl(d.mix_measured_kl)} | K{d.uniform[0]}V{d.uniform[1]} "
+                 f"({d.uniform_bytes:g} B) | {_fmt_kl(d.uniform_measured_kl)} | {d.chosen.source} |")
+    L.append("\nPer-layer widths of every shipped row are in the bundle's `byte_budget_table`. "
+             "A mix is shipped only where it measured lower KL than the best uniform allocation "
+             "within the same byte cap.\n")
+    s = res.calibration.summary()
+    L.append("## Calibration\n")
+    L.append(f"- Channel scales (4-bit probe, held-out tokens): key logit relative MSE "
+             f"{s['k_logit_rel_mse_unscaled']:.4g} → {s['k_logit_rel_mse_scaled']:.4g} "
+             f"({s['k_scaled_layers']}/{s['num_layers']} layers scaled); value output relative "
+             f"MSE {s['v_output_rel_mse_unscaled']:.4g} → {s['v_output_rel_mse_scaled']:.4g} "
+             f"({s['v_scaled_layers']}/{s['num_layers']} layers scaled).")
+    for side in ("k", "v"):
+        parts = ", ".join(f"{b} bit {s[f'{side}{b}_codebook_mse_gaussian']:.4g} → "
+                          f"{s[f'{side}{b}_codebook_mse_fitted']:.4g}" for b in (2, 3, 4, 8))
+        L.append(f"- {side.upper()} codebook MSE per coordinate, Gaussian → fitted (held-out): {parts}.")
+    c = res.sensitivity.correlation()
+    L.append(f"- Sensitivity: every layer's K and V measured alone at {res.sensitivity.probe_bits} "
+             f"bits; other widths predicted as KL_probe · (D_b/D_probe)^γ, γ = "
+             f"{res.sensitivity.gamma:.3f}; on a measured validation sample of {c['n']} "
+             f"(layer, side, width) points: Pearson r(log) = {c['pearson_log']:.3f}, Spearman ρ = "
+             f"{c['spearman']:.3f}.")
+    ks = res.sensitivity.probe["k"]
+    vs = res.sensitivity.probe["v"]
+    L.append(f"- Probe KL summed over layers: K {sum(ks):.4g}, V {sum(vs):.4g} (keys "
+             f"{'dominate' if sum(ks) > sum(vs) else 'do not dominate'}).\n")
+    if res.needle is not None:
+        L.append("## Needle in a haystack\n")
+        L.append(res.needle.get("markdown", ""))
+    L.append("## Timings (s, wall clock, shared 2-core CPU)\n")
+    L.append(", ".join(f"{k} {v:.0f}" for k, v in res.timings.items()) + "\n")
+    md.write_text("\n".join(L) + "\n")
+    _plot(res, rows, png)
+    return md, png
+
+
+def _plot(res, rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    colors = {"tkv": "tab:blue", "smartmix": "tab:green", "smartmix-rejected": "tab:olive",
+              "peer": "tab:red", "uncalibrated": "tab:gray"}
+    pts = [r for r in rows if r["group"] != "baseline"]
+    for ax, key, label in ((axes[0], "kl", "mean KL vs uncompressed (nats, log)"),
+                           (axes[1], "delta_ppl_pct", "ΔPPL (%)")):
+        for r in pts:
+            y = max(r[key], 1e-6) if key == "kl" else r[key]
+            ax.scatter(r["bytes_per_token_head"], y, color=colors.get(r["group"], "k"), s=30)
+            ax.annotate(r["name"], (r["bytes_per_token_head"], y), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("bytes per token per KV head (avg over layers)")
+        ax.set_ylabel(label)
+        if key == "kl":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    if not pts:
+        axes[0].text(0.5, 0.5, "no evaluation run", ha="center")
+    fig.suptitle(f"tkv on {res.model_name}: fidelity vs cache bytes "
+                 "(blue: uniform TKV, green: SmartMix, red: peers, gray: uncalibrated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_summary(res, console=None) -> None:
+    """Final summary table on stdout (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    rows = _rows(res)
+    if rows:
+        t = Table(title=f"tkv-calibrate: {res.model_name} "
+                        f"({res.evaluation.windows}×{res.evaluation.window} test tokens)")
+        for col in ("format", "B/tok/head", "cap×", "PPL", "ΔPPL", "KL", "top-1", "dec KL",
+                    "dec top-1"):
+            t.add_column(col, justify="left" if col == "format" else "right")
+        for r in rows:
+            t.add_row(r["name"], f"{r['bytes_per_token_head']:.1f}",
+                      f"{r['capacity_vs_bf16']:.2f}", f"{r['ppl']:.3f}",
+                      f"{r['delta_ppl_pct']:+.2f}%", _fmt_kl(r["kl"]), f"{100 * r['top1']:.1f}%",
+                      _fmt_kl(r["decode_kl"]), f"{100 * r['decode_top1']:.1f}%")
+        console.print(t)
+    for d in res.decisions:
+        console.print(f"budget {d.budget:g}: shipped {d.chosen.source} "
+                      f"(mix held-out KL {_fmt_kl(d.mix_measured_kl)} vs best uniform "
+                      f"K{d.uniform[0]}V{d.uniform[1]} {_fmt_kl(d.uniform_measured_kl)})")
+    console.print(f"bundle: {res.bundle_path}   report: {res.bundle_path.parent / 'report.md'}")
+    console.print("timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in res.timings.items()))

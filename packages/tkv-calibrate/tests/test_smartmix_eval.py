@@ -1,0 +1,167 @@
+import math
+
+import pytest
+import torch
+
+from tkv.calibrate.cache import QuantizedKVCache, TkvCache
+from tkv.calibrate.calibrate import draft_bundle
+from tkv.calibrate.evaluate import evaluate_arms
+from tkv.calibrate.peers import (
+    Fp8Quantizer,
+    KiviQuantizer,
+    VllmTurboQuantQuantizer,
+    peer_arms,
+    uncalibrated_arm,
+)
+from tkv.calibrate.sensitivity import measure_sensitivity
+from tkv.calibrate.smartmix import (
+    allocation_bytes,
+    budget_cap_bytes,
+    check_budget,
+    predicted_drift,
+    solve_mix,
+    uniform_candidates,
+)
+from tkv.codec import ModelGeometry, ModelLayout, TkvBitsError
+
+
+@pytest.fixture(scope="module")
+def sensitivity(tiny, windows, calibration):
+    return measure_sensitivity(tiny.model, windows[3:4], draft_bundle(calibration),
+                               calibration.distortion, validation_per_width=3, show_progress=False)
+
+
+def test_sensitivity_measured_and_validated(sensitivity, tiny):
+    n = tiny.geometry.num_layers
+    assert len(sensitivity.probe["k"]) == n and len(sensitivity.probe["v"]) == n
+    assert all(x > 0 for x in sensitivity.probe["k"] + sensitivity.probe["v"])
+    # Fewer bits must be predicted to cost more drift, for every layer and side.
+    t = sensitivity.table()
+    for side in ("k", "v"):
+        assert torch.all(t[side][:, :-1] > t[side][:, 1:])
+    c = sensitivity.correlation()
+    assert c["n"] == 9 and c["spearman"] > 0.5
+
+
+def test_budget_cap_is_priced_by_layout():
+    geo = ModelGeometry(30, 3, 64)
+    cap = budget_cap_bytes(geo, 4.0)
+    assert cap == ModelLayout.uniform(30, 64, 3, 4, 4, 16).bytes_per_token == 30 * 3 * 68
+    # 2.5 bits: the bytes of K2V3.
+    assert budget_cap_bytes(geo, 2.5) == ModelLayout.uniform(30, 64, 3, 2, 3, 16).bytes_per_token
+    for bad in (1.9, 8.5, float("nan"), "x"):
+        with pytest.raises(TkvBitsError):
+            check_budget(bad)
+
+
+@pytest.mark.parametrize("budget", [2.0, 2.5, 3.0, 4.0, 5.5, 8.0])
+def test_solver_respects_budget_and_beats_uniform_prediction(budget):
+    g = torch.Generator().manual_seed(int(budget * 10))
+    geo = ModelGeometry(6, 2, 32)
+    base_k = torch.rand(6, 1, generator=g, dtype=torch.float64) * 10
+    base_v = torch.rand(6, 1, generator=g, dtype=torch.float64)
+    decay = 4.0 ** -torch.arange(7, dtype=torch.float64)
+    pred = {"k": base_k * decay, "v": base_v * decay}
+    cap = budget_cap_bytes(geo, budget)
+    plan = solve_mix(pred, geo, cap)
+    assert plan.bytes_per_token <= cap + 1e-9
+    assert plan.bytes_per_token == allocation_bytes(geo, plan.allocation)
+    assert math.isclose(plan.predicted_kl, predicted_drift(pred, plan.allocation.k_bits,
+                                                           plan.allocation.v_bits))
+    n = geo.num_layers
+    for kb, vb in uniform_candidates(geo, cap):  # the exact optimum is never worse than uniform
+        assert plan.predicted_kl <= predicted_drift(pred, (kb,) * n, (vb,) * n) + 1e-12
+
+
+def test_solver_exact_on_small_problem():
+    """Brute force over all allocations of 2 layers agrees with the DP."""
+    import itertools
+
+    geo = ModelGeometry(2, 1, 16)
+    g = torch.Generator().manual_seed(3)
+    pred = {"k": torch.rand(2, 7, generator=g, dtype=torch.float64).sort(descending=True).values,
+            "v": torch.rand(2, 7, generator=g, dtype=torch.float64).sort(descending=True).values}
+    cap = budget_cap_bytes(geo, 3.5)
+    best = min((predicted_drift(pred, (a, b), (c, d)), (a, b, c, d))
+               for a, b, c, d in itertools.product(range(2, 9), repeat=4)
+               if ModelLayout.from_allocation(16, 1, (a, b), (c, d), 16).bytes_per_token <= cap)
+    assert math.isclose(solve_mix(pred, geo, cap).predicted_kl, best[0])
+
+
+def test_tkv_cache_8bit_greedy_matches_uncompressed(tiny):
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(5))
+    m = tiny.model
+    g0 = m.generate(ids, max_new_tokens=12, do_sample=False)
+    for prefill in ("bypass", "compressed"):
+        cache = TkvCache.uniform(tiny.geometry.num_layers, 32, 8, 8, prefill=prefill)
+        g1 = m.generate(ids, max_new_tokens=12, do_sample=False, cache=cache)
+        assert torch.equal(g0, g1)
+        assert cache.compressed_bytes() > 0
+        assert cache.layers[0].k_codes.dtype == torch.uint8
+
+
+def test_tkv_cache_stores_packed_codes_of_layout_size(tiny):
+    cache = TkvCache.uniform(tiny.geometry.num_layers, 32, 3, 5)
+    with torch.inference_mode():
+        tiny.model(torch.randint(0, 256, (1, 10)), cache=cache, use_cache=True)
+    lay = ModelLayout.uniform(tiny.geometry.num_layers, 32, 2, 3, 5, 16)
+    assert cache.compressed_bytes() == 10 * sum(x.ideal_bytes_per_token for x in lay.layers)
+
+
+def test_prefill_bypass_reads_raw_prompt(tiny):
+    """With bypass the prompt's logits equal the uncompressed ones; compressed ones differ."""
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        ref = tiny.model(ids).logits
+        byp = tiny.model(ids, cache=TkvCache.uniform(4, 32, 2, 2, "bypass"), use_cache=True).logits
+        com = tiny.model(ids, cache=TkvCache.uniform(4, 32, 2, 2), use_cache=True).logits
+    torch.testing.assert_close(byp, ref)
+    assert not torch.allclose(com, ref, atol=1e-3)
+
+
+def test_peer_quantizers_bytes_and_error():
+    d = 64
+    assert Fp8Quantizer(d).bytes_per_token_head() == 128
+    assert KiviQuantizer(d).bytes_per_token_head() == 80
+    expect = {"turboquant_k8v4": 100, "turboquant_4bit_nc": 70, "turboquant_3bit_nc": 54}
+    for p, b in expect.items():
+        assert VllmTurboQuantQuantizer(d, p).bytes_per_token_head() == b
+    # At head_dim 128 the published slot sizes: 196/134/118/102.
+    assert [VllmTurboQuantQuantizer(128, p).bytes_per_token_head() for p in
+            ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+             "turboquant_3bit_nc")] == [196, 134, 118, 102]
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 40, d, generator=g), torch.randn(1, 2, 40, d, generator=g)
+    errs = {}
+    for q in (Fp8Quantizer(d), KiviQuantizer(d), VllmTurboQuantQuantizer(d, "turboquant_4bit_nc"),
+              VllmTurboQuantQuantizer(d, "turboquant_3bit_nc")):
+        kh, vh = q.roundtrip(k, v)
+        assert kh.shape == k.shape and vh.shape == v.shape
+        errs[q.name] = float(((kh - k) ** 2).mean() / (k ** 2).mean())
+        assert 0 < errs[q.name] < 0.2
+    assert errs["vLLM turboquant_4bit_nc"] < errs["vLLM turboquant_3bit_nc"]
+    with pytest.raises(ValueError):
+        VllmTurboQuantQuantizer(d, "turboquant_9bit")
+
+
+def test_evaluate_arms_metrics(tiny, windows, calibration):
+    n = tiny.geometry.num_layers
+    arms = [uncalibrated_arm(n, 32, 8), uncalibrated_arm(n, 32, 2), *peer_arms(n, 32)]
+    res = evaluate_arms(tiny.model, windows[4:6], arms, show_progress=False)
+    r = {a.name: a for a in res.arms}
+    k8, k2 = r["uncalibrated TurboQuant K8V8"], r["uncalibrated TurboQuant K2V2"]
+    assert 0 <= k8.tf.mean_kl < k2.tf.mean_kl
+    assert k8.tf.top1_agree >= k2.tf.top1_agree
+    assert k2.decode.positions == 2 * 32 and k2.tf.positions == 2 * 64
+    assert res.base.ppl > 1 and math.isfinite(k2.tf.ppl)
+    # vLLM presets keep 2+2 boundary layers uncompressed (of 4 → capped at 2 layers each end).
+    arm = [a for a in arms if "k8v4" in a.name][0]
+    assert arm.quantizers[0] is None
+
+
+def test_quantized_cache_load_prefix_rejects_wrong_layers():
+    from tkv.codec.errors import ShapeError
+
+    c = QuantizedKVCache([None, None])
+    with pytest.raises(ShapeError):
+        c.load_prefix([(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))])
