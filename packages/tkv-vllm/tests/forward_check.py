@@ -1,0 +1,140 @@
+"""Small end-to-end forward of the turbo-attn backend on CPU (Triton interpreter).
+
+Run by test_vllm_forward.py in a subprocess with ``TRITON_INTERPRET=1`` and
+``CUDA_VISIBLE_DEVICES=""`` (the interpreter must be on before Triton kernels are defined).
+Builds two layers with different (k_bits, v_bits) from a SmartMix-like bundle row (one of
+them sliding-window), stores a cached context through ``do_kv_cache_update``, then runs one
+mixed batch — a decode, a chunked-prefill continuation and a first prefill — through the
+real vLLM metadata builder and ``forward``, and compares with a float64 reference
+(dequantized cached prefix + raw current chunk, causal, GQA, window). Exits non-zero on
+mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import fake_model_config, fake_vllm_config, make_bundle, make_layer
+
+
+def reference(q, k_new, v_new, kc, vc, ctx, window, scale, decode):
+    """float64 attention of one request: q (L, Hq, D); cached kc/vc (seq, Hkv, D) float64."""
+    L, hq, d = q.shape
+    hkv = kc.shape[1]
+    keys = kc if decode else torch.cat([kc[:ctx], k_new.double()])
+    vals = vc if decode else torch.cat([vc[:ctx], v_new.double()])
+    out = torch.empty(L, hq, d, dtype=torch.float64)
+    kpos = torch.arange(keys.shape[0])
+    for j in range(L):
+        qpos = ctx + j
+        vis = kpos <= qpos
+        if window:
+            vis &= qpos - kpos < window
+        for h in range(hq):
+            g = h // (hq // hkv)
+            s = (keys[vis, g] @ q[j, h].double()) * scale
+            p = torch.softmax(s, 0)
+            out[j, h] = p @ vals[vis, g]
+    return out
+
+
+def main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from tkv.codec.bundle import LayerAllocation
+    from tkv.kernels.reference import gather_kv
+
+    load_general_plugins()
+    from tkv.vllm import backend as B
+
+    torch.manual_seed(0)
+    hd, hq, hkv, bs = 32, 4, 2, 16
+    tmp = Path(tempfile.mkdtemp())
+    alloc = LayerAllocation((4, 3), (3, 2), "smartmix")
+    path = make_bundle(tmp / "b.json", num_layers=2, num_kv_heads=hkv, head_dim=hd,
+                       rows={"3.5": alloc})
+    os.environ["TKV_BITS"] = "3.5"
+    os.environ["TKV_CALIBRATION_FILE"] = str(path)
+    vc = fake_vllm_config(fake_model_config(num_layers=2, num_kv_heads=hkv, head_dim=hd),
+                          block_size=bs, disable_hybrid=True)
+    B.get_current_vllm_config = lambda: vc
+
+    ctx_lens, q_lens = [20, 13, 0], [1, 7, 9]
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens, strict=True)]
+    num_blocks = 12
+    perm = torch.randperm(num_blocks).tolist()
+    bt = torch.zeros(3, 4, dtype=torch.int32)
+    nxt = 0
+    for r, s in enumerate(seq_lens):
+        for b in range(math.ceil(s / bs)):
+            bt[r, b] = perm[nxt]
+            nxt += 1
+
+    def slots(r, positions):
+        return torch.tensor([int(bt[r, p // bs]) * bs + p % bs for p in positions],
+                            dtype=torch.int64)
+
+    worst = 0.0
+    for li, window in enumerate([0, 12]):
+        name = f"model.layers.{li}.self_attn.attn"
+        impl = B.TurboAttnImpl(num_heads=hq, head_size=hd, scale=hd ** -0.5, num_kv_heads=hkv,
+                               sliding_window=window or None, kv_cache_dtype="tkv")
+        layer = make_layer(name, impl, num_kv_heads=hkv, head_size=hd,
+                           sliding_window=window or None, num_heads=hq)
+        vc.compilation_config.static_forward_context[name] = layer
+        spec = B.TurboAttnBackend.get_kv_cache_spec(layer, vc)
+        assert (spec.tkv_k_bits, spec.tkv_v_bits) == (alloc.k_bits[li], alloc.v_bits[li])
+        shape = B.TurboAttnBackend.get_kv_cache_shape_for_spec(num_blocks, bs, spec)
+        cache = torch.zeros(shape, dtype=torch.uint8)
+        # cached context, stored the way vLLM stores it
+        for r, c in enumerate(ctx_lens):
+            if c:
+                k = torch.randn(c, hkv, hd, dtype=torch.bfloat16)
+                v = torch.randn(c, hkv, hd, dtype=torch.bfloat16)
+                impl.do_kv_cache_update(layer, k, v, cache, slots(r, range(c)))
+        # the mixed step: decode, continuation, first prefill (decodes first)
+        n = sum(q_lens)
+        q = torch.randn(n, hq, hd, dtype=torch.bfloat16)
+        k = torch.randn(n, hkv, hd, dtype=torch.bfloat16)
+        v = torch.randn(n, hkv, hd, dtype=torch.bfloat16)
+        sm = torch.cat([slots(r, range(c, c + ql))
+                        for r, (c, ql) in enumerate(zip(ctx_lens, q_lens, strict=True))])
+        impl.do_kv_cache_update(layer, k, v, cache, sm)
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        cam = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=3,
+            num_actual_tokens=n, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+            block_table_tensor=bt, slot_mapping=sm)
+        builder = B.TurboAttnMetadataBuilder(spec, [name], vc, torch.device("cpu"))
+        md = builder.build(0, cam)
+        assert (md.num_decodes, md.num_prefills, md.num_prefill_tokens) == (1, 2, 16)
+        out = torch.full((n, hq, hd), float("nan"), dtype=torch.bfloat16)
+        impl.forward(layer, q, k, v, cache, md, output=out)
+        loader = impl._tkv_state.loader(bs)
+        for r in range(3):
+            a, b = int(qsl[r]), int(qsl[r + 1])
+            kc, vcache = gather_kv(cache, loader, bt[r], seq_lens[r])
+            ref = reference(q[a:b], k[a:b], v[a:b], kc, vcache, ctx_lens[r], window,
+                            hd ** -0.5, decode=(r == 0))
+            err = (out[a:b].double() - ref).abs().max().item() / ref.abs().max().item()
+            print(f"layer {li} K{spec.tkv_k_bits}V{spec.tkv_v_bits} window={window} "
+                  f"request {r}: rel err {err:.2e}")
+            worst = max(worst, err)
+        assert torch.isfinite(out.float()).all()
+    print(f"worst relative error {worst:.2e}")
+    return 0 if worst < 2e-2 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
