@@ -9,9 +9,9 @@ Compares, at K2/K3/K4/K8, head_dim 128, on the same input vectors:
 * ``turbo-attn``  — the peer ``turbo-attn==0.24.4`` from PyPI, ``tkv.TurboKVCodec(head_dim,
                     bit_width).compress_k`` / ``decompress_k`` (its CPU path: dense WHT matmul,
                     ``searchsorted``, bf16 norms, its own K norm correction on). Its import name
-                    ``tkv`` clashes with our PEP 420 namespace, so it runs in a subprocess from its
-                    own venv (created once with ``uv``, cached under
-                    ``~/.cache/tkv-bench/turbo-attn-0.24.4``) and reports JSON;
+                    ``tkv`` clashes with our PEP 420 namespace, so it runs in a worker subprocess
+                    from its own venv (created once with ``uv``, cached under
+                    ``~/.cache/tkv-bench/turbo-attn-0.24.4``) that answers JSON lines;
 * ``int{b}-asym`` — a plain per-token (per vector) asymmetric uniform quantizer written below in
                     plain torch: ``zero = min(x)``, ``scale = (max(x) - zero) / (2^b - 1)``, both
                     stored as fp16, codes packed ``b`` bits each.
@@ -23,7 +23,8 @@ KVQuant, Hooper et al. 2024, Sec. 3.1).
 
 Metrics: throughput in vectors/s for compress, decompress and the round trip (median over
 ``--repeats`` timed repeats after ``--warmup`` untimed ones, ``torch.set_num_threads(--threads)``
-fixed); relative MSE = mean over vectors of ``‖x − x̂‖² / ‖x‖²``; bytes per vector = everything
+fixed in both processes; each repeat times every method once, in a rotating order, so load
+changes on a shared machine hit all methods alike); relative MSE = mean over vectors of ``‖x − x̂‖² / ‖x‖²``; bytes per vector = everything
 the method stores per vector (codes + norm, or codes + scale + zero), measured from the returned
 tensors. Ratios are against ``ours`` at the same bit width. For the MSE comparison the per-vector
 errors of each method are paired with ours on the same vectors and the mean difference is given
@@ -102,39 +103,46 @@ def rel_errors(x: torch.Tensor, xr: torch.Tensor) -> torch.Tensor:
     return (xd - xr.double()).pow(2).sum(-1) / xd.pow(2).sum(-1)
 
 
-def bench_codec(compress: Callable, decompress: Callable, x: torch.Tensor, warmup: int,
-                repeats: int) -> tuple[dict, torch.Tensor]:
-    """Time ``compress(x) -> payload`` and ``decompress(*payload) -> x̂`` on ``x``.
+class LocalMethod:
+    """One codec under test in this process: ``compress(x) -> payload`` tensors and
+    ``decompress(*payload) -> x̂`` on a fixed input ``x`` (warmed up on construction)."""
 
-    Returns (stats, per-vector relative errors). Times are medians over ``repeats`` (seconds);
-    round trip is the median of per-repeat ``compress + decompress``. ``bytes_per_vector`` sums
-    every tensor of the payload (codes, norms, scales, ...) divided by the number of vectors.
-    """
-    for _ in range(warmup):
-        decompress(*compress(x))
-    tc, td = [], []
-    payload = xr = None
-    for _ in range(repeats):
+    def __init__(self, compress: Callable, decompress: Callable, x: torch.Tensor, warmup: int):
+        self.compress, self.decompress, self.x = compress, decompress, x
+        for _ in range(warmup):
+            decompress(*compress(x))
+
+    def time_once(self) -> tuple[float, float]:
+        """One timed call of each: (compress seconds, decompress seconds)."""
         t0 = time.perf_counter()
-        payload = compress(x)
+        payload = self.compress(self.x)
         t1 = time.perf_counter()
-        xr = decompress(*payload)
-        t2 = time.perf_counter()
-        tc.append(t1 - t0)
-        td.append(t2 - t1)
-    tr = [a + b for a, b in zip(tc, td, strict=True)]
-    n = x.shape[0]
-    errs = rel_errors(x, xr)
-    stats = {
-        "compress_s": statistics.median(tc),
-        "decompress_s": statistics.median(td),
-        "roundtrip_s": statistics.median(tr),
-        "roundtrip_spread": (max(tr) - min(tr)) / statistics.median(tr),
-        "rel_mse": float(errs.mean()),
-        "bytes_per_vector": sum(t.numel() * t.element_size() for t in payload) / n,
-        "payload": [f"{t.dtype}{list(t.shape[1:])}" for t in payload],
-    }
-    return stats, errs
+        self.decompress(*payload)
+        return t1 - t0, time.perf_counter() - t1
+
+    def quality(self) -> tuple[dict, torch.Tensor]:
+        """(stats with ``rel_mse`` and ``bytes_per_vector``, per-vector relative errors).
+
+        ``bytes_per_vector`` sums every tensor of the payload (codes, norms, scales, ...)
+        divided by the number of vectors.
+        """
+        payload = self.compress(self.x)
+        errs = rel_errors(self.x, self.decompress(*payload))
+        return {"rel_mse": float(errs.mean()),
+                "bytes_per_vector": sum(t.numel() * t.element_size() for t in payload)
+                / self.x.shape[0],
+                "payload": [f"{t.dtype}{list(t.shape[1:])}" for t in payload]}, errs
+
+
+def summarize(times: list[tuple[float, float]]) -> dict:
+    """Medians (seconds) of compress, decompress and per-repeat round trip, and the round-trip
+    spread ``(max − min) / median``."""
+    tc = [t[0] for t in times]
+    td = [t[1] for t in times]
+    tr = [a + b for a, b in times]
+    return {"compress_s": statistics.median(tc), "decompress_s": statistics.median(td),
+            "roundtrip_s": statistics.median(tr),
+            "roundtrip_spread": (max(tr) - min(tr)) / statistics.median(tr)}
 
 
 def time_median(fn: Callable, warmup: int, repeats: int) -> float:
@@ -262,43 +270,98 @@ def ensure_peer_venv(venv: Path, torch_version: str) -> Path:
     return py
 
 
-def run_peer(py: Path, spec: dict, workdir: Path) -> dict:
-    """Run this script in ``--peer-worker`` mode under the peer venv's python; parse its JSON."""
-    spec_path = workdir / "peer_spec.json"
-    spec_path.write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    r = subprocess.run([str(py), str(Path(__file__).resolve()), "--peer-worker", str(spec_path)],
-                       capture_output=True, text=True, env=env, cwd=workdir, check=False)
-    if r.returncode != 0:
-        raise RuntimeError(f"peer worker failed ({r.returncode}):\n{r.stderr[-4000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+class PeerProcess:
+    """This script in ``--peer-worker`` mode under the peer venv's python, driven over JSON lines
+    on stdin/stdout, so its timed calls can be interleaved with ours repeat by repeat."""
+
+    def __init__(self, py: Path, spec: dict, workdir: Path):
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        self.stderr_path = workdir / "peer_stderr.txt"
+        self._stderr = self.stderr_path.open("w")
+        self.proc = subprocess.Popen(
+            [str(py), str(Path(__file__).resolve()), "--peer-worker", json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+            env=env, cwd=workdir, bufsize=1)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            raise RuntimeError(f"peer worker died ({self.proc.returncode}):\n"
+                               f"{self.stderr_path.read_text()[-4000:]}")
+        return json.loads(line)
+
+    def request(self, **msg) -> dict:
+        """Send one command, return the worker's JSON reply."""
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.request(op="quit")
+            self.proc.wait(timeout=60)
+        self._stderr.close()
 
 
-def peer_worker(spec_path: str) -> None:
-    """Entry point inside the peer venv: measure turbo-attn's codec, print one JSON line."""
-    spec = json.loads(Path(spec_path).read_text())
+class PeerMethod:
+    """turbo-attn's codec for one (data set, bits), living in a :class:`PeerProcess`."""
+
+    def __init__(self, peer: PeerProcess, dataset: str, bits: int):
+        self.peer = peer
+        self.prepared = peer.request(op="prepare", dataset=dataset, bits=bits)
+
+    def time_once(self) -> tuple[float, float]:
+        r = self.peer.request(op="time")
+        return r["c"], r["d"]
+
+    def quality(self) -> tuple[dict, torch.Tensor]:
+        return dict(self.prepared), torch.load(self.prepared["err_path"])
+
+
+def peer_worker(spec_json: str) -> None:
+    """Entry point inside the peer venv: serve prepare/time/quit commands (JSON lines)."""
+    spec = json.loads(spec_json)
     torch.set_num_threads(spec["threads"])
     import tkv  # the peer's package (its own top-level tkv), not our namespace
     from tkv import TurboKVCodec as PeerCodec
 
     if getattr(tkv, "__version__", None) != PEER_VERSION:
         raise RuntimeError(f"expected turbo-attn {PEER_VERSION}, imported {tkv!r}")
-    out = {"version": tkv.__version__, "module": tkv.__file__, "torch": torch.__version__,
-           "results": []}
-    for ds in spec["datasets"]:
-        x = make_inputs(ds, spec["batch"], spec["head_dim"], spec["seed"], spec["n_outlier"],
-                        spec["outlier_scale"])
-        for bits in spec["bits"]:
+
+    def reply(obj: dict) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    reply({"version": tkv.__version__, "module": tkv.__file__, "torch": torch.__version__})
+    inputs: dict[str, torch.Tensor] = {}
+    method = None
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["op"] == "quit":
+            reply({})
+            return
+        if msg["op"] == "prepare":
+            ds, bits = msg["dataset"], msg["bits"]
+            if ds not in inputs:
+                inputs[ds] = make_inputs(ds, spec["batch"], spec["head_dim"], spec["seed"],
+                                         spec["n_outlier"], spec["outlier_scale"])
+            x = inputs[ds]
             codec = PeerCodec(head_dim=spec["head_dim"], bit_width=bits, device="cpu")
-            stats, errs = bench_codec(codec.compress_k, codec.decompress_k, x, spec["warmup"],
-                                      spec["repeats"])
+            method = LocalMethod(codec.compress_k, codec.decompress_k, x, spec["warmup"])
+            stats, errs = method.quality()
             err_path = Path(spec["err_dir"]) / f"peer_{ds}_{bits}.pt"
             torch.save(errs, err_path)
-            stats.update(dataset=ds, bits=bits, checksum=checksum(x), err_path=str(err_path),
+            stats.update(checksum=checksum(x), err_path=str(err_path),
                          declared_bytes_per_vector=codec.bytes_per_k_vector,
                          norm_dtype=codec.norm_dtype, k_norm_correction=codec.k_norm_correction)
-            out["results"].append(stats)
-    print(json.dumps(out))
+            reply(stats)
+        elif msg["op"] == "time":
+            c, d = method.time_once()
+            reply({"c": c, "d": d})
+        else:
+            raise ValueError(f"unknown op {msg['op']!r}")
 
 
 # ---------------------------------------------------------------------------------------- profile (ours)
@@ -421,6 +484,26 @@ def prototypes(x: torch.Tensor, bits_list: list[int], warmup: int,
                          "proto_ms": 1e3 * time_median(
                              lambda z=z, b=bnd: torch.bucketize(z, b, out_int32=True),
                              warmup, repeats)})
+        packed, norms = side.compress(x)
+        if 8 % bits == 0:  # whole codes per byte: decode = one gather from a (256, 8/b) table
+            cent = (side.centroids.double() / math.sqrt(d)).float()
+            per = 8 // bits
+            byte = torch.arange(256)
+            lut = cent[(byte.unsqueeze(-1) >> (torch.arange(per) * bits)) & ((1 << bits) - 1)]
+            nf = norms.float().unsqueeze(-1)
+
+            def cur_dec(p=packed, b=bits, cent=cent, nf=nf):
+                return cent[unpack_codes(p, b, d)] * nf
+
+            def lut_dec(p=packed, lut=lut, nf=nf):
+                return lut.index_select(0, p.reshape(-1).long()).reshape(p.shape[0], d).mul_(nf)
+
+            assert torch.equal(cur_dec(), lut_dec())
+            rows.append({"bits": bits, "step": "unpack + gather × norm",
+                         "current": "unpack_codes → int64, centroids[codes]",
+                         "cur_ms": 1e3 * time_median(cur_dec, warmup, repeats),
+                         "proto": f"byte LUT (256×{per}) index_select on the packed bytes",
+                         "proto_ms": 1e3 * time_median(lut_dec, warmup, repeats)})
         if bits == 8:
             continue
         cu8 = codes.to(torch.uint8)
@@ -472,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=65536, help="vectors per call (default 65536)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--bits", default="2,3,4,8", help="comma-separated widths (default 2,3,4,8)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats; the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls per measurement")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--seed", type=int, default=0)
@@ -508,46 +591,60 @@ def main(argv: list[str] | None = None) -> int:
     peer = None
     if not args.no_peer:
         py = ensure_peer_venv(args.peer_venv, torch.__version__.split("+")[0])
-        spec = {"batch": batch, "head_dim": d, "bits": bits_list, "datasets": datasets,
-                "seed": args.seed, "n_outlier": args.n_outlier,
+        spec = {"batch": batch, "head_dim": d, "seed": args.seed, "n_outlier": args.n_outlier,
                 "outlier_scale": args.outlier_scale, "warmup": args.warmup,
-                "repeats": args.repeats, "threads": args.threads, "err_dir": str(tmp)}
-        print(f"[peer] measuring {PEER_DIST}=={PEER_VERSION} in {py} ...", file=sys.stderr)
-        peer = run_peer(py, spec, tmp)
-        if peer["torch"] != torch.__version__:
-            print(f"[peer] WARNING: peer torch {peer['torch']} != ours {torch.__version__}",
+                "threads": args.threads, "err_dir": str(tmp)}
+        print(f"[peer] starting {PEER_DIST}=={PEER_VERSION} worker in {py}", file=sys.stderr)
+        peer = PeerProcess(py, spec, tmp)
+        if peer.info["torch"] != torch.__version__:
+            print(f"[peer] WARNING: peer torch {peer.info['torch']} != ours {torch.__version__}",
                   file=sys.stderr)
 
     rows = []  # dicts: dataset, method, bits, stats
     errs: dict[tuple[str, str, int], torch.Tensor] = {}
-    for ds in datasets:
-        x = make_inputs(ds, batch, d, args.seed, args.n_outlier, args.outlier_scale)
-        cs = checksum(x)
-        for bits in bits_list:
-            print(f"[ours/int] {ds} K{bits} ...", file=sys.stderr)
-            codec = TurboKVCodec(d, bits, device="cpu", check_finite=False)
-            st, e = bench_codec(codec.compress_k, codec.decompress_k, x, args.warmup, args.repeats)
-            layout_bytes = codec.layout(num_kv_heads=1, block_size=16).k_slot_bytes
-            if st["bytes_per_vector"] != layout_bytes:
-                raise RuntimeError(f"ours: payload {st['bytes_per_vector']} B != SlotLayout "
-                                   f"{layout_bytes} B")
-            rows.append({"dataset": ds, "method": "ours (tkv.codec)", "bits": bits, **st})
-            errs[(ds, "ours", bits)] = e
-            codec = TurboKVCodec(d, bits, device="cpu", check_finite=False, k_codebook="beta")
-            st, e = bench_codec(codec.compress_k, codec.decompress_k, x, args.warmup, args.repeats)
-            rows.append({"dataset": ds, "method": "ours, k_codebook='beta'", "bits": bits, **st})
-            errs[(ds, "beta", bits)] = e
-            if peer is not None:
-                pr = next(r for r in peer["results"] if r["dataset"] == ds and r["bits"] == bits)
-                if pr["checksum"] != cs:
-                    raise RuntimeError(f"peer saw different inputs for {ds} (checksum)")
-                rows.append({"dataset": ds, "method": f"turbo-attn {PEER_VERSION}", "bits": bits,
-                             **pr})
-                errs[(ds, "peer", bits)] = torch.load(pr["err_path"])
-            base = AsymIntBaseline(bits, d)
-            st, e = bench_codec(base.compress, base.decompress, x, args.warmup, args.repeats)
-            rows.append({"dataset": ds, "method": f"int{bits}-asym per-token", "bits": bits, **st})
-            errs[(ds, "int", bits)] = e
+    try:
+        for ds in datasets:
+            x = make_inputs(ds, batch, d, args.seed, args.n_outlier, args.outlier_scale)
+            cs = checksum(x)
+            for bits in bits_list:
+                print(f"[bench] {ds} K{bits}", file=sys.stderr)
+                ours = TurboKVCodec(d, bits, device="cpu", check_finite=False)
+                beta = TurboKVCodec(d, bits, device="cpu", check_finite=False, k_codebook="beta")
+                base = AsymIntBaseline(bits, d)
+                methods = {
+                    "ours": ("ours (tkv.codec)",
+                             LocalMethod(ours.compress_k, ours.decompress_k, x, args.warmup)),
+                    "beta": ("ours, k_codebook='beta'",
+                             LocalMethod(beta.compress_k, beta.decompress_k, x, args.warmup)),
+                }
+                if peer is not None:
+                    pm = PeerMethod(peer, ds, bits)
+                    if pm.prepared["checksum"] != cs:
+                        raise RuntimeError(f"peer saw different inputs for {ds} (checksum)")
+                    methods["peer"] = (f"turbo-attn {PEER_VERSION}", pm)
+                methods["int"] = (f"int{bits}-asym per-token",
+                                  LocalMethod(base.compress, base.decompress, x, args.warmup))
+                # Interleave: each repeat times every method once, in a rotating order, so load
+                # changes on the shared machine hit all methods alike.
+                keys = list(methods)
+                times: dict[str, list] = {k: [] for k in keys}
+                for r in range(args.repeats):
+                    for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+                        times[k].append(methods[k][1].time_once())
+                for k in keys:
+                    q, e = methods[k][1].quality()
+                    rows.append({"dataset": ds, "method": methods[k][0], "bits": bits, **q,
+                                 **summarize(times[k])})
+                    errs[(ds, k, bits)] = e
+                layout_bytes = ours.layout(num_kv_heads=1, block_size=16).k_slot_bytes
+                got = next(r for r in rows if r["method"].startswith("ours (")
+                           and r["dataset"] == ds and r["bits"] == bits)["bytes_per_vector"]
+                if got != layout_bytes:
+                    raise RuntimeError(f"ours: payload {got} B/vector != SlotLayout "
+                                       f"k_slot_bytes {layout_bytes}")
+    finally:
+        if peer is not None:
+            peer.close()
 
     prof_rows = top_ops = proto_rows = None
     if not args.no_profile:
@@ -566,15 +663,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{platform.python_version()}, torch {torch.__version__}; "
         f"**torch.set_num_threads({args.threads})**; repo commit {_git_commit()}")
     out(f"- batch {batch} vectors × head_dim {d} float32, seed {args.seed}; warmup {args.warmup}, "
-        f"median of {args.repeats} repeats; wall time {time.time() - t_start:.0f} s")
+        f"median of {args.repeats} repeats, methods interleaved per repeat (rotating order); "
+        f"wall time {time.time() - t_start:.0f} s")
     out(f"- load average (1/5/15 min) at start {load_start[0]:.2f}/{load_start[1]:.2f}/"
         f"{load_start[2]:.2f}, at end {load_end[0]:.2f}/{load_end[1]:.2f}/{load_end[2]:.2f} "
         "(shared machine: other jobs run concurrently, timings are noisy)")
     if peer is not None:
-        pr0 = peer["results"][0]
-        out(f"- peer: {PEER_DIST}=={peer['version']} (`{peer['module']}`), torch {peer['torch']}, "
-            f"norms {pr0['norm_dtype']}, K norm correction {pr0['k_norm_correction']}; "
-            "inputs checksum-identical")
+        pr0 = next(r for r in rows if r["method"].startswith("turbo-attn"))
+        out(f"- peer: {PEER_DIST}=={peer.info['version']} (`{peer.info['module']}`), torch "
+            f"{peer.info['torch']}, norms {pr0['norm_dtype']}, K norm correction "
+            f"{pr0['k_norm_correction']}, declared bytes/vector "
+            f"{sorted({r['declared_bytes_per_vector'] for r in rows if 'declared_bytes_per_vector' in r})}"
+            "; inputs checksum-identical; timed calls interleaved with ours in one process each")
     out("- `outlier`: N(0,1) with "
         f"{args.n_outlier} fixed channels ×{args.outlier_scale:g}")
     out("")
