@@ -148,6 +148,7 @@ class TurboAttnBackend(AttentionBackend):
         self.impl = pool.impl
         self.max_num_seqs = max(1, int(model_runner.max_running_requests or 1))
         self.workspace = None
+        self._retired_workspaces: list = []
         self.forward_metadata: TurboAttnMetadata | None = None
         self._cuda_graph_block_table = None
         self._cuda_graph_seq_lens = None
@@ -169,6 +170,9 @@ class TurboAttnBackend(AttentionBackend):
         if self.workspace is None or self.workspace.max_num_seqs < num_seqs:
             from tkv.kernels import Workspace
 
+            if self.workspace is not None:
+                # captured CUDA graphs hold raw pointers into the old scratch: keep it alive
+                self._retired_workspaces.append(self.workspace)
             self.workspace = Workspace(max(num_seqs, self.max_num_seqs), self.num_q_heads,
                                        self.head_dim, self.device)
         return self.workspace
