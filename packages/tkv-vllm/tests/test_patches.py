@@ -98,7 +98,7 @@ def test_cli_roundtrip(vllm_tree_copy: Path, capsys):
     root = str(vllm_tree_copy)
     assert cli.main(["patch", "status", "--root", root]) == 1
     assert cli.main(["patch", "apply", "--root", root]) == 0
-    assert "7 file(s) changed" in capsys.readouterr().out
+    assert f"{len(touched_files())} file(s) changed" in capsys.readouterr().out
     assert cli.main(["patch", "apply", "--root", root]) == 0
     assert "nothing to do" in capsys.readouterr().out
     assert cli.main(["patch", "status", "--root", root]) == 0

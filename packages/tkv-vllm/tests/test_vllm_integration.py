@@ -12,7 +12,7 @@ import torch
 from tkv.codec.layout import ModelLayout, SlotLayout
 from tkv.vllm import patching, startup
 
-from .conftest import fake_vllm_config, make_bundle, make_layer
+from .conftest import fake_model_config, fake_vllm_config, make_bundle, make_layer
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +65,42 @@ def test_cli_flags(patched_vllm):
     assert AttentionConfig(backend="TURBO_ATTN").backend is E.TURBO_ATTN
     with pytest.raises(ValueError, match="Unknown kv-cache dtype 'tkv8'"):
         CacheConfig(cache_dtype="tkv8")
+
+
+def test_validate_hook_runs_at_config_time(patched_vllm, tmp_path, monkeypatch):
+    """vLLM calls the plugin's validator from VllmConfig.__post_init__ (launching process):
+    named errors there, and an unset backend becomes TURBO_ATTN."""
+    from types import SimpleNamespace
+
+    from vllm.config.cache import validate_plugin_cache_dtype
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+
+    from tkv.codec.errors import BundleGeometryError
+    from tkv.vllm.errors import BackendMismatchError, UnsupportedModelError
+
+    def cfg(model=None, backend=None):
+        vc = fake_vllm_config(model)
+        vc.cache_config.cache_dtype = "tkv"
+        vc.attention_config = SimpleNamespace(backend=backend)
+        return vc
+
+    path = make_bundle(tmp_path / "b.json")
+    monkeypatch.setenv("TKV_CALIBRATION_FILE", str(path))
+    vc = cfg()
+    validate_plugin_cache_dtype(vc)
+    assert vc.attention_config.backend is E.TURBO_ATTN
+    with pytest.raises(BackendMismatchError, match="FLASH_ATTN"):
+        validate_plugin_cache_dtype(cfg(backend=E.FLASH_ATTN))
+    with pytest.raises(BundleGeometryError):
+        validate_plugin_cache_dtype(cfg(fake_model_config(num_layers=30)))
+    with pytest.raises(UnsupportedModelError, match="MLA"):
+        validate_plugin_cache_dtype(cfg(fake_model_config(use_mla=True)))
+    other = cfg(backend=E.FLASH_ATTN)
+    other.cache_config.cache_dtype = "auto"
+    validate_plugin_cache_dtype(other)  # other dtypes untouched
+    import vllm.config.vllm as vcfg
+
+    assert "validate_plugin_cache_dtype(self)" in inspect.getsource(vcfg.VllmConfig.__post_init__)
 
 
 def _specs(vc, names_windows, head_size=64, num_kv_heads=2):

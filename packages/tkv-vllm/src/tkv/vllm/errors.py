@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tkv.codec.errors import TkvError
 
-__all__ = ["PatchesNotAppliedError", "UnsupportedModelError"]
+__all__ = ["BackendMismatchError", "PatchesNotAppliedError", "UnsupportedModelError"]
 
 
 class UnsupportedModelError(TkvError, ValueError):
@@ -16,3 +16,8 @@ class UnsupportedModelError(TkvError, ValueError):
 
 class PatchesNotAppliedError(TkvError, RuntimeError):
     """The installed vLLM lacks the tkv patch series (run ``tkv-vllm patch apply``)."""
+
+
+class BackendMismatchError(TkvError, ValueError):
+    """``--kv-cache-dtype tkv`` was combined with an attention backend other than
+    ``turbo-attn`` (only turbo-attn reads the tkv cache)."""

@@ -10,8 +10,10 @@ workers) before it parses ``--kv-cache-dtype`` / ``--attention-backend``. It reg
 Both need the tkv patch series in vLLM (``tkv-vllm patch apply``). On an unpatched vLLM
 this logs an error saying so and registers nothing: a plugin must not break vLLM for users
 who do not ask for tkv, and ``--kv-cache-dtype tkv`` is then refused by vLLM itself.
-Model-dependent configuration (``TKV_BITS``, ``TKV_CALIBRATION_FILE``) is validated when
-the first attention layer is built (:mod:`tkv.vllm.startup`).
+Model-dependent configuration (``TKV_BITS``, ``TKV_CALIBRATION_FILE``, the model's
+geometry and architecture) is validated by :func:`validate`, which vLLM calls when it builds
+the ``VllmConfig`` in the launching process (patch 0001) — named errors before any engine
+process starts or any weight is loaded. Workers re-use the same validation, once each.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import logging
 
 import torch
 
-from .errors import PatchesNotAppliedError
+from .errors import BackendMismatchError, PatchesNotAppliedError
 
-__all__ = ["BACKEND_PATH", "TKV_DTYPE", "check_patched", "register"]
+__all__ = ["BACKEND_PATH", "TKV_DTYPE", "check_patched", "register", "validate"]
 
 log = logging.getLogger("tkv.vllm")
 
@@ -49,6 +51,30 @@ def check_patched() -> None:
             "`tkv-vllm patch apply` in this environment")
 
 
+def validate(vllm_config) -> None:
+    """``validate`` hook of the ``tkv`` dtype: config errors, model refusals, and the
+    attention backend — unset becomes ``TURBO_ATTN`` (so ``--attention-backend`` may be
+    omitted), any other backend is refused.
+
+    Raises:
+        BackendMismatchError, UnsupportedModelError, and the codec's config errors
+        (TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
+        BudgetRowMissingError).
+    """
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from .startup import tkv_config
+
+    ac = vllm_config.attention_config
+    if ac.backend is None:
+        ac.backend = AttentionBackendEnum.TURBO_ATTN
+        log.info("tkv: --kv-cache-dtype tkv selects --attention-backend turbo-attn")
+    elif ac.backend is not AttentionBackendEnum.TURBO_ATTN:
+        raise BackendMismatchError(
+            f"--kv-cache-dtype tkv needs --attention-backend turbo-attn, got {ac.backend.name}")
+    tkv_config(vllm_config)
+
+
 def register() -> None:
     """Register the ``tkv`` KV-cache dtype and the ``TURBO_ATTN`` backend (idempotent)."""
     try:
@@ -59,5 +85,5 @@ def register() -> None:
     from vllm.config.cache import register_kv_cache_dtype
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_kv_cache_dtype(TKV_DTYPE, torch.uint8)
+    register_kv_cache_dtype(TKV_DTYPE, torch.uint8, validate=validate)
     register_backend(AttentionBackendEnum.TURBO_ATTN, BACKEND_PATH)
