@@ -105,20 +105,25 @@ def decode_rows(cfgs, widths, copy_gbs, tune):
         del kp, vp
         for kb, vb in widths:
             codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV)
-            ld = TkvLoader(codec, hkv, block)
+            lds = {lk: TkvLoader(codec, hkv, block, lookup=lk)
+                   for lk in (("gather", "select") if tune else ("auto",))}
+            ld = lds[next(iter(lds))]
             cache = tkv_cache(ld, nblk)
             nbytes = B * L * ld.layout.bytes_per_token
             opts = [dict()]
             if tune:
-                opts = [dict(block_n=bn, num_warps=nw, num_stages=st)
-                        for bn in (32, 64, 128) for nw in (4, 8) for st in (2, 3)]
+                opts = [dict(block_n=bn, num_warps=nw, num_stages=st, lookup=lk)
+                        for bn in (64, 128) for nw in (4, 8) for st in (2, 3)
+                        for lk in lds]
             for o in opts:
+                o = dict(o)
+                ld = lds[o.pop("lookup", next(iter(lds)))]
                 try:
                     ms = bench(lambda o=o: decode(q, cache, bt, sl, ld, ws, **o))
                 except Exception as e:
                     log({**base, "impl": f"tkv_K{kb}V{vb}", **o, "error": str(e)[:160]})
                     continue
-                log({**base, "impl": f"tkv_K{kb}V{vb}", **o, "ms": ms,
+                log({**base, "impl": f"tkv_K{kb}V{vb}_{ld.tile.__name__}", **o, "ms": ms,
                      "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
             del cache
         torch.cuda.empty_cache()

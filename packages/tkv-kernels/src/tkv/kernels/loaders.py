@@ -82,10 +82,10 @@ class Loader(Protocol):
 
 # ============================================================================ tkv
 @triton.jit
-def tkv_tile(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
-             stride_block, stride_head, stride_tok,
-             BITS_BYTES: tl.constexpr, CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr,
-             NORM_HEAD: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
+                   stride_block, stride_head, stride_tok,
+                   BITS_BYTES: tl.constexpr, CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr,
+                   NORM_HEAD: tl.constexpr, OUT_DTYPE: tl.constexpr, SELECT: tl.constexpr):
     """tkv packed tile. base: uint8 cache; aux: the same cache viewed as bf16 (norms);
     table: float32 scaled centroids ``c / sqrt(d)``, ``2**BITS`` entries. Codes LSB-first
     (tkv.codec.packing): code i = bits [i*BITS, (i+1)*BITS) of the token's code bytes.
@@ -125,10 +125,38 @@ def tkv_tile(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
         hi = tl.load(ptr + 1, mask=m2 & need[None, :], other=0).to(tl.int32)
         w = w | (hi << 8)
         code = (w >> sh[None, :]) & ((1 << BITS) - 1)
-    val = tl.load(table + code)
+    if SELECT:  # codebook lookup in registers: 2**BITS compare+select, no memory gather
+        val = tl.zeros(code.shape, tl.float32)
+        for i in tl.static_range(1 << BITS):
+            val = tl.where(code == i, tl.load(table + i), val)
+    else:  # gather from the (L1-resident) table
+        val = tl.load(table + code)
     nidx = (page + NORMS_OFF) // 2 + head * NORM_HEAD + off
     norm = tl.load(aux + nidx, mask=mask_n, other=0.0).to(tl.float32)
     return val.to(OUT_DTYPE), norm
+
+
+@triton.jit
+def tkv_tile(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
+             stride_block, stride_head, stride_tok,
+             BITS_BYTES: tl.constexpr, CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr,
+             NORM_HEAD: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """tkv tile, codebook lookup by gather from the table in memory."""
+    return _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
+                          stride_block, stride_head, stride_tok, BITS_BYTES, CODES_OFF,
+                          NORMS_OFF, NORM_HEAD, OUT_DTYPE, False)
+
+
+@triton.jit
+def tkv_tile_select(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
+                    stride_block, stride_head, stride_tok,
+                    BITS_BYTES: tl.constexpr, CODES_OFF: tl.constexpr,
+                    NORMS_OFF: tl.constexpr, NORM_HEAD: tl.constexpr,
+                    OUT_DTYPE: tl.constexpr):
+    """tkv tile, codebook lookup by a compare/select chain over the 2**BITS centroids."""
+    return _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
+                          stride_block, stride_head, stride_tok, BITS_BYTES, CODES_OFF,
+                          NORMS_OFF, NORM_HEAD, OUT_DTYPE, True)
 
 
 class TkvLoader:
@@ -138,6 +166,9 @@ class TkvLoader:
         codec: the layer's :class:`~tkv.codec.TurboKVCodec` (its device is the kernels' device).
         num_kv_heads: KV heads of the layer (per TP rank).
         block_size: tokens per page.
+        lookup: codebook lookup in the tile loader: ``"gather"`` (memory gather from the
+            table), ``"select"`` (2**bits compare/select in registers), ``"auto"`` (select for
+            widths ≤ 4).
 
     Attributes (device tensors, float32):
         k_table, v_table: ``(2**bits,)`` centroids / sqrt(head_dim) (SideCodec._scaled_centroids).
@@ -152,7 +183,11 @@ class TkvLoader:
     name = "tkv"
     rotated = True
 
-    def __init__(self, codec: TurboKVCodec, num_kv_heads: int, block_size: int):
+    def __init__(self, codec: TurboKVCodec, num_kv_heads: int, block_size: int,
+                 lookup: str = "auto"):
+        if lookup not in ("auto", "gather", "select"):
+            raise ValueError(f"lookup must be 'auto', 'gather' or 'select', got {lookup!r}")
+        self.lookup = lookup
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")
         self.codec = codec
@@ -195,7 +230,10 @@ class TkvLoader:
 
     @property
     def tile(self):
-        return tkv_tile
+        """``tkv_tile_select`` for widths ≤ 4 (``lookup="auto"``), else ``tkv_tile``."""
+        sel = self.lookup == "select" or (self.lookup == "auto"
+                                          and max(self.k_bits, self.v_bits) <= 4)
+        return tkv_tile_select if sel else tkv_tile
 
     def check_cache(self, cache) -> int:
         """``cache`` uint8 ``(num_blocks, page_bytes)`` contiguous, on the codec's device."""

@@ -98,7 +98,7 @@ def _prefill_kernel(
             k, ks = LOAD_K(k_base, k_aux, k_table, blk, off, mask_n, kvh, offs_d, dmask,
                            k_sb, k_sh, k_st, KP0, KP1, KP2, KP3, DOT_DTYPE)
             s = tl.dot(qr, tl.trans(k)) * (ks * scale_log2)[None, :]
-            vis = mask_n[None, :]
+            vis = mask_n[None, :] & (qpos >= 0)[:, None]
             if window > 0:
                 vis = vis & ((qpos[:, None] - pos[None, :]) < window)
             s = tl.where(vis, s, float("-inf"))
