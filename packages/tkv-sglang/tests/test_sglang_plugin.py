@@ -108,7 +108,7 @@ class FakeRunner(SimpleNamespace):
     """The attributes of ModelRunner that the patched pool paths read."""
 
 
-def _runner(sgl, fakes, layers=(0, 4), page=PAGE, tokens=32 * PAGE):
+def _runner(sgl, fakes, layers=(0, 4), page=PAGE, tokens=32 * PAGE, device="cpu"):
     mc = fakes.ModelConfig()
     sa = SimpleNamespace(kv_cache_dtype="tkv", enable_memory_saver=False, page_size=page,
                          speculative_num_draft_tokens=None, disaggregation_mode="null",
@@ -116,7 +116,7 @@ def _runner(sgl, fakes, layers=(0, 4), page=PAGE, tokens=32 * PAGE):
                          speculative_algorithm=None)
     return FakeRunner(
         server_args=sa, model_config=mc, start_layer=layers[0], end_layer=layers[1],
-        num_effective_layers=layers[1] - layers[0], page_size=page, device="cpu",
+        num_effective_layers=layers[1] - layers[0], page_size=page, device=device,
         mambaish_config=None, is_draft_worker=False, is_hybrid_swa=False, enable_hisparse=False,
         use_mla_backend=False, spec_algorithm=SimpleNamespace(is_dflash=lambda: False),
         max_total_num_tokens=tokens, max_running_requests=8, req_to_token_pool=None,
@@ -199,12 +199,13 @@ def _attention64(q, k, v, scale, qpos, kpos):
 class World:
     """A fake worker: runner + tkv pool + req_to_token, and per request the K/V it stored."""
 
-    def __init__(self, sgl, fakes, monkeypatch):
+    def __init__(self, sgl, fakes, monkeypatch, device="cpu"):
         import sglang.srt.layers.dp_attention as dpa
 
         monkeypatch.setattr(dpa, "get_attention_tp_size", lambda: 1)
         self.sgl = sgl
-        self.r = _runner(sgl, fakes, tokens=24 * PAGE)
+        self.device = torch.device(device)
+        self.r = _runner(sgl, fakes, tokens=24 * PAGE, device=device)
         sgl.Mixin._init_pools(self.r)
         self.pool = self.r.token_to_kv_pool
         self.req_to_token = self.r.req_to_token_pool.req_to_token
@@ -222,15 +223,16 @@ class World:
         self.g = torch.Generator().manual_seed(42)
 
     def rand(self, *shape):
-        return torch.randn(*shape, generator=self.g)
+        return torch.randn(*shape, generator=self.g).to(self.device)
 
     def batch(self, mode, rows, seq_lens, ext=None):
         sl = torch.tensor(seq_lens)
         b = SimpleNamespace(forward_mode=mode, batch_size=len(rows),
-                            req_pool_indices=torch.tensor(rows), seq_lens=sl, seq_lens_cpu=sl,
+                            req_pool_indices=torch.tensor(rows, device=self.device),
+                            seq_lens=sl.to(self.device), seq_lens_cpu=sl,
                             encoder_lens=None, spec_info=None)
         if ext is not None:
-            b.extend_seq_lens = torch.tensor(ext, dtype=torch.int32)
+            b.extend_seq_lens = torch.tensor(ext, dtype=torch.int32, device=self.device)
             b.extend_seq_lens_cpu = list(ext)
             b.extend_prefix_lens_cpu = [n - e for n, e in zip(seq_lens, ext, strict=True)]
         locs = [self.req_to_token[r, n - (ext[i] if ext else 1): n].long()
@@ -248,8 +250,9 @@ class World:
             vr = self.codec.decompress_v(*self.codec.compress_v(v)).double()
             if chunk_exact:
                 kr[n - ql:], vr[n - ql:] = k[n - ql:].double(), v[n - ql:].double()
-            out.append(_attention64(q[a:a + ql], kr, vr, 0.125, torch.arange(n - ql, n),
-                                    torch.arange(n)))
+            out.append(_attention64(q[a:a + ql], kr, vr, 0.125,
+                                    torch.arange(n - ql, n, device=q.device),
+                                    torch.arange(n, device=q.device)))
             a += ql
         return torch.cat(out)
 
@@ -436,3 +439,67 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
                                      vv.reshape(len(q), -1), w.layer, fb)
         exp = w.expected([1, 2], lens, q.float(), ext, chunk_exact=True)
         assert torch.allclose(o.view(-1, 4, 64).double(), exp, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_replay_matches_eager_without_host_sync(sgl, fakes, tkv_env,
+                                                                  bundle_file, monkeypatch):
+    """Capture turbo-attn decode in a CUDA graph, replay it with new lengths/pages/queries:
+    equal to eager decode; the eager forward path never syncs with the host."""
+    tkv_env("4.5", bundle_file)
+    monkeypatch.setenv("TKV_SGLANG_IMPL", "triton")
+    w = World(sgl, fakes, monkeypatch, device="cuda")
+    FM = sgl.ForwardMode
+    for row, pages in ((1, [5, 2, 11]), (2, [8, 3, 14]), (3, [6, 1, 9])):
+        w.req_to_token[row, : len(pages) * PAGE] = torch.cat(
+            [torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages]).int().cuda()
+        w.k[row], w.v[row] = w.rand(48, 2, 64), w.rand(48, 2, 64)
+        loc = w.req_to_token[row, :48].long()
+        w.pool.set_kv_buffer(w.layer, loc, w.k[row].bfloat16(), w.v[row].bfloat16())
+    bs = 2
+    w.backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    rows = torch.tensor([1, 2], device="cuda")
+    w.backend.init_forward_metadata_capture_cuda_graph(
+        bs, bs, rows, torch.ones(bs, dtype=torch.int64, device="cuda"), None, FM.DECODE, None)
+    q_static = torch.zeros(bs, 4 * 64, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        w.backend.forward_decode(q_static, None, None, w.layer, None, save_kv_cache=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = w.backend.forward_decode(q_static, None, None, w.layer, None,
+                                              save_kv_cache=False)
+    for rows_l, lens in (([1, 2], [20, 33]), ([3, 1], [48, 7])):
+        q = w.rand(bs, 4 * 64).bfloat16()
+        r = torch.tensor(rows_l, device="cuda")
+        sl = torch.tensor(lens)
+        w.backend.init_forward_metadata_replay_cuda_graph(bs, r, sl.cuda(), int(sl.sum()), None,
+                                                          FM.DECODE, None, sl)
+        q_static.copy_(q)
+        graph.replay()
+        fb = w.batch(FM.DECODE, rows_l, lens)
+        w.backend.init_forward_metadata(fb)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = w.backend.forward_decode(q, None, None, w.layer, fb, save_kv_cache=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        assert torch.allclose(out_static.float(), eager.float(), atol=2e-3, rtol=2e-3)
+        exp = w.expected(rows_l, lens, q.float().view(bs, 4, 64), [1, 1], chunk_exact=False)
+        assert torch.allclose(eager.view(bs, 4, 64).double(), exp, atol=3e-2, rtol=3e-2)
+
+
+def test_installed_sglang_reports_applied(sgl, capsys):
+    """`tkv-sglang patch status` on the installed (patched) sglang, found without --target."""
+    from tkv.sglang import cli
+    from tkv.sglang.patching import find_installed_sglang, read_tree_version
+
+    root = find_installed_sglang()
+    assert read_tree_version(root) == "0.5.11"
+    assert cli.main(["patch", "status"]) == 0
+    assert capsys.readouterr().out.count("applied ") == 2
