@@ -1,0 +1,356 @@
+"""End-to-end tkv-vllm check on one GPU: KV capacity, greedy agreement, decode throughput.
+
+Compares, in one run and on the same GPU, vLLM 0.20.1 with
+
+* ``bf16``  — the baseline (``--kv-cache-dtype auto``, model dtype bf16),
+* ``tq4``   — vLLM's built-in ``turboquant_4bit_nc``,
+* ``tkv``   — ``--kv-cache-dtype tkv --attention-backend turbo-attn`` at ``TKV_BITS``,
+
+and prints one table per model with ratios against bf16 (and tkv against tq4):
+
+1. KV-cache tokens vLLM reports at the same ``gpu_memory_utilization``;
+2. greedy token agreement with bf16 (first 32 tokens, 8 fixed prompts; tkv at 8.0 and 4.0);
+3. offline decode throughput with CUDA graphs, 64 and 256 concurrent sequences, 512-token
+   prompts, 256 output tokens, plus one 32K-token prompt (models that allow it).
+
+Each (model, mode) runs in its own subprocess (vLLM does not give GPU memory back
+in-process). Models: a local/HF path with real weights (e.g. SmolLM2-135M), and
+``qwen3-8b-like`` — random weights (``load_format=dummy``) with Qwen3-8B attention geometry
+(Hq=32, Hkv=8, head_dim 128, 36 layers), built from a config on the device, no download.
+
+Without ``--bundle`` a *uniform* bundle (rows 4.0 = K4V4 and 8.0 = K8V8, Gaussian codebooks)
+is written for each model, so ``TKV_BITS=8`` is available; pass a calibrated bundle from
+``tkv-calibrate`` for the real SmartMix numbers.
+
+Usage (on the GPU host, vLLM patched with ``tkv-vllm patch apply``)::
+
+    python vllm_e2e.py all --model /path/SmolLM2-135M-Instruct --out results/vllm_e2e
+    python vllm_e2e.py serve-check --model /path/SmolLM2-135M-Instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the ocean.",
+    "def fibonacci(n):",
+    "Explain why the sky is blue in one sentence.",
+    "List three prime numbers greater than 100:",
+    "Once upon a time, in a small village,",
+    "Translate to German: The weather is nice today.",
+    "The key idea behind attention in transformers is",
+]
+GREEDY_TOKENS = 32
+MODES = {
+    "bf16": {"kv_cache_dtype": "auto"},
+    "tq4": {"kv_cache_dtype": "turboquant_4bit_nc"},
+    "tkv": {"kv_cache_dtype": "tkv", "attention_backend": "TURBO_ATTN"},
+}
+QWEN3_8B_LIKE = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+    "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "num_hidden_layers": 36, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+}
+KV_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+
+
+# ----------------------------------------------------------------------------- helpers
+def model_geometry(model_dir: Path) -> tuple[int, int, int, str]:
+    """(num_layers, num_kv_heads, head_dim, name) from a HF config.json."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return (cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim,
+            model_dir.name)
+
+
+def write_uniform_bundle(model_dir: Path, path: Path) -> Path:
+    """A bundle with uniform rows 4.0 (K4V4) and 8.0 (K8V8), Gaussian codebooks."""
+    from tkv.codec.bundle import (
+        CalibrationBundle,
+        LayerAllocation,
+        LayerCalibration,
+        ModelGeometry,
+    )
+
+    n, kvh, hd, name = model_geometry(model_dir)
+    rows = {"4.0": LayerAllocation.uniform(n, 4, 4), "8.0": LayerAllocation.uniform(n, 8, 8)}
+    b = CalibrationBundle(ModelGeometry(n, kvh, hd, model=name),
+                          tuple(LayerCalibration() for _ in range(n)), rows,
+                          provenance={"tool": "vllm_e2e.py (uniform, uncalibrated)"})
+    return b.save(path)
+
+
+def make_qwen3_like(root: Path) -> Path:
+    d = root / "qwen3-8b-like"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(QWEN3_8B_LIKE, indent=1))
+    return d
+
+
+def resolve_model(spec: str, work: Path) -> tuple[Path, bool]:
+    """(model dir, dummy weights?) — ``qwen3-8b-like`` is generated; anything else is a
+    local directory (stage HF models on the host beforehand)."""
+    if spec == "qwen3-8b-like":
+        return make_qwen3_like(work), True
+    p = Path(spec)
+    if not (p / "config.json").is_file():
+        raise SystemExit(f"{spec}: not a model directory with config.json")
+    return p, False
+
+
+# ----------------------------------------------------------------------------- worker
+def worker(args: argparse.Namespace) -> None:
+    """One (model, mode) in this process; writes a JSON result."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(model=args.model, gpu_memory_utilization=args.gmu, seed=0,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              **MODES[args.mode])
+    if args.dummy:
+        kw.update(load_format="dummy", skip_tokenizer_init=True)
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    res: dict = {"mode": args.mode, "tkv_bits": os.environ.get("TKV_BITS"),
+                 "startup_s": time.perf_counter() - t0}
+    cc = llm.llm_engine.vllm_config.cache_config
+    if getattr(cc, "num_gpu_blocks", None):
+        res["kv_tokens_blocks"] = int(cc.num_gpu_blocks) * int(cc.block_size)
+
+    detok = {"detokenize": False} if args.dummy else {}
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, **detok)
+    if args.dummy:
+        import random
+
+        rng = random.Random(1)
+        prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 30000)
+                                                  for _ in range(16)]) for _ in PROMPTS]
+    else:
+        prompts = PROMPTS
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
+    if not args.dummy:
+        res["greedy_text"] = [o.outputs[0].text for o in outs]
+
+    if not args.greedy_only:
+        import random
+
+        rng = random.Random(0)
+        sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, **detok)
+        res["throughput"] = {}
+        for n in args.batches:
+            batch = [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 30000)
+                                                    for _ in range(512)]) for _ in range(n)]
+            llm.generate(batch[: min(n, 8)],
+                         SamplingParams(max_tokens=8, ignore_eos=True, **detok),
+                         use_tqdm=False)  # warm-up
+            t = time.perf_counter()
+            llm.generate(batch, sp, use_tqdm=False)
+            dt = time.perf_counter() - t
+            res["throughput"][str(n)] = {"seconds": dt, "output_tok_s": n * 256 / dt}
+        if args.long_prompt and args.max_model_len >= args.long_prompt + 256:
+            long = [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 30000)
+                                                   for _ in range(args.long_prompt)])]
+            t = time.perf_counter()
+            llm.generate(long, sp, use_tqdm=False)
+            dt = time.perf_counter() - t
+            res["throughput"][f"1x{args.long_prompt}"] = {"seconds": dt,
+                                                         "output_tok_s": 256 / dt}
+    Path(args.result).write_text(json.dumps(res, indent=1))
+
+
+# ----------------------------------------------------------------------------- driver
+def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path | None,
+             out: Path, opts: argparse.Namespace, greedy_only: bool = False) -> dict:
+    tag = f"{model.name}-{mode}{'-' + bits if bits else ''}"
+    result = out / f"{tag}.json"
+    cmd = [sys.executable, __file__, "worker", "--model", str(model), "--mode", mode,
+           "--result", str(result), "--gmu", str(opts.gmu), "--max-model-len",
+           str(opts.max_model_len if not dummy else opts.long_max_model_len),
+           "--max-num-seqs", str(max(opts.batches)), "--long-prompt",
+           str(opts.long_prompt if dummy or opts.long_real else 0),
+           "--batches", *map(str, opts.batches)]
+    if dummy:
+        cmd.append("--dummy")
+    if greedy_only:
+        cmd.append("--greedy-only")
+    env = {**os.environ}
+    env.pop("TKV_BITS", None)
+    env.pop("TKV_CALIBRATION_FILE", None)
+    if mode == "tkv":
+        env["TKV_BITS"] = bits or "4.0"
+        if bundle is not None:
+            env["TKV_CALIBRATION_FILE"] = str(bundle)
+    if opts.long_max_model_len > 32768:
+        env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    print(f"== {tag}: {' '.join(cmd[2:])}", flush=True)
+    t = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=opts.timeout)
+    (out / f"{tag}.log").write_text(p.stdout + p.stderr)
+    if p.returncode != 0 or not result.is_file():
+        print(f"   FAILED (rc={p.returncode}); log: {out / (tag + '.log')}\n"
+              + (p.stderr[-2000:]), flush=True)
+        return {"mode": mode, "failed": True}
+    res = json.loads(result.read_text())
+    m = KV_TOKENS_RE.findall(p.stdout + p.stderr)
+    if m:
+        res["kv_tokens_reported"] = int(m[-1].replace(",", ""))
+    print(f"   done in {time.perf_counter() - t:.0f}s", flush=True)
+    return res
+
+
+def agreement(a: list[list[int]], b: list[list[int]], n: int = GREEDY_TOKENS) -> tuple[int, float]:
+    """(prompts whose first n tokens match exactly, mean matching-prefix fraction)."""
+    exact, frac = 0, 0.0
+    for x, y in zip(a, b, strict=True):
+        k = 0
+        while k < min(n, len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        exact += k >= n
+        frac += k / n
+    return exact, frac / len(a)
+
+
+def table(model: str, res: dict[str, dict]) -> str:
+    base = res.get("bf16", {})
+    tq = res.get("tq4", {})
+    rows = [f"### {model}", "",
+            "| run | KV tokens | ×bf16 | greedy = bf16 (32 tok) | " + " | ".join(
+                f"tok/s {k}" for k in base.get("throughput", {})) + " | ×bf16 (each) | ×tq4 (each) |",
+            "|---|---|---|---|" + "---|" * len(base.get("throughput", {})) + "---|---|"]
+
+    def kv(r):
+        return r.get("kv_tokens_reported") or r.get("kv_tokens_blocks")
+
+    for name, r in res.items():
+        if r.get("failed"):
+            rows.append(f"| {name} | FAILED | | | | |")
+            continue
+        ratio = f"{kv(r) / kv(base):.2f}" if kv(r) and kv(base) else "?"
+        if base.get("greedy") and r.get("greedy"):
+            ex, fr = agreement(base["greedy"], r["greedy"])
+            agree = f"{ex}/{len(base['greedy'])} exact, {100 * fr:.0f}% prefix"
+        else:
+            agree = "-"
+        tps = [r.get("throughput", {}).get(k, {}).get("output_tok_s") for k in
+               base.get("throughput", {})]
+        vs_b = [f"{t / base['throughput'][k]['output_tok_s']:.2f}" if t else "-"
+                for t, k in zip(tps, base.get("throughput", {}), strict=True)]
+        vs_t = [f"{t / tq['throughput'][k]['output_tok_s']:.2f}"
+                if t and tq.get("throughput", {}).get(k) else "-"
+                for t, k in zip(tps, base.get("throughput", {}), strict=True)]
+        kv_s = f"{kv(r):,}" if kv(r) else "?"
+        rows.append(f"| {name} | {kv_s} | {ratio} | {agree} | "
+                    + " | ".join(f"{t:,.0f}" if t else "-" for t in tps)
+                    + f" | {' / '.join(vs_b)} | {' / '.join(vs_t)} |")
+    return "\n".join(rows) + "\n"
+
+
+def run_all(opts: argparse.Namespace) -> None:
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = [f"# tkv-vllm end-to-end ({time.strftime('%Y-%m-%d %H:%M')})", "",
+          f"gpu_memory_utilization={opts.gmu}; baseline: bf16 KV cache (vLLM auto); "
+          f"batches {opts.batches} × 512-token prompts, 256 output tokens, CUDA graphs on.", "",
+          "Command: `" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) + "`", ""]
+    for spec in opts.model:
+        model, dummy = resolve_model(spec, out / "models")
+        bundle = Path(opts.bundle) if opts.bundle else write_uniform_bundle(
+            model, out / f"{model.name}-uniform-bundle.json")
+        res = {"bf16": run_mode(model, dummy, "bf16", None, None, out, opts),
+               "tq4": run_mode(model, dummy, "tq4", None, None, out, opts),
+               f"tkv@{opts.bits}": run_mode(model, dummy, "tkv", opts.bits, bundle, out, opts),
+               "tkv@8.0": run_mode(model, dummy, "tkv", "8.0", bundle, out, opts,
+                                   greedy_only=True)}
+        (out / f"{model.name}.json").write_text(json.dumps(res, indent=1))
+        t = table(model.name + (" (random weights)" if dummy else ""), res)
+        print(t, flush=True)
+        md.append(t)
+    (out / "README.md").write_text("\n".join(md))
+    print(f"results in {out}")
+
+
+def serve_check(opts: argparse.Namespace) -> None:
+    """`vllm serve` with the tkv flags answers /v1/completions."""
+    import urllib.request
+
+    port = opts.port
+    cmd = ["vllm", "serve", opts.model[0], "--kv-cache-dtype", "tkv", "--attention-backend",
+           "turbo-attn", "--port", str(port), "--gpu-memory-utilization", str(opts.gmu),
+           "--max-model-len", str(opts.max_model_len)]
+    print("$ " + " ".join(cmd), flush=True)
+    srv = subprocess.Popen(cmd)
+    try:
+        deadline = time.time() + opts.timeout
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if srv.poll() is not None:
+                    raise SystemExit(f"vllm serve exited with {srv.returncode}") from None
+                time.sleep(2)
+        body = json.dumps({"model": opts.model[0], "prompt": "San Francisco is a",
+                           "max_tokens": 16, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            ans = json.loads(r.read())
+        print(json.dumps(ans, indent=1))
+        assert ans["choices"][0]["text"], "empty completion"
+    finally:
+        srv.terminate()
+        srv.wait(timeout=60)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("all", "serve-check"):
+        a = sub.add_parser(name)
+        a.add_argument("--model", nargs="+", default=["qwen3-8b-like"],
+                       help="model directories and/or 'qwen3-8b-like'")
+        a.add_argument("--gmu", type=float, default=0.5, help="gpu_memory_utilization")
+        a.add_argument("--max-model-len", type=int, default=4096)
+        a.add_argument("--timeout", type=int, default=1800)
+        if name == "all":
+            a.add_argument("--out", default="benchmarks/results/vllm_e2e")
+            a.add_argument("--bits", default="4.0", help="TKV_BITS of the throughput run")
+            a.add_argument("--bundle", default=None, help="calibration bundle (default: uniform)")
+            a.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+            a.add_argument("--long-prompt", type=int, default=32768)
+            a.add_argument("--long-max-model-len", type=int, default=33280)
+            a.add_argument("--long-real", action="store_true",
+                           help="also run the long prompt on real-weight models")
+        else:
+            a.add_argument("--port", type=int, default=8011)
+    w = sub.add_parser("worker")
+    w.add_argument("--model", required=True)
+    w.add_argument("--mode", choices=sorted(MODES), required=True)
+    w.add_argument("--result", required=True)
+    w.add_argument("--gmu", type=float, default=0.5)
+    w.add_argument("--max-model-len", type=int, default=4096)
+    w.add_argument("--max-num-seqs", type=int, default=256)
+    w.add_argument("--long-prompt", type=int, default=0)
+    w.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    w.add_argument("--dummy", action="store_true")
+    w.add_argument("--greedy-only", action="store_true")
+    args = p.parse_args(argv)
+    {"all": run_all, "serve-check": serve_check, "worker": worker}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
