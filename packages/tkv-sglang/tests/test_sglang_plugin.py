@@ -170,6 +170,18 @@ def test_init_pools_builds_the_tkv_pool_and_paged_allocator(sgl, fakes, tkv_env,
     # allocator hands out whole pages ≥ 1 (page 0 is padding)
     locs = r.token_to_kv_pool_allocator.alloc(3 * PAGE)
     assert locs.min() >= PAGE and (locs.view(3, PAGE) % PAGE == torch.arange(PAGE)).all()
+    # store (reference impl on CPU), offload to host, wipe, load back: same bytes
+    g = torch.Generator().manual_seed(3)
+    layer = SimpleNamespace(layer_id=3)
+    pool.set_kv_buffer(layer, locs, torch.randn(3 * PAGE, 2, 64, generator=g),
+                       torch.randn(3 * PAGE, 2, 64, generator=g))
+    before = [b.clone() for b in pool.paged.buffers]
+    assert before[3].any() and not before[0].any()
+    host = pool.get_cpu_copy(locs)
+    for b in pool.paged.buffers:
+        b.zero_()
+    pool.load_cpu_copy(host, locs)
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.paged.buffers, strict=True))
 
 
 @pytest.mark.parametrize(("attr", "val", "match"), [
