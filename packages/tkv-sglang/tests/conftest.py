@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 import zipfile
@@ -94,17 +95,25 @@ def pristine_tree() -> Path:
     if stamp.is_file() and stamp.read_text() == want and tree.is_dir():
         return tree
     CACHE.mkdir(parents=True, exist_ok=True)
-    if not (CACHE / WHEEL).is_file() and not _download_with_pip(CACHE):
-        _download_from_json_api(CACHE)
-    tmp = CACHE / "tree.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    if not (CACHE / WHEEL).is_file():
+        # download next to the cache and move in atomically: never a half-written wheel
+        dl = Path(tempfile.mkdtemp(prefix="dl.", dir=CACHE))
+        try:
+            if not _download_with_pip(dl):
+                _download_from_json_api(dl)
+            os.replace(dl / WHEEL, CACHE / WHEEL)
+        finally:
+            shutil.rmtree(dl, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix="tree.", dir=CACHE))
     with zipfile.ZipFile(CACHE / WHEEL) as z:
-        members = _needed_members(z.namelist())
-        for m in members:
+        for m in _needed_members(z.namelist()):
             z.extract(m, tmp)
     (tmp / "sglang" / "srt").mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tree, ignore_errors=True)
-    tmp.rename(tree)
+    try:
+        tmp.rename(tree)
+    except OSError:  # a concurrent run got there first
+        shutil.rmtree(tmp, ignore_errors=True)
     stamp.write_text(want)
     return tree
 
