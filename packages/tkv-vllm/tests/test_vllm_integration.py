@@ -157,6 +157,18 @@ def test_mixed_widths_share_one_block_pool_without_waste(patched_vllm, tmp_path,
     sizes = {t.shared_by[0]: t.size for t in kcfg.kv_cache_tensors}
     for i, name in enumerate(specs):
         assert sizes[name] == ml.layers[i].page_bytes * kcfg.num_blocks
+    # the full engine-core path and the token count vLLM reports at startup
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_configs,
+        get_max_concurrency_for_kv_cache_config,
+    )
+
+    vc.model_config.original_max_model_len = vc.model_config.max_model_len = 1024
+    vc.parallel_config.prefill_context_parallel_size = 1
+    (full,) = get_kv_cache_configs(vc, [dict(specs)], [mem])
+    assert full.num_blocks == kcfg.num_blocks
+    reported = int(get_max_concurrency_for_kv_cache_config(vc, full) * 1024)
+    assert reported == ml.tokens_that_fit(mem)
 
 
 def test_hybrid_model_groups_with_one_common_page(patched_vllm, tmp_path, monkeypatch):
@@ -263,3 +275,23 @@ def test_forward_path_has_no_host_sync(patched_vllm):
     build = inspect.getsource(backend.TurboAttnMetadataBuilder.build)
     for m in re.finditer(r"int\(([^)]*)\)", build):
         assert "_cpu" in m.group(1) or "block_size" in m.group(1), m.group(0)
+
+
+def test_tensor_parallel_rank_specs(patched_vllm, tmp_path, monkeypatch):
+    """TP=2 over 2 KV heads: each rank's spec is the SlotLayout of its one head, the
+    bundle (per-layer, per-head_dim tables) is used unsliced, and ranks' pages add up."""
+    from tkv.vllm.errors import UnsupportedModelError
+    from tkv.vllm.spec import kv_cache_spec_for_layer
+
+    _use_bundle(monkeypatch, tmp_path)
+    vc = fake_vllm_config(tp=2)
+    cfg = startup.tkv_config(vc)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    specs = _specs(vc, [(n, None) for n in names], num_kv_heads=1)
+    for i, s in enumerate(specs.values()):
+        k, v = cfg.layer_bits(i)
+        assert s.num_kv_heads == 1
+        assert 2 * s.page_size_bytes == SlotLayout(64, 2, k, v, 16).page_bytes
+    wrong = make_layer(names[0], num_kv_heads=2)
+    with pytest.raises(UnsupportedModelError, match="KV heads on this rank"):
+        kv_cache_spec_for_layer(wrong, vc)
