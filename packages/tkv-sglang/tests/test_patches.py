@@ -133,3 +133,21 @@ def test_patched_registry_contract(sglang_copy):
         reg.check_kv_cache_dtype_backends("tkv", ["turbo-attn", "fa3"])
     with pytest.raises(ValueError, match="only reads --kv-cache-dtype tkv"):
         reg.check_kv_cache_dtype_backends("auto", ["turbo-attn"])
+
+
+def test_tree_inside_a_git_work_tree_is_patched_in_place(sglang_source, tmp_path):
+    """A venv inside a git checkout (e.g. the nox venv under the repo): git apply must not
+    resolve paths against the enclosing repository."""
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "repo"
+    site = repo / ".venv" / "lib" / "site-packages"
+    shutil.copytree(sglang_source, site)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    before = _snapshot(site)
+    apply_series(site)
+    assert (site / "sglang/srt/mem_cache/kv_cache_dtype_registry.py").is_file()
+    assert not (repo / "sglang").exists()
+    revert_series(site)
+    assert _snapshot(site) == before
