@@ -96,8 +96,8 @@ def _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
     D_PAD: tl.constexpr = offs_d.shape[0]
     page = blk.to(tl.int64) * stride_block                                  # [N] bytes
     row = page + CODES_OFF + head * stride_head + off.to(tl.int64) * stride_tok
-    if (8 % BITS) == 0:
-        # widths 2, 4, 8: whole bytes per row, loaded contiguously (16-byte vectors), each
+    if BITS == 4 or BITS == 8:
+        # widths 4, 8: whole bytes per row, loaded contiguously (16-byte vectors), each
         # byte split into 8/BITS codes with shifts; tl.join interleaves them back in order.
         PER: tl.constexpr = 8 // BITS
         NB: tl.constexpr = D_PAD // PER
@@ -107,23 +107,20 @@ def _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
         byt = byt.to(tl.int32)
         if PER == 1:
             code = byt
-        elif PER == 2:
-            code = tl.reshape(tl.join(byt & 15, byt >> 4), (BLOCK_N, D_PAD))
         else:
-            c02 = tl.join(byt & 3, (byt >> 4) & 3)
-            c13 = tl.join((byt >> 2) & 3, byt >> 6)
-            code = tl.reshape(tl.join(c02, c13), (BLOCK_N, D_PAD))
+            code = tl.reshape(tl.join(byt & 15, byt >> 4), (BLOCK_N, D_PAD))
     else:
-        # widths 3, 5, 6, 7: a code may straddle two bytes; read both, shift, mask
+        # widths 2, 3, 5, 6, 7: per-element byte reads; a code may straddle two bytes
         bit = offs_d * BITS
         byte = bit // 8
         sh = bit % 8
         m2 = mask_n[:, None] & mask_d[None, :]
         ptr = base + (row[:, None] + byte[None, :])
         w = tl.load(ptr, mask=m2, other=0).to(tl.int32)
-        need = (sh + BITS) > 8
-        hi = tl.load(ptr + 1, mask=m2 & need[None, :], other=0).to(tl.int32)
-        w = w | (hi << 8)
+        if (8 % BITS) != 0:
+            need = (sh + BITS) > 8
+            hi = tl.load(ptr + 1, mask=m2 & need[None, :], other=0).to(tl.int32)
+            w = w | (hi << 8)
         code = (w >> sh[None, :]) & ((1 << BITS) - 1)
     if SELECT:  # codebook lookup in registers: 2**BITS compare+select, no memory gather
         val = tl.zeros(code.shape, tl.float32)
