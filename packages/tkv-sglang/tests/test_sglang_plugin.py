@@ -515,3 +515,20 @@ def test_installed_sglang_reports_applied(sgl, capsys):
     assert read_tree_version(root) == "0.5.11"
     assert cli.main(["patch", "status"]) == 0
     assert capsys.readouterr().out.count("applied ") == 2
+
+
+@pytest.mark.parametrize(("tp", "heads"), [(2, 1), (4, 1)])
+def test_tensor_parallel_rank_holds_its_heads_share(sgl, fakes, tkv_env, bundle_file, monkeypatch,
+                                                   tp, heads):
+    """Per TP rank: SGLang's get_num_kv_heads(tp) heads per layer (replicated when tp > kv
+    heads); the bundle (whole-model geometry) still validates; bytes follow SlotLayout."""
+    import sglang.srt.layers.dp_attention as dpa
+
+    monkeypatch.setattr(dpa, "get_attention_tp_size", lambda: tp)
+    tkv_env("4.5", bundle_file)
+    r = _runner(sgl, fakes)
+    sgl.Mixin._init_pools(r)
+    lays = [SlotLayout(64, heads, kb, vb, PAGE) for kb, vb in zip(MIXED_K, MIXED_V, strict=True)]
+    assert r.token_to_kv_pool.layouts == lays
+    conf = sgl.pool_configurator.create_memory_pool_configurator(r)
+    assert conf._cell_size == cell_size_bytes(lays)
