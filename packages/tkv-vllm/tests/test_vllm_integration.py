@@ -295,3 +295,54 @@ def test_tensor_parallel_rank_specs(patched_vllm, tmp_path, monkeypatch):
     wrong = make_layer(names[0], num_kv_heads=2)
     with pytest.raises(UnsupportedModelError, match="KV heads on this rank"):
         kv_cache_spec_for_layer(wrong, vc)
+
+
+def test_model_runners_view_each_layer_with_its_own_page(patched_vllm, tmp_path, monkeypatch):
+    """Patch 0003 at the call sites: both GPU model runners (v1 and v2) turn the raw int8
+    buffers of a mixed-width model into uint8 (num_blocks, page_bytes(layer)) views."""
+    import warnings
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    with warnings.catch_warnings():  # torch.jit deprecations raised by vLLM's imports
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from vllm.v1.worker.gpu import attn_utils
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        from vllm.v1.worker.utils import AttentionGroup
+
+    from tkv.codec.bundle import LayerAllocation
+    from tkv.vllm.backend import TurboAttnBackend
+
+    vc = _vllm_cfg_for_groups(fake_vllm_config(block_size=16))
+    alloc = LayerAllocation((4, 3, 8, 2), (3, 3, 4, 2), "smartmix")
+    _use_bundle(monkeypatch, tmp_path, {"3.5": alloc})
+    specs = _specs(vc, [(f"model.layers.{i}.self_attn.attn", None) for i in range(4)])
+    groups = get_kv_cache_groups(vc, dict(specs))
+    kcfg = get_kv_cache_config_from_groups(vc, groups, 2**20)
+
+    def raw_buffers():
+        out = {}
+        for t in kcfg.kv_cache_tensors:
+            buf = torch.zeros(t.size, dtype=torch.int8)
+            for name in t.shared_by:
+                out[name] = buf
+        return out
+
+    runner = SimpleNamespace(
+        runner_only_attn_layers=set(), cache_config=SimpleNamespace(cache_dtype="tkv"),
+        kv_cache_config=kcfg,
+        attn_groups=[[AttentionGroup(TurboAttnBackend, [n], s, 0) for n, s in specs.items()]])
+    runner._kv_cache_spec_attn_group_iterator = (
+        lambda: GPUModelRunner._kv_cache_spec_attn_group_iterator(runner))
+    raw = raw_buffers()
+    v1 = GPUModelRunner._reshape_kv_cache_tensors(runner, raw, [16])
+    raw2 = raw_buffers()
+    v2 = attn_utils._reshape_kv_cache(kcfg, raw2, {n: TurboAttnBackend for n in specs}, "tkv")
+    for i, name in enumerate(specs):
+        lay = SlotLayout(64, 2, alloc.k_bits[i], alloc.v_bits[i], 16)
+        for views, buffers in ((v1, raw), (v2, raw2)):
+            kv = views[name]
+            assert kv.dtype is torch.uint8 and tuple(kv.shape) == (kcfg.num_blocks, lay.page_bytes)
+            assert kv.is_contiguous() and kv.data_ptr() == buffers[name].data_ptr()
+            lay.views(kv)  # the codec's own typed views accept it
