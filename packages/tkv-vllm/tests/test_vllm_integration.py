@@ -220,12 +220,14 @@ def test_backend_contract(patched_vllm):
     assert B.get_impl_cls() is TurboAttnImpl and B.get_builder_cls() is TurboAttnMetadataBuilder
     assert B.forward_includes_kv_cache_update is False and B.accept_output_buffer is True
     assert B.supports_block_size(16) and B.supports_block_size(32) and not B.supports_block_size(8)
-    cap = DeviceCapability(9, 0)
-    ok = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="tkv", block_size=16,
-              use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
-              use_per_head_quant_scales=False, device_capability=cap,
-              attn_type=AttentionType.DECODER)
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    cap = DeviceCapability(9, 0)  # H200
+    # exactly the call CudaPlatform.get_attn_backend_cls makes for a selected backend
+    ok = dict(AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="tkv",
+                                      block_size=16)._asdict(), device_capability=cap)
     assert B.validate_configuration(**ok) == []
+    assert B.validate_configuration(**{**ok, "use_non_causal": True})
     for change, reason in [({"use_mla": True}, "MLA"), ({"kv_cache_dtype": "auto"}, "kv_cache"),
                            ({"attn_type": AttentionType.ENCODER_DECODER}, "attention type"),
                            ({"attn_type": AttentionType.ENCODER_ONLY}, "attention type"),
