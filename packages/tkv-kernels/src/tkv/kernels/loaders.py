@@ -163,9 +163,10 @@ class TkvLoader:
         codec: the layer's :class:`~tkv.codec.TurboKVCodec` (its device is the kernels' device).
         num_kv_heads: KV heads of the layer (per TP rank).
         block_size: tokens per page.
-        lookup: codebook lookup in the tile loader: ``"gather"`` (memory gather from the
-            table), ``"select"`` (2**bits compare/select in registers), ``"auto"`` (select for
-            widths ≤ 4).
+        lookup: codebook lookup in the tile loader: ``"gather"`` / ``"auto"`` (memory gather
+            from the table; default) or ``"select"`` (2**bits compare/select in registers).
+            EXPERIMENTAL: "select" passes the CPU-interpreter tests but failed the compiled
+            GPU tests on an H200 (see docs/kernels.md); do not use it in production.
 
     Attributes (device tensors, float32):
         k_table, v_table: ``(2**bits,)`` centroids / sqrt(head_dim) (SideCodec._scaled_centroids).
@@ -227,10 +228,8 @@ class TkvLoader:
 
     @property
     def tile(self):
-        """``tkv_tile_select`` for widths ≤ 4 (``lookup="auto"``), else ``tkv_tile``."""
-        sel = self.lookup == "select" or (self.lookup == "auto"
-                                          and max(self.k_bits, self.v_bits) <= 4)
-        return tkv_tile_select if sel else tkv_tile
+        """``tkv_tile`` (gather lookup) unless ``lookup="select"``."""
+        return tkv_tile_select if self.lookup == "select" else tkv_tile
 
     def check_cache(self, cache) -> int:
         """``cache`` uint8 ``(num_blocks, page_bytes)`` contiguous, on the codec's device."""
