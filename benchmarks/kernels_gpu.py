@@ -1,3 +1,4 @@
+# ruff: noqa: B023, F821  (lambdas are timed immediately; names deleted after timing)
 """tkv kernels on one GPU: decode / compress_store / prefill side by side with bf16 baselines.
 
 One run, one table (markdown + raw JSON lines) with the device-to-device copy bandwidth
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path

@@ -1,14 +1,21 @@
-"""tkv.kernels — Triton kernels reading the tkv packed paged KV cache with inline dequant."""
+"""tkv.kernels — Triton kernels reading the tkv packed paged KV cache with inline dequant.
+
+Public API: :class:`TkvLoader` (per-layer tkv format), :class:`BypassLoader`,
+:class:`Fp8Loader`, the :class:`Loader` protocol, :class:`Workspace` (shared scratch),
+:func:`compress_store`, :func:`decode`, :func:`prefill`; :mod:`tkv.kernels.reference` is the
+float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
+"""
 
 from . import _interpreter_compat
-
-_interpreter_compat.apply()
-
-from .decode import decode  # noqa: E402
+from .decode import decode
 from .loaders import BypassLoader, Fp8Loader, Loader, TkvLoader
 from .prefill import prefill
 from .store import compress_store
 from .workspace import Workspace, WorkspaceTooSmallError
+
+# Must run before any kernel is launched under TRITON_INTERPRET=1 (patches loop-bound
+# conversion at launch time, so importing the kernel modules first is fine).
+_interpreter_compat.apply()
 
 __version__ = "0.1.0"
 
