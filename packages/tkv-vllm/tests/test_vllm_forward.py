@@ -21,7 +21,8 @@ def test_mixed_batch_forward_matches_float64_reference(patched_vllm):
     report = "\n".join(line for line in r.stdout.splitlines() if "rel err" in line or
                        "worst" in line)
     assert r.returncode == 0, f"{report}\n{r.stderr[-3000:]}"
-    assert "layer 1 K3V2 window=12" in report  # per-layer widths + sliding window exercised
+    # per-layer widths, sliding window, and spec-decode verify rows exercised
+    assert "spec_k=2 layer 1 K3V2 window=12 request 0" in report
     print(report)
 
 

@@ -276,7 +276,8 @@ def test_forward_path_has_no_host_sync(patched_vllm):
     # the builder may only read host values from the *_cpu copies vLLM provides
     build = inspect.getsource(backend.TurboAttnMetadataBuilder.build)
     for m in re.finditer(r"int\(([^)]*)\)", build):
-        assert "_cpu" in m.group(1) or "block_size" in m.group(1), m.group(0)
+        assert any(ok in m.group(1) for ok in ("_cpu", "block_size", "reorder_batch_threshold")), \
+            m.group(0)
 
 
 def test_tensor_parallel_rank_specs(patched_vllm, tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ Thin glue over :mod:`tkv.kernels`:
 
 * **store** (``do_kv_cache_update``): :func:`tkv.kernels.compress_store` writes every new
   token's K/V (rotate, quantize, pack, norms) into its slot — one launch per layer.
-* **decode** rows (query length 1, first in the batch thanks to ``reorder_batch_threshold=1``):
+* **decode** rows (query length 1, first in the batch thanks to the batch reordering):
   :func:`tkv.kernels.decode` — split-K paged attention with inline dequant, GQA, sliding
   window, scratch from the one shared :class:`tkv.kernels.Workspace`.
 * **prefill / chunked-prefill / spec-decode-verify** rows (query length > 1):
@@ -14,9 +14,9 @@ Thin glue over :mod:`tkv.kernels`:
   read from the compressed cache with inline dequant, the chunk itself from the new
   uncompressed K/V (a first chunk is plain bf16 attention).
 
-CUDA graphs: the builder reports ``UNIFORM_SINGLE_TOKEN_DECODE`` — pure-decode batches are
-captured whole (their tensors are vLLM's persistent ones); other batches run attention
-eagerly between graph pieces. Nothing in ``forward`` or ``do_kv_cache_update`` reads a
+CUDA graphs: the builder reports ``UNIFORM_BATCH`` — decode batches (one token per request,
+or ``1 + k`` for spec-decode verify) are captured whole on vLLM's persistent metadata
+tensors; mixed / prefill batches run attention eagerly between graph pieces. Nothing in ``forward`` or ``do_kv_cache_update`` reads a
 device value on the host (no ``.item()``, ``.tolist()``, ``.cpu()``, no data-dependent
 shapes): every size comes from host ints the builder already has.
 
@@ -122,20 +122,28 @@ class TurboAttnBackend(AttentionBackend):
 class TurboAttnMetadata(AttentionMetadata):
     """Per-batch metadata (shared by all layers of a KV-cache group).
 
-    Host ints: num_actual_tokens, num_reqs, num_decodes (= decode tokens: query length 1,
-    first in the batch), num_prefills, num_prefill_tokens, max_prefill_query_len,
-    block_size. Device tensors (vLLM's persistent buffers, so CUDA-graph replays see the
-    same addresses): seq_lens int32 (≥ num_reqs,), block_table int32 (≥ num_reqs,
-    max_blocks), slot_mapping int64, and prefill_cu_seqlens int32 (num_prefills + 1,) —
-    the prefill rows' query offsets rebased to 0 (a small per-batch tensor).
+    The batch is reordered decode-rows first. Decode rows have a uniform query length
+    ``decode_query_len`` (1; or ``1 + num_speculative_tokens`` for spec-decode verify),
+    the rest are prefill rows (first chunks, chunked-prefill continuations).
+
+    Host ints: num_actual_tokens, num_reqs, num_decodes, num_decode_tokens,
+    decode_query_len (upper bound of the decode rows' query lengths), num_prefills,
+    num_prefill_tokens, max_prefill_query_len, block_size.
+    Device tensors — vLLM's persistent buffers, so CUDA-graph replays see the same
+    addresses: query_start_loc int32 (num_reqs + 1,), seq_lens int32 (≥ num_reqs,),
+    block_table int32 (≥ num_reqs, max_blocks), slot_mapping int64; and, eager batches only,
+    prefill_cu_seqlens int32 (num_prefills + 1,): the prefill rows' offsets rebased to 0.
     """
 
     num_actual_tokens: int
     num_reqs: int
     num_decodes: int
+    num_decode_tokens: int
+    decode_query_len: int
     num_prefills: int
     num_prefill_tokens: int
     block_size: int
+    query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
@@ -144,32 +152,44 @@ class TurboAttnMetadata(AttentionMetadata):
 
 
 class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
-    """Builds :class:`TurboAttnMetadata`; decodes first (``reorder_batch_threshold = 1``)."""
+    """Builds :class:`TurboAttnMetadata`.
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = (
-        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    CUDA graphs: ``UNIFORM_BATCH`` — decode-only batches with one uniform query length are
+    captured whole: length 1 through :func:`tkv.kernels.decode`, spec-decode verify
+    (``1 + k`` tokens per request, ``reorder_batch_threshold = 1 + k``) through
+    :func:`tkv.kernels.prefill` on vLLM's persistent ``query_start_loc``. Mixed and prefill
+    batches run attention eagerly.
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TurboAttnMetadata:
         cam = common_attn_metadata
         if common_prefix_len:
             raise UnsupportedModelError("turbo-attn does not implement cascade attention")
+        threshold = int(self.reorder_batch_threshold or 1)
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = (
-            split_decodes_and_prefills(cam, decode_threshold=1))
+            split_decodes_and_prefills(cam, decode_threshold=threshold, require_uniform=True))
+        # Host facts from vLLM's CPU copy of query_start_loc (no device sync).
+        qsl_cpu = cam.query_start_loc_cpu
+        decode_q = 1
+        if num_decodes and num_decode_tokens != num_decodes:
+            decode_q = int((qsl_cpu[1:num_decodes + 1] - qsl_cpu[:num_decodes]).max())
         md = TurboAttnMetadata(
             num_actual_tokens=cam.num_actual_tokens, num_reqs=cam.num_reqs,
-            num_decodes=num_decodes, num_prefills=num_prefills,
+            num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+            decode_query_len=decode_q, num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens, block_size=int(self.kv_cache_spec.block_size),
-            seq_lens=cam.seq_lens, block_table=cam.block_table_tensor,
-            slot_mapping=cam.slot_mapping)
+            query_start_loc=cam.query_start_loc, seq_lens=cam.seq_lens,
+            block_table=cam.block_table_tensor, slot_mapping=cam.slot_mapping)
         if num_prefills:
-            # Host facts from the CPU copy (no device sync); offsets rebased on the device.
-            qsl_cpu = cam.query_start_loc_cpu[num_decodes:cam.num_reqs + 1]
-            md.max_prefill_query_len = int((qsl_cpu[1:] - qsl_cpu[:-1]).max())
+            p_cpu = qsl_cpu[num_decodes:cam.num_reqs + 1]
+            md.max_prefill_query_len = int((p_cpu[1:] - p_cpu[:-1]).max())
             qsl = cam.query_start_loc[num_decodes:cam.num_reqs + 1]
             md.prefill_cu_seqlens = (qsl - num_decode_tokens).to(torch.int32)
         return md
@@ -310,17 +330,23 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
         st = self._state(layer)
         loader = st.loader(md.block_size)
         ws = shared_workspace(query.device)
-        nd, n = md.num_decodes, md.num_actual_tokens
+        nd, ndt, n = md.num_decodes, md.num_decode_tokens, md.num_actual_tokens
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         q = query.view(query.shape[0], self.num_heads, self.head_size)
-        if nd:
+        kv_shape = (key.shape[0], self.num_kv_heads, self.head_size)
+        k, v = key.view(kv_shape), value.view(kv_shape)
+        if nd and md.decode_query_len == 1:
             kernels.decode(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], loader, ws,
                            out=out[:nd], sm_scale=self.scale, window=self._window)
+        elif nd:  # spec-decode verify: 1 + k new tokens per request, causal among them
+            kernels.prefill(q[:ndt], k[:ndt], v[:ndt], md.query_start_loc[:nd + 1],
+                            md.seq_lens[:nd], md.decode_query_len, kv_cache,
+                            md.block_table[:nd], loader, out=out[:ndt], sm_scale=self.scale,
+                            window=self._window)
         if md.num_prefills:
-            r0, r1 = nd, md.num_reqs
-            kv_shape = (key.shape[0], self.num_kv_heads, self.head_size)
-            kernels.prefill(q[nd:n], key.view(kv_shape)[nd:n], value.view(kv_shape)[nd:n],
-                            md.prefill_cu_seqlens, md.seq_lens[r0:r1],
-                            md.max_prefill_query_len, kv_cache, md.block_table[r0:r1], loader,
-                            out=out[nd:n], sm_scale=self.scale, window=self._window)
+            r1 = md.num_reqs
+            kernels.prefill(q[ndt:n], k[ndt:n], v[ndt:n], md.prefill_cu_seqlens,
+                            md.seq_lens[nd:r1], md.max_prefill_query_len, kv_cache,
+                            md.block_table[nd:r1], loader, out=out[ndt:n], sm_scale=self.scale,
+                            window=self._window)
         return output
