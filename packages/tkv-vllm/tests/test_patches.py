@@ -113,3 +113,23 @@ def test_parse_patch_rejects_garbage():
     bad = "diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -1,3 +1,3 @@\n a\n-b\n"
     with pytest.raises(ValueError, match="truncated"):
         patching.parse_patch(bad)
+
+
+def test_unwritable_tree_is_left_unchanged(vllm_tree_copy: Path, monkeypatch):
+    """A failing replacement half-way restores the files already replaced."""
+    before = _snapshot(vllm_tree_copy)
+    real_replace = Path.replace
+    calls = {"n": 0}
+
+    def flaky(self, target):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise PermissionError(13, "Permission denied", str(target))
+        return real_replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", flaky)
+    with pytest.raises(PermissionError):
+        patching.apply(vllm_tree_copy)
+    monkeypatch.undo()
+    assert _snapshot(vllm_tree_copy) == before
+    assert cli.main(["patch", "apply", "--root", str(vllm_tree_copy)]) == 0

@@ -66,8 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"nothing to do: series already {'applied' if args.action == 'apply' else 'reverted'} "
                   f"at {root}")
         return 0
-    except (TkvError, FileNotFoundError) as e:
-        print(f"tkv-vllm: error: {e}", file=sys.stderr)
+    except (TkvError, OSError) as e:
+        hint = " (is the vLLM install writable? try the same Python/user that installed it)" \
+            if isinstance(e, PermissionError) else ""
+        print(f"tkv-vllm: error: {e}{hint}", file=sys.stderr)
         return 2
 
 

@@ -369,14 +369,33 @@ def _transform(root: Path, series: list[PatchFile], reverse: bool) -> dict[Path,
 
 
 def _write(files: dict[Path, str]) -> list[Path]:
-    changed = []
-    for path, text in files.items():
-        if path.read_text() != text:
+    """Write the changed files all-or-nothing: every new text goes to a temp file next to
+    its target first; targets are then replaced, and restored if any replacement fails.
+
+    Raises:
+        PermissionError / OSError: the tree is not writable (nothing is left changed).
+    """
+    todo = {p: t for p, t in files.items() if p.read_text() != t}
+    originals = {p: p.read_text() for p in todo}
+    tmps: dict[Path, Path] = {}
+    try:
+        for path, text in todo.items():
             tmp = path.with_name(path.name + ".tkv-tmp")
             tmp.write_text(text)
-            tmp.replace(path)
-            changed.append(path)
-    return changed
+            tmps[path] = tmp
+        done = []
+        try:
+            for path, tmp in tmps.items():
+                tmp.replace(path)
+                done.append(path)
+        except OSError:
+            for path in done:
+                path.write_text(originals[path])
+            raise
+    finally:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
+    return list(todo)
 
 
 def apply(root: Path | None = None, series: list[PatchFile] | None = None) -> list[Path]:
