@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import tarfile
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -58,8 +59,19 @@ def vllm_sdist_tree() -> Path:
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
             pytest.skip(f"PyPI unreachable, cannot fetch {SDIST}: {e}")
     if not (root / "vllm" / "_version.py").is_file():
-        with tarfile.open(tarball) as t:
-            t.extractall(cache / "src", filter="data")
+        # extract beside, then rename: concurrent test runs never see a half tree
+        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".extract-"))
+        try:
+            with tarfile.open(tarball) as t:
+                t.extractall(tmp, filter="data")
+            (cache / "src").mkdir(exist_ok=True)
+            try:
+                (tmp / root.name).rename(root)
+            except OSError:
+                if not (root / "vllm" / "_version.py").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return root
 
 
