@@ -74,6 +74,15 @@ def test_unsupported_models_are_refused(flag):
         startup.tkv_config(vc, {})
 
 
+def test_chunked_local_attention_is_refused():
+    from types import SimpleNamespace
+
+    mc = fake_model_config()
+    mc.hf_text_config = SimpleNamespace(attention_chunk_size=8192)
+    with pytest.raises(UnsupportedModelError, match="chunked local attention"):
+        startup.tkv_config(fake_vllm_config(mc), {})
+
+
 def test_layer_index():
     assert startup.layer_index("model.layers.12.self_attn.attn", 36) == 12
     assert startup.layer_index("layers.0.attn", 1) == 0

@@ -44,7 +44,7 @@ def check_model_supported(model_config: Any) -> None:
 
     Raises:
         UnsupportedModelError: MLA, encoder-decoder, hybrid Mamba/linear-attention,
-        attention-free or no-op-layer models.
+        attention-free, no-op-layer or chunked-local-attention models.
     """
     name = getattr(model_config, "model", "the model")
     checks = (
@@ -58,6 +58,11 @@ def check_model_supported(model_config: Any) -> None:
         if bool(getattr(model_config, attr, False)):
             raise UnsupportedModelError(
                 f"--kv-cache-dtype tkv / --attention-backend turbo-attn: {name} {why}")
+    text_cfg = getattr(model_config, "hf_text_config", None)
+    if getattr(text_cfg, "attention_chunk_size", None):
+        raise UnsupportedModelError(
+            f"--kv-cache-dtype tkv: {name} uses chunked local attention (attention_chunk_size),"
+            " whose KV-cache spec bypasses the tkv page layout")
 
 
 def tkv_config(vllm_config: Any, env: dict[str, str] | None = None) -> TkvConfig:
