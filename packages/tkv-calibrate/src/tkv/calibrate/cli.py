@@ -4,6 +4,7 @@ Subcommands::
 
     tkv-calibrate [run] [--model PATH] [--calib-text F] [--eval-text F] [--out DIR]
                   [--budgets 3,4,5] [--full] [--eval-windows N] ...
+    tkv-calibrate evaluate [--bundle FILE] [--eval-windows N] [--no-peers] ...
     tkv-calibrate needle [--model PATH] [--bundle FILE] [--out DIR] ...
 
 With no arguments the default job runs on SmolLM2-135M-Instruct and the shipped WikiText-2.
@@ -56,6 +57,18 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--threads", type=int, help="torch CPU threads")
     r.add_argument("--seed", type=int, default=0, help="rotation seed")
     r.add_argument("--quiet", action="store_true", help="no progress bars")
+    e = sub.add_parser("evaluate", help="evaluate an existing bundle beside peers on test text")
+    e.add_argument("--bundle", help="calibration bundle (default: <out>/tkv_bundle.json)")
+    e.add_argument("--model")
+    e.add_argument("--eval-text")
+    e.add_argument("--out", default="tkv-calibration")
+    e.add_argument("--eval-windows", type=int, default=8)
+    e.add_argument("--eval-window", type=int, default=1024)
+    e.add_argument("--budgets", type=_budgets, help="rows to evaluate (default: all)")
+    e.add_argument("--no-peers", action="store_true")
+    e.add_argument("--no-decode", action="store_true")
+    e.add_argument("--threads", type=int)
+    e.add_argument("--quiet", action="store_true")
     n = sub.add_parser("needle", help="needle-in-a-haystack pass rates: uncompressed vs TKV")
     n.add_argument("--model")
     n.add_argument("--bundle", help="calibration bundle (default: <out>/tkv_bundle.json; "
@@ -93,6 +106,23 @@ def _run(a) -> int:
         cfg.needle = True
     res = run_job(cfg)
     print_summary(res, Console())
+    return 0
+
+
+def _evaluate(a) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .pipeline import evaluate_bundle
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    bpath = a.bundle or str(Path(a.out) / "tkv_bundle.json")
+    res = evaluate_bundle(bpath, a.out, a.model, a.eval_text, a.eval_windows, a.eval_window,
+                          a.budgets, not a.no_peers, not a.no_decode, show_progress=not a.quiet)
+    print((Path(a.out) / "evaluation.md").read_text())
+    print(f"{res['seconds']:.0f} s")
     return 0
 
 
@@ -137,11 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     from tkv.codec.errors import TkvError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("run", "needle", "-h", "--help"):
+    if not argv or argv[0] not in ("run", "evaluate", "needle", "-h", "--help"):
         argv = ["run", *argv]
     a = _parser().parse_args(argv)
     try:
-        return _run(a) if a.cmd == "run" else _needle(a)
+        return {"run": _run, "evaluate": _evaluate, "needle": _needle}[a.cmd](a)
     except (TkvError, FileNotFoundError) as e:
         print(f"tkv-calibrate: error: {e}", file=sys.stderr)
         return 2

@@ -359,3 +359,67 @@ def _jsonable(res: JobResult) -> dict:
     if res.needle is not None:
         d["needle"] = res.needle
     return d
+
+
+def _bundle_arms(bundle: CalibrationBundle, budgets=None) -> list[Arm]:
+    """The bundle's shipped rows, plus each row's best uniform (from its SmartMix metrics)."""
+    n = bundle.geometry.num_layers
+    arms = []
+    sm = bundle.metrics.get("smartmix", {}) if isinstance(bundle.metrics, dict) else {}
+    keys = bundle.budgets() if budgets is None else [repr(check_budget(b)) for b in budgets]
+    for key in keys:
+        b = float(key)
+        alloc = bundle.allocation(key)
+        info = sm.get(f"{b:.1f}", {})
+        bu = info.get("best_uniform")
+        if alloc.source == "smartmix":
+            arms.append(tkv_arm(bundle, alloc, f"TKV@{b:g} SmartMix", "smartmix", {"budget": b}))
+        else:
+            arms.append(tkv_arm(bundle, alloc, f"TKV@{b:g} uniform {_describe(alloc)}", "tkv",
+                                {"budget": b}))
+        if bu and alloc.source == "smartmix":
+            kb, vb = (int(x) for x in bu[1:].split("V"))
+            arms.append(tkv_arm(bundle, _uniform_alloc(n, kb, vb), f"TKV@{b:g} uniform {bu}",
+                                "tkv", {"budget": b}))
+    return arms
+
+
+def evaluate_bundle(bundle_path: str, out: str = "tkv-calibration", model: str | None = None,
+                    eval_text: str | None = None, eval_windows: int = 8, eval_window: int = 1024,
+                    budgets=None, peers: bool = True, decode: bool = True, seed: int = 0,
+                    show_progress: bool = True, loaded: LoadedModel | None = None) -> dict:
+    """Evaluate an existing bundle's rows beside peers and uncalibrated TurboQuant on the
+    evaluation text; writes ``out/evaluation.md``, ``evaluation.png``, ``evaluation.json``.
+
+    Raises:
+        FileNotFoundError, BundleSchemaError, BundleGeometryError, TextTooShortError.
+    """
+    from .report import evaluation_lines, plot_rows, table_rows
+
+    t0 = time.perf_counter()
+    bundle = CalibrationBundle.load(bundle_path)
+    lm = loaded or load_model(model)
+    g = lm.geometry
+    bundle.check_geometry(g.num_layers, g.num_kv_heads, g.head_dim)
+    eval_path = eval_text or str(default_eval_text())
+    ids = tokenize_windows(lm.tokenizer, eval_path, eval_window, eval_windows).subset(0, eval_windows)
+    arms = _bundle_arms(bundle, budgets)
+    if peers:
+        arms += peer_arms(g.num_layers, g.head_dim, seed)
+        arms += [uncalibrated_arm(g.num_layers, g.head_dim, b, seed) for b in (3, 4, 5)]
+    ev = evaluate_arms(lm.model, ids, arms, decode=decode, show_progress=show_progress,
+                       desc="evaluate (test)")
+    bf16 = bf16_bytes_per_token_head(g.head_dim)
+    rows = table_rows(ev, lm.name, bf16)
+    o = Path(out)
+    o.mkdir(parents=True, exist_ok=True)
+    secs = time.perf_counter() - t0
+    md = [f"# tkv evaluation — {lm.name}, bundle `{Path(bundle_path).name}`\n",
+          *evaluation_lines(ev, rows), f"Wall time: {secs:.0f} s (shared 2-core CPU).\n"]
+    (o / "evaluation.md").write_text("\n".join(md) + "\n")
+    plot_rows(rows, lm.name, o / "evaluation.png")
+    res = {"model": lm.name, "bundle": str(bundle_path), "windows": ev.windows,
+           "window": ev.window, "decode_prefix": ev.prefix, "baseline_ppl": ev.base.ppl,
+           "rows": rows, "seconds": secs}
+    (o / "evaluation.json").write_text(json.dumps(res, indent=1) + "\n")
+    return res

@@ -11,15 +11,43 @@ def _fmt_kl(x: float) -> str:
     return f"{x:.4f}" if x >= 1e-3 else f"{x:.2e}"
 
 
+def table_rows(ev, model_name: str, bf16_bytes: float) -> list[dict]:
+    """Baseline row + one row per arm, most bytes first."""
+    base = {"name": f"uncompressed ({model_name}, fp32 compute; bf16 cache bytes)",
+            "group": "baseline", "bytes_per_token_head": bf16_bytes, "capacity_vs_bf16": 1.0,
+            "ppl": ev.base.ppl, "delta_ppl_pct": 0.0, "kl": 0.0, "top1": 1.0,
+            "decode_kl": 0.0, "decode_top1": 1.0}
+    return [base, *sorted(ev.rows(bf16_bytes), key=lambda r: (-r["bytes_per_token_head"], r["name"]))]
+
+
 def _rows(res) -> list[dict]:
     if res.evaluation is None:
         return []
-    base = {"name": f"uncompressed ({res.model_name} bf16/fp32)", "group": "baseline",
-            "bytes_per_token_head": res.bf16_bytes, "capacity_vs_bf16": 1.0,
-            "ppl": res.evaluation.base.ppl, "delta_ppl_pct": 0.0, "kl": 0.0, "top1": 1.0,
-            "decode_kl": 0.0, "decode_top1": 1.0}
-    return [base, *sorted(res.evaluation.rows(res.bf16_bytes),
-                          key=lambda r: (-r["bytes_per_token_head"], r["name"]))]
+    return table_rows(res.evaluation, res.model_name, res.bf16_bytes)
+
+
+def evaluation_lines(ev, rows) -> list[str]:
+    """Markdown lines describing an evaluation and its table (``rows`` from :func:`table_rows`)."""
+    L = [f"Evaluation text: the first {ev.windows} windows of {ev.window} tokens of the "
+         f"test split ({ev.windows * ev.window} tokens), never used for calibration. "
+         f"Teacher-forced: every attention reads the quantize-dequantized cache "
+         f"(prefill compressed). Decode path: first {ev.prefix} tokens of each window "
+         f"prefilled uncompressed and stored compressed, the remaining "
+         f"{ev.window - ev.prefix} decoded teacher-forced reading the compressed cache. "
+         f"KL = mean KL(uncompressed ‖ compressed) of next-token distributions, nats.\n",
+         f"Baseline perplexity: **{ev.base.ppl:.3f}**.\n",
+         "| format | B/tok/head | capacity vs bf16 | PPL | ΔPPL | mean KL | top-1 | "
+         "decode KL | decode top-1 |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        L.append(f"| {r['name']} | {r['bytes_per_token_head']:.1f} | "
+                 f"{r['capacity_vs_bf16']:.2f}× | {r['ppl']:.3f} | {r['delta_ppl_pct']:+.2f} % | "
+                 f"{_fmt_kl(r['kl'])} | {100 * r['top1']:.1f} % | {_fmt_kl(r['decode_kl'])} | "
+                 f"{100 * r['decode_top1']:.1f} % |")
+    L.append("\nB/tok/head = K+V bytes per token per KV head averaged over all layers "
+             "(tkv: priced by `tkv.codec.layout`, codes + bf16 norms; vLLM presets: their "
+             "slot formula, boundary layers at bf16; KIVI: codes + fp16 scale/zero per group).\n")
+    return L
 
 
 def write_report(res, out: Path) -> tuple[Path, Path]:
@@ -38,26 +66,7 @@ def write_report(res, out: Path) -> tuple[Path, Path]:
              f"{p.get('sensitivity_tokens')} for sensitivity, {p.get('verify_tokens')} held out "
              "for SmartMix verification). Bundle: `" + res.bundle_path.name + "`.\n")
     if res.evaluation is not None:
-        ev = res.evaluation
-        L.append(f"Evaluation text: the first {ev.windows} windows of {ev.window} tokens of the "
-                 f"test split ({ev.windows * ev.window} tokens), never used for calibration. "
-                 f"Teacher-forced: every attention reads the quantize-dequantized cache "
-                 f"(prefill compressed). Decode path: first {ev.prefix} tokens of each window "
-                 f"prefilled uncompressed and stored compressed, the remaining "
-                 f"{ev.window - ev.prefix} decoded teacher-forced reading the compressed cache. "
-                 f"KL = mean KL(uncompressed ‖ compressed) of next-token distributions, nats.\n")
-        L.append(f"Baseline perplexity: **{ev.base.ppl:.3f}**.\n")
-        L.append("| format | B/tok/head | capacity vs bf16 | PPL | ΔPPL | mean KL | top-1 | "
-                 "decode KL | decode top-1 |")
-        L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for r in rows:
-            L.append(f"| {r['name']} | {r['bytes_per_token_head']:.1f} | "
-                     f"{r['capacity_vs_bf16']:.2f}× | {r['ppl']:.3f} | {r['delta_ppl_pct']:+.2f} % | "
-                     f"{_fmt_kl(r['kl'])} | {100 * r['top1']:.1f} % | {_fmt_kl(r['decode_kl'])} | "
-                     f"{100 * r['decode_top1']:.1f} % |")
-        L.append("\nB/tok/head = K+V bytes per token per KV head averaged over all layers "
-                 "(tkv: priced by `tkv.codec.layout`, codes + bf16 norms; vLLM presets: their "
-                 "slot formula, boundary layers at bf16; KIVI: codes + fp16 scale/zero per group).\n")
+        L += evaluation_lines(res.evaluation, rows)
     L.append("## SmartMix decisions (held-out calibration text)\n")
     L.append("| budget | cap B/token (all layers) | mix | mix held-out KL | best uniform | "
              "uniform held-out KL | shipped |")
@@ -103,6 +112,11 @@ def write_report(res, out: Path) -> tuple[Path, Path]:
 
 
 def _plot(res, rows, path: Path) -> None:
+    plot_rows(rows, res.model_name, path)
+
+
+def plot_rows(rows, model_name: str, path: Path) -> None:
+    """KL and ΔPPL vs bytes per token per KV head, one point per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,7 +140,7 @@ def _plot(res, rows, path: Path) -> None:
         ax.grid(alpha=0.3)
     if not pts:
         axes[0].text(0.5, 0.5, "no evaluation run", ha="center")
-    fig.suptitle(f"tkv on {res.model_name}: fidelity vs cache bytes "
+    fig.suptitle(f"tkv on {model_name}: fidelity vs cache bytes "
                  "(blue: uniform TKV, green: SmartMix, red: peers, gray: uncalibrated)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

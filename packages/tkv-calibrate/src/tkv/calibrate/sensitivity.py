@@ -106,7 +106,7 @@ class Sensitivity:
 
 def measure_sensitivity(model, windows: torch.Tensor, bundle: CalibrationBundle,
                         distortion: Callable[[int, str, int], float], probe_bits: int = 3,
-                        validation_widths=(2, 4, 6), validation_per_width: int = 6,
+                        validation_widths=(2, 4, 6), validation_per_width: int = 4,
                         seed: int = 0, show_progress: bool = True) -> Sensitivity:
     """Measure every layer's K and V at ``probe_bits`` and a validation sample at other widths.
 
