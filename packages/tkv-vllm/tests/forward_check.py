@@ -4,8 +4,9 @@ Run by test_vllm_forward.py in a subprocess with ``TRITON_INTERPRET=1`` and
 ``CUDA_VISIBLE_DEVICES=""`` (the interpreter must be on before Triton kernels are defined).
 Builds two layers with different (k_bits, v_bits) from a SmartMix-like bundle row (one of
 them sliding-window), stores a cached context through ``do_kv_cache_update``, then runs one
-mixed batch — a decode, a chunked-prefill continuation and a first prefill — through the
-real vLLM metadata builder and ``forward``, and compares with a float64 reference
+mixed batch — a decode (or a spec-decode verify of 1 + 2 tokens), a chunked-prefill
+continuation and a first prefill — through the real vLLM metadata builder and ``forward``,
+then a CUDA-graph-style padded decode batch, and compares with a float64 reference
 (dequantized cached prefix + raw current chunk, causal, GQA, window). Exits non-zero on
 mismatch.
 """
@@ -146,6 +147,45 @@ def run(spec_k: int) -> float:
                   f"window={window} request {r}: rel err {err:.2e}")
             worst = max(worst, err)
         assert torch.isfinite(out.float()).all()
+        if not spec_k:
+            worst = max(worst, padded_decode_step(B, impl, layer, cache, bt, seq_lens, slots,
+                                                  window, builder, loader, gather_kv,
+                                                  CommonAttentionMetadata, li))
+    return worst
+
+
+def padded_decode_step(B, impl, layer, cache, bt, seq_lens, slots, window, builder, loader,
+                       gather_kv, CommonAttentionMetadata, li) -> float:
+    """The next step as a CUDA-graph-padded uniform decode batch: requests 0 and 1 decode one
+    token, rows 2 and 3 are padding (no tokens, seq_len 0, null block, slot -1) and must come
+    out as zeros."""
+    hq, hd, hkv = impl.num_heads, impl.head_size, impl.num_kv_heads
+    q = torch.randn(4, hq, hd, dtype=torch.bfloat16)
+    k = torch.randn(4, hkv, hd, dtype=torch.bfloat16)
+    v = torch.randn(4, hkv, hd, dtype=torch.bfloat16)
+    sl = [seq_lens[0] + 1, seq_lens[1] + 1, 0, 0]
+    sm = torch.cat([slots(0, [seq_lens[0]]), slots(1, [seq_lens[1]]),
+                    torch.full((2,), -1, dtype=torch.int64)])
+    impl.do_kv_cache_update(layer, k, v, cache, sm)
+    pbt = torch.cat([bt[:2], torch.zeros(2, bt.shape[1], dtype=torch.int32)])
+    qsl = torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor(sl, dtype=torch.int32), num_reqs=4, num_actual_tokens=4,
+        max_query_len=1, max_seq_len=max(sl), block_table_tensor=pbt, slot_mapping=sm)
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.decode_query_len, md.num_prefills) == (4, 1, 0), md
+    out = torch.full((4, hq, hd), float("nan"), dtype=torch.bfloat16)
+    impl.forward(layer, q, k, v, cache, md, output=out)
+    assert torch.equal(out[2:].float(), torch.zeros(2, hq, hd)), "padding rows not zero"
+    worst = 0.0
+    for r in range(2):
+        kc, vcache = gather_kv(cache, loader, pbt[r], sl[r])
+        ref = reference(q[r:r + 1], k[r:r + 1], v[r:r + 1], kc, vcache, sl[r] - 1, window,
+                        hd ** -0.5, decode=True)
+        err = (out[r:r + 1].double() - ref).abs().max().item() / ref.abs().max().item()
+        print(f"padded decode layer {li} request {r}: rel err {err:.2e}")
+        worst = max(worst, err)
     return worst
 
 

@@ -18,11 +18,12 @@ def test_mixed_batch_forward_matches_float64_reference(patched_vllm):
     env.pop("TKV_CALIBRATION_FILE", None)
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                        timeout=900)
-    report = "\n".join(line for line in r.stdout.splitlines() if "rel err" in line or
-                       "worst" in line)
+    report = "\n".join(line for line in r.stdout.splitlines()
+                       if "rel err" in line or "worst" in line)
     assert r.returncode == 0, f"{report}\n{r.stderr[-3000:]}"
     # per-layer widths, sliding window, and spec-decode verify rows exercised
     assert "spec_k=2 layer 1 K3V2 window=12 request 0" in report
+    assert "padded decode layer 1 request 1" in report  # CUDA-graph padded decode batch
     print(report)
 
 
