@@ -16,9 +16,10 @@ Thin glue over :mod:`tkv.kernels`:
 
 CUDA graphs: the builder reports ``UNIFORM_BATCH`` — decode batches (one token per request,
 or ``1 + k`` for spec-decode verify) are captured whole on vLLM's persistent metadata
-tensors; mixed / prefill batches run attention eagerly between graph pieces. Nothing in ``forward`` or ``do_kv_cache_update`` reads a
-device value on the host (no ``.item()``, ``.tolist()``, ``.cpu()``, no data-dependent
-shapes): every size comes from host ints the builder already has.
+tensors; mixed / prefill batches run attention eagerly between graph pieces. Nothing in
+``forward`` or ``do_kv_cache_update`` reads a device value on the host (no ``.item()``,
+``.tolist()``, ``.cpu()``, no data-dependent shapes): every size comes from host ints the
+builder already has.
 
 Per-layer state (widths, codec tables on the device) is bound when vLLM asks the layer for
 its KV-cache spec — before memory profiling and CUDA-graph capture — so nothing is allocated
@@ -56,6 +57,7 @@ from .workspace import shared_workspace
 __all__ = ["TurboAttnBackend", "TurboAttnImpl", "TurboAttnMetadata", "TurboAttnMetadataBuilder"]
 
 log = logging.getLogger("tkv.vllm")
+
 
 class TurboAttnBackend(AttentionBackend):
     """vLLM attention backend ``TURBO_ATTN`` for ``--kv-cache-dtype tkv``."""
