@@ -10,7 +10,7 @@ import pytest
 
 from tkv.codec.config import load_config
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_e2e.py"
+_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "vllm_e2e.py"
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ moves the measured table to benchmarks/). Each configuration runs in its own sub
 ``sglang.Engine`` per process, so GPU memory is freed in between) and prints one JSON line;
 the parent prints the table with ratios vs bf16 (the baseline).
 
-    python sglang_smoke.py --model /tmp/tkv-models/smollm2-135m --mem 0.5 \
+    python benchmarks/sglang_e2e.py --model /tmp/tkv-models/smollm2-135m --mem 0.5 \
         --configs bf16 tkv:8.0 tkv:4.0 --concurrency 64 256
 
 Per configuration: KV-cache tokens SGLang allocated (``max_total_num_tokens``), greedy
