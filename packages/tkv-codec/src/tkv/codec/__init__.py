@@ -37,6 +37,7 @@ from .errors import (
     ShapeError,
     TkvBitsError,
     TkvError,
+    UnsupportedFeatureError,
 )
 from .layout import ModelLayout, SlotLayout, effective_bits_per_element
 from .packing import pack_codes, unpack_codes
@@ -68,6 +69,7 @@ __all__ = [
     "TkvConfig",
     "TkvError",
     "TurboKVCodec",
+    "UnsupportedFeatureError",
     "beta_codebook",
     "effective_bits_per_element",
     "fit_codebook",

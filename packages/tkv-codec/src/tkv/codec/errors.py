@@ -20,6 +20,7 @@ __all__ = [
     "ShapeError",
     "TkvBitsError",
     "TkvError",
+    "UnsupportedFeatureError",
 ]
 
 
@@ -72,3 +73,9 @@ class BudgetRowMissingError(BundleError, KeyError):
 
 class TkvBitsError(TkvError, ValueError):
     """``TKV_BITS`` is not a number in [2.0, 8.0]."""
+
+
+class UnsupportedFeatureError(TkvError, ValueError):
+    """A model or engine feature the tkv cache cannot serve (MLA, encoder/cross attention,
+    Mamba/linear attention, attention sinks, ...). Engine adapters raise it (or a subclass) at
+    startup, before any KV cache memory is allocated, never serving silent garbage."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from tkv.codec.errors import TkvError
+from tkv.codec.errors import TkvError, UnsupportedFeatureError
 
+# UnsupportedFeatureError is tkv.codec.errors.UnsupportedFeatureError, shared with tkv-vllm.
 __all__ = ["PatchError", "SglangVersionError", "UnsupportedFeatureError"]
 
 
@@ -14,9 +15,3 @@ class SglangVersionError(TkvError, RuntimeError):
 class PatchError(TkvError, RuntimeError):
     """The patch series neither applies nor reverts cleanly (the tree was modified), or the
     patched SGLang registry is missing (``tkv-sglang patch apply`` was not run)."""
-
-
-class UnsupportedFeatureError(TkvError, ValueError):
-    """An SGLang option or model kind the tkv KV cache cannot serve (MLA, hybrid sliding
-    window, Mamba/linear attention, hierarchical cache, ...). Raised at startup, before any
-    memory is allocated, instead of serving silent garbage."""

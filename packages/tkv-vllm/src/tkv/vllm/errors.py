@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from tkv.codec.errors import TkvError
+from tkv.codec.errors import TkvError, UnsupportedFeatureError
 
 __all__ = ["BackendMismatchError", "PatchesNotAppliedError", "UnsupportedModelError"]
 
 
-class UnsupportedModelError(TkvError, ValueError):
+class UnsupportedModelError(UnsupportedFeatureError):
     """The model (or one of its attention layers) is something the turbo-attn backend cannot
     serve: MLA, encoder / cross / encoder-only attention, hybrid Mamba or linear-attention
     stacks, attention sinks, ALiBi, soft-capped logits. Raised at startup, before the KV
