@@ -237,7 +237,7 @@ def test_fp8_tile_decodes_every_byte():
 
 
 # --------------------------------------------------------------------- prefill
-def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.float16):
+def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.float16, **kw):
     lens = [p + q for p, q in zip(prefix, qlens, strict=True)]
     g = _gen(seed)
     batch = make_paged_batch(lens, loader.block_size, DEV, generator=g)
@@ -254,7 +254,7 @@ def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.flo
     cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=DEV)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
     prefill(q, k, v, cu, batch.seq_lens, max(qlens), cache, batch.block_table, loader, out=out,
-            window=window, block_m=16 * min(group, 2), block_n=16)
+            window=window, block_m=16 * min(group, 2), block_n=16, **kw)
     ref = prefill_reference(q, k, v, cu, batch.seq_lens, cache, batch.block_table, loader,
                             window=window)
     assert _rel(out, ref) < _tol(dtype)
@@ -270,6 +270,13 @@ def test_prefill_tkv(head_dim, group, prefix, qlens, window):
     codec = TurboKVCodec(head_dim, k_bits=3, v_bits=4, device=DEV, seed=3)
     ld = TkvLoader(codec, 2, 16)
     _prefill_check(ld, prefix, qlens, group, seed=head_dim + group, window=window)
+
+
+def test_prefill_tkv_fused_rotation_and_head_dim_256():
+    codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=4)
+    _prefill_check(TkvLoader(codec, 2, 16), [20, 3], [5, 9], 4, seed=21, fuse_rotation=True)
+    codec = TurboKVCodec(256, k_bits=4, v_bits=3, device=DEV, seed=5)
+    _prefill_check(TkvLoader(codec, 1, 16), [17], [6], 2, seed=22)
 
 
 def test_prefill_bypass_equals_plain_attention():

@@ -142,7 +142,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             cache, block_table: torch.Tensor, loader: Loader, *,
             out: torch.Tensor | None = None, sm_scale: float | None = None, window: int = 0,
             block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-            num_stages: int | None = None) -> torch.Tensor:
+            num_stages: int | None = None, fuse_rotation: bool = False) -> torch.Tensor:
     """Varlen causal attention for (chunked) prefill, flash-attention tiling with tl.dot.
 
     Sequence ``i`` has ``q_len = cu_seqlens_q[i+1] − cu_seqlens_q[i]`` new tokens at absolute
@@ -163,6 +163,12 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out: optional ``(total_q, num_q_heads, head_dim)`` output (query dtype default).
         sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
         window: sliding window (key visible iff ``q_pos − k_pos < window``; 0 = full).
+        fuse_rotation: rotated loaders only. False (default): the wrapper rotates the query
+            and the chunk's K/V into the cache's rotated space with three small fp32 matmuls,
+            the kernel runs entirely in rotated space, and the output is unrotated by one more
+            matmul (no D×D tile inside the kernel: works for head_dim 256). True: rotation of
+            q and unrotation of the prefix accumulator fused into the kernel (tf32x3 dots;
+            EXPERIMENTAL — failed the compiled GPU test on an H200, see docs/kernels.md).
 
     Returns:
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError on malformed inputs.
@@ -226,6 +232,18 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if num_stages is None:
         num_stages = 2
     rotated = bool(loader.rotated)
+    dot_dtype = _TL[dot_dtype_for(query.dtype)]
+    final = None
+    if rotated and not fuse_rotation:
+        # everything in the cache's rotated space: <R(q*s_k), R(k/s_k)> = <q, k>, and
+        # sum_j p_j R(v_j/s_v) unrotates to sum_j p_j v_j (TurboQuant Alg. 1 DeQuant, linear)
+        def rot(x, m, nh):
+            return (x.reshape(-1, d).float() @ m[:d, :d]).view(tq, nh, d)  # float32
+
+        query, key, value = (rot(query, loader.q_in, hq), rot(key, loader.k_in, hkv),
+                             rot(value, loader.v_in, hkv))
+        final, out = out, torch.empty(tq, hq, d, dtype=torch.float32, device=dev)
+        rotated = False
     qm = loader.q_in if rotated else seq_lens
     um = loader.out_mat if rotated else seq_lens
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
@@ -238,6 +256,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         LOAD_K=loader.tile, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8], KP3=kargs[9],
         LOAD_V=loader.tile, VP0=vargs[6], VP1=vargs[7], VP2=vargs[8], VP3=vargs[9],
         ROTATED=rotated, G=g, G_PAD=g_pad, BLOCK_MT=block_mt, BLOCK_N=block_n, HEAD_DIM=d,
-        D_PAD=d_pad, BLOCK_SIZE=loader.block_size, DOT_DTYPE=_TL[dot_dtype_for(query.dtype)],
+        D_PAD=d_pad, BLOCK_SIZE=loader.block_size, DOT_DTYPE=dot_dtype,
         num_warps=num_warps, num_stages=num_stages)
+    if final is not None:
+        final.copy_((out.view(-1, d) @ loader.out_mat[:d, :d]).view(tq, hq, d))
+        out = final
     return out
