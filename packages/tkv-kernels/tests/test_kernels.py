@@ -55,7 +55,7 @@ def _scenario(loader, lens, seed, dtype=torch.bfloat16):
     return batch, cache
 
 
-def _ws(max_seqs=8, heads=32, d=128):
+def _ws(max_seqs=8, heads=32, d=256):
     return Workspace(max_seqs, heads, d, DEV, max_splits=8)
 
 
@@ -72,7 +72,8 @@ def _decode_check(loader, lens, group, seed, window=0, dtype=torch.bfloat16, spl
 
 
 # --------------------------------------------------------------------- compress_store
-@pytest.mark.parametrize("head_dim,kb,vb", [(64, 4, 4), (96, 3, 5), (128, 2, 8), (64, 7, 6)])
+@pytest.mark.parametrize("head_dim,kb,vb", [(64, 4, 4), (96, 3, 5), (128, 2, 8), (64, 7, 6),
+                                            (256, 3, 4)])
 def test_compress_store_matches_codec(head_dim, kb, vb):
     g = _gen(1)
     codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=7)
@@ -99,13 +100,17 @@ def test_compress_store_matches_codec(head_dim, kb, vb):
         views["k_codes"][b, :, o], kb, head_dim)
     assert (got_k == ck).float().mean() > 0.999
     assert ((got_k - ck).abs() <= 1).all()
-    if interpreting():
+    if interpreting() and head_dim <= 128:  # one-pass path: bit-exact with the codec
         assert torch.equal(views["k_codes"][b, :, o], pk)
         assert torch.equal(views["v_codes"][b, :, o], pv)
         assert torch.equal(views["k_norms"][b, :, o], nk)
         assert torch.equal(views["v_norms"][b, :, o], nv)
-    else:
+    else:  # float32 rounding may differ: norms within one bf16 ulp, codes off by one rarely
         torch.testing.assert_close(views["k_norms"][b, :, o].float(), nk.float(), rtol=8e-3, atol=0)
+        torch.testing.assert_close(views["v_norms"][b, :, o].float(), nv.float(), rtol=8e-3, atol=0)
+        got_v = __import__("tkv.codec.packing", fromlist=["x"]).unpack_codes(
+            views["v_codes"][b, :, o], vb, head_dim)
+        assert (got_v == codec.v.quantize(v[keep])[0]).float().mean() > 0.999
     # untouched slots keep their bytes
     written = torch.zeros(nblk * 16, dtype=torch.bool, device=DEV)
     written[s] = True
@@ -148,6 +153,7 @@ def test_every_width_pair_store_and_decode(kb):
     (96, 7, 32, 0, [70, 1, 31]),
     (64, 8, 16, 9, [40, 3, 17]),
     (128, 4, 64, 20, [130, 64]),
+    (256, 2, 16, 0, [20, 1]),
 ])
 def test_decode_tkv_geometry(head_dim, group, block_size, window, lens):
     codec = TurboKVCodec(head_dim, k_bits=4, v_bits=3, device=DEV, seed=head_dim)

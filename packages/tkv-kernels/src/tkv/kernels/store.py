@@ -35,6 +35,45 @@ def _bf16_rne(x):
 
 
 @triton.jit
+def _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM: tl.constexpr,
+                BITS: tl.constexpr, CODE_BYTES: tl.constexpr, NORM_CORR: tl.constexpr,
+                GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
+                CH: tl.constexpr, C0: tl.constexpr):
+    """Quantize rotated coordinates ``y`` [T, CH] (columns C0..C0+CH) and store their packed
+    bytes (byte offset C0*BITS/8; CH*BITS is a multiple of 8). Returns sum of c[code]^2."""
+    cmask = cols < HEAD_DIM
+    z = y * inv[:, None]
+    # branch-free lower bound over the 2**BITS - 1 sorted boundaries: code = #{b_j < z}
+    code = tl.zeros([BLOCK_T, CH], dtype=tl.int32)
+    for step in tl.static_range(BITS):
+        half = 1 << (BITS - 1 - step)
+        cand = code + half
+        bnd = tl.load(bounds + cand - 1)
+        code = tl.where(bnd < z, cand, code)
+    code = tl.where(cmask[None, :], code, 0)
+    usq = tl.zeros([BLOCK_T], tl.float32)
+    if NORM_CORR:
+        c = tl.load(table + code)
+        c = tl.where(cmask[None, :], c, 0.0)
+        usq = tl.sum(c * c, axis=1)
+    if BITS == 8:
+        tl.store(cache + row[:, None] + cols[None, :], code.to(tl.uint8),
+                 mask=valid[:, None] & cmask[None, :])
+    else:
+        NG: tl.constexpr = CH // GROUP
+        c3 = tl.reshape(code.to(tl.int64), (BLOCK_T, NG, GROUP))
+        shifts = (tl.arange(0, GROUP) * BITS).to(tl.int64)
+        word = tl.sum(c3 << shifts[None, None, :], axis=2)          # [T, NG], < 2**56
+        gidx = tl.arange(0, NG)
+        for k in tl.static_range(GROUP_BYTES):
+            byte = ((word >> (8 * k)) & 0xFF).to(tl.uint8)
+            bidx = (C0 * BITS) // 8 + gidx * GROUP_BYTES + k
+            tl.store(cache + row[:, None] + bidx[None, :], byte,
+                     mask=valid[:, None] & (bidx < CODE_BYTES)[None, :])
+    return usq
+
+
+@triton.jit
 def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, blk, off,
                 page_bytes, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
                 CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr, CODE_BYTES: tl.constexpr,
@@ -45,43 +84,37 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, b
     dmask = offs_d < HEAD_DIM
     x = tl.load(X + tok.to(tl.int64)[:, None] * sx_t + head * sx_h + offs_d[None, :],
                 mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    a = tl.load(A + offs_d[:, None] * D_PAD + offs_d[None, :])
-    y = tl.dot(x, a, input_precision="tf32x3")                       # R (x / s), [T, D_PAD]
-    n = tl.sqrt_rn(tl.sum(y * y, axis=1))
-    inv = tl.div_rn(tl.full([BLOCK_T], math.sqrt(HEAD_DIM), tl.float32), tl.where(n > 0, n, 1.0))
-    inv = tl.where(n > 0, inv, 0.0)
-    z = y * inv[:, None]
-    # branch-free lower bound over the 2**BITS - 1 sorted boundaries: code = #{b_j < z}
-    code = tl.zeros([BLOCK_T, D_PAD], dtype=tl.int32)
-    for step in tl.static_range(BITS):
-        half = 1 << (BITS - 1 - step)
-        cand = code + half
-        bnd = tl.load(bounds + cand - 1)
-        code = tl.where(bnd < z, cand, code)
-    code = tl.where(dmask[None, :], code, 0)
-    if NORM_CORR:  # store n / ||c[code]/sqrt(d)|| so that ||x_hat|| = ||x|| (codec, K side)
-        c = tl.load(table + code)
-        c = tl.where(dmask[None, :], c, 0.0)
-        un = tl.sqrt_rn(tl.sum(c * c, axis=1))
-        n = tl.div_rn(n, tl.maximum(un, 1e-12))
     page = blk * page_bytes
+    row = page + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
+    sqrt_d = tl.full([BLOCK_T], math.sqrt(HEAD_DIM), tl.float32)
+    if D_PAD <= 128:  # one pass: the whole D x D rotation tile fits in shared memory
+        a = tl.load(A + offs_d[:, None] * D_PAD + offs_d[None, :])
+        y = tl.dot(x, a, input_precision="tf32x3")                   # R (x / s), [T, D_PAD]
+        n = tl.sqrt_rn(tl.sum(y * y, axis=1))
+        inv = tl.where(n > 0, tl.div_rn(sqrt_d, tl.where(n > 0, n, 1.0)), 0.0)
+        usq = _quant_pack(y, inv, offs_d, valid, cache, row, bounds, table, HEAD_DIM, BITS,
+                          CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T, D_PAD, 0)
+    else:  # head_dim > 128: rotation by 64-column blocks, two passes (norm, then codes)
+        CH: tl.constexpr = 64
+        ss = tl.zeros([BLOCK_T], tl.float32)
+        for c in tl.static_range(D_PAD // CH):
+            cols = c * CH + tl.arange(0, CH)
+            y = tl.dot(x, tl.load(A + offs_d[:, None] * D_PAD + cols[None, :]),
+                       input_precision="tf32x3")
+            ss += tl.sum(y * y, axis=1)
+        n = tl.sqrt_rn(ss)
+        inv = tl.where(n > 0, tl.div_rn(sqrt_d, tl.where(n > 0, n, 1.0)), 0.0)
+        usq = tl.zeros([BLOCK_T], tl.float32)
+        for c in tl.static_range(D_PAD // CH):
+            cols = c * CH + tl.arange(0, CH)
+            y = tl.dot(x, tl.load(A + offs_d[:, None] * D_PAD + cols[None, :]),
+                       input_precision="tf32x3")
+            usq += _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM, BITS,
+                               CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T, CH, c * CH)
+    if NORM_CORR:  # store n / ||c[code]/sqrt(d)|| so that ||x_hat|| = ||x|| (codec, K side)
+        n = tl.div_rn(n, tl.maximum(tl.sqrt_rn(usq), 1e-12))
     nidx = (page + NORMS_OFF) // 2 + head * NORM_HEAD_STRIDE + off
     tl.store(aux + nidx, _bf16_rne(n), mask=valid)
-    row = page + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
-    if BITS == 8:
-        tl.store(cache + row[:, None] + offs_d[None, :], code.to(tl.uint8),
-                 mask=valid[:, None] & dmask[None, :])
-    else:
-        NG: tl.constexpr = D_PAD // GROUP
-        c3 = tl.reshape(code.to(tl.int64), (BLOCK_T, NG, GROUP))
-        shifts = (tl.arange(0, GROUP) * BITS).to(tl.int64)
-        word = tl.sum(c3 << shifts[None, None, :], axis=2)          # [T, NG], < 2**56
-        gidx = tl.arange(0, NG)
-        for k in tl.static_range(GROUP_BYTES):
-            byte = ((word >> (8 * k)) & 0xFF).to(tl.uint8)
-            bidx = gidx * GROUP_BYTES + k
-            tl.store(cache + row[:, None] + bidx[None, :], byte,
-                     mask=valid[:, None] & (bidx < CODE_BYTES)[None, :])
 
 
 @triton.jit
