@@ -96,9 +96,10 @@ def _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
     D_PAD: tl.constexpr = offs_d.shape[0]
     page = blk.to(tl.int64) * stride_block                                  # [N] bytes
     row = page + CODES_OFF + head * stride_head + off.to(tl.int64) * stride_tok
-    if BITS == 4 or BITS == 8:
-        # widths 4, 8: whole bytes per row, loaded contiguously (16-byte vectors), each
-        # byte split into 8/BITS codes with shifts; tl.join interleaves them back in order.
+    if BITS == 2 or BITS == 4 or BITS == 8:
+        # widths 2, 4, 8: whole bytes per row, loaded contiguously (16-byte vectors); each
+        # byte is split with shifts and tl.join re-interleaves the pieces in code order
+        # (rank-2 joins only: byte -> 2 nibbles -> 4 crumbs for 2 bits).
         PER: tl.constexpr = 8 // BITS
         NB: tl.constexpr = D_PAD // PER
         offs_b = tl.arange(0, NB)
@@ -107,10 +108,13 @@ def _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
         byt = byt.to(tl.int32)
         if PER == 1:
             code = byt
-        else:
+        elif PER == 2:
             code = tl.reshape(tl.join(byt & 15, byt >> 4), (BLOCK_N, D_PAD))
+        else:
+            nib = tl.reshape(tl.join(byt & 15, byt >> 4), (BLOCK_N, D_PAD // 2))
+            code = tl.reshape(tl.join(nib & 3, nib >> 2), (BLOCK_N, D_PAD))
     else:
-        # widths 2, 3, 5, 6, 7: per-element byte reads; a code may straddle two bytes
+        # widths 3, 5, 6, 7: per-element byte reads; a code may straddle two bytes
         bit = offs_d * BITS
         byte = bit // 8
         sh = bit % 8
