@@ -31,6 +31,7 @@ from tkv.kernels import BypassLoader, TkvLoader, Workspace, compress_store, deco
 
 DEV = "cuda"
 ROWS: list[dict] = []
+LOOKUPS: tuple[str, ...] = ("gather", "pair")  # TkvLoader lookup variants timed side by side
 
 
 def bench(fn, rep=60):
@@ -105,12 +106,11 @@ def decode_rows(cfgs, widths, copy_gbs, tune):
         del kp, vp
         for kb, vb in widths:
             codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV)
-            lds = {lk: TkvLoader(codec, hkv, block, lookup=lk)
-                   for lk in (("gather", "select") if tune else ("auto",))}
+            lds = {lk: TkvLoader(codec, hkv, block, lookup=lk) for lk in LOOKUPS}
             ld = lds[next(iter(lds))]
             cache = tkv_cache(ld, nblk)
             nbytes = B * L * ld.layout.bytes_per_token
-            opts = [dict()]
+            opts = [dict(lookup=lk) for lk in lds]
             if tune:
                 opts = [dict(block_n=bn, num_warps=nw, num_stages=st, lookup=lk)
                         for bn in (64, 128) for nw in (4, 8) for st in (2, 3)
@@ -238,7 +238,11 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true", help="sweep decode tile options at B=32 L=8K")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--lookups", default="gather,pair",
+                    help="TkvLoader lookup variants to time (gather, pair, select)")
     a = ap.parse_args()
+    global LOOKUPS
+    LOOKUPS = tuple(a.lookups.split(","))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)

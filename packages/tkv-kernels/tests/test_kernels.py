@@ -166,6 +166,22 @@ def test_decode_tkv_geometry(head_dim, group, block_size, window, lens):
     _decode_check(ld, lens, group, seed=group + block_size, window=window)
 
 
+@pytest.mark.parametrize("lookup,kb,vb", [("pair", 4, 4), ("pair", 4, 3), ("select", 3, 4)])
+def test_decode_lookup_variants(lookup, kb, vb):
+    codec = TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV, seed=11)
+    ld = TkvLoader(codec, 2, 16, lookup=lookup)
+    batch, cache = _scenario(ld, [37, 1, 20], 13)
+    q = torch.randn(3, 8, 64).to(DEV, torch.bfloat16)
+    out = torch.full(q.shape, float("nan"), device=DEV)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out, block_n=16)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    # "pair" rounds centroids to fp16 (relative 2**-11)
+    tol = 2e-3 if interpreting() and lookup == "pair" else _tol(torch.bfloat16)
+    assert _rel(out, ref) < tol
+    with pytest.raises(ValueError):
+        TkvLoader(codec, 2, 16, lookup="nope")
+
+
 def test_decode_splits_and_rotated_io():
     codec = TurboKVCodec(64, 4, device=DEV)
     ld = TkvLoader(codec, 2, 16)

@@ -85,7 +85,7 @@ class Loader(Protocol):
 def _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
                    stride_block, stride_head, stride_tok,
                    BITS_BYTES: tl.constexpr, CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr,
-                   NORM_HEAD: tl.constexpr, OUT_DTYPE: tl.constexpr, SELECT: tl.constexpr):
+                   NORM_HEAD: tl.constexpr, OUT_DTYPE: tl.constexpr, MODE: tl.constexpr):
     """tkv packed tile. base: uint8 cache; aux: the same cache viewed as bf16 (norms);
     table: float32 scaled centroids ``c / sqrt(d)``, ``2**BITS`` entries. Codes LSB-first
     (tkv.codec.packing): code i = bits [i*BITS, (i+1)*BITS) of the token's code bytes.
@@ -108,6 +108,8 @@ def _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
         byt = byt.to(tl.int32)
         if PER == 1:
             code = byt
+        elif PER == 2 and MODE == 2:
+            code = byt  # pair table: one lookup per byte yields both codes' values
         elif PER == 2:
             code = tl.reshape(tl.join(byt & 15, byt >> 4), (BLOCK_N, D_PAD))
         else:
@@ -126,7 +128,13 @@ def _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
             hi = tl.load(ptr + 1, mask=m2 & need[None, :], other=0).to(tl.int32)
             w = w | (hi << 8)
         code = (w >> sh[None, :]) & ((1 << BITS) - 1)
-    if SELECT:  # codebook lookup in registers: 2**BITS compare+select, no memory gather
+    if MODE == 2 and BITS == 4:
+        # 256-entry table indexed by a whole byte: int32 = fp16(c[lo]) | fp16(c[hi]) << 16
+        w = tl.load(table + code)
+        lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        val = tl.reshape(tl.join(lo, hi), (BLOCK_N, D_PAD))
+    elif MODE == 1:  # codebook lookup in registers: 2**BITS compare+select, no memory gather
         val = tl.zeros(code.shape, tl.float32)
         for i in tl.static_range(1 << BITS):
             val = tl.where(code == i, tl.load(table + i), val)
@@ -145,7 +153,7 @@ def tkv_tile(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
     """tkv tile, codebook lookup by gather from the table in memory."""
     return _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
                           stride_block, stride_head, stride_tok, BITS_BYTES, CODES_OFF,
-                          NORMS_OFF, NORM_HEAD, OUT_DTYPE, False)
+                          NORMS_OFF, NORM_HEAD, OUT_DTYPE, 0)
 
 
 @triton.jit
@@ -157,7 +165,27 @@ def tkv_tile_select(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
     """tkv tile, codebook lookup by a compare/select chain over the 2**BITS centroids."""
     return _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
                           stride_block, stride_head, stride_tok, BITS_BYTES, CODES_OFF,
-                          NORMS_OFF, NORM_HEAD, OUT_DTYPE, True)
+                          NORMS_OFF, NORM_HEAD, OUT_DTYPE, 1)
+
+
+@triton.jit
+def tkv_tile_pair(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
+                  stride_block, stride_head, stride_tok,
+                  BITS_BYTES: tl.constexpr, CODES_OFF: tl.constexpr,
+                  NORMS_OFF: tl.constexpr, NORM_HEAD: tl.constexpr,
+                  OUT_DTYPE: tl.constexpr):
+    """tkv tile; 4-bit sides look both nibbles of a byte up at once in a 256-entry table of
+    fp16 pairs (the table pointer is then that int32 table); other widths gather."""
+    return _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
+                          stride_block, stride_head, stride_tok, BITS_BYTES, CODES_OFF,
+                          NORMS_OFF, NORM_HEAD, OUT_DTYPE, 2)
+
+
+def _pair_table(scaled: torch.Tensor) -> torch.Tensor:
+    """int32 (256,): entry b = fp16(c[b & 15]) | fp16(c[b >> 4]) << 16 (4-bit tables)."""
+    h = scaled.detach().cpu().to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    b = torch.arange(256)
+    return (h[b & 15] | (h[b >> 4] << 16)).to(torch.int32)
 
 
 class TkvLoader:
@@ -171,6 +199,9 @@ class TkvLoader:
             from the table; default) or ``"select"`` (2**bits compare/select in registers).
             EXPERIMENTAL: "select" passes the CPU-interpreter tests but failed the compiled
             GPU tests on an H200 (see docs/kernels.md); do not use it in production.
+            ``"pair"`` (4-bit sides): a 256-entry table of fp16 value pairs indexed by the
+            whole byte, one lookup per two codes (fp16 centroids: ~1e-3 relative rounding);
+            not yet run on a GPU.
 
     Attributes (device tensors, float32):
         k_table, v_table: ``(2**bits,)`` centroids / sqrt(head_dim) (SideCodec._scaled_centroids).
@@ -187,8 +218,8 @@ class TkvLoader:
 
     def __init__(self, codec: TurboKVCodec, num_kv_heads: int, block_size: int,
                  lookup: str = "auto"):
-        if lookup not in ("auto", "gather", "select"):
-            raise ValueError(f"lookup must be 'auto', 'gather' or 'select', got {lookup!r}")
+        if lookup not in ("auto", "gather", "select", "pair"):
+            raise ValueError(f"lookup must be 'auto', 'gather', 'select' or 'pair', got {lookup!r}")
         self.lookup = lookup
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")
@@ -204,6 +235,8 @@ class TkvLoader:
         dev = self.device
         self.k_table = codec.k._scaled_centroids.to(dev, torch.float32).contiguous()
         self.v_table = codec.v._scaled_centroids.to(dev, torch.float32).contiguous()
+        self.k_pair = _pair_table(self.k_table).to(dev) if self.k_bits == 4 else self.k_table
+        self.v_pair = _pair_table(self.v_table).to(dev) if self.v_bits == 4 else self.v_table
 
         def bounds(side):
             b = side.boundaries.to(torch.float32).cpu()
@@ -232,8 +265,8 @@ class TkvLoader:
 
     @property
     def tile(self):
-        """``tkv_tile`` (gather lookup) unless ``lookup="select"``."""
-        return tkv_tile_select if self.lookup == "select" else tkv_tile
+        """``tkv_tile`` (gather lookup) unless ``lookup`` is "select" or "pair"."""
+        return {"select": tkv_tile_select, "pair": tkv_tile_pair}.get(self.lookup, tkv_tile)
 
     def check_cache(self, cache) -> int:
         """``cache`` uint8 ``(num_blocks, page_bytes)`` contiguous, on the codec's device."""
@@ -250,10 +283,12 @@ class TkvLoader:
         st = lay.strides()
         aux = cache.view(torch.bfloat16)
         if side == "k":
-            return (cache, aux, self.k_table, lay.page_bytes, st["k_head"], st["k_token"],
+            kt = self.k_pair if self.lookup == "pair" else self.k_table
+            return (cache, aux, kt, lay.page_bytes, st["k_head"], st["k_token"],
                     lay.k_bits + 16 * lay.k_code_bytes, lay.k_codes_offset, lay.k_norms_offset,
                     st["norm_head"])
-        return (cache, aux, self.v_table, lay.page_bytes, st["v_head"], st["v_token"],
+        vt = self.v_pair if self.lookup == "pair" else self.v_table
+        return (cache, aux, vt, lay.page_bytes, st["v_head"], st["v_token"],
                 lay.v_bits + 16 * lay.v_code_bytes, lay.v_codes_offset, lay.v_norms_offset,
                 st["norm_head"])
 
