@@ -390,3 +390,21 @@ def test_loader_protocol():
         assert ld.bytes_per_token() > 0
     assert TkvLoader(codec, 2, 16).bytes_per_token() == codec.layout(2, 16).bytes_per_token
     assert math.isclose(BypassLoader(2, 64, 16).bytes_per_token(), 2 * 2 * 64 * 2)
+
+
+def test_check_metadata_names_the_bad_entry():
+    from tkv.kernels import MetadataError, check_metadata
+
+    bt = torch.tensor([[3, 1, 99], [0, 2, 7]], dtype=torch.int32)
+    sl = torch.tensor([20, 33], dtype=torch.int32)
+    check_metadata(8, 16, block_table=bt, seq_lens=sl)          # third block of seq 0 unused
+    with pytest.raises(MetadataError, match=r"block_table\[1, 2\]"):
+        check_metadata(7, 16, block_table=bt, seq_lens=sl)
+    with pytest.raises(MetadataError, match="seq_lens"):
+        check_metadata(8, 16, block_table=bt, seq_lens=torch.tensor([20, 49], dtype=torch.int32))
+    with pytest.raises(MetadataError, match="q_len"):
+        check_metadata(8, 16, block_table=bt, seq_lens=sl,
+                       cu_seqlens_q=torch.tensor([0, 21, 22], dtype=torch.int32))
+    check_metadata(8, 16, slot_mapping=torch.tensor([-1, 0, 127]))
+    with pytest.raises(MetadataError, match="slot_mapping"):
+        check_metadata(8, 16, slot_mapping=torch.tensor([-1, 128]))

@@ -11,6 +11,7 @@ from .decode import decode
 from .loaders import BypassLoader, Fp8Loader, Loader, TkvLoader
 from .prefill import prefill
 from .store import compress_store
+from .validate import MetadataError, check_metadata
 from .workspace import Workspace, WorkspaceTooSmallError
 
 # Must run before any kernel is launched under TRITON_INTERPRET=1 (patches loop-bound
@@ -19,5 +20,5 @@ _interpreter_compat.apply()
 
 __version__ = "0.1.0"
 
-__all__ = ["BypassLoader", "Fp8Loader", "Loader", "TkvLoader", "Workspace",
-           "WorkspaceTooSmallError", "compress_store", "decode", "prefill"]
+__all__ = ["BypassLoader", "Fp8Loader", "Loader", "MetadataError", "TkvLoader", "Workspace",
+           "WorkspaceTooSmallError", "check_metadata", "compress_store", "decode", "prefill"]
