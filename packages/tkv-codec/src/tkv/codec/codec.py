@@ -72,7 +72,36 @@ class SideCodec:
         self.centroids = codebook.centroids.to(device)
         self.boundaries = codebook.boundaries.to(device)
         self._scaled_centroids = (codebook.centroids.double() / math.sqrt(head_dim)).float().to(device)
+        self._scaled_sq = self._scaled_centroids.square()
         self.channel_scales = None if channel_scales is None else channel_scales.to(device)
+        # Byte-indexed dequant table for widths whose codes never straddle a byte (2, 4, 8):
+        # row j holds the 8/bits standardized-and-scaled values that byte j encodes, so
+        # decompression is one table lookup per byte, no unpacking.
+        self._byte_table = None
+        if 8 % bits == 0:
+            per = 8 // bits
+            byte = torch.arange(256, device=device)[:, None]
+            idx = (byte >> (torch.arange(per, device=device) * bits)) & ((1 << bits) - 1)
+            self._byte_table = self._scaled_centroids[idx]  # (256, per) float32
+
+    @property
+    def scaled_centroids(self) -> torch.Tensor:
+        """Dequant table, float32 ``(2**bits,)`` on the codec's device: ``centroids / sqrt(head_dim)``.
+        A rotated coordinate is ``norm * scaled_centroids[code]`` (kernels read this table)."""
+        return self._scaled_centroids
+
+    def _nearest_centroid(self, z: torch.Tensor) -> torch.Tensor:
+        """Index of the Lloyd-Max cell of each standardized coordinate (int64, like ``z``).
+        Widths <= 4 count the boundaries below ``z`` (at most 15 compares, much faster than a
+        binary search on CPU); wider codebooks use ``torch.bucketize``. Both give the same
+        index: ``#{k : boundary_k < z}``."""
+        zb = z.to(self.boundaries.dtype)
+        if self.bits <= 4:
+            acc = torch.zeros(zb.shape, dtype=torch.uint8, device=zb.device)
+            for b in self.boundaries.tolist():
+                acc += zb > b
+            return acc.long()
+        return torch.bucketize(zb, self.boundaries)
 
     # -------------------------------------------------------------- compress
     def compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,12 +122,11 @@ class SideCodec:
         n = torch.linalg.vector_norm(y, dim=-1)
         inv = torch.where(n > 0, math.sqrt(self.head_dim) / n, torch.zeros_like(n))
         z = y * inv.unsqueeze(-1)
-        codes = torch.bucketize(z.to(self.boundaries.dtype), self.boundaries)
+        codes = self._nearest_centroid(z)
         if self.norm_correction:
             # Store n / ‖û‖ so that ‖x̂‖ = ‖x‖ (before bf16 rounding); ‖û‖ > 0 always since a
             # unit vector's codes cannot all map to a zero centroid (zero x gives n = 0 → 0).
-            uhat = self._scaled_centroids[codes]
-            un = torch.linalg.vector_norm(uhat, dim=-1).to(n.dtype)
+            un = self._scaled_sq[codes].sum(dim=-1).sqrt().to(n.dtype)
             n = n / un.clamp_min(1e-12)
         return codes, n.to(torch.bfloat16)
 
@@ -127,6 +155,10 @@ class SideCodec:
         ``dtype`` (computed in float64 when ``dtype`` is float64, for reference oracles)."""
         self._check_packed(packed, norms)
         work = torch.float64 if dtype == torch.float64 else torch.float32
+        if self._byte_table is not None and work == torch.float32:
+            vals = torch.nn.functional.embedding(packed.long(), self._byte_table)
+            vals = vals.reshape(*packed.shape[:-1], -1)[..., : self.head_dim]
+            return (vals * norms.to(work).unsqueeze(-1)).to(dtype)
         codes = unpack_codes(packed, self.bits, self.head_dim)
         table = self._scaled_centroids if work == torch.float32 else (
             self.centroids.double() / math.sqrt(self.head_dim))

@@ -204,7 +204,7 @@ class TkvLoader:
             not yet run on a GPU.
 
     Attributes (device tensors, float32):
-        k_table, v_table: ``(2**bits,)`` centroids / sqrt(head_dim) (SideCodec._scaled_centroids).
+        k_table, v_table: ``(2**bits,)`` centroids / sqrt(head_dim) (SideCodec.scaled_centroids).
         k_bounds, v_bounds: ``(2**bits,)`` decision boundaries (standardized units), padded
             with +inf (compress_store's branch-free binary search).
         k_in, v_in: ``(d_pad, d_pad)`` ``A`` with ``R (x / s) = x @ A`` (prescale + rotation).
@@ -233,8 +233,8 @@ class TkvLoader:
         d, dp = self.head_dim, max(16, next_pow2(self.head_dim))
         self.d_pad = dp
         dev = self.device
-        self.k_table = codec.k._scaled_centroids.to(dev, torch.float32).contiguous()
-        self.v_table = codec.v._scaled_centroids.to(dev, torch.float32).contiguous()
+        self.k_table = codec.k.scaled_centroids.to(dev, torch.float32).contiguous()
+        self.v_table = codec.v.scaled_centroids.to(dev, torch.float32).contiguous()
         self.k_pair = _pair_table(self.k_table).to(dev) if self.k_bits == 4 else self.k_table
         self.v_pair = _pair_table(self.v_table).to(dev) if self.v_bits == 4 else self.v_table
 
