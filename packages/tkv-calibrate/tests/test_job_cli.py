@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 
 from tkv.calibrate.cli import main
 from tkv.calibrate.errors import ModelNotFoundError, TextTooShortError, UnsupportedModelError
@@ -32,7 +31,7 @@ def test_job_writes_valid_bundle_and_report(job, tiny):
         if alloc.source == "smartmix":
             assert d.mix_measured_kl < d.uniform_measured_kl
         else:
-            assert len(set(zip(alloc.k_bits, alloc.v_bits))) == 1
+            assert len(set(zip(alloc.k_bits, alloc.v_bits, strict=False))) == 1
     assert "evaluation" in b.metrics and b.metrics["evaluation"]["rows"]
     assert b.provenance["corpus"] == "valid.txt" and len(b.provenance["corpus_sha256"]) == 64
     md = (out / "report.md").read_text()
@@ -99,7 +98,7 @@ def test_needle_prompt_and_run(tiny):
 def test_evaluate_existing_bundle(job, tiny, tmp_path):
     from tkv.calibrate.pipeline import evaluate_bundle
 
-    res, out = job
+    _res, out = job
     r = evaluate_bundle(str(out / "tkv_bundle.json"), str(tmp_path), eval_windows=1,
                         eval_window=64, peers=False, decode=False, show_progress=False,
                         loaded=tiny)

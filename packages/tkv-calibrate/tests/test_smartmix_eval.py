@@ -155,7 +155,7 @@ def test_evaluate_arms_metrics(tiny, windows, calibration):
     assert k2.decode.positions == 2 * 32 and k2.tf.positions == 2 * 64
     assert res.base.ppl > 1 and math.isfinite(k2.tf.ppl)
     # vLLM presets keep 2+2 boundary layers uncompressed (of 4 → capped at 2 layers each end).
-    arm = [a for a in arms if "k8v4" in a.name][0]
+    arm = next(a for a in arms if "k8v4" in a.name)
     assert arm.quantizers[0] is None
 
 

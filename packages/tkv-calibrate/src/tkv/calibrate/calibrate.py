@@ -87,7 +87,7 @@ def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed:
     col = collection or collect_kv(model, windows, show_progress=show_progress)
     t1 = time.perf_counter()
     ntok = col.layers[0].k.shape[0]
-    n_held = max(1, int(round(ntok * held_fraction)))
+    n_held = max(1, round(ntok * held_fraction))
     train, held = slice(0, ntok - n_held), slice(ntok - n_held, ntok)
     rot = HadamardRotation(geometry.head_dim, seed)
     layers, scales, books = [], [], []

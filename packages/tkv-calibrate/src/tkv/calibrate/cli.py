@@ -129,12 +129,12 @@ def _evaluate(a) -> int:
 def _needle(a) -> int:
     from pathlib import Path
 
+    import torch
+
     from tkv.codec import CalibrationBundle
 
     from .model import load_model
     from .needle import NeedleConfig, run_needle
-
-    import torch
 
     if a.threads:
         torch.set_num_threads(a.threads)

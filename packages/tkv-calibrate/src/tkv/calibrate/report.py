@@ -50,6 +50,45 @@ def evaluation_lines(ev, rows) -> list[str]:
     return L
 
 
+# Goals of the tkv-calibrate issue for SmolLM2-135M (16 × 1,024 test tokens, teacher-forced):
+# budget → (max KL, max ΔPPL %), and SmartMix KL ≤ 0.8 × best uniform at 4.0.
+GOALS = {3.0: (None, 8.0), 4.0: (0.0153, 1.08), 5.0: (0.0071, None)}
+MIX_GOAL = 0.8
+
+
+def goal_lines(rows) -> list[str]:
+    """Markdown lines checking the shipped row of each budget against :data:`GOALS`."""
+    by_budget: dict[float, dict] = {}
+    uni: dict[float, dict] = {}
+    for r in rows:
+        b = r.get("budget")
+        if b is None:
+            continue
+        if r["group"] == "smartmix":
+            by_budget[b] = r
+        elif r["group"] == "tkv":
+            uni[b] = r
+            by_budget.setdefault(b, r)
+    L = ["## Goals (issue reference for SmolLM2-135M; measured here, not tuned on test)\n",
+         "| budget | shipped row | goal | measured | met? |", "|---:|---|---|---|---|"]
+    for b, (kl_max, ppl_max) in GOALS.items():
+        r = by_budget.get(b)
+        if r is None:
+            continue
+        if kl_max is not None:
+            verdict = "yes" if r["kl"] <= kl_max else f"no ({r['kl'] / kl_max:.2f}× the goal)"
+            L.append(f"| {b:g} | {r['name']} | KL ≤ {kl_max} | {_fmt_kl(r['kl'])} | {verdict} |")
+        if ppl_max is not None:
+            d = r["delta_ppl_pct"]
+            verdict = "yes" if d <= ppl_max else f"no (+{d - ppl_max:.2f} points over)"
+            L.append(f"| {b:g} | {r['name']} | ΔPPL ≤ +{ppl_max} % | {d:+.2f} % | {verdict} |")
+    if 4.0 in uni and by_budget.get(4.0, {}).get("group") == "smartmix":
+        ratio = by_budget[4.0]["kl"] / max(uni[4.0]["kl"], 1e-30)
+        L.append(f"| 4 | SmartMix vs {uni[4.0]['name']} | KL ratio ≤ {MIX_GOAL} | {ratio:.2f} | "
+                 f"{'yes' if ratio <= MIX_GOAL else 'no'} |")
+    return [*L, ""]
+
+
 def write_report(res, out: Path) -> tuple[Path, Path]:
     """Write ``out/report.md`` and ``out/report.png``; returns their paths."""
     out = Path(out)
@@ -67,6 +106,7 @@ def write_report(res, out: Path) -> tuple[Path, Path]:
              "for SmartMix verification). Bundle: `" + res.bundle_path.name + "`.\n")
     if res.evaluation is not None:
         L += evaluation_lines(res.evaluation, rows)
+        L += goal_lines(rows)
     L.append("## SmartMix decisions (held-out calibration text)\n")
     L.append("| budget | cap B/token (all layers) | mix | mix held-out KL | best uniform | "
              "uniform held-out KL | shipped |")

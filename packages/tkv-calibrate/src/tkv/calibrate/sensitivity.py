@@ -30,7 +30,7 @@ from .metrics import compare_logits
 from .progress import bar
 from .runner import PrefixRunner
 
-__all__ = ["SideQuantizer", "Sensitivity", "measure_sensitivity"]
+__all__ = ["Sensitivity", "SideQuantizer", "measure_sensitivity"]
 
 SIDES = ("k", "v")
 KL_FLOOR = 1e-9

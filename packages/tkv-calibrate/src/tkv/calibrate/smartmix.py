@@ -102,11 +102,11 @@ def solve_mix(pred: dict[str, torch.Tensor], geo: ModelGeometry, cap: float,
         TkvBitsError: no allocation fits ``cap``.
     """
     n = geo.num_layers
-    opts = [(kb, vb, int(round(SlotLayout(geo.head_dim, geo.num_kv_heads, kb, vb,
-                                          PRICE_BLOCK_SIZE).bytes_per_token)))
+    opts = [(kb, vb, round(SlotLayout(geo.head_dim, geo.num_kv_heads, kb, vb,
+                                          PRICE_BLOCK_SIZE).bytes_per_token))
             for kb in widths for vb in widths]
     g = reduce(math.gcd, [c for _, _, c in opts])
-    units = int(math.floor(cap / g + 1e-9))
+    units = math.floor(cap / g + 1e-9)
     inf = float("inf")
     dp = torch.full((units + 1,), inf, dtype=torch.float64)
     dp[0] = 0.0
