@@ -17,6 +17,7 @@ from ._util import (
     check_same_device,
     check_tensor,
     dot_dtype_for,
+    interpreting,
     next_pow2,
 )
 from .loaders import Loader
@@ -227,6 +228,10 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         torch.matmul(query.float(), loader.q_in[:d, :d], out=q)
     if block_n is None:
         block_n = 64 if d <= 128 else 32
+    if getattr(loader, "lookup", None) == "pair" and block_n < 64 and not interpreting():
+        # Measured on the H200 (Triton 3.6): the pair lookup's tl.join/tl.reshape
+        # re-interleave miscompiles for tiles of fewer than 64 tokens (docs/kernels.md).
+        raise ValueError("lookup='pair' (experimental) needs block_n >= 64 on the GPU")
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     _decode_split_kernel[(ns, hkv, splits)](
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,

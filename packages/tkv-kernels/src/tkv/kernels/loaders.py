@@ -96,10 +96,11 @@ def _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
     D_PAD: tl.constexpr = offs_d.shape[0]
     page = blk.to(tl.int64) * stride_block                                  # [N] bytes
     row = page + CODES_OFF + head * stride_head + off.to(tl.int64) * stride_tok
-    if BITS == 2 or BITS == 4 or BITS == 8:
-        # widths 2, 4, 8: whole bytes per row, loaded contiguously (16-byte vectors); each
-        # byte is split with shifts and tl.join re-interleaves the pieces in code order
-        # (rank-2 joins only: byte -> 2 nibbles -> 4 crumbs for 2 bits).
+    if BITS == 8 or (MODE == 2 and BITS == 4):
+        # whole bytes per row, loaded contiguously (16-byte vectors). Widths 2 and 4 in the
+        # default gather mode take the per-element path below: on the H200 (Triton 3.6) the
+        # tl.join/tl.reshape re-interleave miscompiled for 16-token tiles feeding the P·V dot
+        # (relative error ~3 at block_n=16, exact at 64; see docs/kernels.md).
         PER: tl.constexpr = 8 // BITS
         NB: tl.constexpr = D_PAD // PER
         offs_b = tl.arange(0, NB)
