@@ -80,22 +80,24 @@ def tests(session: nox.Session) -> None:
     _pytest(session)
 
 
+def _package_session(session: nox.Session, package: str, *workspace_deps: str) -> None:
+    """One package's tests in a venv holding only its locked dependency closure."""
+    _install_locked(session, "--package", package, "--no-dev")
+    _install_locked(session, "--only-group", "test")
+    session.install("--no-deps", *(f"./packages/{p}" for p in (*workspace_deps, package)))
+    _pytest(session, f"packages/{package}/tests")
+
+
 @nox.session(python=PYTHON)
 def kernels(session: nox.Session) -> None:
     """tkv-kernels (Triton kernels under TRITON_INTERPRET=1 on CPU; GPU tests skip)."""
-    _install_locked(session, "--package", "tkv-kernels", "--no-dev")
-    _install_locked(session, "--only-group", "test")
-    session.install("--no-deps", "./packages/tkv-codec", "./packages/tkv-kernels")
-    _pytest(session, "packages/tkv-kernels/tests")
+    _package_session(session, "tkv-kernels", "tkv-codec")
 
 
 @nox.session(python=PYTHON)
 def calibrate(session: nox.Session) -> None:
     """tkv-calibrate."""
-    _install_locked(session, "--package", "tkv-calibrate", "--no-dev")
-    _install_locked(session, "--only-group", "test")
-    session.install("--no-deps", "./packages/tkv-codec", "./packages/tkv-calibrate")
-    _pytest(session, "packages/tkv-calibrate/tests")
+    _package_session(session, "tkv-calibrate", "tkv-codec")
 
 
 @nox.session(python=PYTHON)

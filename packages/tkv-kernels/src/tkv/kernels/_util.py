@@ -50,6 +50,17 @@ def check_last_dim_contiguous(x: torch.Tensor, name: str) -> None:
         raise ShapeError(f"{name} must have unit stride on its last dim, got strides {x.stride()}")
 
 
+def check_out(out: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    """Validate a caller-provided output buffer: ``shape``, fp16/bf16/fp32, unit stride on the
+    last dim, on ``device``. Raises ShapeError / DtypeError / DeviceMismatchError."""
+    check_tensor(out, "out", len(shape))
+    if tuple(out.shape) != tuple(shape):
+        raise ShapeError(f"out must be {tuple(shape)}, got {tuple(out.shape)}")
+    check_dtype(out, "out", (torch.float16, torch.bfloat16, torch.float32))
+    check_last_dim_contiguous(out, "out")
+    check_same_device(device, out=out)
+
+
 def interpreting() -> bool:
     """True under the Triton CPU interpreter (``TRITON_INTERPRET=1``)."""
     import os

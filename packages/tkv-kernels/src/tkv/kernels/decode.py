@@ -14,6 +14,7 @@ from ._util import (
     check_dtype,
     check_int_tensor,
     check_last_dim_contiguous,
+    check_out,
     check_same_device,
     check_tensor,
     dot_dtype_for,
@@ -207,12 +208,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         out_dtype = query.dtype if query.dtype != torch.float32 else torch.bfloat16
         out = torch.empty(ns, hq, d, dtype=out_dtype, device=dev)
     else:
-        check_tensor(out, "out", 3)
-        if tuple(out.shape) != (ns, hq, d):
-            raise ShapeError(f"out must be {(ns, hq, d)}, got {tuple(out.shape)}")
-        check_dtype(out, "out", (torch.float16, torch.bfloat16, torch.float32))
-        check_last_dim_contiguous(out, "out")
-        check_same_device(dev, out=out)
+        check_out(out, (ns, hq, d), dev)
     if ns == 0:
         return out
     d_pad = max(16, next_pow2(d))

@@ -15,6 +15,7 @@ from ._util import (
     check_dtype,
     check_int_tensor,
     check_last_dim_contiguous,
+    check_out,
     check_same_device,
     check_tensor,
     dot_dtype_for,
@@ -208,12 +209,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if out is None:
         out = torch.empty_like(query)
     else:
-        check_tensor(out, "out", 3)
-        if tuple(out.shape) != (tq, hq, d):
-            raise ShapeError(f"out must be {(tq, hq, d)}, got {tuple(out.shape)}")
-        check_dtype(out, "out", (torch.float16, torch.bfloat16, torch.float32))
-        check_last_dim_contiguous(out, "out")
-        check_same_device(dev, out=out)
+        check_out(out, (tq, hq, d), dev)
     if ns == 0 or tq == 0 or max_query_len == 0:
         return out
     g = hq // hkv
