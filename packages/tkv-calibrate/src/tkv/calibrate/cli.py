@@ -86,8 +86,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(a) -> int:
-    from rich.console import Console
-
     from .pipeline import JobConfig, run_job
     from .report import print_summary
 
@@ -105,7 +103,7 @@ def _run(a) -> int:
     if a.needle:
         cfg.needle = True
     res = run_job(cfg)
-    print_summary(res, Console())
+    print_summary(res)
     return 0
 
 

@@ -67,7 +67,8 @@ class ArmResult:
             "capacity_vs_bf16": round(bf16_bytes / self.bytes_per_token_head, 3),
             "ppl": round(ppl, 4), "delta_ppl_pct": round(100 * (ppl / base_ppl - 1), 3),
             "kl": self.tf.mean_kl, "top1": round(self.tf.top1_agree, 5),
-            "decode_kl": self.decode.mean_kl, "decode_top1": round(self.decode.top1_agree, 5),
+            "decode_kl": self.decode.mean_kl if self.decode.positions else None,
+            "decode_top1": round(self.decode.top1_agree, 5) if self.decode.positions else None,
             **{k: v for k, v in self.meta.items() if isinstance(v, int | float | str | list)},
         }
 

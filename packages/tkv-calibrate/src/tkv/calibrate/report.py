@@ -7,8 +7,14 @@ from pathlib import Path
 __all__ = ["print_summary", "write_report"]
 
 
-def _fmt_kl(x: float) -> str:
+def _fmt_kl(x: float | None) -> str:
+    if x is None:
+        return "n/a"
     return f"{x:.4f}" if x >= 1e-3 else f"{x:.2e}"
+
+
+def _fmt_pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
 
 
 def table_rows(ev, model_name: str, bf16_bytes: float) -> list[dict]:
@@ -43,7 +49,7 @@ def evaluation_lines(ev, rows) -> list[str]:
         L.append(f"| {r['name']} | {r['bytes_per_token_head']:.1f} | "
                  f"{r['capacity_vs_bf16']:.2f}× | {r['ppl']:.3f} | {r['delta_ppl_pct']:+.2f} % | "
                  f"{_fmt_kl(r['kl'])} | {100 * r['top1']:.1f} % | {_fmt_kl(r['decode_kl'])} | "
-                 f"{100 * r['decode_top1']:.1f} % |")
+                 f"{_fmt_pct(r['decode_top1'])} |")
     L.append("\nB/tok/head = K+V bytes per token per KV head averaged over all layers "
              "(tkv: priced by `tkv.codec.layout`, codes + bf16 norms; vLLM presets: their "
              "slot formula, boundary layers at bf16; KIVI: codes + fp16 scale/zero per group).\n")
@@ -192,7 +198,10 @@ def print_summary(res, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and pipes: do not squeeze the table to 80 columns
+            console = Console(width=160)
     rows = _rows(res)
     if rows:
         t = Table(title=f"tkv-calibrate: {res.model_name} "
@@ -204,7 +213,7 @@ def print_summary(res, console=None) -> None:
             t.add_row(r["name"], f"{r['bytes_per_token_head']:.1f}",
                       f"{r['capacity_vs_bf16']:.2f}", f"{r['ppl']:.3f}",
                       f"{r['delta_ppl_pct']:+.2f}%", _fmt_kl(r["kl"]), f"{100 * r['top1']:.1f}%",
-                      _fmt_kl(r["decode_kl"]), f"{100 * r['decode_top1']:.1f}%")
+                      _fmt_kl(r["decode_kl"]), _fmt_pct(r["decode_top1"]))
         console.print(t)
     for d in res.decisions:
         console.print(f"budget {d.budget:g}: shipped {d.chosen.source} "
