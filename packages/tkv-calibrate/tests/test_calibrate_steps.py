@@ -68,3 +68,20 @@ def test_draft_bundle_round_trips(calibration, tmp_path):
     assert calibration.layers[0].codebooks, "fitted codebooks are recorded"
     with pytest.raises(IndexError):
         b.codec(99, 4, 4)
+
+
+def test_centered_quantizer_removes_shared_offset():
+    from tkv.calibrate.centering import CenteredQuantizer
+    from tkv.calibrate.quantizers import TkvQuantizer
+    from tkv.codec import TurboKVCodec
+
+    g = torch.Generator().manual_seed(0)
+    mu = 5 * torch.randn(2, 32, generator=g)
+    k = torch.randn(1, 2, 50, 32, generator=g) + mu[None, :, None, :]
+    v = torch.randn(1, 2, 50, 32, generator=g)
+    inner = TkvQuantizer(TurboKVCodec(32, 3, check_finite=False))
+    plain_k, _ = inner.roundtrip(k, v)
+    cent_k, cent_v = CenteredQuantizer(inner, mu, None).roundtrip(k, v)
+    err = lambda a: float(((a - k) ** 2).mean())
+    assert err(cent_k) < 0.2 * err(plain_k)
+    torch.testing.assert_close(cent_v, inner.roundtrip(k, v)[1])
