@@ -13,9 +13,22 @@ Public API::
     cache = TkvCache.from_bundle(CalibrationBundle.load(res.bundle_path), 4.0, prefill="bypass")
 """
 
-from .cache import QuantizedKVCache, TkvCache
-from .errors import CalibrateError, ModelNotFoundError, TextTooShortError, UnsupportedModelError
-from .pipeline import JobConfig, JobResult, run_job
+import importlib
+
+# Lazy (PEP 562): `tkv-calibrate --help` and argument errors must not wait for torch and
+# transformers to import (tens of seconds on a busy 2-core machine).
+_LAZY = {
+    "QuantizedKVCache": "cache", "TkvCache": "cache",
+    "CalibrateError": "errors", "ModelNotFoundError": "errors", "TextTooShortError": "errors",
+    "UnsupportedModelError": "errors",
+    "JobConfig": "pipeline", "JobResult": "pipeline", "run_job": "pipeline",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __version__ = "0.1.0"
 

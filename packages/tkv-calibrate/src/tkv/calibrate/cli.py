@@ -15,18 +15,42 @@ Errors a user can fix (missing model, unsupported model, text too short, budget 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
 
 def _budgets(s: str) -> tuple[float, ...]:
-    from .smartmix import check_budget
+    # Torch-free on purpose (argument errors answer at once); the same [2.0, 8.0] rule as
+    # tkv.calibrate.smartmix.check_budget, which the job applies again.
+    out = []
+    for x in (t.strip() for t in s.split(",")):
+        if not x:
+            continue
+        try:
+            v = float(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"budget must be a number in [2.0, 8.0], got {x!r}") from None
+        if not (math.isfinite(v) and 2.0 <= v <= 8.0):
+            raise argparse.ArgumentTypeError(f"budget {x!r} is outside [2.0, 8.0] bits per element")
+        out.append(v)
+    return tuple(out)
 
-    try:
-        return tuple(check_budget(x) for x in s.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+
+def _missing_input(a: argparse.Namespace) -> str | None:
+    """First input path named on the command line that does not exist (checked before any
+    model is loaded), as a one-line message; None when all exist."""
+    for attr, what in (("model", "model path"), ("calib_text", "text file"),
+                       ("eval_text", "text file"), ("bundle", "calibration bundle"),
+                       ("haystack", "haystack folder")):
+        v = getattr(a, attr, None)
+        if v and not Path(v).expanduser().exists():
+            extra = (" (expected a local Hugging Face model folder or a .gguf file)"
+                     if attr == "model" else "")
+            return f"{what} not found: {v}{extra}"
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -162,12 +186,16 @@ def _needle(a) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 user error)."""
-    from tkv.codec.errors import TkvError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("run", "evaluate", "needle", "-h", "--help"):
         argv = ["run", *argv]
     a = _parser().parse_args(argv)
+    missing = _missing_input(a)
+    if missing:
+        print(f"tkv-calibrate: error: {missing}", file=sys.stderr)
+        return 2
+    from tkv.codec.errors import TkvError  # imports torch: only once the arguments are valid
+
     try:
         return {"run": _run, "evaluate": _evaluate, "needle": _needle}[a.cmd](a)
     except (TkvError, FileNotFoundError) as e:
