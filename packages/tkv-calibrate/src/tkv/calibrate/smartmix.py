@@ -22,6 +22,7 @@ from functools import reduce
 import torch
 
 from tkv.codec import LayerAllocation, ModelGeometry, ModelLayout, SlotLayout
+from tkv.codec.bundle import normalize_tkv_bits
 from tkv.codec.errors import TkvBitsError
 
 from .quantizers import PRICE_BLOCK_SIZE
@@ -41,14 +42,9 @@ WIDTHS = tuple(range(2, 9))
 
 
 def check_budget(b: float) -> float:
-    """A budget in bits per element; raises TkvBitsError outside [2.0, 8.0]."""
-    try:
-        v = float(b)
-    except (TypeError, ValueError):
-        raise TkvBitsError(f"budget must be a number in [2.0, 8.0], got {b!r}") from None
-    if not math.isfinite(v) or not 2.0 <= v <= 8.0:
-        raise TkvBitsError(f"budget {b!r} is outside [2.0, 8.0] bits per element")
-    return v
+    """A budget in bits per element; raises TkvBitsError outside [2.0, 8.0] (the TKV_BITS rule
+    of :func:`tkv.codec.bundle.normalize_tkv_bits`)."""
+    return float(normalize_tkv_bits(b))
 
 
 def _uniform_bytes(geo: ModelGeometry, kb: int, vb: int) -> float:
