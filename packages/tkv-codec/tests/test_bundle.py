@@ -23,11 +23,12 @@ from tkv.codec import (
 def make_bundle(num_layers=3, heads=2, d=64) -> CalibrationBundle:
     g = torch.Generator().manual_seed(0)
     layers = []
-    for _i in range(num_layers):
+    for i in range(num_layers):
         cbs = {"k_bits_3": fit_codebook(torch.randn(20000, generator=g) * 1.1, 3, generator=g),
                "v_bits_4": fit_codebook(torch.randn(20000, generator=g), 4, generator=g)}
+        offset = tuple(torch.randn(d, generator=g).tolist()) if i == 0 else None
         layers.append(LayerCalibration(
-            tuple((torch.rand(d, generator=g) + 0.5).tolist()), None, cbs))
+            tuple((torch.rand(d, generator=g) + 0.5).tolist()), None, cbs, offset))
     table = {"4.0": LayerAllocation.uniform(num_layers, 4, 4),
              "3.5": LayerAllocation((3,) * num_layers, (4,) * num_layers, "smartmix")}
     geo = ModelGeometry(num_layers, heads, d, model="tiny")
@@ -46,6 +47,8 @@ def test_round_trip(tmp_path):
     c = b2.codec(1, 3, 4)
     assert torch.equal(c.k.centroids, b.layers[1].codebooks["k_bits_3"].centroids)
     assert c.seed == 5 and c.k.channel_scales is not None and c.v.channel_scales is None
+    assert c.k.channel_offset is None
+    assert torch.allclose(b2.codec(0, 3, 4).k.channel_offset, torch.tensor(b.layers[0].k_channel_offset))
     codecs = b2.codecs("3.5")
     assert [x.k_bits for x in codecs] == [3, 3, 3]
 
@@ -78,6 +81,7 @@ def test_geometry_mismatch_refused_by_name():
     (lambda d: d["layers"][0]["codebooks"]["k_bits_3"]["centroids"].pop(), "centroids"),
     (lambda d: d["layers"][0].update(k_channel_scales=[-1.0] * 64), "k_channel_scales"),
     (lambda d: d["layers"][0]["codebooks"].update(q_bits_3={}), "q_bits_3"),
+    (lambda d: d["layers"][0].update(k_channel_offset=[0.0] * 3), "k_channel_offset"),
 ])
 def test_malformed_bundles_refused(tmp_path, mutate, match):
     d = make_bundle().to_dict()

@@ -200,3 +200,27 @@ def test_round_trip_property(d, kb, vb, n, seed):
         assert torch.equal(side.compress(x)[0], packed)
         rel = ((rec - x) ** 2).sum() / (x**2).sum()
         assert float(rel) < 0.2
+
+
+def test_key_centering_is_exact_for_attention_and_cuts_error():
+    """k_channel_offset μ: scores in rotated space differ from ⟨q, k̂⟩ by the per-query constant
+    ⟨q, μ⟩ (softmax-invariant); decompress_k adds μ back; a shared key mean costs fewer bits."""
+    g = torch.Generator().manual_seed(3)
+    d = 64
+    mu = torch.randn(d, generator=g) * 4
+    k = torch.randn(500, d, generator=g) + mu
+    q = torch.randn(7, d, generator=g, dtype=torch.float64)
+    plain = TurboKVCodec(d, 3, seed=1)
+    centered = TurboKVCodec(d, 3, seed=1, k_channel_offset=mu)
+    pk, nk = centered.compress_k(k)
+    k_hat = centered.decompress_k(pk, nk, torch.float64)
+    rot = centered.rotate_query(q) @ centered.decompress_k_rotated(pk, nk, torch.float64).T
+    assert torch.allclose(rot + (q @ mu.double())[:, None], q @ k_hat.T, atol=1e-9)
+    assert torch.allclose(torch.softmax(rot, -1), torch.softmax(q @ k_hat.T, -1), atol=1e-12)
+    err_c = ((k_hat.float() - k) ** 2).sum()
+    err_p = ((plain.decompress_k(*plain.compress_k(k)) - k) ** 2).sum()
+    assert err_c < err_p / 3
+    with pytest.raises(ShapeError):
+        TurboKVCodec(d, 3, k_channel_offset=torch.zeros(d + 1))
+    with pytest.raises(NonFiniteError):
+        TurboKVCodec(d, 3, k_channel_offset=torch.full((d,), float("nan")))

@@ -12,6 +12,7 @@ Format (``schema_version`` 1)::
       "layers": [                                 # one entry per layer, in order
         {"k_channel_scales": [...head_dim floats > 0] | null,
          "v_channel_scales": [...] | null,
+         "k_channel_offset": [...head_dim floats] | null,   # optional key mean (centering)
          "codebooks": {"k_bits_4": {"centroids": [16 floats], "boundaries": [15 floats]},
                        "v_bits_3": {...}, ...}}   # any subset of k_bits_2..8 / v_bits_2..8
       ],
@@ -175,22 +176,28 @@ class LayerCalibration:
     Attributes:
         k_channel_scales, v_channel_scales: float ``(head_dim,)`` lists of positive prescales, or None.
         codebooks: fitted codebooks keyed ``"k_bits_N"`` / ``"v_bits_N"`` (standardized units).
+        k_channel_offset: float ``(head_dim,)`` key mean subtracted before compression, or None
+            (see ``TurboKVCodec``'s ``k_channel_offset``; optional, absent in older bundles).
     """
 
     k_channel_scales: tuple[float, ...] | None = None
     v_channel_scales: tuple[float, ...] | None = None
     codebooks: Mapping[str, Codebook] = field(default_factory=dict)
+    k_channel_offset: tuple[float, ...] | None = None
 
     def codebook(self, side: str, bits: int) -> Codebook | None:
         """The fitted codebook of ``side`` ("k"/"v") at ``bits``, or None (→ Gaussian default)."""
         return self.codebooks.get(f"{side}_bits_{bits}")
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "k_channel_scales": None if self.k_channel_scales is None else list(self.k_channel_scales),
             "v_channel_scales": None if self.v_channel_scales is None else list(self.v_channel_scales),
             "codebooks": {k: cb.to_dict() for k, cb in sorted(self.codebooks.items())},
         }
+        if self.k_channel_offset is not None:
+            d["k_channel_offset"] = list(self.k_channel_offset)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping, head_dim: int, path: str) -> LayerCalibration:
@@ -219,7 +226,9 @@ class LayerCalibration:
             if max(abs(a - b) for a, b in zip(book.boundaries.tolist(), bounds, strict=True)) > 1e-5:
                 raise _fail(f"{p}.boundaries", "boundaries are not the midpoints of the centroids")
             cbs[key] = book
-        return cls(scales["k"], scales["v"], cbs)
+        off = d.get("k_channel_offset") if isinstance(d, Mapping) else None
+        offset = None if off is None else tuple(_floats(off, f"{path}.k_channel_offset", head_dim))
+        return cls(scales["k"], scales["v"], cbs, offset)
 
 
 @dataclass(frozen=True)
@@ -415,7 +424,7 @@ class CalibrationBundle:
             self.geometry.head_dim, k_bits=k_bits, v_bits=v_bits, device=device, seed=self.seed,
             k_channel_scales=cal.k_channel_scales, v_channel_scales=cal.v_channel_scales,
             k_codebook=cal.codebook("k", k_bits), v_codebook=cal.codebook("v", v_bits),
-            **kwargs)
+            k_channel_offset=cal.k_channel_offset, **kwargs)
 
     def codecs(self, tkv_bits: str | float, device="cpu", **kwargs) -> list:
         """One codec per layer for the ``tkv_bits`` row."""

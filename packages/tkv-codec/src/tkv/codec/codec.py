@@ -32,7 +32,12 @@ from .errors import CodebookError, DtypeError, ShapeError
 from .layout import SlotLayout
 from .packing import check_bits, pack_codes, packed_bytes, unpack_codes
 from .rotation import HadamardRotation
-from .validation import check_channel_scales, check_device, check_vectors
+from .validation import (
+    check_channel_offset,
+    check_channel_scales,
+    check_device,
+    check_vectors,
+)
 
 __all__ = ["SideCodec", "TurboKVCodec"]
 
@@ -59,7 +64,8 @@ class SideCodec:
 
     def __init__(self, name: str, head_dim: int, bits: int, rotation: HadamardRotation,
                  codebook: Codebook, channel_scales: torch.Tensor | None,
-                 norm_correction: bool, device: torch.device, check_finite: bool):
+                 norm_correction: bool, device: torch.device, check_finite: bool,
+                 channel_offset: torch.Tensor | None = None):
         self.name = name
         self.head_dim = head_dim
         self.bits = bits
@@ -74,6 +80,7 @@ class SideCodec:
         self._scaled_centroids = (codebook.centroids.double() / math.sqrt(head_dim)).float().to(device)
         self._scaled_sq = self._scaled_centroids.square()
         self.channel_scales = None if channel_scales is None else channel_scales.to(device)
+        self.channel_offset = None if channel_offset is None else channel_offset.to(device)
         # Byte-indexed dequant table for widths whose codes never straddle a byte (2, 4, 8):
         # row j holds the 8/bits standardized-and-scaled values that byte j encodes, so
         # decompression is one table lookup per byte, no unpacking.
@@ -116,6 +123,8 @@ class SideCodec:
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unpacked codes int64 ``(..., head_dim)`` and bf16 norms ``(...)``, no validation."""
         xf = x.float() if x.dtype != torch.float64 else x
+        if self.channel_offset is not None:
+            xf = xf - self.channel_offset.to(xf.dtype)
         if self.channel_scales is not None:
             xf = xf / self.channel_scales.to(xf.dtype)
         y = self.rotation.forward(xf)
@@ -167,11 +176,13 @@ class SideCodec:
 
     def decompress(self, packed: torch.Tensor, norms: torch.Tensor,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Original-space reconstruction ``x̂ = s ⊙ Rᵀ ŷ``: ``(..., head_dim)`` ``dtype``."""
+        """Original-space reconstruction ``x̂ = s ⊙ Rᵀ ŷ + μ``: ``(..., head_dim)`` ``dtype``."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
         x = self.rotation.inverse(self.decompress_rotated(packed, norms, work))
         if self.channel_scales is not None:
             x = x * self.channel_scales.to(work)
+        if self.channel_offset is not None:
+            x = x + self.channel_offset.to(work)
         return x.to(dtype)
 
 
@@ -193,6 +204,11 @@ class TurboKVCodec:
             conditional-mean reconstruction is already the unbiased, MSE-optimal estimate of
             ``Σ p_j v_j``; rescaling would amplify the error instead.
         k_channel_scales, v_channel_scales: positive float ``(head_dim,)`` prescales or None.
+        k_channel_offset: float ``(head_dim,)`` key mean μ subtracted before compression (None:
+            no centering). Exact for attention: a score ``⟨q, k⟩ = ⟨q, k − μ⟩ + ⟨q, μ⟩`` only
+            gains a per-query constant, which softmax ignores, so kernels attend over the
+            centered keys (``decompress_k_rotated``) unchanged while ``decompress_k`` adds μ
+            back. Removing the shared mean shrinks what the quantizer has to spend bits on.
         k_codebook, v_codebook: a :class:`Codebook` (or ``2**bits`` centroids) of the side's
             width, ``"gaussian"`` (default) or ``"beta"`` (exact sphere marginal for head_dim).
         check_finite: reject NaN/Inf inputs with NonFiniteError (a device sync; turn off in
@@ -212,7 +228,8 @@ class TurboKVCodec:
     def __init__(self, head_dim: int, bit_width: int = 4, *, k_bits: int | None = None,
                  v_bits: int | None = None, device: torch.device | str = "cpu", seed: int = 0,
                  k_norm_correction: bool = True, k_channel_scales=None, v_channel_scales=None,
-                 k_codebook=None, v_codebook=None, check_finite: bool = True):
+                 k_codebook=None, v_codebook=None, check_finite: bool = True,
+                 k_channel_offset=None):
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
             raise ShapeError(f"head_dim must be a positive int, got {head_dim!r}")
         check_bits(bit_width, "bit_width")
@@ -224,9 +241,10 @@ class TurboKVCodec:
         self.rotation = HadamardRotation(head_dim, seed, self.device)
         ks = check_channel_scales(k_channel_scales, head_dim, "k_channel_scales")
         vs = check_channel_scales(v_channel_scales, head_dim, "v_channel_scales")
+        km = check_channel_offset(k_channel_offset, head_dim, "k_channel_offset")
         self.k = SideCodec("K", head_dim, self.k_bits, self.rotation,
                            _as_codebook(k_codebook, self.k_bits, head_dim, "k_codebook"), ks,
-                           k_norm_correction, self.device, check_finite)
+                           k_norm_correction, self.device, check_finite, channel_offset=km)
         self.v = SideCodec("V", head_dim, self.v_bits, self.rotation,
                            _as_codebook(v_codebook, self.v_bits, head_dim, "v_codebook"), vs,
                            False, self.device, check_finite)
@@ -268,8 +286,8 @@ class TurboKVCodec:
 
     def decompress_k_rotated(self, packed: torch.Tensor, norms: torch.Tensor,
                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Keys in rotated, prescaled space ``R (k / s_k)``, ``(..., head_dim)``; pair with
-        :meth:`rotate_query`."""
+        """Keys in rotated, prescaled (and centered, if ``k_channel_offset``) space
+        ``R ((k − μ) / s_k)``, ``(..., head_dim)``; pair with :meth:`rotate_query`."""
         return self.k.decompress_rotated(packed, norms, dtype)
 
     def decompress_v_rotated(self, packed: torch.Tensor, norms: torch.Tensor,

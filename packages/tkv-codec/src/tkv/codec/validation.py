@@ -7,7 +7,13 @@ import torch
 
 from .errors import DeviceMismatchError, DtypeError, NonFiniteError, ShapeError
 
-__all__ = ["FLOAT_DTYPES", "check_channel_scales", "check_device", "check_vectors"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "check_channel_offset",
+    "check_channel_scales",
+    "check_device",
+    "check_vectors",
+]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -58,4 +64,20 @@ def check_channel_scales(s, head_dim: int, name: str) -> torch.Tensor | None:
         raise NonFiniteError(f"{name} must be finite")
     if not bool((t > 0).all()):
         raise ValueError(f"{name} must be strictly positive")
+    return t
+
+
+def check_channel_offset(m, head_dim: int, name: str) -> torch.Tensor | None:
+    """Return a per-channel offset as a float32 CPU tensor ``(head_dim,)``, or None.
+
+    Raises:
+        ShapeError: not ``(head_dim,)``. NonFiniteError: NaN/Inf.
+    """
+    if m is None:
+        return None
+    t = torch.as_tensor(m).detach().to("cpu", torch.float32)
+    if t.shape != (head_dim,):
+        raise ShapeError(f"{name} must have shape ({head_dim},), got {tuple(t.shape)}")
+    if not bool(torch.isfinite(t).all()):
+        raise NonFiniteError(f"{name} must be finite")
     return t
