@@ -49,6 +49,15 @@ def check_vectors(x: torch.Tensor, head_dim: int, device: torch.device, name: st
         raise NonFiniteError(f"{name} holds {bad} NaN/Inf value(s); K/V must be finite")
 
 
+def _channel_vector(v, head_dim: int, name: str) -> torch.Tensor:
+    t = torch.as_tensor(v).detach().to("cpu", torch.float32)
+    if t.shape != (head_dim,):
+        raise ShapeError(f"{name} must have shape ({head_dim},), got {tuple(t.shape)}")
+    if not bool(torch.isfinite(t).all()):
+        raise NonFiniteError(f"{name} must be finite")
+    return t
+
+
 def check_channel_scales(s, head_dim: int, name: str) -> torch.Tensor | None:
     """Return per-channel scales as a float32 CPU tensor ``(head_dim,)``, or None.
 
@@ -57,11 +66,7 @@ def check_channel_scales(s, head_dim: int, name: str) -> torch.Tensor | None:
     """
     if s is None:
         return None
-    t = torch.as_tensor(s).detach().to("cpu", torch.float32)
-    if t.shape != (head_dim,):
-        raise ShapeError(f"{name} must have shape ({head_dim},), got {tuple(t.shape)}")
-    if not bool(torch.isfinite(t).all()):
-        raise NonFiniteError(f"{name} must be finite")
+    t = _channel_vector(s, head_dim, name)
     if not bool((t > 0).all()):
         raise ValueError(f"{name} must be strictly positive")
     return t
@@ -73,11 +78,4 @@ def check_channel_offset(m, head_dim: int, name: str) -> torch.Tensor | None:
     Raises:
         ShapeError: not ``(head_dim,)``. NonFiniteError: NaN/Inf.
     """
-    if m is None:
-        return None
-    t = torch.as_tensor(m).detach().to("cpu", torch.float32)
-    if t.shape != (head_dim,):
-        raise ShapeError(f"{name} must have shape ({head_dim},), got {tuple(t.shape)}")
-    if not bool(torch.isfinite(t).all()):
-        raise NonFiniteError(f"{name} must be finite")
-    return t
+    return None if m is None else _channel_vector(m, head_dim, name)
