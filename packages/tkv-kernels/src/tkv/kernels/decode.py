@@ -18,8 +18,8 @@ from ._util import (
     check_same_device,
     check_tensor,
     dot_dtype_for,
-    interpreting,
     next_pow2,
+    tile_tokens,
 )
 from .loaders import Loader
 from .workspace import Workspace
@@ -222,12 +222,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     if loader.rotated and not query_rotated:
         q = workspace.rotated_queries(ns, hq, d)
         torch.matmul(query.float(), loader.q_in[:d, :d], out=q)
-    if block_n is None:
-        block_n = 64 if d <= 128 else 32
-    if getattr(loader, "lookup", None) == "pair" and block_n < 64 and not interpreting():
-        # Measured on the H200 (Triton 3.6): the pair lookup's tl.join/tl.reshape
-        # re-interleave miscompiles for tiles of fewer than 64 tokens (docs/kernels.md).
-        raise ValueError("lookup='pair' (experimental) needs block_n >= 64 on the GPU")
+    block_n = tile_tokens(block_n, d, loader.min_block_n)
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     _decode_split_kernel[(ns, hkv, splits)](
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,

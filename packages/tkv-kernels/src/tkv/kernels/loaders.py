@@ -42,7 +42,7 @@ from tkv.codec import TurboKVCodec
 from tkv.codec.errors import DtypeError, ShapeError, UnsupportedFeatureError
 from tkv.codec.layout import SlotLayout
 
-from ._util import check_dtype, check_last_dim_contiguous, check_tensor, next_pow2
+from ._util import check_dtype, check_last_dim_contiguous, check_tensor, interpreting, next_pow2
 
 __all__ = ["BypassLoader", "Fp8Loader", "Loader", "SideArgs", "TkvLoader"]
 
@@ -59,6 +59,8 @@ class Loader(Protocol):
         rotated: True when cached K/V live in a rotated space, so queries must be rotated
             (:meth:`rotate_query_matrix`) and outputs unrotated (:meth:`unrotate_matrix`).
         head_dim, num_kv_heads, block_size: geometry (elements, heads, tokens per block).
+        min_block_n: smallest tile (tokens) the tile function is correct for on this backend;
+            decode and prefill raise their default tile to it and refuse an explicit smaller one.
     """
 
     name: str
@@ -66,6 +68,7 @@ class Loader(Protocol):
     head_dim: int
     num_kv_heads: int
     block_size: int
+    min_block_n: int
 
     @property
     def tile(self): ...
@@ -271,6 +274,12 @@ class TkvLoader:
         self.v_norm_correction = bool(codec.v.norm_correction)
 
     @property
+    def min_block_n(self) -> int:
+        """64 for the experimental pair lookup on the GPU: its tl.join/tl.reshape re-interleave
+        miscompiled for smaller tiles on the H200 (Triton 3.6, docs/kernels.md); else 16."""
+        return 64 if self.lookup == "pair" and not interpreting() else 16
+
+    @property
     def tile(self):
         """``tkv_tile`` (gather lookup) unless ``lookup`` is "select" or "pair"."""
         return {"select": tkv_tile_select, "pair": tkv_tile_pair}.get(self.lookup, tkv_tile)
@@ -356,6 +365,8 @@ class BypassLoader:
             num_kv_heads, head_dim, block_size, dtype)
         self.d_pad = max(16, next_pow2(head_dim))
 
+    min_block_n = 16
+
     @property
     def tile(self):
         return bypass_tile
@@ -419,6 +430,8 @@ class Fp8Loader:
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.k_scale, self.v_scale = k_scale.reshape(1), v_scale.reshape(1)
         self.d_pad = max(16, next_pow2(head_dim))
+
+    min_block_n = 16
 
     @property
     def tile(self):

@@ -20,6 +20,7 @@ from ._util import (
     check_tensor,
     dot_dtype_for,
     next_pow2,
+    tile_tokens,
 )
 from .loaders import Loader
 
@@ -221,8 +222,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     block_m = block_mt * g_pad
     if block_m < 16:
         block_mt = 16 // g_pad
-    if block_n is None:
-        block_n = 64 if d <= 128 else 32
+    block_n = tile_tokens(block_n, d, loader.min_block_n)
     if num_warps is None:
         num_warps = 8 if block_mt * g_pad >= 128 else 4
     if num_stages is None:
