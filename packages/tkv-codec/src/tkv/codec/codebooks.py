@@ -184,7 +184,6 @@ def beta_codebook(head_dim: int, bits: int, grid: int = 1 << 18, iters: int = 30
 def _lloyd_weighted(x: torch.Tensor, w: torch.Tensor, bits: int, iters: int,
                     init: torch.Tensor, tol: float = 1e-12) -> Codebook:
     """Lloyd iterations on sorted support points ``x`` with weights ``w`` (float64)."""
-    n = 1 << bits
     cw = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(w, 0)])
     cwx = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(w * x, 0)])
     c = init.clone()
@@ -200,7 +199,7 @@ def _lloyd_weighted(x: torch.Tensor, w: torch.Tensor, bits: int, iters: int,
         c = new
         if delta < tol:
             break
-    return Codebook(c, bits) if c.numel() == n else Codebook.from_centroids(c)
+    return Codebook(c, bits)
 
 
 def fit_codebook(samples: torch.Tensor, bits: int, iters: int = 200,

@@ -77,6 +77,8 @@ class SideCodec:
         self.packed_bytes = packed_bytes(head_dim, bits)
         self.centroids = codebook.centroids.to(device)
         self.boundaries = codebook.boundaries.to(device)
+        # Host copy for the compare-count quantizer: no device sync per compress call.
+        self._boundary_list = codebook.boundaries.tolist()
         self._scaled_centroids = (codebook.centroids.double() / math.sqrt(head_dim)).float().to(device)
         self._scaled_sq = self._scaled_centroids.square()
         self.channel_scales = None if channel_scales is None else channel_scales.to(device)
@@ -105,7 +107,7 @@ class SideCodec:
         zb = z.to(self.boundaries.dtype)
         if self.bits <= 4:
             acc = torch.zeros(zb.shape, dtype=torch.uint8, device=zb.device)
-            for b in self.boundaries.tolist():
+            for b in self._boundary_list:
                 acc += zb > b
             return acc.long()
         return torch.bucketize(zb, self.boundaries)
