@@ -398,16 +398,20 @@ def _write(files: dict[Path, str]) -> list[Path]:
     return list(todo)
 
 
+def _run_series(root: Path | None, series: list[PatchFile] | None, reverse: bool) -> list[Path]:
+    root = find_vllm_root() if root is None else Path(root)
+    check_vllm_version(tree_version(root))
+    series = load_series() if series is None else series
+    return _write(_transform(root, series, reverse=reverse))
+
+
 def apply(root: Path | None = None, series: list[PatchFile] | None = None) -> list[Path]:
     """Apply the series (idempotent). Returns the files changed (empty if already applied).
 
     Raises:
         VllmNotFoundError, VllmVersionError (installed vLLM), PatchConflictError.
     """
-    root = find_vllm_root() if root is None else Path(root)
-    check_vllm_version(tree_version(root))
-    series = load_series() if series is None else series
-    return _write(_transform(root, series, reverse=False))
+    return _run_series(root, series, reverse=False)
 
 
 def revert(root: Path | None = None, series: list[PatchFile] | None = None) -> list[Path]:
@@ -416,7 +420,4 @@ def revert(root: Path | None = None, series: list[PatchFile] | None = None) -> l
     Raises:
         VllmNotFoundError, VllmVersionError (installed vLLM), PatchConflictError.
     """
-    root = find_vllm_root() if root is None else Path(root)
-    check_vllm_version(tree_version(root))
-    series = load_series() if series is None else series
-    return _write(_transform(root, series, reverse=True))
+    return _run_series(root, series, reverse=True)
