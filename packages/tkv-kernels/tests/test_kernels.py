@@ -413,11 +413,3 @@ def test_check_metadata_names_the_bad_entry():
     check_metadata(8, 16, slot_mapping=torch.tensor([-1, 0, 127]))
     with pytest.raises(MetadataError, match="slot_mapping"):
         check_metadata(8, 16, slot_mapping=torch.tensor([-1, 128]))
-
-
-def test_key_centering_refused_until_compress_store_supports_it():
-    from tkv.codec.errors import UnsupportedFeatureError
-
-    codec = TurboKVCodec(64, 4, k_channel_offset=torch.randn(64))
-    with pytest.raises(UnsupportedFeatureError, match="k_channel_offset"):
-        TkvLoader(codec, 2, 16)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from tkv.codec import TurboKVCodec
-from tkv.codec.errors import DtypeError, ShapeError, UnsupportedFeatureError
+from tkv.codec.errors import DtypeError, ShapeError
 from tkv.codec.layout import SlotLayout
 
 from ._util import check_dtype, check_last_dim_contiguous, check_tensor, interpreting, next_pow2
@@ -227,12 +227,6 @@ class TkvLoader:
         self.lookup = lookup
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")
-        if codec.k.channel_offset is not None:
-            # Decode would need nothing (centering only shifts each score row by a constant),
-            # but compress_store does not subtract the key mean yet: refuse, never mis-store.
-            raise UnsupportedFeatureError(
-                "k_channel_offset (key centering) is not supported by tkv.kernels yet; use a "
-                "bundle/codec without it")
         self.codec = codec
         self.layout: SlotLayout = codec.layout(num_kv_heads, block_size)
         self.head_dim = codec.head_dim

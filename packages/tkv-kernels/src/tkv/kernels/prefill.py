@@ -230,6 +230,12 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     rotated = bool(loader.rotated)
     dot_dtype = _TL[dot_dtype_for(query.dtype)]
     final = None
+    mu = getattr(getattr(loader, "codec", None), "k", None)
+    mu = None if mu is None else mu.channel_offset
+    if mu is not None:
+        # key centering: the prefix is cached as k − μ, so center the chunk's keys too; then
+        # every score of a query row drops by the same q·μ, which softmax ignores (float32)
+        key = key.float() - mu.to(dev, torch.float32)
     if rotated and not fuse_rotation:
         # everything in the cache's rotated space: <R(q*s_k), R(k/s_k)> = <q, k>, and
         # sum_j p_j R(v_j/s_v) unrotates to sum_j p_j v_j (TurboQuant Alg. 1 DeQuant, linear)

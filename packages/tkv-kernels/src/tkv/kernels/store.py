@@ -74,8 +74,8 @@ def _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM: tl.con
 
 
 @triton.jit
-def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, blk, off,
-                page_bytes, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
+def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, MU, blk, off,
+                page_bytes, HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
                 CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr, CODE_BYTES: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, NORM_CORR: tl.constexpr, GROUP: tl.constexpr,
                 GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_STRIDE: tl.constexpr,
@@ -84,6 +84,9 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, b
     dmask = offs_d < HEAD_DIM
     x = tl.load(X + tok.to(tl.int64)[:, None] * sx_t + head * sx_h + offs_d[None, :],
                 mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    if HAS_MU:  # key centering: x - mu (float32, shared by all KV heads), before R and s
+        mu = tl.load(MU + offs_d, mask=dmask, other=0.0)
+        x = tl.where(valid[:, None] & dmask[None, :], x - mu[None, :], 0.0)
     page = blk * page_bytes
     row = page + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
     sqrt_d = tl.full([BLOCK_T], math.sqrt(HEAD_DIM), tl.float32)
@@ -120,8 +123,8 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, b
 @triton.jit
 def _compress_store_kernel(
         K, skt, skh, V, svt, svh, slots, num_tokens, num_slots, cache, aux,
-        Ak, Av, kbounds, vbounds, ktable, vtable, page_bytes,
-        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        Ak, Av, kbounds, vbounds, ktable, vtable, kmu, page_bytes,
+        K_HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         K_BITS: tl.constexpr, K_CODES_OFF: tl.constexpr, K_NORMS_OFF: tl.constexpr,
         K_CODE_BYTES: tl.constexpr, K_NORM_CORR: tl.constexpr, K_GROUP: tl.constexpr,
         K_GROUP_BYTES: tl.constexpr,
@@ -139,12 +142,12 @@ def _compress_store_kernel(
     slot = tl.where(valid, slot, 0)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
-    _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kbounds, ktable, blk, off,
-                page_bytes, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES,
+    _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kbounds, ktable, kmu, blk, off,
+                page_bytes, K_HAS_MU, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES,
                 BLOCK_SIZE, K_NORM_CORR, K_GROUP, K_GROUP_BYTES, BLOCK_T, K_HEAD_STRIDE,
                 K_TOK_STRIDE, NORM_HEAD_STRIDE)
-    _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, vbounds, vtable, blk, off,
-                page_bytes, HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES,
+    _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, vbounds, vtable, kmu, blk, off,
+                page_bytes, False, HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES,
                 BLOCK_SIZE, V_NORM_CORR, V_GROUP, V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE,
                 V_TOK_STRIDE, NORM_HEAD_STRIDE)
 
@@ -159,7 +162,8 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                    block_t: int = 16, num_warps: int = 4) -> None:
     """Compress new tokens' K and V and scatter them into their slots, in one launch.
 
-    Per token and KV head: ``y = R (x / s)`` (prescale + randomized WHT), ``n = ‖y‖``,
+    Per token and KV head: ``y = R ((x − μ) / s)`` (key centering when the codec has a
+    ``k_channel_offset`` μ, keys only; prescale; randomized WHT), ``n = ‖y‖``,
     codes = Lloyd-Max bucket of ``sqrt(d) · y / n`` (binary search over the boundaries),
     K norm stored as ``n / ‖c[code]/sqrt(d)‖`` when the codec's norm correction is on,
     codes packed LSB-first — bit-for-bit the codec's ``compress_k`` / ``compress_v`` up to
@@ -201,6 +205,9 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     if n == 0:
         return
     st = lay.strides()
+    mu = loader.codec.k.channel_offset  # float32 (head_dim,) on the codec's device, or None
+    if mu is not None:
+        mu = mu.to(cache.device, torch.float32).contiguous()
     kg, kgb = _group(lay.k_bits)
     vg, vgb = _group(lay.v_bits)
     grid = (triton.cdiv(n, block_t), lay.num_kv_heads)
@@ -208,8 +215,8 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
         slot_mapping, n, num_blocks * lay.block_size, cache, cache.view(torch.bfloat16),
         loader.k_in, loader.v_in, loader.k_bounds, loader.v_bounds, loader.k_table,
-        loader.v_table, lay.page_bytes,
-        HEAD_DIM=lay.head_dim, D_PAD=loader.d_pad, BLOCK_SIZE=lay.block_size,
+        loader.v_table, loader.k_table if mu is None else mu, lay.page_bytes,
+        K_HAS_MU=mu is not None, HEAD_DIM=lay.head_dim, D_PAD=loader.d_pad, BLOCK_SIZE=lay.block_size,
         K_BITS=lay.k_bits, K_CODES_OFF=lay.k_codes_offset, K_NORMS_OFF=lay.k_norms_offset,
         K_CODE_BYTES=lay.k_code_bytes, K_NORM_CORR=loader.k_norm_correction, K_GROUP=kg,
         K_GROUP_BYTES=kgb,

@@ -1,0 +1,165 @@
+"""Key centering (the codec's ``k_channel_offset`` μ) through the kernels.
+
+compress_store stores ``k − μ``; decode needs nothing (every score of a row drops by the same
+``q·μ``); prefill centers the uncompressed chunk keys too, so a query row that sees compressed
+prefix keys and raw chunk keys still gets one uniform shift. Everything is checked against the
+float64 oracle (which adds μ back, i.e. attends over the model-space keys) on fresh random
+inputs whose keys carry a large shared mean, so a non-uniform shift would show at once."""
+
+import itertools
+
+import pytest
+import torch
+
+from tkv.codec import TurboKVCodec
+from tkv.codec.packing import unpack_codes
+from tkv.kernels import TkvLoader, Workspace, compress_store, decode, prefill
+from tkv.kernels._util import interpreting
+from tkv.kernels.reference import (
+    attention_reference,
+    decode_reference,
+    gather_kv,
+    prefill_reference,
+)
+from tkv.kernels.testing import fill_cache, make_cache, make_paged_batch
+
+DEV = "cpu" if interpreting() or not torch.cuda.is_available() else "cuda"
+
+
+def _tol(dtype):
+    if interpreting():
+        return 1e-4
+    return 6e-3 if dtype == torch.float16 else 2.5e-2
+
+
+def _rel(out, ref):
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or poisoned)"
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _centered_codec(d, kb, vb, g, seed=0, scales=False):
+    """Codec with a random μ (not the keys' mean: centering is exact for any μ)."""
+    mu = torch.randn(d, generator=g) * 2
+    ks = (torch.rand(d, generator=g) + 0.5) if scales else None
+    return TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV, seed=seed, k_channel_offset=mu,
+                        k_channel_scales=ks)
+
+
+def _keys(n, h, d, g, shift):
+    """Keys with a large shared per-channel mean ``shift`` ``(d,)`` (real post-RoPE keys
+    have one); float32 ``(n, h, d)``."""
+    return torch.randn(n, h, d, generator=g) + shift
+
+
+@pytest.mark.parametrize("head_dim,kb,vb,scales", [(64, 4, 4, False), (96, 3, 5, True),
+                                                   (256, 2, 4, False)])
+def test_compress_store_subtracts_key_offset(head_dim, kb, vb, scales):
+    g = torch.Generator().manual_seed(head_dim + kb)
+    codec = _centered_codec(head_dim, kb, vb, g, seed=5, scales=scales)
+    ld = TkvLoader(codec, 2, 16)
+    nblk, n = 4, 29
+    cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8,
+                          generator=g).to(DEV)
+    k = _keys(n, 2, head_dim, g, torch.randn(head_dim, generator=g) * 3).to(DEV, torch.bfloat16)
+    v = torch.randn(n, 2, head_dim, generator=g).to(DEV, torch.bfloat16)
+    slots = torch.randperm(nblk * 16, generator=g)[:n].to(DEV)
+    compress_store(k, v, cache, slots, ld)
+    views = ld.layout.views(cache)
+    b, o = slots // 16, slots % 16
+    pk, nk = codec.compress_k(k)
+    ck = codec.k.quantize(k)[0]                       # the codec subtracts μ itself
+    got = unpack_codes(views["k_codes"][b, :, o], kb, head_dim)
+    assert (got == ck).float().mean() > 0.999
+    assert ((got - ck).abs() <= 1).all()
+    if interpreting() and head_dim <= 128:            # one-pass path: bit-exact
+        assert torch.equal(views["k_codes"][b, :, o], pk)
+        assert torch.equal(views["k_norms"][b, :, o], nk)
+    else:
+        torch.testing.assert_close(views["k_norms"][b, :, o].float(), nk.float(), rtol=8e-3,
+                                   atol=0)
+    # values are never centered
+    nv = codec.compress_v(v)[1]
+    assert (unpack_codes(views["v_codes"][b, :, o], vb, head_dim)
+            == codec.v.quantize(v)[0]).float().mean() > 0.999
+    torch.testing.assert_close(views["v_norms"][b, :, o].float(), nv.float(), rtol=8e-3, atol=0)
+    # and the stored keys decode (codec.decompress_k adds μ back) to the model-space keys
+    rec = codec.decompress_k(views["k_codes"][b, :, o], views["k_norms"][b, :, o])
+    plain = codec.decompress_k(pk, nk)
+    torch.testing.assert_close(rec, plain, rtol=0, atol=0.2)
+
+
+def test_decode_with_key_offset_matches_reference():
+    g = torch.Generator().manual_seed(11)
+    d, hkv, group = 64, 2, 4
+    codec = _centered_codec(d, 3, 4, g, seed=2, scales=True)
+    ld = TkvLoader(codec, hkv, 16)
+    lens = [37, 1, 20]
+    batch = make_paged_batch(lens, 16, DEV, generator=g)
+    cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
+    shift = torch.randn(d, generator=g) * 3
+    for i, n in enumerate(lens):
+        k = _keys(n, hkv, d, g, shift).to(DEV, torch.bfloat16)
+        v = torch.randn(n, hkv, d, generator=g).to(DEV, torch.bfloat16)
+        fill_cache(ld, cache, k, v, batch.slots(i))
+    q = torch.randn(len(lens), hkv * group, d, generator=g).to(DEV, torch.bfloat16)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, Workspace(8, 32, 256, DEV),
+           out=out, block_n=16)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    assert _rel(out, ref) < _tol(torch.bfloat16)
+
+
+def _prefill_case(ld, prefix, qlens, group, g, shift, dtype=torch.float16, **kw):
+    lens = [p + q for p, q in zip(prefix, qlens, strict=True)]
+    batch = make_paged_batch(lens, ld.block_size, DEV, generator=g)
+    cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
+    hkv, d = ld.num_kv_heads, ld.head_dim
+    qs, ks, vs = [], [], []
+    for i, (p, ql) in enumerate(zip(prefix, qlens, strict=True)):
+        k = _keys(p + ql, hkv, d, g, shift).to(DEV, dtype)
+        v = torch.randn(p + ql, hkv, d, generator=g).to(DEV, dtype)
+        fill_cache(ld, cache, k, v, batch.slots(i))
+        ks.append(k[p:])
+        vs.append(v[p:])
+        qs.append(torch.randn(ql, hkv * group, d, generator=g).to(DEV, dtype))
+    q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+    cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=DEV)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
+    prefill(q, k, v, cu, batch.seq_lens, max(qlens), cache, batch.block_table, ld, out=out,
+            block_m=16 * min(group, 2), block_n=16, **kw)
+    ref = prefill_reference(q, k, v, cu, batch.seq_lens, cache, batch.block_table, ld)
+    return out, ref, (q, k, v, cu, batch, cache)
+
+
+@pytest.mark.parametrize("fuse_rotation", [False, True])
+def test_chunked_prefill_with_key_offset_matches_reference(fuse_rotation):
+    """Rows that mix compressed prefix keys and raw chunk keys (the non-uniform-shift trap)."""
+    g = torch.Generator().manual_seed(21 + fuse_rotation)
+    d = 64
+    codec = _centered_codec(d, 4, 3, g, seed=4)
+    ld = TkvLoader(codec, 2, 16)
+    shift = torch.randn(d, generator=g) * 3
+    out, ref, _ = _prefill_case(ld, [35, 3, 0], [9, 17, 5], 2, g, shift,
+                                fuse_rotation=fuse_rotation)
+    assert _rel(out, ref) < _tol(torch.float16)
+
+
+def test_reference_adds_offset_back_and_centering_is_exact_for_attention():
+    """The oracle's prefix keys are model-space (k̂ + μ): attending over them equals attending
+    over the centered keys (k̂) together with centered chunk keys — the identity prefill uses."""
+    g = torch.Generator().manual_seed(5)
+    d = 64
+    codec = _centered_codec(d, 4, 4, g, seed=1)
+    ld = TkvLoader(codec, 1, 16)
+    shift = torch.randn(d, generator=g) * 3
+    out, ref, (q, k, v, _cu, batch, cache) = _prefill_case(ld, [20], [6], 2, g, shift)
+    kp, vp = gather_kv(cache, ld, batch.block_table[0], 20)
+    mu = codec.k.channel_offset.double()
+    kc = torch.cat([kp - mu, k.double() - mu])        # every key centered
+    pos = torch.arange(26)
+    centered = attention_reference(q, kc, torch.cat([vp, v.double()]), pos[20:], pos)
+    torch.testing.assert_close(centered, ref, rtol=1e-9, atol=1e-9)
+    mixed = attention_reference(q, torch.cat([kp - mu, k.double()]), torch.cat([vp, v.double()]),
+                                pos[20:], pos)
+    assert _rel(mixed, ref) > 1e-2                    # the trap is real at this μ
+    assert _rel(out, ref) < _tol(torch.float16)       # and the kernel avoids it
