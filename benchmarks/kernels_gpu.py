@@ -117,13 +117,14 @@ def decode_rows(cfgs, widths, copy_gbs, tune):
                         for lk in lds]
             for o in opts:
                 o = dict(o)
-                ld = lds[o.pop("lookup", next(iter(lds)))]
+                lk = o.pop("lookup", next(iter(lds)))
+                ld = lds[lk]
                 try:
                     ms = bench(lambda o=o: decode(q, cache, bt, sl, ld, ws, **o))
                 except Exception as e:
                     log({**base, "impl": f"tkv_K{kb}V{vb}", **o, "error": str(e)[:160]})
                     continue
-                log({**base, "impl": f"tkv_K{kb}V{vb}_{ld.tile.__name__}", **o, "ms": ms,
+                log({**base, "impl": f"tkv_K{kb}V{vb}_{lk}", **o, "ms": ms,
                      "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
             del cache
         torch.cuda.empty_cache()
@@ -239,7 +240,7 @@ def main():
     ap.add_argument("--tune", action="store_true", help="sweep decode tile options at B=32 L=8K")
     ap.add_argument("--tag", default="")
     ap.add_argument("--lookups", default="gather,pair",
-                    help="TkvLoader lookup variants to time (gather, pair, select)")
+                    help="TkvLoader lookup variants to time (gather, pair)")
     a = ap.parse_args()
     global LOOKUPS
     LOOKUPS = tuple(a.lookups.split(","))

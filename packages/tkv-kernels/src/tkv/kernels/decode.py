@@ -10,6 +10,7 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
+from ._planes import accumulate, load_planes, scores, store_planes
 from ._util import (
     check_dtype,
     check_int_tensor,
@@ -36,8 +37,8 @@ def _decode_split_kernel(
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
         part_o, part_lse, scale_log2, window,
         LOAD_K: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr, KP2: tl.constexpr,
-        KP3: tl.constexpr, LOAD_V: tl.constexpr, VP0: tl.constexpr, VP1: tl.constexpr,
-        VP2: tl.constexpr, VP3: tl.constexpr,
+        KP3: tl.constexpr, KNP: tl.constexpr, LOAD_V: tl.constexpr, VP0: tl.constexpr,
+        VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         G: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         DOT_DTYPE: tl.constexpr):
@@ -47,8 +48,6 @@ def _decode_split_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < G
     qh = kvh * G + offs_h
-    offs_d = tl.arange(0, D_PAD)
-    dmask = offs_d < HEAD_DIM
     L = tl.load(seq_lens + seq)
     start = 0
     if window > 0:
@@ -58,11 +57,14 @@ def _decode_split_kernel(
     per = tl.cdiv(t1 - t0, NUM_SPLITS)
     my0 = t0 + split * per
     my1 = tl.minimum(my0 + per, t1)
-    q = tl.load(Q + seq.to(tl.int64) * sq_s + qh[:, None] * sq_h + offs_d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0).to(DOT_DTYPE)
+    q0, q1, q2, q3 = load_planes(Q, seq.to(tl.int64) * sq_s + qh * sq_h, hmask, KNP, D_PAD,
+                                 HEAD_DIM, DOT_DTYPE)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    a0 = tl.zeros([BLOCK_H, D_PAD // VNP], tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
     cap = max_blocks * BLOCK_SIZE
     for t in range(my0, my1):
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,23 +74,25 @@ def _decode_split_kernel(
         mask_n = mask_n & (blk >= 0) & (blk < num_blocks)
         blk = tl.where(mask_n, blk, 0)
         off = pos % BLOCK_SIZE
-        k, ks = LOAD_K(k_base, k_aux, k_table, blk, off, mask_n, kvh, offs_d, dmask,
-                       k_sb, k_sh, k_st, KP0, KP1, KP2, KP3, DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k)) * (ks * scale_log2)[None, :]
+        k0, k1, k2, k3, ks = LOAD_K(k_base, k_aux, k_table, blk, off, mask_n, kvh,
+                                    k_sb, k_sh, k_st, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
+        s = scores(q0, q1, q2, q3, k0, k1, k2, k3, KNP) * (ks * scale_log2)[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v, vs = LOAD_V(v_base, v_aux, v_table, blk, off, mask_n, kvh, offs_d, dmask,
-                       v_sb, v_sh, v_st, VP0, VP1, VP2, VP3, DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(DOT_DTYPE), v)
+        v0, v1, v2, v3, vs = LOAD_V(v_base, v_aux, v_table, blk, off, mask_n, kvh,
+                                    v_sb, v_sh, v_st, VP0, VP1, VP2, VP3, VNP, D_PAD, DOT_DTYPE)
+        a0, a1, a2, a3 = accumulate(a0, a1, a2, a3, alpha, (p * vs[None, :]).to(DOT_DTYPE),
+                                    v0, v1, v2, v3, VNP)
         m_i = m_new
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     row = (seq.to(tl.int64) * (G * tl.num_programs(1)) + qh) * NUM_SPLITS + split
-    tl.store(part_o + row[:, None] * D_PAD + offs_d[None, :], o, mask=hmask[:, None])
+    store_planes(part_o, row * D_PAD, hmask, a0 * inv[:, None], a1 * inv[:, None],
+                 a2 * inv[:, None], a3 * inv[:, None], VNP, D_PAD, D_PAD)
     tl.store(part_lse + row, lse, mask=hmask)
 
 
@@ -195,15 +199,15 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     if block_table.stride(1) != 1:
         raise ShapeError("block_table must have unit stride on its last dim")
     dev = query.device
-    kargs = loader.side_args(cache, "k")
-    vargs = loader.side_args(cache, "v")
+    dot_dtype = dot_dtype_for(query.dtype)
+    kargs = loader.side_args(cache, "k", dot_dtype)
+    vargs = loader.side_args(cache, "v", dot_dtype)
     check_same_device(dev, block_table=block_table, seq_lens=seq_lens, cache_k=kargs[0],
                       cache_v=vargs[0], workspace=workspace._part_lse)
     if window is None:
         window = 0
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ShapeError(f"window must be an int ≥ 0 (0 = full attention), got {window!r}")
-    dot_dtype = dot_dtype_for(query.dtype)
     if out is None:
         out_dtype = query.dtype if query.dtype != torch.float32 else torch.bfloat16
         out = torch.empty(ns, hq, d, dtype=out_dtype, device=dev)
@@ -229,8 +233,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         block_table.shape[1], num_blocks, *kargs[:6], *vargs[:6], part_o, part_lse,
         scale * _LOG2E, window,
         LOAD_K=loader.tile, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8], KP3=kargs[9],
-        LOAD_V=loader.tile, VP0=vargs[6], VP1=vargs[7], VP2=vargs[8], VP3=vargs[9],
-        G=g, BLOCK_H=block_h, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=loader.block_size,
+        KNP=kargs[10], LOAD_V=loader.tile, VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
+        VP3=vargs[9], VNP=vargs[10], G=g, BLOCK_H=block_h, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=loader.block_size,
         BLOCK_N=block_n, NUM_SPLITS=splits, DOT_DTYPE=_TL[dot_dtype],
         num_warps=num_warps, num_stages=num_stages)
     unrotate = bool(loader.rotated and not output_rotated)

@@ -5,19 +5,27 @@ loader*: a ``@triton.jit`` function passed to the kernel as a ``tl.constexpr`` a
 format is fixed at compile time and the inner loop has no runtime format branch. Its signature
 (identical for every format, see ``docs/writing_a_loader.md``)::
 
-    tile, row_scale = TILE(base, aux, table,          # pointers (format-defined meaning)
-                           blk, off, mask_n,          # [BLOCK_N] physical block, in-block offset,
-                                                      #   valid-token mask
-                           head,                      # KV head (scalar)
-                           offs_d, mask_d,            # [D_PAD] feature index, feature < head_dim
-                           stride_block, stride_head, stride_tok,   # runtime ints
-                           P0, P1, P2, P3,            # format constants (tl.constexpr)
-                           OUT_DTYPE)                 # tl.float16 / tl.bfloat16 (dot operand)
+    t0, t1, t2, t3, row_scale = TILE(
+        base, aux, table,                  # pointers (format-defined meaning)
+        blk, off, mask_n,                  # [BLOCK_N] physical block, in-block offset,
+                                           #   valid-token mask
+        head,                              # KV head (scalar)
+        stride_block, stride_head, stride_tok,   # runtime ints
+        P0, P1, P2, P3,                    # format constants (tl.constexpr)
+        NP, D_PAD,                         # planes (1, 2 or 4) and padded head_dim (constexpr)
+        OUT_DTYPE)                         # tl.float16 / tl.bfloat16 (dot operand)
 
-returning ``tile`` ``[BLOCK_N, D_PAD]`` in ``OUT_DTYPE`` (finite everywhere, masked entries any
-finite value) and ``row_scale`` ``[BLOCK_N]`` float32, a per-token factor that the kernel
-applies once to that token's score (K) or softmax weight (V) — never per element. The
-dequantized vector of token ``n`` is ``row_scale[n] * tile[n, :]``.
+The tile comes back split into ``NP`` *coordinate planes*: ``t_p`` is ``[BLOCK_N, D_PAD // NP]``
+and holds coordinates ``NP * j + p`` (``j = 0 … D_PAD/NP − 1``); planes ``p ≥ NP`` are
+unused (return any plane). With ``NP = 1``, ``t0`` is the ordinary ``[BLOCK_N, D_PAD]`` tile.
+Planes let a packed format hand over the codes of one byte without re-interleaving them in
+registers: a 4-bit byte holds coordinates ``2j`` (low nibble, plane 0) and ``2j + 1`` (high
+nibble, plane 1), and a dot product over ``d`` is the sum of the planes' dot products, so the
+kernels run one tensor-core ``tl.dot`` per plane and load queries and store outputs with the
+same strided coordinates. ``row_scale`` ``[BLOCK_N]`` float32 is a per-token factor that the
+kernel applies once to that token's score (K) or softmax weight (V) — never per element. The
+dequantized vector of token ``n`` is ``row_scale[n] * tile[n, :]``; every tile entry is finite
+(masked entries any finite value).
 
 Formats here:
 
@@ -42,11 +50,11 @@ from tkv.codec import TurboKVCodec
 from tkv.codec.errors import DtypeError, ShapeError
 from tkv.codec.layout import SlotLayout
 
-from ._util import check_dtype, check_last_dim_contiguous, check_tensor, interpreting, next_pow2
+from ._util import check_dtype, check_last_dim_contiguous, check_tensor, next_pow2
 
 __all__ = ["BypassLoader", "Fp8Loader", "Loader", "SideArgs", "TkvLoader"]
 
-SideArgs = tuple  # (base, aux, table, stride_block, stride_head, stride_tok, P0, P1, P2, P3)
+SideArgs = tuple  # (base, aux, table, stride_block, stride_head, stride_tok, P0, P1, P2, P3, NP)
 
 
 @runtime_checkable
@@ -76,120 +84,111 @@ class Loader(Protocol):
     def check_cache(self, cache) -> int:
         """Validate ``cache`` (raise named errors); return its number of blocks."""
 
-    def side_args(self, cache, side: str) -> SideArgs:
-        """Kernel arguments of side ``"k"`` or ``"v"`` for this cache."""
+    def planes(self, side: str) -> int:
+        """Coordinate planes (1, 2 or 4) of side ``"k"``/``"v"`` tiles (``NP``, module doc)."""
+
+    def side_args(self, cache, side: str, dot_dtype: torch.dtype = torch.float32) -> SideArgs:
+        """Kernel arguments of side ``"k"`` or ``"v"`` for this cache:
+        ``(base, aux, table, stride_block, stride_head, stride_tok, P0, P1, P2, P3, NP)``;
+        ``dot_dtype`` is the tensor-core operand dtype the kernel will use."""
 
     def bytes_per_token(self) -> float:
         """Cache bytes one token of this layer occupies (all heads, K and V)."""
 
 
 # ============================================================================ tkv
+LOOKUP_GATHER, LOOKUP_PAIR_F16, LOOKUP_PAIR_BF16 = 0, 1, 2
+
+
 @triton.jit
-def _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
-                   stride_block, stride_head, stride_tok,
-                   BITS_BYTES: tl.constexpr, CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr,
-                   NORM_HEAD: tl.constexpr, OUT_DTYPE: tl.constexpr, MODE: tl.constexpr):
-    """tkv packed tile. base: uint8 cache; aux: the same cache viewed as bf16 (norms);
-    table: float32 scaled centroids ``c / sqrt(d)``, ``2**BITS`` entries. Codes LSB-first
-    (tkv.codec.packing): code i = bits [i*BITS, (i+1)*BITS) of the token's code bytes.
-    ``BITS_BYTES = BITS + 16 * code_bytes`` (both compile-time constants)."""
-    BITS: tl.constexpr = BITS_BYTES % 16
-    CODE_BYTES: tl.constexpr = BITS_BYTES // 16
-    BLOCK_N: tl.constexpr = blk.shape[0]
-    D_PAD: tl.constexpr = offs_d.shape[0]
+def _half_pair(w, HALF: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """int32 holding two 16-bit floats (``HALF`` bit patterns) -> (low, high) in OUT_DTYPE."""
+    lo = (w & 0xFFFF).to(tl.int16).to(HALF, bitcast=True).to(OUT_DTYPE)
+    hi = (w >> 16).to(tl.int16).to(HALF, bitcast=True).to(OUT_DTYPE)
+    return lo, hi
+
+
+@triton.jit
+def tkv_tile(base, aux, table, blk, off, mask_n, head, stride_block, stride_head, stride_tok,
+             P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
+             NP: tl.constexpr, D_PAD: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """tkv packed tile (rotated space): ``tile = centroid[code] / sqrt(d)``, ``row_scale = norm``.
+
+    base: the uint8 cache; aux: the same cache viewed as bf16 (norms); table: the side's
+    lookup table (see :meth:`TkvLoader.side_args`). Codes are LSB-first (tkv.codec.packing):
+    code i = bits [i*BITS, (i+1)*BITS) of the token's code bytes. Constants:
+    ``P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP``, ``P1`` codes offset, ``P2`` norms
+    offset (bytes in the page), ``P3`` norms per head.
+
+    Widths 2/4/8 with ``NP = 8 // BITS`` planes load each token's code bytes as one contiguous
+    row (16-byte vectors) and decode plane ``p`` of byte ``j`` (coordinate ``NP*j + p``) with
+    one shift and mask — no re-interleave. LOOKUP 1/2 (4-bit): one gather from a 256-entry
+    table of fp16/bf16 *pairs* per byte yields both planes; (2-bit): one gather per nibble from
+    a 16-entry pair table. LOOKUP 0: one gather per code from the float32 centroid table.
+    Widths 3/5/6/7 (``NP = 1``) read each code's one or two bytes per element.
+    """
+    BITS: tl.constexpr = P0 % 16
+    CODE_BYTES: tl.constexpr = (P0 // 16) % 4096
+    LOOKUP: tl.constexpr = P0 // 65536
+    MASK: tl.constexpr = (1 << BITS) - 1
     page = blk.to(tl.int64) * stride_block                                  # [N] bytes
-    row = page + CODES_OFF + head * stride_head + off.to(tl.int64) * stride_tok
-    if BITS == 8 or (MODE == 2 and BITS == 4):
-        # whole bytes per row, loaded contiguously (16-byte vectors). Widths 2 and 4 in the
-        # default gather mode take the per-element path below: on the H200 (Triton 3.6) the
-        # tl.join/tl.reshape re-interleave miscompiled for 16-token tiles feeding the P·V dot
-        # (relative error ~3 at block_n=16, exact at 64; see docs/kernels.md).
-        PER: tl.constexpr = 8 // BITS
-        NB: tl.constexpr = D_PAD // PER
-        offs_b = tl.arange(0, NB)
-        bmask = mask_n[:, None] & (offs_b < CODE_BYTES)[None, :]
-        byt = tl.load(base + (row[:, None] + offs_b[None, :]), mask=bmask, other=0)
-        byt = byt.to(tl.int32)
-        if PER == 1:
-            code = byt
-        elif PER == 2 and MODE == 2:
-            code = byt  # pair table: one lookup per byte yields both codes' values
-        elif PER == 2:
-            code = tl.reshape(tl.join(byt & 15, byt >> 4), (BLOCK_N, D_PAD))
-        else:
-            nib = tl.reshape(tl.join(byt & 15, byt >> 4), (BLOCK_N, D_PAD // 2))
-            code = tl.reshape(tl.join(nib & 3, nib >> 2), (BLOCK_N, D_PAD))
-    else:
-        # widths 3, 5, 6, 7: per-element byte reads; a code may straddle two bytes
+    row = page + P1 + head * stride_head + off.to(tl.int64) * stride_tok
+    nidx = (page + P2) // 2 + head * P3 + off
+    norm = tl.load(aux + nidx, mask=mask_n, other=0.0).to(tl.float32)
+    if NP == 1 and BITS != 8:
+        # per-element reads; a code may straddle two bytes
+        offs_d = tl.arange(0, D_PAD)
         bit = offs_d * BITS
         byte = bit // 8
         sh = bit % 8
-        m2 = mask_n[:, None] & mask_d[None, :]
+        m2 = mask_n[:, None] & (byte < CODE_BYTES)[None, :]
         ptr = base + (row[:, None] + byte[None, :])
         w = tl.load(ptr, mask=m2, other=0).to(tl.int32)
         if (8 % BITS) != 0:
-            need = (sh + BITS) > 8
-            hi = tl.load(ptr + 1, mask=m2 & need[None, :], other=0).to(tl.int32)
+            need = ((sh + BITS) > 8) & ((byte + 1) < CODE_BYTES)
+            hi = tl.load(ptr + 1, mask=mask_n[:, None] & need[None, :], other=0).to(tl.int32)
             w = w | (hi << 8)
-        code = (w >> sh[None, :]) & ((1 << BITS) - 1)
-    if MODE == 2 and BITS == 4:
-        # 256-entry table indexed by a whole byte: int32 = fp16(c[lo]) | fp16(c[hi]) << 16
-        w = tl.load(table + code)
-        lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-        val = tl.reshape(tl.join(lo, hi), (BLOCK_N, D_PAD))
-    elif MODE == 1:  # codebook lookup in registers: 2**BITS compare+select, no memory gather
-        val = tl.zeros(code.shape, tl.float32)
-        for i in tl.static_range(1 << BITS):
-            val = tl.where(code == i, tl.load(table + i), val)
-    else:  # gather from the (L1-resident) table
-        val = tl.load(table + code)
-    nidx = (page + NORMS_OFF) // 2 + head * NORM_HEAD + off
-    norm = tl.load(aux + nidx, mask=mask_n, other=0.0).to(tl.float32)
-    return val.to(OUT_DTYPE), norm
+        t0 = tl.load(table + ((w >> sh[None, :]) & MASK)).to(OUT_DTYPE)
+        return t0, t0, t0, t0, norm
+    else:
+        DJ: tl.constexpr = D_PAD // NP
+        offs_j = tl.arange(0, DJ)
+        bmask = mask_n[:, None] & (offs_j < CODE_BYTES)[None, :]
+        byt = tl.load(base + (row[:, None] + offs_j[None, :]), mask=bmask, other=0)
+        byt = byt.to(tl.int32)
+        if LOOKUP == 0:
+            t0 = tl.load(table + (byt & MASK)).to(OUT_DTYPE)
+            t1 = t0
+            t2 = t0
+            t3 = t0
+            if NP > 1:
+                t1 = tl.load(table + ((byt >> BITS) & MASK)).to(OUT_DTYPE)
+            if NP > 2:
+                t2 = tl.load(table + ((byt >> (2 * BITS)) & MASK)).to(OUT_DTYPE)
+                t3 = tl.load(table + ((byt >> (3 * BITS)) & MASK)).to(OUT_DTYPE)
+        else:
+            if LOOKUP == 1:
+                HALF: tl.constexpr = tl.float16
+            else:
+                HALF: tl.constexpr = tl.bfloat16
+            if NP == 2:   # 4-bit: byte -> (plane 0, plane 1)
+                t0, t1 = _half_pair(tl.load(table + byt), HALF, OUT_DTYPE)
+                t2 = t0
+                t3 = t1
+            else:         # 2-bit: low nibble -> planes 0, 1; high nibble -> planes 2, 3
+                t0, t1 = _half_pair(tl.load(table + (byt & 15)), HALF, OUT_DTYPE)
+                t2, t3 = _half_pair(tl.load(table + (byt >> 4)), HALF, OUT_DTYPE)
+        return t0, t1, t2, t3, norm
 
 
-@triton.jit
-def tkv_tile(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
-             stride_block, stride_head, stride_tok,
-             BITS_BYTES: tl.constexpr, CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr,
-             NORM_HEAD: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """tkv tile, codebook lookup by gather from the table in memory."""
-    return _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
-                          stride_block, stride_head, stride_tok, BITS_BYTES, CODES_OFF,
-                          NORMS_OFF, NORM_HEAD, OUT_DTYPE, 0)
-
-
-@triton.jit
-def tkv_tile_select(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
-                    stride_block, stride_head, stride_tok,
-                    BITS_BYTES: tl.constexpr, CODES_OFF: tl.constexpr,
-                    NORMS_OFF: tl.constexpr, NORM_HEAD: tl.constexpr,
-                    OUT_DTYPE: tl.constexpr):
-    """tkv tile, codebook lookup by a compare/select chain over the 2**BITS centroids."""
-    return _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
-                          stride_block, stride_head, stride_tok, BITS_BYTES, CODES_OFF,
-                          NORMS_OFF, NORM_HEAD, OUT_DTYPE, 1)
-
-
-@triton.jit
-def tkv_tile_pair(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
-                  stride_block, stride_head, stride_tok,
-                  BITS_BYTES: tl.constexpr, CODES_OFF: tl.constexpr,
-                  NORMS_OFF: tl.constexpr, NORM_HEAD: tl.constexpr,
-                  OUT_DTYPE: tl.constexpr):
-    """tkv tile; 4-bit sides look both nibbles of a byte up at once in a 256-entry table of
-    fp16 pairs (the table pointer is then that int32 table); other widths gather."""
-    return _tkv_tile_impl(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
-                          stride_block, stride_head, stride_tok, BITS_BYTES, CODES_OFF,
-                          NORMS_OFF, NORM_HEAD, OUT_DTYPE, 2)
-
-
-def _pair_table(scaled: torch.Tensor) -> torch.Tensor:
-    """int32 (256,): entry b = fp16(c[b & 15]) | fp16(c[b >> 4]) << 16 (4-bit tables)."""
-    h = scaled.detach().cpu().to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
-    b = torch.arange(256)
-    return (h[b & 15] | (h[b >> 4] << 16)).to(torch.int32)
+def _pair_table(scaled: torch.Tensor, bits: int, half: torch.dtype) -> torch.Tensor:
+    """int32 pair table of a 4-bit (256 entries, indexed by a byte) or 2-bit (16 entries,
+    indexed by a nibble) codebook: entry ``i = fp(c[i & m]) | fp(c[i >> bits]) << 16`` with
+    ``fp`` the 16-bit float ``half`` (its bit pattern) and ``m = 2**bits − 1``."""
+    n = 1 << (2 * bits)
+    h = scaled.detach().cpu().to(half).view(torch.int16).to(torch.int32) & 0xFFFF
+    i = torch.arange(n)
+    return (h[i & ((1 << bits) - 1)] | (h[i >> bits] << 16)).to(torch.int32)
 
 
 class TkvLoader:
@@ -199,15 +198,17 @@ class TkvLoader:
         codec: the layer's :class:`~tkv.codec.TurboKVCodec` (its device is the kernels' device).
         num_kv_heads: KV heads of the layer (per TP rank).
         block_size: tokens per page.
-        lookup: codebook lookup in the tile loader: ``"gather"`` / ``"auto"`` (memory gather
-            from the table; default) or ``"select"`` (2**bits compare/select in registers).
-            EXPERIMENTAL: "select" passes the CPU-interpreter tests but failed the compiled
-            GPU tests on an H200 (see docs/kernels.md); do not use it in production.
-            ``"pair"`` (4-bit sides): a 256-entry table of fp16 value pairs indexed by the
-            whole byte, one lookup per two codes (fp16 centroids: ~1e-3 relative rounding);
-            not yet run on a GPU.
+        lookup: codebook lookup in the tile loader. ``"auto"`` / ``"pair"`` (default): 4-bit
+            and 2-bit sides gather 16-bit *pairs* of centroids (one lookup per byte resp.
+            nibble, in the query's 16-bit float type), other widths gather float32
+            centroids; with float32 dots (the interpreter) "auto" gathers float32 centroids
+            and "pair" uses float16 pairs. ``"gather"``: one float32 gather per code for
+            every width.
 
-    Attributes (device tensors, float32):
+    Raises:
+        ValueError: unknown ``lookup``. DtypeError: ``codec`` is not a TurboKVCodec.
+
+    Attributes (device tensors, float32 unless noted):
         k_table, v_table: ``(2**bits,)`` centroids / sqrt(head_dim) (SideCodec.scaled_centroids).
         k_bounds, v_bounds: ``(2**bits,)`` decision boundaries (standardized units), padded
             with +inf (compress_store's branch-free binary search).
@@ -219,11 +220,12 @@ class TkvLoader:
 
     name = "tkv"
     rotated = True
+    min_block_n = 16
 
     def __init__(self, codec: TurboKVCodec, num_kv_heads: int, block_size: int,
                  lookup: str = "auto"):
-        if lookup not in ("auto", "gather", "select", "pair"):
-            raise ValueError(f"lookup must be 'auto', 'gather', 'select' or 'pair', got {lookup!r}")
+        if lookup not in ("auto", "pair", "gather"):
+            raise ValueError(f"lookup must be 'auto', 'pair' or 'gather', got {lookup!r}")
         self.lookup = lookup
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")
@@ -239,8 +241,13 @@ class TkvLoader:
         dev = self.device
         self.k_table = codec.k.scaled_centroids.to(dev, torch.float32).contiguous()
         self.v_table = codec.v.scaled_centroids.to(dev, torch.float32).contiguous()
-        self.k_pair = _pair_table(self.k_table).to(dev) if self.k_bits == 4 else self.k_table
-        self.v_pair = _pair_table(self.v_table).to(dev) if self.v_bits == 4 else self.v_table
+        self._pairs = {}
+        for side, bits, table in (("k", self.k_bits, self.k_table), ("v", self.v_bits,
+                                                                      self.v_table)):
+            if bits in (2, 4) and lookup != "gather":
+                for half, code in ((torch.float16, LOOKUP_PAIR_F16),
+                                   (torch.bfloat16, LOOKUP_PAIR_BF16)):
+                    self._pairs[side, half] = (_pair_table(table, bits, half).to(dev), code)
 
         def bounds(side):
             b = side.boundaries.to(torch.float32).cpu()
@@ -268,15 +275,17 @@ class TkvLoader:
         self.v_norm_correction = bool(codec.v.norm_correction)
 
     @property
-    def min_block_n(self) -> int:
-        """64 for the experimental pair lookup on the GPU: its tl.join/tl.reshape re-interleave
-        miscompiled for smaller tiles on the H200 (Triton 3.6, docs/kernels.md); else 16."""
-        return 64 if self.lookup == "pair" and not interpreting() else 16
-
-    @property
     def tile(self):
-        """``tkv_tile`` (gather lookup) unless ``lookup`` is "select" or "pair"."""
-        return {"select": tkv_tile_select, "pair": tkv_tile_pair}.get(self.lookup, tkv_tile)
+        """:func:`tkv_tile` (every width and lookup; the format constants select the path)."""
+        return tkv_tile
+
+    def planes(self, side: str) -> int:
+        """Coordinate planes of a side's tiles: ``8 // bits`` for widths 2/4/8 (one byte holds
+        that many whole codes) while a plane keeps ≥ 16 coordinates (tensor-core K), else 1."""
+        bits = self.k_bits if side == "k" else self.v_bits
+        if bits in (2, 4, 8) and self.d_pad // (8 // bits) >= 16:
+            return 8 // bits
+        return 1
 
     def check_cache(self, cache) -> int:
         """``cache`` uint8 ``(num_blocks, page_bytes)`` contiguous, on the codec's device."""
@@ -288,25 +297,32 @@ class TkvLoader:
                              f" for {self.layout.describe()}, got {tuple(cache.shape)}")
         return cache.shape[0]
 
-    def side_args(self, cache: torch.Tensor, side: str) -> SideArgs:
+    def side_args(self, cache: torch.Tensor, side: str,
+                  dot_dtype: torch.dtype = torch.float32) -> SideArgs:
+        """Kernel arguments of side ``"k"``/``"v"``; ``dot_dtype`` (the tensor-core operand
+        dtype) picks the 16-bit type of the pair tables (see ``lookup``)."""
         lay = self.layout
         st = lay.strides()
         aux = cache.view(torch.bfloat16)
+        half = torch.bfloat16 if dot_dtype == torch.bfloat16 else torch.float16
+        if dot_dtype == torch.float32 and self.lookup == "auto":
+            half = None   # float32 dots (interpreter): exact float32 centroids
+        table, code = self._pairs.get((side, half), (
+            self.k_table if side == "k" else self.v_table, LOOKUP_GATHER))
+        bits = lay.k_bits if side == "k" else lay.v_bits
+        code_bytes = lay.k_code_bytes if side == "k" else lay.v_code_bytes
+        p0 = bits + 16 * code_bytes + 65536 * code
         if side == "k":
-            kt = self.k_pair if self.lookup == "pair" else self.k_table
-            return (cache, aux, kt, lay.page_bytes, st["k_head"], st["k_token"],
-                    lay.k_bits + 16 * lay.k_code_bytes, lay.k_codes_offset, lay.k_norms_offset,
-                    st["norm_head"])
-        vt = self.v_pair if self.lookup == "pair" else self.v_table
-        return (cache, aux, vt, lay.page_bytes, st["v_head"], st["v_token"],
-                lay.v_bits + 16 * lay.v_code_bytes, lay.v_codes_offset, lay.v_norms_offset,
-                st["norm_head"])
+            return (cache, aux, table, lay.page_bytes, st["k_head"], st["k_token"],
+                    p0, lay.k_codes_offset, lay.k_norms_offset, st["norm_head"], self.planes("k"))
+        return (cache, aux, table, lay.page_bytes, st["v_head"], st["v_token"],
+                p0, lay.v_codes_offset, lay.v_norms_offset, st["norm_head"], self.planes("v"))
 
     def bytes_per_token(self) -> float:
         return self.layout.bytes_per_token
 
     def __repr__(self) -> str:
-        return f"TkvLoader({self.layout.describe()})"
+        return f"TkvLoader({self.layout.describe()}, lookup={self.lookup})"
 
 
 # ============================================================================ raw paged K/V
@@ -330,15 +346,16 @@ def _check_pair(cache, num_kv_heads, block_size, head_dim, dtypes, what):
 
 
 @triton.jit
-def bypass_tile(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
-                stride_block, stride_head, stride_tok,
+def bypass_tile(base, aux, table, blk, off, mask_n, head, stride_block, stride_head, stride_tok,
                 P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
-                OUT_DTYPE: tl.constexpr):
-    """Raw fp16/bf16 paged tile: ``base[blk, off, head, :]``; row_scale 1 (0 when masked)."""
+                NP: tl.constexpr, D_PAD: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Raw fp16/bf16 paged tile: ``base[blk, off, head, :]`` (one plane; ``P0`` = head_dim);
+    row_scale 1 (0 when masked)."""
+    offs_d = tl.arange(0, D_PAD)
     row = blk.to(tl.int64) * stride_block + off.to(tl.int64) * stride_tok + head * stride_head
-    m2 = mask_n[:, None] & mask_d[None, :]
-    x = tl.load(base + (row[:, None] + offs_d[None, :]), mask=m2, other=0.0)
-    return x.to(OUT_DTYPE), tl.where(mask_n, 1.0, 0.0)
+    m2 = mask_n[:, None] & (offs_d < P0)[None, :]
+    x = tl.load(base + (row[:, None] + offs_d[None, :]), mask=m2, other=0.0).to(OUT_DTYPE)
+    return x, x, x, x, tl.where(mask_n, 1.0, 0.0)
 
 
 class BypassLoader:
@@ -369,9 +386,12 @@ class BypassLoader:
         return _check_pair(cache, self.num_kv_heads, self.block_size, self.head_dim,
                            (self.dtype,), "bypass")
 
-    def side_args(self, cache, side: str) -> SideArgs:
+    def planes(self, side: str) -> int:
+        return 1
+
+    def side_args(self, cache, side: str, dot_dtype: torch.dtype = torch.float32) -> SideArgs:
         c = cache[0] if side == "k" else cache[1]
-        return (c, c, c, c.stride(0), c.stride(2), c.stride(1), 0, 0, 0, 0)
+        return (c, c, c, c.stride(0), c.stride(2), c.stride(1), self.head_dim, 0, 0, 0, 1)
 
     def bytes_per_token(self) -> float:
         return 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).itemsize
@@ -383,20 +403,23 @@ class BypassLoader:
 
 # ============================================================================ fp8 e4m3
 @triton.jit
-def fp8_e4m3_tile(base, aux, table, blk, off, mask_n, head, offs_d, mask_d,
-                  stride_block, stride_head, stride_tok,
-                  P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
+def fp8_e4m3_tile(base, aux, table, blk, off, mask_n, head, stride_block, stride_head,
+                  stride_tok, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                  P3: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr,
                   OUT_DTYPE: tl.constexpr):
     """fp8-e4m3fn tile read as bytes. e4m3 ``s eeee mmm`` (bias 7) maps exactly onto fp16
     ``s 0eeee mmm0000000`` (bias 15) times 2**8, normals and subnormals alike, so decoding is
-    two masks, two shifts and a bitcast; the 2**8 and the per-tensor scale go to row_scale."""
+    two masks, two shifts and a bitcast; the 2**8 and the per-tensor scale go to row_scale.
+    One plane; ``P0`` = head_dim."""
+    offs_d = tl.arange(0, D_PAD)
     row = blk.to(tl.int64) * stride_block + off.to(tl.int64) * stride_tok + head * stride_head
-    m2 = mask_n[:, None] & mask_d[None, :]
+    m2 = mask_n[:, None] & (offs_d < P0)[None, :]
     b = tl.load(base + (row[:, None] + offs_d[None, :]), mask=m2, other=0).to(tl.int32)
     h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
     x = h.to(tl.int16).to(tl.float16, bitcast=True)
     scale = tl.load(table) * 256.0
-    return x.to(OUT_DTYPE), tl.where(mask_n, scale, 0.0)
+    x = x.to(OUT_DTYPE)
+    return x, x, x, x, tl.where(mask_n, scale, 0.0)
 
 
 class Fp8Loader:
@@ -435,11 +458,14 @@ class Fp8Loader:
         return _check_pair(cache, self.num_kv_heads, self.block_size, self.head_dim,
                            (torch.float8_e4m3fn, torch.uint8), "fp8")
 
-    def side_args(self, cache, side: str) -> SideArgs:
+    def planes(self, side: str) -> int:
+        return 1
+
+    def side_args(self, cache, side: str, dot_dtype: torch.dtype = torch.float32) -> SideArgs:
         c = cache[0] if side == "k" else cache[1]
         c = c.view(torch.uint8)
         s = self.k_scale if side == "k" else self.v_scale
-        return (c, c, s, c.stride(0), c.stride(2), c.stride(1), 0, 0, 0, 0)
+        return (c, c, s, c.stride(0), c.stride(2), c.stride(1), self.head_dim, 0, 0, 0, 1)
 
     def bytes_per_token(self) -> float:
         return 2 * self.num_kv_heads * self.head_dim

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
+from ._planes import accumulate, load_planes, scores, store_planes
 from ._util import (
     check_dtype,
     check_int_tensor,
@@ -31,14 +32,13 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 
 
 @triton.jit
-def _online_update(s, m_i, l_i, acc):
+def _online_update(s, m_i, l_i):
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
-    return p, m_new, l_i, acc
+    return p, m_new, l_i, alpha
 
 
 @triton.jit
@@ -47,13 +47,16 @@ def _prefill_kernel(
         cu_q, seq_lens, block_table, s_bt, max_blocks, num_blocks,
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
-        QM, UM, scale_log2, window,
+        scale_log2, window,
         LOAD_K: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr, KP2: tl.constexpr,
-        KP3: tl.constexpr, LOAD_V: tl.constexpr, VP0: tl.constexpr, VP1: tl.constexpr,
-        VP2: tl.constexpr, VP3: tl.constexpr, ROTATED: tl.constexpr,
+        KP3: tl.constexpr, KNP: tl.constexpr, LOAD_V: tl.constexpr, VP0: tl.constexpr,
+        VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_MT: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         DOT_DTYPE: tl.constexpr):
+    """One (query tile, sequence, KV head). Q/KN/VN live in the loader's space (the wrapper
+    rotates them for rotated loaders); every K/V operand, cached or new, is handled as the
+    loader's planes so prefix and chunk share one accumulator."""
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -69,50 +72,42 @@ def _prefill_kernel(
     hh = rows % G_PAD
     rmask = (tok < q_len) & (hh < G)
     qh = kvh * G + hh
-    offs_d = tl.arange(0, D_PAD)
-    dmask = offs_d < HEAD_DIM
-    q = tl.load(Q + (q0 + tok).to(tl.int64)[:, None] * sq_t + qh[:, None] * sq_h
-                + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    qa, qb, qc, qd = load_planes(Q, (q0 + tok).to(tl.int64) * sq_t + qh * sq_h, rmask, KNP,
+                                 D_PAD, HEAD_DIM, DOT_DTYPE)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    a0 = tl.zeros([BLOCK_M, D_PAD // VNP], tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
     qpos = prefix + tok                            # absolute position of each query row
     tile_lo = prefix + tile * BLOCK_MT             # smallest query position of the tile
     # ---- prefix: read (compressed) from the paged cache through the loader
-    if prefix > 0:
-        if ROTATED:
-            qm = tl.load(QM + offs_d[:, None] * D_PAD + offs_d[None, :])
-            qr = tl.dot(q.to(tl.float32), qm, input_precision="tf32x3").to(DOT_DTYPE)
-        else:
-            qr = q.to(DOT_DTYPE)
-        lo = 0
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(tile_lo - window + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    for n0 in range(lo, prefix, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        mask_n = (pos < prefix) & (pos < max_blocks * BLOCK_SIZE)
+        blk = tl.load(block_table + seq.to(tl.int64) * s_bt + pos // BLOCK_SIZE,
+                      mask=mask_n, other=0)
+        mask_n = mask_n & (blk >= 0) & (blk < num_blocks)
+        blk = tl.where(mask_n, blk, 0)
+        off = pos % BLOCK_SIZE
+        k0, k1, k2, k3, ks = LOAD_K(k_base, k_aux, k_table, blk, off, mask_n, kvh,
+                                    k_sb, k_sh, k_st, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
+        s = scores(qa, qb, qc, qd, k0, k1, k2, k3, KNP) * (ks * scale_log2)[None, :]
+        vis = mask_n[None, :] & (qpos >= 0)[:, None]
         if window > 0:
-            lo = tl.maximum(tile_lo - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
-        for n0 in range(lo, prefix, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            mask_n = (pos < prefix) & (pos < max_blocks * BLOCK_SIZE)
-            blk = tl.load(block_table + seq.to(tl.int64) * s_bt + pos // BLOCK_SIZE,
-                          mask=mask_n, other=0)
-            mask_n = mask_n & (blk >= 0) & (blk < num_blocks)
-            blk = tl.where(mask_n, blk, 0)
-            off = pos % BLOCK_SIZE
-            k, ks = LOAD_K(k_base, k_aux, k_table, blk, off, mask_n, kvh, offs_d, dmask,
-                           k_sb, k_sh, k_st, KP0, KP1, KP2, KP3, DOT_DTYPE)
-            s = tl.dot(qr, tl.trans(k)) * (ks * scale_log2)[None, :]
-            vis = mask_n[None, :] & (qpos >= 0)[:, None]
-            if window > 0:
-                vis = vis & ((qpos[:, None] - pos[None, :]) < window)
-            s = tl.where(vis, s, float("-inf"))
-            p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
-            v, vs = LOAD_V(v_base, v_aux, v_table, blk, off, mask_n, kvh, offs_d, dmask,
-                           v_sb, v_sh, v_st, VP0, VP1, VP2, VP3, DOT_DTYPE)
-            acc += tl.dot((p * vs[None, :]).to(DOT_DTYPE), v)
-        if ROTATED:  # back to model space before mixing with the chunk's raw values (linear)
-            um = tl.load(UM + offs_d[:, None] * D_PAD + offs_d[None, :])
-            acc = tl.dot(acc, um, input_precision="tf32x3")
-    # ---- current chunk: uncompressed new K/V, causal
-    qd = q.to(DOT_DTYPE)
+            vis = vis & ((qpos[:, None] - pos[None, :]) < window)
+        s = tl.where(vis, s, float("-inf"))
+        p, m_i, l_i, alpha = _online_update(s, m_i, l_i)
+        v0, v1, v2, v3, vs = LOAD_V(v_base, v_aux, v_table, blk, off, mask_n, kvh,
+                                    v_sb, v_sh, v_st, VP0, VP1, VP2, VP3, VNP, D_PAD, DOT_DTYPE)
+        a0, a1, a2, a3 = accumulate(a0, a1, a2, a3, alpha, (p * vs[None, :]).to(DOT_DTYPE),
+                                    v0, v1, v2, v3, VNP)
+    # ---- current chunk: uncompressed new K/V (same space and planes), causal
     hi = tl.minimum(q_len, (tile + 1) * BLOCK_MT)
     lo2 = 0
     if window > 0:
@@ -122,21 +117,21 @@ def _prefill_kernel(
         j = j0 + tl.arange(0, BLOCK_N)
         jm = j < q_len
         kv_off = (q0 + j).to(tl.int64)
-        k = tl.load(KN + kv_off[:, None] * sk_t + kvh * sk_h + offs_d[None, :],
-                    mask=jm[:, None] & dmask[None, :], other=0.0).to(DOT_DTYPE)
-        s = tl.dot(qd, tl.trans(k)) * scale_log2
+        k0, k1, k2, k3 = load_planes(KN, kv_off * sk_t + kvh * sk_h, jm, KNP, D_PAD, HEAD_DIM,
+                                     DOT_DTYPE)
+        s = scores(qa, qb, qc, qd, k0, k1, k2, k3, KNP) * scale_log2
         vis = jm[None, :] & (j[None, :] <= tok[:, None])
         if window > 0:
             vis = vis & ((tok[:, None] - j[None, :]) < window)
         s = tl.where(vis, s, float("-inf"))
-        p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
-        v = tl.load(VN + kv_off[:, None] * sv_t + kvh * sv_h + offs_d[None, :],
-                    mask=jm[:, None] & dmask[None, :], other=0.0).to(DOT_DTYPE)
-        acc += tl.dot(p.to(DOT_DTYPE), v)
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + (q0 + tok).to(tl.int64)[:, None] * so_t + qh[:, None] * so_h
-             + offs_d[None, :], o.to(Out.dtype.element_ty),
-             mask=rmask[:, None] & dmask[None, :])
+        p, m_i, l_i, alpha = _online_update(s, m_i, l_i)
+        v0, v1, v2, v3 = load_planes(VN, kv_off * sv_t + kvh * sv_h, jm, VNP, D_PAD, HEAD_DIM,
+                                     DOT_DTYPE)
+        a0, a1, a2, a3 = accumulate(a0, a1, a2, a3, alpha, p.to(DOT_DTYPE), v0, v1, v2, v3,
+                                    VNP)
+    inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+    store_planes(Out, (q0 + tok).to(tl.int64) * so_t + qh * so_h, rmask, a0 * inv[:, None],
+                 a1 * inv[:, None], a2 * inv[:, None], a3 * inv[:, None], VNP, D_PAD, HEAD_DIM)
 
 
 def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -144,7 +139,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             cache, block_table: torch.Tensor, loader: Loader, *,
             out: torch.Tensor | None = None, sm_scale: float | None = None, window: int = 0,
             block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-            num_stages: int | None = None, fuse_rotation: bool = False) -> torch.Tensor:
+            num_stages: int | None = None) -> torch.Tensor:
     """Varlen causal attention for (chunked) prefill, flash-attention tiling with tl.dot.
 
     Sequence ``i`` has ``q_len = cu_seqlens_q[i+1] − cu_seqlens_q[i]`` new tokens at absolute
@@ -165,12 +160,13 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out: optional ``(total_q, num_q_heads, head_dim)`` output (query dtype default).
         sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
         window: sliding window (key visible iff ``q_pos − k_pos < window``; 0 = full).
-        fuse_rotation: rotated loaders only. False (default): the wrapper rotates the query
-            and the chunk's K/V into the cache's rotated space with three small fp32 matmuls,
-            the kernel runs entirely in rotated space, and the output is unrotated by one more
-            matmul (no D×D tile inside the kernel: works for head_dim 256). True: rotation of
-            q and unrotation of the prefix accumulator fused into the kernel (tf32x3 dots;
-            EXPERIMENTAL — failed the compiled GPU test on an H200, see docs/kernels.md).
+        block_m, block_n, num_warps, num_stages: tiling overrides (defaults by head_dim).
+
+    Rotated loaders (tkv): the wrapper rotates the query and the chunk's K/V into the cache's
+    rotated space with three small float32 matmuls (no D×D tile inside the kernel, so head_dim
+    256 works), the kernel runs entirely in that space, and one more matmul unrotates the
+    output: ``<R(q*s_k), R(k/s_k)> = <q, k>`` and ``Σ_j p_j R(v_j/s_v)`` unrotates to
+    ``Σ_j p_j v_j`` (TurboQuant Alg. 1 DeQuant is linear).
 
     Returns:
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError on malformed inputs.
@@ -203,7 +199,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ShapeError(f"window must be an int ≥ 0 (0 = full attention), got {window!r}")
     num_blocks = loader.check_cache(cache)
-    kargs, vargs = loader.side_args(cache, "k"), loader.side_args(cache, "v")
+    dot_dtype = dot_dtype_for(query.dtype)
+    kargs = loader.side_args(cache, "k", dot_dtype)
+    vargs = loader.side_args(cache, "v", dot_dtype)
     dev = query.device
     check_same_device(dev, key=key, value=value, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
                       block_table=block_table, cache_k=kargs[0], cache_v=vargs[0])
@@ -227,8 +225,6 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         num_warps = 8 if block_mt * g_pad >= 128 else 4
     if num_stages is None:
         num_stages = 2
-    rotated = bool(loader.rotated)
-    dot_dtype = _TL[dot_dtype_for(query.dtype)]
     final = None
     mu = getattr(getattr(loader, "codec", None), "k", None)
     mu = None if mu is None else mu.channel_offset
@@ -236,29 +232,24 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # key centering: the prefix is cached as k − μ, so center the chunk's keys too; then
         # every score of a query row drops by the same q·μ, which softmax ignores (float32)
         key = key.float() - mu.to(dev, torch.float32)
-    if rotated and not fuse_rotation:
-        # everything in the cache's rotated space: <R(q*s_k), R(k/s_k)> = <q, k>, and
-        # sum_j p_j R(v_j/s_v) unrotates to sum_j p_j v_j (TurboQuant Alg. 1 DeQuant, linear)
+    if loader.rotated:
         def rot(x, m, nh):
             return (x.reshape(-1, d).float() @ m[:d, :d]).view(tq, nh, d)  # float32
 
         query, key, value = (rot(query, loader.q_in, hq), rot(key, loader.k_in, hkv),
                              rot(value, loader.v_in, hkv))
         final, out = out, torch.empty(tq, hq, d, dtype=torch.float32, device=dev)
-        rotated = False
-    qm = loader.q_in if rotated else seq_lens
-    um = loader.out_mat if rotated else seq_lens
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     grid = (triton.cdiv(max_query_len, block_mt), ns, hkv)
     _prefill_kernel[grid](
         query, query.stride(0), query.stride(1), key, key.stride(0), key.stride(1),
         value, value.stride(0), value.stride(1), out, out.stride(0), out.stride(1),
         cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
-        num_blocks, *kargs[:6], *vargs[:6], qm, um, scale * _LOG2E, window,
+        num_blocks, *kargs[:6], *vargs[:6], scale * _LOG2E, window,
         LOAD_K=loader.tile, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8], KP3=kargs[9],
-        LOAD_V=loader.tile, VP0=vargs[6], VP1=vargs[7], VP2=vargs[8], VP3=vargs[9],
-        ROTATED=rotated, G=g, G_PAD=g_pad, BLOCK_MT=block_mt, BLOCK_N=block_n, HEAD_DIM=d,
-        D_PAD=d_pad, BLOCK_SIZE=loader.block_size, DOT_DTYPE=dot_dtype,
+        KNP=kargs[10], LOAD_V=loader.tile, VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
+        VP3=vargs[9], VNP=vargs[10], G=g, G_PAD=g_pad, BLOCK_MT=block_mt, BLOCK_N=block_n, HEAD_DIM=d,
+        D_PAD=d_pad, BLOCK_SIZE=loader.block_size, DOT_DTYPE=_TL[dot_dtype],
         num_warps=num_warps, num_stages=num_stages)
     if final is not None:
         final.copy_((out.view(-1, d) @ loader.out_mat[:d, :d]).view(tq, hq, d))
