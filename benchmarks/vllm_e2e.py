@@ -31,9 +31,11 @@ Usage (on the GPU host, vLLM patched with ``tkv-vllm patch apply``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -119,13 +121,14 @@ def worker(args: argparse.Namespace) -> None:
 
     kw = dict(model=args.model, gpu_memory_utilization=args.gmu, seed=0,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
               **MODES[args.mode])
     if args.dummy:
         kw.update(load_format="dummy", skip_tokenizer_init=True)
     t0 = time.perf_counter()
     llm = LLM(**kw)
-    res: dict = {"mode": args.mode, "tkv_bits": os.environ.get("TKV_BITS"),
-                 "startup_s": time.perf_counter() - t0}
+    res: dict = {"mode": args.mode, "tkv_bits": os.environ.get("TKV_BITS"), "tp": args.tp,
+                 "enforce_eager": args.enforce_eager, "startup_s": time.perf_counter() - t0}
     cc = llm.llm_engine.vllm_config.cache_config
     if getattr(cc, "num_gpu_blocks", None):
         res["kv_tokens_blocks"] = int(cc.num_gpu_blocks) * int(cc.block_size)
@@ -173,20 +176,64 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
+def run_worker(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
+    """Run one worker in its own session (process group), output streamed to ``log``.
+
+    vLLM's EngineCore (and, with TP, its workers) are children of the worker: on timeout
+    or any exit the whole group is killed, so no orphan keeps GPU memory for the next run.
+    Returns the exit status (124 on timeout).
+    """
+    with log.open("w") as f:
+        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        # `gpu_session.sh stop` kills this group too (it is not in the driver's group).
+        pgid_file = log.parent / "current_worker.pgid"
+        pgid_file.write_text(f"{p.pid}\n")
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = 124
+            f.write(f"\n[vllm_e2e] TIMEOUT after {timeout:.0f}s: killing process group\n")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            pgid_file.unlink(missing_ok=True)
+    return rc
+
+
+def log_tail(log: Path, n: int = 4000) -> str:
+    try:
+        return log.read_text(errors="replace")[-n:]
+    except OSError:
+        return "(no log)"
+
+
 def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path | None,
              out: Path, opts: argparse.Namespace, greedy_only: bool = False) -> dict:
-    tag = f"{model.name}-{mode}{'-' + bits if bits else ''}"
+    """Run one (model, mode) worker subprocess and return its result dict
+    (``{"mode", "failed": True, "rc", "log"}`` when it fails)."""
+    tp = int(getattr(opts, "tp", 1) or 1)
+    eager = bool(getattr(opts, "enforce_eager", False))
+    tag = (f"{model.name}-{mode}{'-' + bits if bits else ''}{f'-tp{tp}' if tp > 1 else ''}"
+           f"{'-eager' if eager else ''}")
     result = out / f"{tag}.json"
-    cmd = [sys.executable, __file__, "worker", "--model", str(model), "--mode", mode,
-           "--result", str(result), "--gmu", str(opts.gmu), "--max-model-len",
-           str(opts.max_model_len if not dummy else opts.long_max_model_len),
-           "--max-num-seqs", str(max(opts.batches)), "--long-prompt",
-           str(opts.long_prompt if dummy or opts.long_real else 0),
+    result.unlink(missing_ok=True)
+    long_prompt = getattr(opts, "long_prompt", 0) if dummy or getattr(opts, "long_real", False) \
+        else 0
+    max_len = getattr(opts, "long_max_model_len", opts.max_model_len) if long_prompt \
+        else opts.max_model_len
+    cmd = [sys.executable, os.path.abspath(__file__), "worker", "--model", str(model),
+           "--mode", mode, "--result", str(result), "--gmu", str(opts.gmu),
+           "--max-model-len", str(max_len), "--max-num-seqs", str(max(opts.batches)),
+           "--long-prompt", str(long_prompt), "--tp", str(tp),
            "--batches", *map(str, opts.batches)]
     if dummy:
         cmd.append("--dummy")
     if greedy_only:
         cmd.append("--greedy-only")
+    if eager:
+        cmd.append("--enforce-eager")
     env = {**os.environ}
     env.pop("TKV_BITS", None)
     env.pop("TKV_CALIBRATION_FILE", None)
@@ -194,18 +241,18 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
         env["TKV_BITS"] = bits or "4.0"
         if bundle is not None:
             env["TKV_CALIBRATION_FILE"] = str(bundle)
-    if opts.long_max_model_len > 32768:
+    if max_len > 32768:
         env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    print(f"== {tag}: {' '.join(cmd[2:])}", flush=True)
+    log = out / f"{tag}.log"
+    print(f"== {tag}: {' '.join(cmd[2:])}\n   log: {log}", flush=True)
     t = time.perf_counter()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=opts.timeout)
-    (out / f"{tag}.log").write_text(p.stdout + p.stderr)
-    if p.returncode != 0 or not result.is_file():
-        print(f"   FAILED (rc={p.returncode}); log: {out / (tag + '.log')}\n"
-              + (p.stderr[-2000:]), flush=True)
-        return {"mode": mode, "failed": True}
+    rc = run_worker(cmd, env, log, opts.timeout)
+    if rc != 0 or not result.is_file():
+        print(f"   FAILED (rc={rc}) after {time.perf_counter() - t:.0f}s; log tail "
+              f"({log}):\n{log_tail(log)}", flush=True)
+        return {"mode": mode, "failed": True, "rc": rc, "log": str(log)}
     res = json.loads(result.read_text())
-    m = KV_TOKENS_RE.findall(p.stdout + p.stderr)
+    m = KV_TOKENS_RE.findall(log_tail(log, 10**9))
     if m:
         res["kv_tokens_reported"] = int(m[-1].replace(",", ""))
     print(f"   done in {time.perf_counter() - t:.0f}s", flush=True)
@@ -316,16 +363,65 @@ def serve_check(opts: argparse.Namespace) -> None:
         srv.wait(timeout=60)
 
 
-def main(argv: list[str] | None = None) -> None:
+def smoke(opts: argparse.Namespace) -> int:
+    """Quick in-engine check (``enforce_eager``): greedy text of bf16 and tkv at each of
+    ``--bits`` side by side, token agreement and KV tokens. Returns the exit status:
+    1 if any engine failed (its log tail is printed), else 0 (agreement below the goal is
+    reported loudly but is a result, not a crash)."""
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    opts.enforce_eager = True
+    opts.batches = [len(PROMPTS)]
+    model, dummy = resolve_model(opts.model[0], out / "models")
+    bundle = Path(opts.bundle) if opts.bundle else write_uniform_bundle(
+        model, out / f"{model.name}-uniform-bundle.json")
+    runs = {"bf16": run_mode(model, dummy, "bf16", None, None, out, opts, greedy_only=True)}
+    for b in opts.bits:
+        runs[f"tkv@{b}"] = run_mode(model, dummy, "tkv", b, bundle, out, opts, greedy_only=True)
+    (out / f"smoke-{model.name}-tp{opts.tp}.json").write_text(json.dumps(runs, indent=1))
+    base = runs["bf16"]
+    failed = [k for k, r in runs.items() if r.get("failed")]
+    print(f"\n#### smoke: {model.name}, tp={opts.tp}, enforce_eager, {GREEDY_TOKENS} greedy "
+          "tokens", flush=True)
+    for name, r in runs.items():
+        kv = r.get("kv_tokens_reported") or r.get("kv_tokens_blocks")
+        line = f"{name:10s} KV tokens {kv:,}" if kv else f"{name:10s} KV tokens ?"
+        if not r.get("failed") and not base.get("failed") and name != "bf16":
+            ex, fr = agreement(base["greedy"], r["greedy"])
+            line += f"; greedy = bf16: {ex}/{len(PROMPTS)} exact, {100 * fr:.0f}% prefix"
+            if r.get("tkv_bits", "").startswith("8") and ex < len(PROMPTS) - 1:
+                line += "   <<< BELOW GOAL (>= 7/8 at TKV_BITS=8)"
+        print(line + ("   FAILED" if r.get("failed") else ""), flush=True)
+    if not dummy and not base.get("failed"):
+        for i, prompt in enumerate(PROMPTS):
+            print(f"\n[{i}] {prompt!r}\n  bf16     : {base['greedy_text'][i]!r}")
+            for name, r in runs.items():
+                if name != "bf16" and not r.get("failed"):
+                    print(f"  {name:9s}: {r['greedy_text'][i]!r}")
+    if failed:
+        print(f"\nSMOKE FAILED: {', '.join(failed)} (logs under {out})", flush=True)
+        return 1
+    print(f"\nSMOKE OK (results in {out})", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("all", "serve-check"):
+    for name in ("all", "smoke", "serve-check"):
         a = sub.add_parser(name)
         a.add_argument("--model", nargs="+", default=["qwen3-8b-like"],
                        help="model directories and/or 'qwen3-8b-like'")
         a.add_argument("--gmu", type=float, default=0.5, help="gpu_memory_utilization")
         a.add_argument("--max-model-len", type=int, default=4096)
-        a.add_argument("--timeout", type=int, default=1800)
+        a.add_argument("--timeout", type=int, default=1800,
+                       help="seconds per engine run (its process group is killed after)")
+        a.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+        if name == "smoke":
+            a.add_argument("--out", default="/tmp/e2e/smoke")
+            a.add_argument("--bits", nargs="+", default=["8.0", "4.0"],
+                           help="TKV_BITS values to compare with bf16")
+            a.add_argument("--bundle", default=None, help="calibration bundle (default: uniform)")
         if name == "all":
             a.add_argument("--out", default="benchmarks/results/vllm_e2e")
             a.add_argument("--bits", default="4.0", help="TKV_BITS of the throughput run")
@@ -335,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
             a.add_argument("--long-max-model-len", type=int, default=33280)
             a.add_argument("--long-real", action="store_true",
                            help="also run the long prompt on real-weight models")
-        else:
+        if name == "serve-check":
             a.add_argument("--port", type=int, default=8011)
     w = sub.add_parser("worker")
     w.add_argument("--model", required=True)
@@ -348,9 +444,13 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     w.add_argument("--dummy", action="store_true")
     w.add_argument("--greedy-only", action="store_true")
+    w.add_argument("--enforce-eager", action="store_true")
+    w.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = p.parse_args(argv)
-    {"all": run_all, "serve-check": serve_check, "worker": worker}[args.cmd](args)
+    rc = {"all": run_all, "smoke": smoke, "serve-check": serve_check,
+          "worker": worker}[args.cmd](args)
+    return int(rc or 0)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

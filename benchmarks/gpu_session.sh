@@ -1,0 +1,205 @@
+#!/usr/bin/env bash
+# tkv-vllm on the lent GPU machine, after ../shared/gpu staging ("TKV READY").
+#
+# Runs from the repository root on the device (the `run` tool's cwd). Every call is a fresh
+# shell, so every mode sets the environment up again (idempotent, about 1 s):
+#   * source /tmp/tkv-bin/env.sh (vLLM 0.20.1 in /tmp/tkv-site, SmolLM2 in $TKV_MODEL);
+#   * PYTHONPATH += packages/tkv-{codec,kernels,vllm}/src (tkv is a namespace package) and
+#     $TKV_EP_DIR, which holds a minimal tkv_vllm-*.dist-info whose entry_points.txt makes
+#     the `vllm.general_plugins` entry point `tkv = tkv.vllm.plugin:register` visible to
+#     importlib.metadata in every process vLLM starts (no pip, no hatchling needed);
+#   * NVLink multicast stays off (NCCL_NVLS_ENABLE=0 ...), also in the engines' children.
+#
+# Modes:
+#   go [E2E_ARGS...]     setup + smoke, then `start` (only if the smoke passed) + first poll
+#   setup                patch vLLM (`python -m tkv.vllm.cli patch apply`), check the plugin
+#   smoke [ARGS...]      vllm_e2e.py smoke: SmolLM2 eager, greedy text bf16 vs tkv@8 / tkv@4
+#   start [E2E_ARGS...]  vllm_e2e.py E2E_ARGS (default: all --model $TKV_MODEL qwen3-8b-like)
+#                        in the background (setsid nohup), output under $TKV_E2E_DIR/job
+#   poll                 state of the background job + log tail; copies <= 6 files into $OUT
+#   stop                 kill the background job's process group and its current engine
+#
+# Exit status: non-zero on any failure, with the log tail printed.
+set -Eeuo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+E2E=${TKV_E2E_DIR:-/tmp/e2e}
+EP=${TKV_EP_DIR:-/tmp/tkv-ep}
+ENV_SH=${TKV_ENV_SH:-/tmp/tkv-bin/env.sh}
+PY=${PYTHON:-python3}
+JOB=$E2E/job
+mkdir -p "$E2E"
+
+die() { echo "GPU_SESSION FAILED: $*" >&2; exit 1; }
+trap 'echo "GPU_SESSION FAILED: line $LINENO: $BASH_COMMAND (rc=$?)" >&2' ERR
+
+tail_log() {  # tail_log FILE [LINES]
+    if [[ -f $1 ]]; then echo "----- tail of $1"; tail -n "${2:-60}" "$1"; echo "-----"; fi
+}
+
+env_setup() {
+    [[ -f $ENV_SH ]] || die "$ENV_SH missing: stage first (../shared/gpu: unpack every part until TKV READY)"
+    # shellcheck disable=SC1090
+    source "$ENV_SH"
+    local src="$REPO/packages/tkv-codec/src:$REPO/packages/tkv-kernels/src:$REPO/packages/tkv-vllm/src"
+    case ":${PYTHONPATH:-}:" in *":$EP:"*) ;; *) export PYTHONPATH="$src:$EP:${PYTHONPATH:-}" ;; esac
+    local ver
+    ver=$(sed -n 's/^version *= *"\(.*\)"/\1/p' "$REPO/packages/tkv-vllm/pyproject.toml" | head -1)
+    local di="$EP/tkv_vllm-${ver:-0.0.1}.dist-info"
+    mkdir -p "$di"
+    printf 'Metadata-Version: 2.1\nName: tkv-vllm\nVersion: %s\n' "${ver:-0.0.1}" > "$di/METADATA"
+    printf '[vllm.general_plugins]\ntkv = tkv.vllm.plugin:register\n\n[console_scripts]\ntkv-vllm = tkv.vllm.cli:main\n' \
+        > "$di/entry_points.txt"
+    # Keep NVLink multicast off everywhere (device rule), also in vLLM's worker processes.
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    export PYTHONUNBUFFERED=1
+    export TKV_MODEL=${TKV_MODEL:-/tmp/tkv-models/smollm2-135m}
+    cd "$REPO"
+}
+
+do_setup() {
+    local log=$E2E/setup.log
+    {
+        echo "== $(date -u +%FT%TZ) setup in $REPO"
+        nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv || true
+        "$PY" - <<'EOF'
+import importlib.util, sys, torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(),
+      "gpus", torch.cuda.device_count())
+import os
+assert torch.cuda.is_available() or os.environ.get("TKV_SESSION_CPU_CHECK"), "no CUDA device visible"
+for m in ("tkv.codec", "tkv.kernels", "tkv.vllm", "vllm"):
+    s = importlib.util.find_spec(m)
+    assert s is not None, f"{m} not importable (PYTHONPATH?)"
+    print(f"{m:12s} {list(s.submodule_search_locations or [s.origin])[0]}")
+EOF
+        echo "== tkv-vllm patch apply"
+        "$PY" -m tkv.vllm.cli patch apply
+        "$PY" -m tkv.vllm.cli patch status
+        echo "== plugin discovery and registration"
+        "$PY" - <<'EOF'
+from importlib.metadata import entry_points
+eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "tkv"]
+assert eps and eps[0].value == "tkv.vllm.plugin:register", f"tkv entry point not found: {eps}"
+import vllm
+assert vllm.__version__ == "0.20.1", vllm.__version__
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.config.cache import get_valid_cache_dtypes
+from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+assert "tkv" in get_valid_cache_dtypes(), get_valid_cache_dtypes()
+cls = E.TURBO_ATTN.get_class()
+import tkv.kernels, tkv.vllm.backend  # noqa: F401  (Triton kernels and backend import)
+print("vllm", vllm.__version__, "| dtype tkv registered | TURBO_ATTN ->", cls.__module__, cls.__name__)
+EOF
+        echo "SETUP OK"
+    } > "$log" 2>&1 || { cat "$log"; die "setup (log: $log)"; }
+    cat "$log"
+}
+
+do_smoke() {
+    local log=$E2E/smoke.log
+    echo "== smoke: $PY benchmarks/vllm_e2e.py smoke --model $TKV_MODEL --out $E2E/smoke $*"
+    set +e
+    "$PY" benchmarks/vllm_e2e.py smoke --model "$TKV_MODEL" --out "$E2E/smoke" \
+        --gmu 0.4 --max-model-len 2048 --timeout 400 "$@" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    set -e
+    if [[ $rc -ne 0 ]]; then
+        for f in "$E2E"/smoke/*.log; do [[ -f $f ]] && tail_log "$f" 80; done
+        die "smoke rc=$rc (log: $log)"
+    fi
+}
+
+job_running() { [[ -f $JOB/pid ]] && kill -0 "$(cat "$JOB/pid")" 2>/dev/null; }
+
+do_start() {
+    job_running && die "a job is already running (pid $(cat "$JOB/pid")); poll or stop it first"
+    local args=("$@")
+    [[ ${#args[@]} -gt 0 ]] || args=(all --model "$TKV_MODEL" qwen3-8b-like)
+    [[ ${args[0]} == serve-check ]] || args+=(--out "$JOB/results")
+    rm -rf "$JOB"; mkdir -p "$JOB/results"
+    printf '%q ' "$PY" benchmarks/vllm_e2e.py "${args[@]}" > "$JOB/cmd"; echo >> "$JOB/cmd"
+    # Own session: `stop` kills the group; the driver's engines run in their own groups
+    # (vllm_e2e.py kills those itself and records the live one in current_worker.pgid).
+    setsid nohup bash -c '"$@"; echo $? > "'"$JOB"'/rc"' _ "$PY" benchmarks/vllm_e2e.py "${args[@]}" \
+        > "$JOB/job.log" 2>&1 < /dev/null &
+    echo $! > "$JOB/pid"
+    date -u +%s > "$JOB/started"
+    sleep 3
+    if ! job_running && [[ "$(cat "$JOB/rc" 2>/dev/null || echo 1)" != 0 ]]; then
+        tail_log "$JOB/job.log" 80; die "job exited at once"
+    fi
+    echo "started (pid $(cat "$JOB/pid")): $(cat "$JOB/cmd")"
+}
+
+do_poll() {
+    local out=${OUT:-$E2E/out} state
+    mkdir -p "$out"
+    if [[ ! -f $JOB/pid ]]; then state="no job"
+    elif job_running; then state="RUNNING for $(( $(date -u +%s) - $(cat "$JOB/started") ))s"
+    else state="EXITED rc=$(cat "$JOB/rc" 2>/dev/null || echo '?')"; fi
+    {
+        echo "job: $state"
+        [[ -f $JOB/cmd ]] && echo "cmd: $(cat "$JOB/cmd")"
+        nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader || true
+        ls -la "$JOB/results" 2>/dev/null || true
+    } > "$out/status.txt"
+    cat "$out/status.txt"
+    tail_log "$JOB/job.log" 60
+    # At most 6 flat files, each capped at 16 MiB.
+    local cap=$((15 * 1024 * 1024))
+    [[ -f $JOB/job.log ]] && tail -c "$cap" "$JOB/job.log" > "$out/job.log"
+    [[ -f $JOB/results/README.md ]] && cp "$JOB/results/README.md" "$out/README.md"
+    [[ -f $E2E/setup.log ]] && tail -c "$cap" "$E2E/setup.log" > "$out/setup.log"
+    [[ -f $E2E/smoke.log ]] && tail -c "$cap" "$E2E/smoke.log" > "$out/smoke.log"
+    local tars=()
+    [[ -d $JOB/results ]] && tars+=(job)
+    [[ -d $E2E/smoke ]] && tars+=(smoke)
+    if [[ ${#tars[@]} -gt 0 ]]; then
+        # results, bundles' json and every engine log (logs cut to their last 2 MiB)
+        local stage=$E2E/.pack; rm -rf "$stage"; mkdir -p "$stage"
+        for d in "${tars[@]}"; do
+            (cd "$E2E" && find "$d" -type f \( -name '*.json' -o -name '*.md' -o -name cmd -o -name rc \) \
+                -not -path '*/models/*' -print0 | xargs -0 -r cp --parents -t "$stage")
+            while IFS= read -r -d '' f; do
+                mkdir -p "$stage/$(dirname "${f#"$E2E"/}")"
+                tail -c 2097152 "$f" > "$stage/${f#"$E2E"/}"
+            done < <(find "$E2E/$d" -type f -name '*.log' -print0)
+        done
+        tar -C "$stage" -czf "$out/e2e.tar.gz" .
+        if [[ $(stat -c %s "$out/e2e.tar.gz") -gt $cap ]]; then
+            tar -C "$stage" -czf "$out/e2e.tar.gz" --exclude='*.log' .
+        fi
+    fi
+    ls -la "$out"
+    if [[ $state == EXITED* && $state != "EXITED rc=0" ]]; then die "job $state"; fi
+}
+
+do_stop() {
+    local g
+    for f in "$JOB/pid" "$JOB/results/current_worker.pgid"; do
+        if [[ -f $f ]]; then
+            g=$(cat "$f")
+            kill -TERM -- "-$g" 2>/dev/null && echo "sent TERM to process group $g" || true
+        fi
+    done
+    sleep 5
+    for f in "$JOB/pid" "$JOB/results/current_worker.pgid"; do
+        [[ -f $f ]] && kill -KILL -- "-$(cat "$f")" 2>/dev/null || true
+    done
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader || true
+}
+
+mode=${1:-}
+[[ $# -gt 0 ]] && shift
+env_setup
+case $mode in
+    setup) do_setup ;;
+    smoke) do_smoke "$@" ;;
+    start) do_start "$@" ;;
+    poll) do_poll ;;
+    stop) do_stop ;;
+    go) do_setup; do_smoke; do_start "$@"; sleep 10; do_poll ;;
+    *) sed -n '2,24p' "${BASH_SOURCE[0]}"; die "unknown mode '${mode}'" ;;
+esac
