@@ -17,6 +17,8 @@
 #   start [E2E_ARGS...]  vllm_e2e.py E2E_ARGS (default: all --model $TKV_MODEL qwen3-8b-like)
 #                        in the background (setsid nohup), output under $TKV_E2E_DIR/job
 #   poll                 state of the background job + log tail; copies <= 6 files into $OUT
+#   wait [SECONDS]       keep the machine busy (it is given back after ~30 s idle, and /tmp
+#                        with it) until the job ends or SECONDS (default 540) pass, then poll
 #   stop                 kill the background job's process group and its current engine
 #
 # Exit status: non-zero on any failure, with the log tail printed.
@@ -176,6 +178,18 @@ do_poll() {
     if [[ $state == EXITED* && $state != "EXITED rc=0" ]]; then die "job $state"; fi
 }
 
+do_wait() {
+    local limit=${1:-540} t0 last=""
+    t0=$(date -u +%s)
+    while job_running && (( $(date -u +%s) - t0 < limit )); do
+        local cur
+        cur=$(grep -E '^== |FAILED|done in|^\| ' "$JOB/job.log" 2>/dev/null | tail -n 1 || true)
+        [[ $cur != "$last" ]] && { echo "[$(( $(date -u +%s) - t0 ))s] $cur"; last=$cur; }
+        sleep 10
+    done
+    do_poll
+}
+
 do_stop() {
     local g
     for f in "$JOB/pid" "$JOB/results/current_worker.pgid"; do
@@ -199,7 +213,8 @@ case $mode in
     smoke) do_smoke "$@" ;;
     start) do_start "$@" ;;
     poll) do_poll ;;
+    wait) do_wait "$@" ;;
     stop) do_stop ;;
     go) do_setup; do_smoke; do_start "$@"; sleep 10; do_poll ;;
-    *) sed -n '2,24p' "${BASH_SOURCE[0]}"; die "unknown mode '${mode}'" ;;
+    *) sed -n '2,26p' "${BASH_SOURCE[0]}"; die "unknown mode '${mode}'" ;;
 esac

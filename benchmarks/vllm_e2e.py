@@ -317,16 +317,19 @@ def run_all(opts: argparse.Namespace) -> None:
         model, dummy = resolve_model(spec, out / "models")
         bundle = Path(opts.bundle) if opts.bundle else write_uniform_bundle(
             model, out / f"{model.name}-uniform-bundle.json")
-        res = {"bf16": run_mode(model, dummy, "bf16", None, None, out, opts),
-               "tq4": run_mode(model, dummy, "tq4", None, None, out, opts),
-               f"tkv@{opts.bits}": run_mode(model, dummy, "tkv", opts.bits, bundle, out, opts),
-               "tkv@8.0": run_mode(model, dummy, "tkv", "8.0", bundle, out, opts,
-                                   greedy_only=True)}
-        (out / f"{model.name}.json").write_text(json.dumps(res, indent=1))
+        runs = {"bf16": ("bf16", None, None, False), "tq4": ("tq4", None, None, False),
+                "tkv": ("tkv", opts.bits, bundle, False), "tkv8": ("tkv", "8.0", bundle, True)}
+        res = {}
+        for r in opts.runs:
+            mode, bits, b, greedy_only = runs[r]
+            res[f"{mode}@{bits}" if bits else mode] = run_mode(model, dummy, mode, bits, b, out,
+                                                               opts, greedy_only=greedy_only)
+            # partial results after every engine run (poll picks them up)
+            (out / f"{model.name}.json").write_text(json.dumps(res, indent=1))
         t = table(model.name + (" (random weights)" if dummy else ""), res)
         print(t, flush=True)
         md.append(t)
-    (out / "README.md").write_text("\n".join(md))
+        (out / "README.md").write_text("\n".join(md))
     print(f"results in {out}")
 
 
@@ -431,6 +434,10 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--long-max-model-len", type=int, default=33280)
             a.add_argument("--long-real", action="store_true",
                            help="also run the long prompt on real-weight models")
+            a.add_argument("--runs", nargs="+", choices=["bf16", "tq4", "tkv", "tkv8"],
+                           default=["bf16", "tq4", "tkv", "tkv8"],
+                           help="engine runs per model: bf16, vLLM turboquant_4bit_nc, tkv at "
+                           "--bits (capacity+greedy+throughput), tkv at 8.0 (greedy only)")
         if name == "serve-check":
             a.add_argument("--port", type=int, default=8011)
     w = sub.add_parser("worker")
