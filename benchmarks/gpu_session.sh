@@ -104,7 +104,7 @@ do_smoke() {
     echo "== smoke: $PY benchmarks/vllm_e2e.py smoke --model $TKV_MODEL --out $E2E/smoke $*"
     set +e
     "$PY" benchmarks/vllm_e2e.py smoke --model "$TKV_MODEL" --out "$E2E/smoke" \
-        --gmu 0.4 --max-model-len 2048 --timeout 400 "$@" 2>&1 | tee "$log"
+        --gmu 0.5 --max-model-len 2048 --timeout 400 "$@" 2>&1 | tee "$log"
     local rc=${PIPESTATUS[0]}
     set -e
     if [[ $rc -ne 0 ]]; then
