@@ -66,6 +66,7 @@ QWEN3_8B_LIKE = {
     "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
 }
 KV_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+KV_GIB_RE = re.compile(r"(?:\((\w+) pid=\d+\).*)?Available KV cache memory: ([\d.]+) GiB")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -252,9 +253,13 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
               f"({log}):\n{log_tail(log)}", flush=True)
         return {"mode": mode, "failed": True, "rc": rc, "log": str(log)}
     res = json.loads(result.read_text())
-    m = KV_TOKENS_RE.findall(log_tail(log, 10**9))
+    text = log_tail(log, 10**9)
+    m = KV_TOKENS_RE.findall(text)
     if m:
         res["kv_tokens_reported"] = int(m[-1].replace(",", ""))
+    gib = {(who or "main"): float(g) for who, g in KV_GIB_RE.findall(text)}
+    if gib:
+        res["kv_gib_by_process"] = gib
     print(f"   done in {time.perf_counter() - t:.0f}s", flush=True)
     return res
 
@@ -331,6 +336,126 @@ def run_all(opts: argparse.Namespace) -> None:
         md.append(t)
         (out / "README.md").write_text("\n".join(md))
     print(f"results in {out}")
+
+
+def tp_unsupported(model: Path, tp: int) -> str | None:
+    """Why vLLM 0.20.1 refuses ``tensor_parallel_size=tp`` for this model, or None.
+
+    ``ModelConfig.verify_with_parallel_config`` requires ``num_attention_heads % tp == 0``
+    and ``QKVParallelLinear`` requires ``num_kv_heads % tp == 0`` or ``tp % num_kv_heads == 0``
+    (SmolLM2-135M: 9 query heads, so no TP=2).
+    """
+    cfg = json.loads((model / "config.json").read_text())
+    hq = cfg["num_attention_heads"]
+    hkv = cfg.get("num_key_value_heads", hq)
+    if hq % tp:
+        return (f"vLLM 0.20.1 refuses it: total number of attention heads ({hq}) must be "
+                f"divisible by tensor parallel size ({tp})")
+    if hkv % tp and tp % hkv:
+        return f"{hkv} KV heads can be neither split nor replicated over {tp} ranks"
+    return None
+
+
+def run_tp(opts: argparse.Namespace) -> int:
+    """TP=N vs TP=1 (issue 7): greedy equality of tkv TP=N with tkv TP=1 at ``TKV_BITS=8``
+    and agreement at ``--bits``; KV tokens and per-GPU KV memory vs bf16 TP=N; decode
+    throughput vs bf16 TP=N. Greedy comparisons run eager on both sides (``--greedy-eager``,
+    the default) so that they compare the same execution mode; capacity and throughput runs
+    use CUDA graphs. Returns 1 if any engine failed."""
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tp = opts.tp
+    md = [f"# tkv-vllm tensor parallel {tp} ({time.strftime('%Y-%m-%d %H:%M')})", "",
+          f"gpu_memory_utilization={opts.gmu} per GPU; throughput: batches {opts.batches} × "
+          "512-token prompts, 256 output tokens, CUDA graphs on; greedy: 8 fixed prompts, "
+          f"{GREEDY_TOKENS} tokens, {'eager' if opts.greedy_eager else 'CUDA graphs'} on both "
+          "sides.", "",
+          "Command: `" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) + "`", ""]
+    failed = False
+    for spec in opts.model:
+        model, dummy = resolve_model(spec, out / "models")
+        why = tp_unsupported(model, tp)
+        if why:
+            line = f"### {model.name}: not run at TP={tp} — {why}\n"
+            print(line, flush=True)
+            md.append(line)
+            continue
+        bundle = Path(opts.bundle) if opts.bundle else write_uniform_bundle(
+            model, out / f"{model.name}-uniform-bundle.json")
+
+        def go(mode, bits, t, greedy_only, eager, _model=model, _dummy=dummy, _bundle=bundle):
+            o = argparse.Namespace(**{**vars(opts), "tp": t, "enforce_eager": eager,
+                                      "long_prompt": 0})
+            return run_mode(_model, _dummy, mode, bits, _bundle if mode == "tkv" else None,
+                            out, o, greedy_only=greedy_only)
+
+        ge = opts.greedy_eager
+        res = {f"bf16 tp{tp}": go("bf16", None, tp, False, False),
+               f"tkv@{opts.bits} tp{tp}": go("tkv", opts.bits, tp, False, False)}
+        greedy = {}
+        for bits in ("8.0", opts.bits):
+            if f"tkv@{bits} tp{tp} g" in greedy:
+                continue
+            greedy[f"tkv@{bits} tp{tp} g"] = go("tkv", bits, tp, True, ge)
+            greedy[f"tkv@{bits} tp1 g"] = go("tkv", bits, 1, True, ge)
+        if opts.bf16_tp1:  # how much TP alone moves greedy tokens (all-reduce order)
+            greedy[f"bf16 tp{tp} g"] = go("bf16", None, tp, True, ge)
+            greedy["bf16 tp1 g"] = go("bf16", None, 1, True, ge)
+        allres = {**res, **greedy}
+        (out / f"{model.name}-tp{tp}.json").write_text(json.dumps(allres, indent=1))
+        failed |= any(r.get("failed") for r in allres.values())
+        md.append(tp_table(model.name + (" (random weights)" if dummy else ""), tp, opts.bits,
+                           res, greedy))
+        print(md[-1], flush=True)
+        (out / "README.md").write_text("\n".join(md))
+    (out / "README.md").write_text("\n".join(md))
+    print(f"results in {out}")
+    return 1 if failed else 0
+
+
+def tp_table(name: str, tp: int, bits: str, res: dict, greedy: dict) -> str:
+    """Markdown: capacity/throughput of tkv TP=N vs bf16 TP=N, then greedy TP=N vs TP=1."""
+    base = res.get(f"bf16 tp{tp}", {})
+
+    def kv(r):
+        return r.get("kv_tokens_reported") or r.get("kv_tokens_blocks")
+
+    keys = list(base.get("throughput", {}))
+    rows = [f"### {name}, TP={tp}", "",
+            "| run | KV tokens (each GPU holds all of them, its share of the heads) | ×bf16 | "
+            "KV GiB per GPU | " + " | ".join(f"tok/s {k}" for k in keys) + " | ×bf16 (each) |",
+            "|---|---|---|---|" + "---|" * len(keys) + "---|"]
+    for label, r in res.items():
+        if r.get("failed"):
+            rows.append(f"| {label} | FAILED (rc={r.get('rc')}) | | | " + "| " * len(keys) + "|")
+            continue
+        ratio = f"{kv(r) / kv(base):.2f}" if kv(r) and kv(base) else "?"
+        gib = " / ".join(f"{v:g}" for v in r.get("kv_gib_by_process", {}).values()) or "?"
+        tps = [r.get("throughput", {}).get(k, {}).get("output_tok_s") for k in keys]
+        vs = [f"{t / base['throughput'][k]['output_tok_s']:.2f}" if t else "-"
+              for t, k in zip(tps, keys, strict=True)]
+        rows.append(f"| {label} | {kv(r):,} | {ratio} | {gib} | " if kv(r) else
+                    f"| {label} | ? | {ratio} | {gib} | ")
+        rows[-1] += " | ".join(f"{t:,.0f}" if t else "-" for t in tps) + f" | {' / '.join(vs)} |"
+    rows += ["", f"| greedy ({GREEDY_TOKENS} tokens, 8 prompts) | TP={tp} vs TP=1 |", "|---|---|"]
+    pairs = [("tkv@8.0", "goal: 8/8 equal"), (f"tkv@{bits}", "reported"), ("bf16", "reference")]
+    seen = set()
+    for pre, note in pairs:
+        a, b = greedy.get(f"{pre} tp{tp} g"), greedy.get(f"{pre} tp1 g")
+        if a is None or b is None or pre in seen:
+            continue
+        seen.add(pre)
+        if a.get("failed") or b.get("failed"):
+            rows.append(f"| {pre} ({note}) | FAILED |")
+            continue
+        ex, fr = agreement(b["greedy"], a["greedy"])
+        rows.append(f"| {pre} ({note}) | {ex}/{len(a['greedy'])} exact, {100 * fr:.0f}% prefix |")
+    tkv_g = res.get(f"tkv@{bits} tp{tp}", {})
+    if base.get("greedy") and tkv_g.get("greedy"):
+        ex, fr = agreement(base["greedy"], tkv_g["greedy"])
+        rows.append(f"| tkv@{bits} vs bf16, both TP={tp} (CUDA graphs) | {ex}/{len(base['greedy'])}"
+                    f" exact, {100 * fr:.0f}% prefix |")
+    return "\n".join(rows) + "\n"
 
 
 def serve_check(opts: argparse.Namespace) -> None:
@@ -411,7 +536,7 @@ def smoke(opts: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("all", "smoke", "serve-check"):
+    for name in ("all", "smoke", "tp", "serve-check"):
         a = sub.add_parser(name)
         a.add_argument("--model", nargs="+", default=["qwen3-8b-like"],
                        help="model directories and/or 'qwen3-8b-like'")
@@ -419,7 +544,18 @@ def main(argv: list[str] | None = None) -> int:
         a.add_argument("--max-model-len", type=int, default=4096)
         a.add_argument("--timeout", type=int, default=1800,
                        help="seconds per engine run (its process group is killed after)")
-        a.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+        a.add_argument("--tp", type=int, default=2 if name == "tp" else 1,
+                       help="tensor_parallel_size")
+        if name == "tp":
+            a.add_argument("--out", default="benchmarks/results/vllm_tp2")
+            a.add_argument("--bits", default="4.0", help="TKV_BITS of the capacity/throughput "
+                           "run and of the reported TP agreement (8.0 is always compared)")
+            a.add_argument("--bundle", default=None, help="calibration bundle (default: uniform)")
+            a.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+            a.add_argument("--greedy-eager", action=argparse.BooleanOptionalAction, default=True,
+                           help="greedy TP comparisons with enforce_eager on both sides")
+            a.add_argument("--bf16-tp1", action="store_true",
+                           help="also compare bf16 TP=N with bf16 TP=1 (TP's own effect)")
         if name == "smoke":
             a.add_argument("--out", default="/tmp/e2e/smoke")
             a.add_argument("--bits", nargs="+", default=["8.0", "4.0"],
@@ -454,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--enforce-eager", action="store_true")
     w.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = p.parse_args(argv)
-    rc = {"all": run_all, "smoke": smoke, "serve-check": serve_check,
+    rc = {"all": run_all, "smoke": smoke, "tp": run_tp, "serve-check": serve_check,
           "worker": worker}[args.cmd](args)
     return int(rc or 0)
 

@@ -46,3 +46,72 @@ def test_agreement_and_table(e2e):
     t = e2e.table("m", res)
     assert "| tkv@4.0 | 3,800 | 3.80 | 1/2 exact, 75% prefix | 1,100 | 2,200 | 1.10 / 1.10 | 2.20 / 2.20 |" in t
     assert "| tkv@8.0 | FAILED" in t
+
+
+def test_tp_refusal_follows_vllm_rules(e2e, tmp_path):
+    """SmolLM2-135M (9 query heads, 3 KV heads) cannot run TP=2 in vLLM 0.20.1; the
+    Qwen3-8B-like geometry (32/8) can, and so can replication (1 KV head, TP=2)."""
+    def model(hq, hkv, name):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"num_attention_heads": hq,
+                                                   "num_key_value_heads": hkv}))
+        return d
+
+    assert "(9) must be divisible by tensor parallel size (2)" in e2e.tp_unsupported(
+        model(9, 3, "smollm2"), 2)
+    assert e2e.tp_unsupported(e2e.make_qwen3_like(tmp_path), 2) is None
+    assert e2e.tp_unsupported(model(8, 1, "mqa"), 2) is None
+    assert "neither split nor replicated" in e2e.tp_unsupported(model(12, 3, "odd"), 2)
+
+
+def test_tp_table_and_kv_memory_parse(e2e):
+    log = ("(Worker_TP0 pid=11) INFO 11-29 [gpu_worker.py:441] Available KV cache memory: 52.5 GiB\n"
+           "(Worker_TP1 pid=12) INFO 11-29 [gpu_worker.py:441] Available KV cache memory: 52.25 GiB\n")
+    assert dict((w, float(g)) for w, g in e2e.KV_GIB_RE.findall(log)) == {
+        "Worker_TP0": 52.5, "Worker_TP1": 52.25}
+    g8 = [[1] * 32, [2] * 32]
+    g4 = [[1] * 32, [2] * 16 + [3] * 16]
+    tp = {"64": {"output_tok_s": 100.0}, "256": {"output_tok_s": 200.0}}
+    res = {"bf16 tp2": {"kv_tokens_reported": 1000, "greedy": g8, "throughput": tp,
+                        "kv_gib_by_process": {"Worker_TP0": 50.0, "Worker_TP1": 50.0}},
+           "tkv@4.0 tp2": {"kv_tokens_reported": 3900, "greedy": g4, "throughput": {
+               k: {"output_tok_s": v["output_tok_s"] * 1.2} for k, v in tp.items()}}}
+    greedy = {"tkv@8.0 tp2 g": {"greedy": g8}, "tkv@8.0 tp1 g": {"greedy": g8},
+              "tkv@4.0 tp2 g": {"greedy": g4}, "tkv@4.0 tp1 g": {"greedy": g8}}
+    t = e2e.tp_table("m", 2, "4.0", res, greedy)
+    assert "| bf16 tp2 | 1,000 | 1.00 | 50 / 50 | 100 | 200 | 1.00 / 1.00 |" in t
+    assert "| tkv@4.0 tp2 | 3,900 | 3.90 | ? | 120 | 240 | 1.20 / 1.20 |" in t
+    assert "| tkv@8.0 (goal: 8/8 equal) | 2/2 exact, 100% prefix |" in t
+    assert "| tkv@4.0 (reported) | 1/2 exact, 75% prefix |" in t
+    assert "| tkv@4.0 vs bf16, both TP=2 (CUDA graphs) | 1/2 exact, 75% prefix |" in t
+
+
+def test_run_worker_kills_the_engine_process_group(e2e, tmp_path):
+    """An engine's children (vLLM's EngineCore) die with the run, also on timeout."""
+    import os
+    import sys
+    import time
+
+    pidfile = tmp_path / "grandchild.pid"
+    script = ("import subprocess, sys, time; "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pidfile)!r}, 'w').write(str(p.pid)); print('started', flush=True); "
+              "time.sleep(float(sys.argv[1]))")
+    for sleep, timeout, rc in (("0", 30, 0), ("60", 3, 124)):
+        log = tmp_path / f"w{sleep}.log"
+        assert e2e.run_worker([sys.executable, "-c", script, sleep], dict(os.environ), log,
+                              timeout) == rc
+        assert "started" in log.read_text()
+        assert not (tmp_path / "current_worker.pgid").exists()
+        gc = int(pidfile.read_text())
+        for _ in range(50):  # gone, or a zombie nobody reaped yet (no init in containers)
+            try:
+                stat = Path(f"/proc/{gc}/stat").read_text()
+            except FileNotFoundError:
+                break
+            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"grandchild {gc} survived the run")
