@@ -300,6 +300,60 @@ def test_tensor_parallel_rank_specs(patched_vllm, tmp_path, monkeypatch):
         kv_cache_spec_for_layer(wrong, vc)
 
 
+@pytest.mark.parametrize(("h", "t"), [(8, 1), (8, 2), (8, 4), (8, 8), (4, 8), (2, 4), (1, 2),
+                                    (1, 8), (32, 2)])
+def test_kv_head_shards_follow_vllms_own_rule(patched_vllm, h, t):
+    """Per-rank KV heads equal vLLM's ModelConfig.get_num_kv_heads, and a replicated rank
+    owns head ``rank // replicas`` as QKVParallelLinear loads it (``tp_rank //
+    num_kv_head_replicas``); every head is held by ``replicas`` ranks."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from vllm.config import ModelConfig
+
+    from tkv.vllm.sharding import shard_kv_heads
+
+    mc = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: h)
+    per_rank = ModelConfig.get_num_kv_heads(mc, SimpleNamespace(tensor_parallel_size=t))
+    # (read, not imported: vllm.model_executor.layers.linear needs CUDA libraries)
+    linear = Path(importlib.util.find_spec("vllm.model_executor").submodule_search_locations[0])
+    src = (linear / "layers" / "linear.py").read_text()
+    assert "divide(tp_size, self.total_num_kv_heads)" in src  # replicas = T / H
+    assert "self.tp_rank // self.num_kv_head_replicas" in src  # the rule mirrored below
+    replicas = t // h if t >= h else 1
+    holders = {}
+    for r in range(t):
+        s = shard_kv_heads(h, t, r)
+        assert s.num_local_heads == per_rank and s.replicas == replicas
+        if replicas > 1:
+            assert list(s.heads) == [r // replicas]
+        for x in s.heads:
+            holders.setdefault(x, []).append(r)
+    assert sorted(holders) == list(range(h))
+    assert all(len(v) == replicas for v in holders.values())
+
+
+def test_replicated_kv_head_rank_specs(patched_vllm, monkeypatch):
+    """TP=2 over 1 KV head (replication): each rank's page is the whole 1-head SlotLayout —
+    the same as at TP=1, so the KV memory per GPU does not shrink."""
+    from tkv.vllm.spec import kv_cache_spec_for_layer
+
+    monkeypatch.delenv("TKV_BITS", raising=False)
+    monkeypatch.delenv("TKV_CALIBRATION_FILE", raising=False)
+    pages = {}
+    for tp in (1, 2):
+        startup._CONFIGS.clear()
+        vc = fake_vllm_config(fake_model_config(num_kv_heads=1), tp=tp)
+        lay = make_layer("model.layers.0.self_attn.attn", num_kv_heads=1, num_heads=4)
+        vc.compilation_config.static_forward_context[lay.layer_name] = lay
+        with pytest.warns(UserWarning, match="no calibration bundle"):
+            spec = kv_cache_spec_for_layer(lay, vc)
+        assert spec.num_kv_heads == 1 and (spec.tkv_k_bits, spec.tkv_v_bits) == (4, 4)
+        pages[tp] = spec.page_size_bytes
+    assert pages[1] == pages[2] == SlotLayout(64, 1, 4, 4, 16).page_bytes
+
+
 def test_model_runners_view_each_layer_with_its_own_page(patched_vllm, tmp_path, monkeypatch):
     """Patch 0003 at the call sites: both GPU model runners (v1 and v2) turn the raw int8
     buffers of a mixed-width model into uint8 (num_blocks, page_bytes(layer)) views."""
