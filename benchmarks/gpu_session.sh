@@ -14,12 +14,16 @@
 #   go [E2E_ARGS...]     setup + smoke, then `start` (only if the smoke passed) + first poll
 #   setup                patch vLLM (`python -m tkv.vllm.cli patch apply`), check the plugin
 #   smoke [ARGS...]      vllm_e2e.py smoke: SmolLM2 eager, greedy text bf16 vs tkv@8 / tkv@4
-#   start [E2E_ARGS...]  vllm_e2e.py E2E_ARGS (default: all --model $TKV_MODEL qwen3-8b-like)
-#                        in the background (setsid nohup), output under $TKV_E2E_DIR/job
-#   poll                 state of the background job + log tail; copies <= 6 files into $OUT
+#   start [E2E_ARGS...]  vllm_e2e.py E2E_ARGS in the background (setsid nohup) as job $TKV_JOB
+#                        (default e2e) under $TKV_E2E_DIR/jobs/, on $CUDA_VISIBLE_DEVICES.
+#                        No args: `all` for SmolLM2 on GPU 0 and for qwen3-8b-like on GPU 1
+#                        (two jobs) when there are 2 GPUs, else one job with both models
+#   tp [ARGS...]         job "tp": vllm_e2e.py tp --model qwen3-8b-like smollm2 --tp 2 ARGS
+#                        (needs both GPUs: refuses while another job runs)
+#   poll                 jobs' state + log tails; copies <= 5 flat files into $OUT
 #   wait [SECONDS]       keep the machine busy (it is given back after ~30 s idle, and /tmp
-#                        with it) until the job ends or SECONDS (default 540) pass, then poll
-#   stop                 kill the background job's process group and its current engine
+#                        with it) until every job ends or SECONDS (default 540) pass, then poll
+#   stop                 kill every job's process group and its current engine
 #
 # Exit status: non-zero on any failure, with the log tail printed.
 set -Eeuo pipefail
@@ -113,53 +117,78 @@ do_smoke() {
     fi
 }
 
-job_running() { [[ -f $JOB/pid ]] && kill -0 "$(cat "$JOB/pid")" 2>/dev/null; }
+JOBS=$E2E/jobs
+job_running() { [[ -f $1/pid ]] && kill -0 "$(cat "$1/pid")" 2>/dev/null; }
+any_running() { local d; for d in "$JOBS"/*/; do job_running "${d%/}" && return 0; done; return 1; }
+job_state() {
+    local d=$1
+    if job_running "$d"; then echo "RUNNING for $(( $(date -u +%s) - $(cat "$d/started") ))s"
+    else echo "EXITED rc=$(cat "$d/rc" 2>/dev/null || echo '?')"; fi
+}
 
-do_start() {
-    job_running && die "a job is already running (pid $(cat "$JOB/pid")); poll or stop it first"
+do_start() {  # TKV_JOB names the job (default e2e); CUDA_VISIBLE_DEVICES is passed through
+    local name=${TKV_JOB:-e2e}
+    local job=$JOBS/$name
+    job_running "$job" && die "job $name is already running (pid $(cat "$job/pid")); poll or stop it"
     local args=("$@")
-    [[ ${#args[@]} -gt 0 ]] || args=(all --model "$TKV_MODEL" qwen3-8b-like)
-    [[ ${args[0]} == serve-check ]] || args+=(--out "$JOB/results")
-    rm -rf "$JOB"; mkdir -p "$JOB/results"
-    printf '%q ' "$PY" benchmarks/vllm_e2e.py "${args[@]}" > "$JOB/cmd"; echo >> "$JOB/cmd"
+    [[ ${#args[@]} -gt 0 ]] || args=(all --model smollm2 qwen3-8b-like)
+    [[ ${args[0]} == serve-check ]] || args+=(--out "$job/results")
+    rm -rf "$job"; mkdir -p "$job/results"
+    { printf 'CUDA_VISIBLE_DEVICES=%s ' "${CUDA_VISIBLE_DEVICES-}"
+      printf '%q ' "$PY" benchmarks/vllm_e2e.py "${args[@]}"; echo; } > "$job/cmd"
     # Own session: `stop` kills the group; the driver's engines run in their own groups
     # (vllm_e2e.py kills those itself and records the live one in current_worker.pgid).
-    setsid nohup bash -c '"$@"; echo $? > "'"$JOB"'/rc"' _ "$PY" benchmarks/vllm_e2e.py "${args[@]}" \
-        > "$JOB/job.log" 2>&1 < /dev/null &
-    echo $! > "$JOB/pid"
-    date -u +%s > "$JOB/started"
+    setsid nohup bash -c '"$@"; echo $? > "'"$job"'/rc"' _ "$PY" benchmarks/vllm_e2e.py "${args[@]}" \
+        > "$job/job.log" 2>&1 < /dev/null &
+    echo $! > "$job/pid"
+    date -u +%s > "$job/started"
     sleep 3
-    if ! job_running && [[ "$(cat "$JOB/rc" 2>/dev/null || echo 1)" != 0 ]]; then
-        tail_log "$JOB/job.log" 80; die "job exited at once"
+    if ! job_running "$job" && [[ "$(cat "$job/rc" 2>/dev/null || echo 1)" != 0 ]]; then
+        tail_log "$job/job.log" 80; die "job $name exited at once"
     fi
-    echo "started (pid $(cat "$JOB/pid")): $(cat "$JOB/cmd")"
+    echo "started job $name (pid $(cat "$job/pid")): $(cat "$job/cmd")"
+}
+
+do_start_default() {  # both GPUs busy when there are two: one model per GPU
+    local n
+    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    if [[ ${n:-1} -ge 2 ]]; then
+        TKV_JOB=smollm2 CUDA_VISIBLE_DEVICES=0 do_start all --model smollm2
+        TKV_JOB=qwen3 CUDA_VISIBLE_DEVICES=1 do_start all --model qwen3-8b-like
+    else
+        do_start all --model smollm2 qwen3-8b-like
+    fi
 }
 
 do_poll() {
-    local out=${OUT:-$E2E/out} state
+    local out=${OUT:-$E2E/out} d failed=""
     mkdir -p "$out"
-    if [[ ! -f $JOB/pid ]]; then state="no job"
-    elif job_running; then state="RUNNING for $(( $(date -u +%s) - $(cat "$JOB/started") ))s"
-    else state="EXITED rc=$(cat "$JOB/rc" 2>/dev/null || echo '?')"; fi
+    : > "$out/README.md"
     {
-        echo "job: $state"
-        [[ -f $JOB/cmd ]] && echo "cmd: $(cat "$JOB/cmd")"
         nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader || true
-        ls -la "$JOB/results" 2>/dev/null || true
-    } > "$out/status.txt"
+        for d in "$JOBS"/*/; do
+            d=${d%/}; [[ -f $d/pid ]] || continue
+            echo "== job $(basename "$d"): $(job_state "$d")"
+            echo "   cmd: $(cat "$d/cmd")"
+            tail -n 25 "$d/job.log" | sed 's/^/   | /'
+            if [[ -f $d/results/README.md ]]; then
+                { echo "<!-- job $(basename "$d") -->"; cat "$d/results/README.md"; echo; } >> "$out/README.md"
+            fi
+            [[ $(job_state "$d") == "EXITED rc=0" || $(job_state "$d") == RUNNING* ]] \
+                || failed+=" $(basename "$d")"
+        done
+    } > "$out/status.txt" 2>&1
     cat "$out/status.txt"
-    tail_log "$JOB/job.log" 60
-    # At most 6 flat files, each capped at 16 MiB.
+    # At most 5 flat files (status.txt, README.md, setup.log, smoke.log, e2e.tar.gz), <16 MiB each.
     local cap=$((15 * 1024 * 1024))
-    [[ -f $JOB/job.log ]] && tail -c "$cap" "$JOB/job.log" > "$out/job.log"
-    [[ -f $JOB/results/README.md ]] && cp "$JOB/results/README.md" "$out/README.md"
-    [[ -f $E2E/setup.log ]] && tail -c "$cap" "$E2E/setup.log" > "$out/setup.log"
-    [[ -f $E2E/smoke.log ]] && tail -c "$cap" "$E2E/smoke.log" > "$out/smoke.log"
+    [[ -s $out/README.md ]] || rm -f "$out/README.md"
+    if [[ -f $E2E/setup.log ]]; then tail -c "$cap" "$E2E/setup.log" > "$out/setup.log"; fi
+    if [[ -f $E2E/smoke.log ]]; then tail -c "$cap" "$E2E/smoke.log" > "$out/smoke.log"; fi
     local tars=()
-    [[ -d $JOB/results ]] && tars+=(job)
+    [[ -d $JOBS ]] && tars+=(jobs)
     [[ -d $E2E/smoke ]] && tars+=(smoke)
     if [[ ${#tars[@]} -gt 0 ]]; then
-        # results, bundles' json and every engine log (logs cut to their last 2 MiB)
+        # results, bundles' json and every log (logs cut to their last 2 MiB), no model dirs
         local stage=$E2E/.pack; rm -rf "$stage"; mkdir -p "$stage"
         for d in "${tars[@]}"; do
             (cd "$E2E" && find "$d" -type f \( -name '*.json' -o -name '*.md' -o -name cmd -o -name rc \) \
@@ -175,15 +204,15 @@ do_poll() {
         fi
     fi
     ls -la "$out"
-    if [[ $state == EXITED* && $state != "EXITED rc=0" ]]; then die "job $state"; fi
+    if [[ -n $failed ]]; then die "job(s) failed:$failed (logs in e2e.tar.gz)"; fi
 }
 
 do_wait() {
     local limit=${1:-540} t0 last=""
     t0=$(date -u +%s)
-    while job_running && (( $(date -u +%s) - t0 < limit )); do
+    while any_running && (( $(date -u +%s) - t0 < limit )); do
         local cur
-        cur=$(grep -E '^== |FAILED|done in|^\| ' "$JOB/job.log" 2>/dev/null | tail -n 1 || true)
+        cur=$(grep -hE '^== |FAILED|done in|^\| |^#### ' "$JOBS"/*/job.log 2>/dev/null | tail -n 2 || true)
         [[ $cur != "$last" ]] && { echo "[$(( $(date -u +%s) - t0 ))s] $cur"; last=$cur; }
         sleep 10
     done
@@ -191,16 +220,15 @@ do_wait() {
 }
 
 do_stop() {
-    local g
-    for f in "$JOB/pid" "$JOB/results/current_worker.pgid"; do
-        if [[ -f $f ]]; then
-            g=$(cat "$f")
-            kill -TERM -- "-$g" 2>/dev/null && echo "sent TERM to process group $g" || true
-        fi
+    local f
+    for f in "$JOBS"/*/pid "$JOBS"/*/results/current_worker.pgid; do
+        [[ -f $f ]] || continue
+        if kill -TERM -- "-$(cat "$f")" 2>/dev/null; then echo "sent TERM to process group $(cat "$f")"; fi
     done
     sleep 5
-    for f in "$JOB/pid" "$JOB/results/current_worker.pgid"; do
-        [[ -f $f ]] && kill -KILL -- "-$(cat "$f")" 2>/dev/null || true
+    for f in "$JOBS"/*/pid "$JOBS"/*/results/current_worker.pgid; do
+        [[ -f $f ]] || continue
+        kill -KILL -- "-$(cat "$f")" 2>/dev/null || true
     done
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader || true
 }
@@ -211,10 +239,14 @@ env_setup
 case $mode in
     setup) do_setup ;;
     smoke) do_smoke "$@" ;;
-    start) do_start "$@" ;;
+    start) if [[ $# -gt 0 ]]; then do_start "$@"; else do_start_default; fi ;;
+    tp) any_running && die "TP=2 needs both GPUs: wait for / stop the running jobs first"
+        TKV_JOB=tp do_start tp --model qwen3-8b-like smollm2 --tp 2 "$@" ;;
     poll) do_poll ;;
     wait) do_wait "$@" ;;
     stop) do_stop ;;
-    go) do_setup; do_smoke; do_start "$@"; sleep 10; do_poll ;;
-    *) sed -n '2,26p' "${BASH_SOURCE[0]}"; die "unknown mode '${mode}'" ;;
+    go) do_setup; do_smoke
+        if [[ $# -gt 0 ]]; then do_start "$@"; else do_start_default; fi
+        sleep 10; do_poll ;;
+    *) sed -n '2,30p' "${BASH_SOURCE[0]}"; die "unknown mode '${mode}'" ;;
 esac

@@ -104,10 +104,13 @@ def make_qwen3_like(root: Path) -> Path:
 
 
 def resolve_model(spec: str, work: Path) -> tuple[Path, bool]:
-    """(model dir, dummy weights?) — ``qwen3-8b-like`` is generated; anything else is a
-    local directory (stage HF models on the host beforehand)."""
+    """(model dir, dummy weights?) — ``qwen3-8b-like`` is generated; ``smollm2`` is
+    ``$TKV_MODEL`` (default ``/tmp/tkv-models/smollm2-135m``); anything else is a local
+    directory (stage HF models on the host beforehand)."""
     if spec == "qwen3-8b-like":
         return make_qwen3_like(work), True
+    if spec == "smollm2":  # the model ../shared/gpu stages on the device
+        spec = os.environ.get("TKV_MODEL", "/tmp/tkv-models/smollm2-135m")
     p = Path(spec)
     if not (p / "config.json").is_file():
         raise SystemExit(f"{spec}: not a model directory with config.json")
