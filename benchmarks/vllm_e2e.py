@@ -466,11 +466,14 @@ def serve_check(opts: argparse.Namespace) -> None:
     import urllib.request
 
     port = opts.port
-    cmd = ["vllm", "serve", opts.model[0], "--kv-cache-dtype", "tkv", "--attention-backend",
+    model, dummy = resolve_model(opts.model[0], Path("/tmp/tkv-e2e-models"))
+    if dummy:
+        raise SystemExit("serve-check needs a model with a tokenizer (e.g. smollm2)")
+    cmd = ["vllm", "serve", str(model), "--kv-cache-dtype", "tkv", "--attention-backend",
            "turbo-attn", "--port", str(port), "--gpu-memory-utilization", str(opts.gmu),
-           "--max-model-len", str(opts.max_model_len)]
+           "--max-model-len", str(opts.max_model_len), "--tensor-parallel-size", str(opts.tp)]
     print("$ " + " ".join(cmd), flush=True)
-    srv = subprocess.Popen(cmd)
+    srv = subprocess.Popen(cmd, start_new_session=True)
     try:
         deadline = time.time() + opts.timeout
         while time.time() < deadline:
@@ -481,7 +484,7 @@ def serve_check(opts: argparse.Namespace) -> None:
                 if srv.poll() is not None:
                     raise SystemExit(f"vllm serve exited with {srv.returncode}") from None
                 time.sleep(2)
-        body = json.dumps({"model": opts.model[0], "prompt": "San Francisco is a",
+        body = json.dumps({"model": str(model), "prompt": "San Francisco is a",
                            "max_tokens": 16, "temperature": 0}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
@@ -491,7 +494,11 @@ def serve_check(opts: argparse.Namespace) -> None:
         assert ans["choices"][0]["text"], "empty completion"
     finally:
         srv.terminate()
-        srv.wait(timeout=60)
+        try:
+            srv.wait(timeout=60)
+        finally:  # the engine core and workers too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(srv.pid, signal.SIGKILL)
 
 
 def smoke(opts: argparse.Namespace) -> int:

@@ -69,7 +69,11 @@ def run(spec_k: int) -> float:
     torch.manual_seed(spec_k)
     hd, hq, hkv, bs = 32, 4, 2, 16
     tmp = Path(tempfile.mkdtemp())
-    alloc = LayerAllocation((4, 3), (3, 2), "smartmix")
+    # TKV_FWD_WIDTHS="k0,v0:k1,v1" overrides the two layers' widths (ad-hoc checks of
+    # other widths, e.g. "8,8:4,4" as the GPU smoke serves them).
+    widths = [tuple(int(b) for b in lw.split(","))
+              for lw in os.environ.get("TKV_FWD_WIDTHS", "4,3:3,2").split(":")]
+    alloc = LayerAllocation(tuple(w[0] for w in widths), tuple(w[1] for w in widths), "smartmix")
     path = make_bundle(tmp / "b.json", num_layers=2, num_kv_heads=hkv, head_dim=hd,
                        rows={"3.5": alloc})
     os.environ["TKV_BITS"] = "3.5"
