@@ -314,13 +314,14 @@ def table(model: str, res: dict[str, dict]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def run_all(opts: argparse.Namespace) -> None:
+def run_all(opts: argparse.Namespace) -> int:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     md = [f"# tkv-vllm end-to-end ({time.strftime('%Y-%m-%d %H:%M')})", "",
           f"gpu_memory_utilization={opts.gmu}; baseline: bf16 KV cache (vLLM auto); "
           f"batches {opts.batches} × 512-token prompts, 256 output tokens, CUDA graphs on.", "",
           "Command: `" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) + "`", ""]
+    failed: list[str] = []
     for spec in opts.model:
         model, dummy = resolve_model(spec, out / "models")
         bundle = Path(opts.bundle) if opts.bundle else write_uniform_bundle(
@@ -338,7 +339,11 @@ def run_all(opts: argparse.Namespace) -> None:
         print(t, flush=True)
         md.append(t)
         (out / "README.md").write_text("\n".join(md))
+        failed += [f"{model.name} {k}" for k, r in res.items() if r.get("failed")]
     print(f"results in {out}")
+    if failed:
+        print(f"FAILED engine runs: {', '.join(failed)} (their log tails are above)", flush=True)
+    return 1 if failed else 0
 
 
 def tp_unsupported(model: Path, tp: int) -> str | None:
