@@ -112,9 +112,9 @@ def decode_rows(cfgs, widths, copy_gbs, tune):
             nbytes = B * L * ld.layout.bytes_per_token
             opts = [dict(lookup=lk) for lk in lds]
             if tune:
-                opts = [dict(block_n=bn, num_warps=nw, num_stages=st, lookup=lk)
-                        for bn in (64, 128) for nw in (4, 8) for st in (2, 3)
-                        for lk in lds]
+                opts = [dict(block_n=bn, num_warps=nw, num_stages=st, prefetch=pf, lookup="pair")
+                        for bn in (32, 64, 128) for nw in (4, 8) for st in (1, 2)
+                        for pf in (True, False)]
             for o in opts:
                 o = dict(o)
                 lk = o.pop("lookup", next(iter(lds)))
@@ -218,8 +218,8 @@ def table(copy_gbs, path):
     for r in ROWS:
         shape = ", ".join(f"{k}={r[k]}" for k in ("B", "L", "T", "q_len", "prefix", "Hq", "Hkv", "D")
                           if k in r)
-        opts = ", ".join(f"{k}={r[k]}" for k in ("block_n", "num_warps", "num_stages", "block_m")
-                         if k in r)
+        opts = ", ".join(f"{k}={r[k]}" for k in ("block_n", "num_warps", "num_stages", "prefetch",
+                                                  "block_m") if k in r)
         if "error" in r:
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {opts} | error: "
                          f"{r['error'][:60]} | | | |")

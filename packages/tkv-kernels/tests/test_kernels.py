@@ -186,6 +186,20 @@ def test_decode_lookup_variants(lookup, kb, vb, dtype):
         TkvLoader(codec, 2, 16, lookup="select")
 
 
+@pytest.mark.parametrize("prefetch,block_n", [(False, 16), (True, 32)])
+def test_decode_prefetch_variants(prefetch, block_n):
+    """With and without the software-pipelined fetch (tile t+1 loaded during tile t)."""
+    codec = TurboKVCodec(64, k_bits=4, v_bits=3, device=DEV, seed=12)
+    ld = TkvLoader(codec, 2, 16)
+    batch, cache = _scenario(ld, [70, 1, 33], 14)
+    q = torch.randn(3, 8, 64).to(DEV, torch.float16)
+    out = torch.full(q.shape, float("nan"), device=DEV)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out, block_n=block_n,
+           prefetch=prefetch, num_splits=2)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    assert _rel(out, ref) < _tol(torch.float16)
+
+
 def test_planes_follow_widths():
     """2/4/8-bit sides decode as 4/2/1 planes, odd widths per element; planes keep >= 16
     coordinates (tensor-core K)."""

@@ -154,7 +154,7 @@ def test_reference_adds_offset_back_and_centering_is_exact_for_attention():
     kp, vp = gather_kv(cache, ld, batch.block_table[0], 20)
     mu = codec.k.channel_offset.double()
     kc = torch.cat([kp - mu, k.double() - mu])        # every key centered
-    pos = torch.arange(26)
+    pos = torch.arange(26, device=q.device)
     centered = attention_reference(q, kc, torch.cat([vp, v.double()]), pos[20:], pos)
     torch.testing.assert_close(centered, ref, rtol=1e-9, atol=1e-9)
     mixed = attention_reference(q, torch.cat([kp - mu, k.double()]), torch.cat([vp, v.double()]),

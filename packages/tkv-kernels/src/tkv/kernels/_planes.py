@@ -9,54 +9,85 @@ coordinates. Planes ``p ≥ NP`` are ignored (callers pass any tensor of the rig
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 
+def planar_index(num_planes: int, head_dim: int, d_pad: int) -> torch.Tensor:
+    """int64 ``(d_pad,)``: the coordinate held at each position of the *planar* layout
+    ``[plane 0 | plane 1 | …]`` (position ``p * d_pad/NP + j`` holds ``NP*j + p``), −1 where
+    that coordinate is ≥ head_dim (padding)."""
+    dj = d_pad // num_planes
+    pos = torch.arange(d_pad)
+    coord = (pos % dj) * num_planes + pos // dj
+    return torch.where(coord < head_dim, coord, -1)
+
+
+def to_planar_columns(m: torch.Tensor, num_planes: int, head_dim: int, d_pad: int):
+    """``(r, head_dim) -> (r, d_pad)``: the columns of ``m`` in planar order, zeros at padding
+    (so ``x @ to_planar_columns(M)`` is ``x @ M`` laid out as planes)."""
+    idx = planar_index(num_planes, head_dim, d_pad).to(m.device)
+    out = m[:, idx.clamp(min=0)]
+    return out * (idx >= 0).to(m.dtype)[None, :]
+
+
 @triton.jit
 def _plane(ptr, rows, rmask, P: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr,
-           HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
-    c = tl.arange(0, D_PAD // NP) * NP + P
-    x = tl.load(ptr + rows[:, None] + c[None, :], mask=rmask[:, None] & (c < HEAD_DIM)[None, :],
-                other=0.0)
+           HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PLANAR: tl.constexpr):
+    j = tl.arange(0, D_PAD // NP)
+    if PLANAR:
+        x = tl.load(ptr + rows[:, None] + (P * (D_PAD // NP) + j)[None, :],
+                    mask=rmask[:, None], other=0.0)
+    else:
+        c = j * NP + P
+        x = tl.load(ptr + rows[:, None] + c[None, :],
+                    mask=rmask[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
     return x.to(DTYPE)
 
 
 @triton.jit
 def load_planes(ptr, rows, rmask, NP: tl.constexpr, D_PAD: tl.constexpr,
-                HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
-    """Rows ``ptr + rows[m]`` (element offsets, unit stride along head_dim) as ``NP`` planes
-    ``[M, D_PAD // NP]`` of ``DTYPE``; coordinates ≥ HEAD_DIM and masked rows read 0."""
-    x0 = _plane(ptr, rows, rmask, 0, NP, D_PAD, HEAD_DIM, DTYPE)
+                HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PLANAR: tl.constexpr = False):
+    """Rows ``ptr + rows[m]`` (element offsets) as ``NP`` planes ``[M, D_PAD // NP]`` of
+    ``DTYPE``. Interleaved rows (natural coordinate order, unit stride, ``HEAD_DIM`` wide):
+    strided reads, coordinates ≥ HEAD_DIM read 0. ``PLANAR`` rows (``D_PAD`` wide, already
+    in :func:`planar_index` order): contiguous reads. Masked rows read 0."""
+    x0 = _plane(ptr, rows, rmask, 0, NP, D_PAD, HEAD_DIM, DTYPE, PLANAR)
     x1 = x0
     x2 = x0
     x3 = x0
     if NP > 1:
-        x1 = _plane(ptr, rows, rmask, 1, NP, D_PAD, HEAD_DIM, DTYPE)
+        x1 = _plane(ptr, rows, rmask, 1, NP, D_PAD, HEAD_DIM, DTYPE, PLANAR)
     if NP > 2:
-        x2 = _plane(ptr, rows, rmask, 2, NP, D_PAD, HEAD_DIM, DTYPE)
-        x3 = _plane(ptr, rows, rmask, 3, NP, D_PAD, HEAD_DIM, DTYPE)
+        x2 = _plane(ptr, rows, rmask, 2, NP, D_PAD, HEAD_DIM, DTYPE, PLANAR)
+        x3 = _plane(ptr, rows, rmask, 3, NP, D_PAD, HEAD_DIM, DTYPE, PLANAR)
     return x0, x1, x2, x3
 
 
 @triton.jit
 def _store_plane(ptr, rows, rmask, x, P: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr,
-                 HEAD_DIM: tl.constexpr):
-    c = tl.arange(0, D_PAD // NP) * NP + P
-    tl.store(ptr + rows[:, None] + c[None, :], x.to(ptr.dtype.element_ty),
-             mask=rmask[:, None] & (c < HEAD_DIM)[None, :])
+                 HEAD_DIM: tl.constexpr, PLANAR: tl.constexpr):
+    j = tl.arange(0, D_PAD // NP)
+    if PLANAR:
+        tl.store(ptr + rows[:, None] + (P * (D_PAD // NP) + j)[None, :],
+                 x.to(ptr.dtype.element_ty), mask=rmask[:, None])
+    else:
+        c = j * NP + P
+        tl.store(ptr + rows[:, None] + c[None, :], x.to(ptr.dtype.element_ty),
+                 mask=rmask[:, None] & (c < HEAD_DIM)[None, :])
 
 
 @triton.jit
 def store_planes(ptr, rows, rmask, x0, x1, x2, x3, NP: tl.constexpr, D_PAD: tl.constexpr,
-                 HEAD_DIM: tl.constexpr):
-    """Inverse of :func:`load_planes` (coordinates ≥ HEAD_DIM and masked rows not written)."""
-    _store_plane(ptr, rows, rmask, x0, 0, NP, D_PAD, HEAD_DIM)
+                 HEAD_DIM: tl.constexpr, PLANAR: tl.constexpr = False):
+    """Inverse of :func:`load_planes` (padding coordinates and masked rows not written)."""
+    _store_plane(ptr, rows, rmask, x0, 0, NP, D_PAD, HEAD_DIM, PLANAR)
     if NP > 1:
-        _store_plane(ptr, rows, rmask, x1, 1, NP, D_PAD, HEAD_DIM)
+        _store_plane(ptr, rows, rmask, x1, 1, NP, D_PAD, HEAD_DIM, PLANAR)
     if NP > 2:
-        _store_plane(ptr, rows, rmask, x2, 2, NP, D_PAD, HEAD_DIM)
-        _store_plane(ptr, rows, rmask, x3, 3, NP, D_PAD, HEAD_DIM)
+        _store_plane(ptr, rows, rmask, x2, 2, NP, D_PAD, HEAD_DIM, PLANAR)
+        _store_plane(ptr, rows, rmask, x3, 3, NP, D_PAD, HEAD_DIM, PLANAR)
 
 
 @triton.jit

@@ -31,17 +31,39 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _fetch_kv(t, t_end, L, start, cap, bt_row, num_blocks, kvh,
+              k_base, k_aux, k_table, k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st,
+              FETCH: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr, KP2: tl.constexpr,
+              KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr, VP1: tl.constexpr,
+              VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
+    """Memory half of token tile ``t`` (all tokens masked when ``t >= t_end``):
+    ``(mask_n, raw_k, row_scale_k, raw_v, row_scale_v)``."""
+    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = (pos < L) & (pos >= start) & (pos < cap) & (t < t_end)
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=mask_n, other=0)
+    mask_n = mask_n & (blk >= 0) & (blk < num_blocks)
+    blk = tl.where(mask_n, blk, 0)
+    off = pos % BLOCK_SIZE
+    rk, ks = FETCH(k_base, k_aux, k_table, blk, off, mask_n, kvh, k_sb, k_sh, k_st,
+                   KP0, KP1, KP2, KP3, KNP, D_PAD)
+    rv, vs = FETCH(v_base, v_aux, v_table, blk, off, mask_n, kvh, v_sb, v_sh, v_st,
+                   VP0, VP1, VP2, VP3, VNP, D_PAD)
+    return mask_n, rk, ks, rv, vs
+
+
+@triton.jit
 def _decode_split_kernel(
         Q, sq_s, sq_h, block_table, s_bt, seq_lens, max_blocks, num_blocks,
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
         part_o, part_lse, scale_log2, window,
-        LOAD_K: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr, KP2: tl.constexpr,
-        KP3: tl.constexpr, KNP: tl.constexpr, LOAD_V: tl.constexpr, VP0: tl.constexpr,
+        FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
+        KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         G: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_DTYPE: tl.constexpr):
+        DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -66,16 +88,25 @@ def _decode_split_kernel(
     a2 = a0
     a3 = a0
     cap = max_blocks * BLOCK_SIZE
+    bt_row = block_table + seq.to(tl.int64) * s_bt
+    # PREFETCH: software pipeline — the K/V bytes of tile t+1 are fetched while tile t is
+    # computed (costs the registers of one raw tile pair)
+    mask_n, rk, ks, rv, vs = _fetch_kv(
+        my0, my1, L, start, cap, bt_row, num_blocks, kvh, k_base, k_aux, k_table, k_sb, k_sh,
+        k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1, KP2, KP3, KNP, VP0,
+        VP1, VP2, VP3, VNP, BLOCK_SIZE, BLOCK_N, D_PAD)
     for t in range(my0, my1):
-        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = (pos < L) & (pos >= start) & (pos < cap)
-        blk = tl.load(block_table + seq.to(tl.int64) * s_bt + pos // BLOCK_SIZE, mask=mask_n,
-                      other=0)
-        mask_n = mask_n & (blk >= 0) & (blk < num_blocks)
-        blk = tl.where(mask_n, blk, 0)
-        off = pos % BLOCK_SIZE
-        k0, k1, k2, k3, ks = LOAD_K(k_base, k_aux, k_table, blk, off, mask_n, kvh,
-                                    k_sb, k_sh, k_st, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
+        if PREFETCH:
+            mask_nx, rkx, ksx, rvx, vsx = _fetch_kv(
+                t + 1, my1, L, start, cap, bt_row, num_blocks, kvh, k_base, k_aux, k_table,
+                k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1,
+                KP2, KP3, KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, BLOCK_N, D_PAD)
+        else:
+            mask_n, rk, ks, rv, vs = _fetch_kv(
+                t, my1, L, start, cap, bt_row, num_blocks, kvh, k_base, k_aux, k_table,
+                k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1,
+                KP2, KP3, KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, BLOCK_N, D_PAD)
+        k0, k1, k2, k3 = DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
         s = scores(q0, q1, q2, q3, k0, k1, k2, k3, KNP) * (ks * scale_log2)[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -83,11 +114,12 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v0, v1, v2, v3, vs = LOAD_V(v_base, v_aux, v_table, blk, off, mask_n, kvh,
-                                    v_sb, v_sh, v_st, VP0, VP1, VP2, VP3, VNP, D_PAD, DOT_DTYPE)
+        v0, v1, v2, v3 = DEQUANT(rv, v_table, VP0, VP1, VP2, VP3, VNP, D_PAD, DOT_DTYPE)
         a0, a1, a2, a3 = accumulate(a0, a1, a2, a3, alpha, (p * vs[None, :]).to(DOT_DTYPE),
                                     v0, v1, v2, v3, VNP)
         m_i = m_new
+        if PREFETCH:
+            mask_n, rk, ks, rv, vs = mask_nx, rkx, ksx, rvx, vsx
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     row = (seq.to(tl.int64) * (G * tl.num_programs(1)) + qh) * NUM_SPLITS + split
@@ -143,8 +175,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
            loader: Loader, workspace: Workspace, *, out: torch.Tensor | None = None,
            sm_scale: float | None = None, window: int = 0, query_rotated: bool = False,
            output_rotated: bool = False, num_splits: int | None = None,
-           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2
-           ) -> torch.Tensor:
+           block_n: int | None = None, num_warps: int = 4, num_stages: int = 1,
+           prefetch: bool = True) -> torch.Tensor:
     """Paged decode attention, one query token per sequence, reading the cache through
     ``loader`` with inline dequant (split-K over the sequence, LSE merge of the splits).
 
@@ -173,6 +205,10 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         output_rotated: leave the output in rotated space (fold ``loader.out_mat`` into
             o_proj) instead of unrotating it.
         num_splits: override the split-K count (power of two ≤ workspace.max_splits).
+        block_n, num_warps, num_stages: tile length (tokens) and Triton launch options.
+        prefetch: fetch tile ``t+1``'s bytes while tile ``t`` is computed (software pipeline;
+            ``num_stages=1`` leaves the pipelining to it: Triton's own would stage the codebook
+            gathers through shared memory).
 
     Returns:
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError /
@@ -232,10 +268,11 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
         block_table.shape[1], num_blocks, *kargs[:6], *vargs[:6], part_o, part_lse,
         scale * _LOG2E, window,
-        LOAD_K=loader.tile, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8], KP3=kargs[9],
-        KNP=kargs[10], LOAD_V=loader.tile, VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
+        FETCH=loader.fetch, DEQUANT=loader.dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
+        KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
         VP3=vargs[9], VNP=vargs[10], G=g, BLOCK_H=block_h, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=loader.block_size,
         BLOCK_N=block_n, NUM_SPLITS=splits, DOT_DTYPE=_TL[dot_dtype],
+        PREFETCH=bool(prefetch),
         num_warps=num_warps, num_stages=num_stages)
     unrotate = bool(loader.rotated and not output_rotated)
     u = loader.out_mat if unrotate else part_lse

@@ -1,31 +1,33 @@
 """The Loader protocol: how a kernel turns cache bytes into a K or V tile.
 
 Every attention kernel in :mod:`tkv.kernels` is written once against one seam, the *tile
-loader*: a ``@triton.jit`` function passed to the kernel as a ``tl.constexpr`` argument, so the
-format is fixed at compile time and the inner loop has no runtime format branch. Its signature
-(identical for every format, see ``docs/writing_a_loader.md``)::
+loader*: two ``@triton.jit`` functions passed to the kernel as ``tl.constexpr`` arguments, so
+the format is fixed at compile time and the inner loop has no runtime format branch. Their
+signatures (identical for every format, see ``docs/writing_a_loader.md``)::
 
-    t0, t1, t2, t3, row_scale = TILE(
-        base, aux, table,                  # pointers (format-defined meaning)
-        blk, off, mask_n,                  # [BLOCK_N] physical block, in-block offset,
-                                           #   valid-token mask
-        head,                              # KV head (scalar)
-        stride_block, stride_head, stride_tok,   # runtime ints
-        P0, P1, P2, P3,                    # format constants (tl.constexpr)
-        NP, D_PAD,                         # planes (1, 2 or 4) and padded head_dim (constexpr)
-        OUT_DTYPE)                         # tl.float16 / tl.bfloat16 (dot operand)
+    raw, row_scale = FETCH(base, aux, table,      # pointers (format-defined meaning)
+                           blk, off, mask_n,      # [BLOCK_N] physical block, in-block offset,
+                                                  #   valid-token mask
+                           head,                  # KV head (scalar)
+                           stride_block, stride_head, stride_tok,   # runtime ints
+                           P0, P1, P2, P3,        # format constants (tl.constexpr)
+                           NP, D_PAD)             # planes (1, 2 or 4), padded head_dim
+    t0, t1, t2, t3 = DEQUANT(raw, table, P0, P1, P2, P3, NP, D_PAD,
+                             OUT_DTYPE)           # tl.float16 / tl.bfloat16 (dot operand)
 
-The tile comes back split into ``NP`` *coordinate planes*: ``t_p`` is ``[BLOCK_N, D_PAD // NP]``
-and holds coordinates ``NP * j + p`` (``j = 0 … D_PAD/NP − 1``); planes ``p ≥ NP`` are
-unused (return any plane). With ``NP = 1``, ``t0`` is the ordinary ``[BLOCK_N, D_PAD]`` tile.
-Planes let a packed format hand over the codes of one byte without re-interleaving them in
-registers: a 4-bit byte holds coordinates ``2j`` (low nibble, plane 0) and ``2j + 1`` (high
-nibble, plane 1), and a dot product over ``d`` is the sum of the planes' dot products, so the
-kernels run one tensor-core ``tl.dot`` per plane and load queries and store outputs with the
-same strided coordinates. ``row_scale`` ``[BLOCK_N]`` float32 is a per-token factor that the
-kernel applies once to that token's score (K) or softmax weight (V) — never per element. The
-dequantized vector of token ``n`` is ``row_scale[n] * tile[n, :]``; every tile entry is finite
-(masked entries any finite value).
+``FETCH`` does every memory access that depends on the token (the kernels issue it one tile
+ahead, so the loads of tile ``t+1`` are in flight while tile ``t`` is computed); ``raw`` is any
+tensor (e.g. packed bytes). ``DEQUANT`` turns it into the tile, split into ``NP`` *coordinate
+planes*: ``t_p`` is ``[BLOCK_N, D_PAD // NP]`` and holds coordinates ``NP * j + p`` (``j = 0 …
+D_PAD/NP − 1``); planes ``p ≥ NP`` are unused (return any plane). With ``NP = 1``, ``t0`` is
+the ordinary ``[BLOCK_N, D_PAD]`` tile. Planes let a packed format hand over the codes of one
+byte without re-interleaving them in registers: a 4-bit byte holds coordinates ``2j`` (low
+nibble, plane 0) and ``2j + 1`` (high nibble, plane 1), and a dot product over ``d`` is the
+sum of the planes' dot products, so the kernels run one tensor-core ``tl.dot`` per plane and
+load queries and store outputs with the same strided coordinates. ``row_scale``
+``[BLOCK_N]`` float32 is a per-token factor that the kernel applies once to that token's score
+(K) or softmax weight (V) — never per element. The dequantized vector of token ``n`` is
+``row_scale[n] * tile[n, :]``; every tile entry is finite (masked entries any finite value).
 
 Formats here:
 
@@ -63,11 +65,11 @@ class Loader(Protocol):
 
     Attributes:
         name: short format name.
-        tile: the ``@triton.jit`` tile loader (module docstring gives its signature).
+        fetch, dequant: the ``@triton.jit`` tile loader halves (module docstring).
         rotated: True when cached K/V live in a rotated space, so queries must be rotated
             (:meth:`rotate_query_matrix`) and outputs unrotated (:meth:`unrotate_matrix`).
         head_dim, num_kv_heads, block_size: geometry (elements, heads, tokens per block).
-        min_block_n: smallest tile (tokens) the tile function is correct for on this backend;
+        min_block_n: smallest tile (tokens) the tile functions are correct for on this backend;
             decode and prefill raise their default tile to it and refuse an explicit smaller one.
     """
 
@@ -78,8 +80,8 @@ class Loader(Protocol):
     block_size: int
     min_block_n: int
 
-    @property
-    def tile(self): ...
+    fetch: object
+    dequant: object
 
     def check_cache(self, cache) -> int:
         """Validate ``cache`` (raise named errors); return its number of blocks."""
@@ -109,34 +111,28 @@ def _half_pair(w, HALF: tl.constexpr, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def tkv_tile(base, aux, table, blk, off, mask_n, head, stride_block, stride_head, stride_tok,
-             P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
-             NP: tl.constexpr, D_PAD: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """tkv packed tile (rotated space): ``tile = centroid[code] / sqrt(d)``, ``row_scale = norm``.
+def tkv_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_head, stride_tok,
+              P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
+              NP: tl.constexpr, D_PAD: tl.constexpr):
+    """tkv packed tile, memory half: ``(raw, norm)``.
 
-    base: the uint8 cache; aux: the same cache viewed as bf16 (norms); table: the side's
-    lookup table (see :meth:`TkvLoader.side_args`). Codes are LSB-first (tkv.codec.packing):
-    code i = bits [i*BITS, (i+1)*BITS) of the token's code bytes. Constants:
-    ``P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP``, ``P1`` codes offset, ``P2`` norms
-    offset (bytes in the page), ``P3`` norms per head.
+    base: the uint8 cache; aux: the same cache viewed as bf16 (norms). Codes are LSB-first
+    (tkv.codec.packing): code i = bits [i*BITS, (i+1)*BITS) of the token's code bytes.
+    Constants: ``P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP``, ``P1`` codes offset, ``P2``
+    norms offset (bytes in the page), ``P3`` norms per head.
 
-    Widths 2/4/8 with ``NP = 8 // BITS`` planes load each token's code bytes as one contiguous
-    row (16-byte vectors) and decode plane ``p`` of byte ``j`` (coordinate ``NP*j + p``) with
-    one shift and mask — no re-interleave. LOOKUP 1/2 (4-bit): one gather from a 256-entry
-    table of fp16/bf16 *pairs* per byte yields both planes; (2-bit): one gather per nibble from
-    a 16-entry pair table. LOOKUP 0: one gather per code from the float32 centroid table.
-    Widths 3/5/6/7 (``NP = 1``) read each code's one or two bytes per element.
+    Widths 2/4/8 with ``NP = 8 // BITS`` planes: ``raw`` = the tokens' code bytes
+    ``[BLOCK_N, D_PAD // NP]`` uint8, one contiguous row per token (16-byte vector loads).
+    Widths 3/5/6/7 (``NP = 1``): ``raw`` = the codes ``[BLOCK_N, D_PAD]`` uint8, read per
+    element (one or two bytes each: a code may straddle two bytes).
     """
     BITS: tl.constexpr = P0 % 16
     CODE_BYTES: tl.constexpr = (P0 // 16) % 4096
-    LOOKUP: tl.constexpr = P0 // 65536
-    MASK: tl.constexpr = (1 << BITS) - 1
     page = blk.to(tl.int64) * stride_block                                  # [N] bytes
     row = page + P1 + head * stride_head + off.to(tl.int64) * stride_tok
     nidx = (page + P2) // 2 + head * P3 + off
     norm = tl.load(aux + nidx, mask=mask_n, other=0.0).to(tl.float32)
     if NP == 1 and BITS != 8:
-        # per-element reads; a code may straddle two bytes
         offs_d = tl.arange(0, D_PAD)
         bit = offs_d * BITS
         byte = bit // 8
@@ -148,37 +144,53 @@ def tkv_tile(base, aux, table, blk, off, mask_n, head, stride_block, stride_head
             need = ((sh + BITS) > 8) & ((byte + 1) < CODE_BYTES)
             hi = tl.load(ptr + 1, mask=mask_n[:, None] & need[None, :], other=0).to(tl.int32)
             w = w | (hi << 8)
-        t0 = tl.load(table + ((w >> sh[None, :]) & MASK)).to(OUT_DTYPE)
-        return t0, t0, t0, t0, norm
+        raw = ((w >> sh[None, :]) & ((1 << BITS) - 1)).to(tl.uint8)
     else:
-        DJ: tl.constexpr = D_PAD // NP
-        offs_j = tl.arange(0, DJ)
+        offs_j = tl.arange(0, D_PAD // NP)
         bmask = mask_n[:, None] & (offs_j < CODE_BYTES)[None, :]
-        byt = tl.load(base + (row[:, None] + offs_j[None, :]), mask=bmask, other=0)
-        byt = byt.to(tl.int32)
-        if LOOKUP == 0:
-            t0 = tl.load(table + (byt & MASK)).to(OUT_DTYPE)
-            t1 = t0
-            t2 = t0
-            t3 = t0
-            if NP > 1:
-                t1 = tl.load(table + ((byt >> BITS) & MASK)).to(OUT_DTYPE)
-            if NP > 2:
-                t2 = tl.load(table + ((byt >> (2 * BITS)) & MASK)).to(OUT_DTYPE)
-                t3 = tl.load(table + ((byt >> (3 * BITS)) & MASK)).to(OUT_DTYPE)
+        raw = tl.load(base + (row[:, None] + offs_j[None, :]), mask=bmask, other=0)
+    return raw, norm
+
+
+@triton.jit
+def tkv_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                P3: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr,
+                OUT_DTYPE: tl.constexpr):
+    """tkv packed tile, arithmetic half: ``raw`` (:func:`tkv_fetch`) → planes of
+    ``centroid[code] / sqrt(d)`` (rotated space; ``row_scale`` = the norm).
+
+    Plane ``p`` of byte ``j`` (coordinate ``NP*j + p``) is one shift and mask — no
+    re-interleave. LOOKUP 1/2 (4-bit): one gather from a 256-entry table of fp16/bf16 *pairs*
+    per byte yields both planes; (2-bit): one gather per nibble from a 16-entry pair table.
+    LOOKUP 0: one gather per code from the float32 centroid table (``table``).
+    """
+    BITS: tl.constexpr = P0 % 16
+    LOOKUP: tl.constexpr = P0 // 65536
+    MASK: tl.constexpr = (1 << BITS) - 1
+    byt = raw.to(tl.int32)
+    if LOOKUP == 0:
+        t0 = tl.load(table + (byt & MASK)).to(OUT_DTYPE)
+        t1 = t0
+        t2 = t0
+        t3 = t0
+        if NP > 1:
+            t1 = tl.load(table + ((byt >> BITS) & MASK)).to(OUT_DTYPE)
+        if NP > 2:
+            t2 = tl.load(table + ((byt >> (2 * BITS)) & MASK)).to(OUT_DTYPE)
+            t3 = tl.load(table + ((byt >> (3 * BITS)) & MASK)).to(OUT_DTYPE)
+    else:
+        if LOOKUP == 1:
+            HALF: tl.constexpr = tl.float16
         else:
-            if LOOKUP == 1:
-                HALF: tl.constexpr = tl.float16
-            else:
-                HALF: tl.constexpr = tl.bfloat16
-            if NP == 2:   # 4-bit: byte -> (plane 0, plane 1)
-                t0, t1 = _half_pair(tl.load(table + byt), HALF, OUT_DTYPE)
-                t2 = t0
-                t3 = t1
-            else:         # 2-bit: low nibble -> planes 0, 1; high nibble -> planes 2, 3
-                t0, t1 = _half_pair(tl.load(table + (byt & 15)), HALF, OUT_DTYPE)
-                t2, t3 = _half_pair(tl.load(table + (byt >> 4)), HALF, OUT_DTYPE)
-        return t0, t1, t2, t3, norm
+            HALF: tl.constexpr = tl.bfloat16
+        if NP == 2:   # 4-bit: byte -> (plane 0, plane 1)
+            t0, t1 = _half_pair(tl.load(table + byt), HALF, OUT_DTYPE)
+            t2 = t0
+            t3 = t1
+        else:         # 2-bit: low nibble -> planes 0, 1; high nibble -> planes 2, 3
+            t0, t1 = _half_pair(tl.load(table + (byt & 15)), HALF, OUT_DTYPE)
+            t2, t3 = _half_pair(tl.load(table + (byt >> 4)), HALF, OUT_DTYPE)
+    return t0, t1, t2, t3
 
 
 def _pair_table(scaled: torch.Tensor, bits: int, half: torch.dtype) -> torch.Tensor:
@@ -274,10 +286,8 @@ class TkvLoader:
         self.k_norm_correction = bool(codec.k.norm_correction)
         self.v_norm_correction = bool(codec.v.norm_correction)
 
-    @property
-    def tile(self):
-        """:func:`tkv_tile` (every width and lookup; the format constants select the path)."""
-        return tkv_tile
+    fetch = tkv_fetch
+    dequant = tkv_dequant
 
     def planes(self, side: str) -> int:
         """Coordinate planes of a side's tiles: ``8 // bits`` for widths 2/4/8 (one byte holds
@@ -346,16 +356,25 @@ def _check_pair(cache, num_kv_heads, block_size, head_dim, dtypes, what):
 
 
 @triton.jit
-def bypass_tile(base, aux, table, blk, off, mask_n, head, stride_block, stride_head, stride_tok,
-                P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
-                NP: tl.constexpr, D_PAD: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """Raw fp16/bf16 paged tile: ``base[blk, off, head, :]`` (one plane; ``P0`` = head_dim);
-    row_scale 1 (0 when masked)."""
+def bypass_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_head,
+                 stride_tok, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                 P3: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr):
+    """Raw fp16/bf16 paged tile: ``base[blk, off, head, :]`` (``P0`` = head_dim); row_scale
+    1 (0 when masked)."""
     offs_d = tl.arange(0, D_PAD)
     row = blk.to(tl.int64) * stride_block + off.to(tl.int64) * stride_tok + head * stride_head
     m2 = mask_n[:, None] & (offs_d < P0)[None, :]
-    x = tl.load(base + (row[:, None] + offs_d[None, :]), mask=m2, other=0.0).to(OUT_DTYPE)
-    return x, x, x, x, tl.where(mask_n, 1.0, 0.0)
+    x = tl.load(base + (row[:, None] + offs_d[None, :]), mask=m2, other=0.0)
+    return x, tl.where(mask_n, 1.0, 0.0)
+
+
+@triton.jit
+def identity_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                     P3: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr,
+                     OUT_DTYPE: tl.constexpr):
+    """One plane: the fetched tile itself, cast to the dot dtype."""
+    x = raw.to(OUT_DTYPE)
+    return x, x, x, x
 
 
 class BypassLoader:
@@ -377,10 +396,8 @@ class BypassLoader:
         self.d_pad = max(16, next_pow2(head_dim))
 
     min_block_n = 16
-
-    @property
-    def tile(self):
-        return bypass_tile
+    fetch = bypass_fetch
+    dequant = identity_dequant
 
     def check_cache(self, cache) -> int:
         return _check_pair(cache, self.num_kv_heads, self.block_size, self.head_dim,
@@ -403,23 +420,28 @@ class BypassLoader:
 
 # ============================================================================ fp8 e4m3
 @triton.jit
-def fp8_e4m3_tile(base, aux, table, blk, off, mask_n, head, stride_block, stride_head,
-                  stride_tok, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-                  P3: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr,
-                  OUT_DTYPE: tl.constexpr):
-    """fp8-e4m3fn tile read as bytes. e4m3 ``s eeee mmm`` (bias 7) maps exactly onto fp16
-    ``s 0eeee mmm0000000`` (bias 15) times 2**8, normals and subnormals alike, so decoding is
-    two masks, two shifts and a bitcast; the 2**8 and the per-tensor scale go to row_scale.
-    One plane; ``P0`` = head_dim."""
-    offs_d = tl.arange(0, D_PAD)
-    row = blk.to(tl.int64) * stride_block + off.to(tl.int64) * stride_tok + head * stride_head
-    m2 = mask_n[:, None] & (offs_d < P0)[None, :]
-    b = tl.load(base + (row[:, None] + offs_d[None, :]), mask=m2, other=0).to(tl.int32)
+def fp8_e4m3_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                     P3: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr,
+                     OUT_DTYPE: tl.constexpr):
+    """fp8-e4m3fn bytes (fetched by :func:`bypass_fetch` from the uint8 view). e4m3
+    ``s eeee mmm`` (bias 7) maps exactly onto fp16 ``s 0eeee mmm0000000`` (bias 15) times
+    2**8, normals and subnormals alike, so decoding is two masks, two shifts and a bitcast;
+    the 2**8 and the per-tensor scale are in row_scale (:func:`fp8_e4m3_fetch`)."""
+    b = raw.to(tl.int32)
     h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    x = h.to(tl.int16).to(tl.float16, bitcast=True)
-    scale = tl.load(table) * 256.0
-    x = x.to(OUT_DTYPE)
-    return x, x, x, x, tl.where(mask_n, scale, 0.0)
+    x = h.to(tl.int16).to(tl.float16, bitcast=True).to(OUT_DTYPE)
+    return x, x, x, x
+
+
+@triton.jit
+def fp8_e4m3_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_head,
+                   stride_tok, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                   P3: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr):
+    """fp8 bytes of ``base[blk, off, head, :]`` (``P0`` = head_dim); row_scale = the
+    per-tensor scale (``table``, one float32) · 2**8, 0 when masked."""
+    raw, one = bypass_fetch(base, aux, table, blk, off, mask_n, head, stride_block,
+                            stride_head, stride_tok, P0, P1, P2, P3, NP, D_PAD)
+    return raw, one * (tl.load(table) * 256.0)
 
 
 class Fp8Loader:
@@ -449,10 +471,8 @@ class Fp8Loader:
         self.d_pad = max(16, next_pow2(head_dim))
 
     min_block_n = 16
-
-    @property
-    def tile(self):
-        return fp8_e4m3_tile
+    fetch = fp8_e4m3_fetch
+    dequant = fp8_e4m3_dequant
 
     def check_cache(self, cache) -> int:
         return _check_pair(cache, self.num_kv_heads, self.block_size, self.head_dim,

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
-from ._planes import accumulate, load_planes, scores, store_planes
+from ._planes import accumulate, load_planes, scores, store_planes, to_planar_columns
 from ._util import (
     check_dtype,
     check_int_tensor,
@@ -48,15 +48,16 @@ def _prefill_kernel(
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
         scale_log2, window,
-        LOAD_K: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr, KP2: tl.constexpr,
-        KP3: tl.constexpr, KNP: tl.constexpr, LOAD_V: tl.constexpr, VP0: tl.constexpr,
+        FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
+        KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_MT: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        DOT_DTYPE: tl.constexpr):
-    """One (query tile, sequence, KV head). Q/KN/VN live in the loader's space (the wrapper
-    rotates them for rotated loaders); every K/V operand, cached or new, is handled as the
-    loader's planes so prefix and chunk share one accumulator."""
+        DOT_DTYPE: tl.constexpr, PLANAR: tl.constexpr):
+    """One (query tile, sequence, KV head). Q/KN/VN/Out live in the loader's space (the wrapper
+    rotates them for rotated loaders, in the planar layout: ``PLANAR``); every K/V operand,
+    cached or new, is handled as the loader's planes so prefix and chunk share one
+    accumulator."""
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -73,7 +74,7 @@ def _prefill_kernel(
     rmask = (tok < q_len) & (hh < G)
     qh = kvh * G + hh
     qa, qb, qc, qd = load_planes(Q, (q0 + tok).to(tl.int64) * sq_t + qh * sq_h, rmask, KNP,
-                                 D_PAD, HEAD_DIM, DOT_DTYPE)
+                                 D_PAD, HEAD_DIM, DOT_DTYPE, PLANAR)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     a0 = tl.zeros([BLOCK_M, D_PAD // VNP], tl.float32)
@@ -95,16 +96,18 @@ def _prefill_kernel(
         mask_n = mask_n & (blk >= 0) & (blk < num_blocks)
         blk = tl.where(mask_n, blk, 0)
         off = pos % BLOCK_SIZE
-        k0, k1, k2, k3, ks = LOAD_K(k_base, k_aux, k_table, blk, off, mask_n, kvh,
-                                    k_sb, k_sh, k_st, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
+        rk, ks = FETCH(k_base, k_aux, k_table, blk, off, mask_n, kvh, k_sb, k_sh, k_st,
+                       KP0, KP1, KP2, KP3, KNP, D_PAD)
+        rv, vs = FETCH(v_base, v_aux, v_table, blk, off, mask_n, kvh, v_sb, v_sh, v_st,
+                       VP0, VP1, VP2, VP3, VNP, D_PAD)
+        k0, k1, k2, k3 = DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
         s = scores(qa, qb, qc, qd, k0, k1, k2, k3, KNP) * (ks * scale_log2)[None, :]
         vis = mask_n[None, :] & (qpos >= 0)[:, None]
         if window > 0:
             vis = vis & ((qpos[:, None] - pos[None, :]) < window)
         s = tl.where(vis, s, float("-inf"))
         p, m_i, l_i, alpha = _online_update(s, m_i, l_i)
-        v0, v1, v2, v3, vs = LOAD_V(v_base, v_aux, v_table, blk, off, mask_n, kvh,
-                                    v_sb, v_sh, v_st, VP0, VP1, VP2, VP3, VNP, D_PAD, DOT_DTYPE)
+        v0, v1, v2, v3 = DEQUANT(rv, v_table, VP0, VP1, VP2, VP3, VNP, D_PAD, DOT_DTYPE)
         a0, a1, a2, a3 = accumulate(a0, a1, a2, a3, alpha, (p * vs[None, :]).to(DOT_DTYPE),
                                     v0, v1, v2, v3, VNP)
     # ---- current chunk: uncompressed new K/V (same space and planes), causal
@@ -118,7 +121,7 @@ def _prefill_kernel(
         jm = j < q_len
         kv_off = (q0 + j).to(tl.int64)
         k0, k1, k2, k3 = load_planes(KN, kv_off * sk_t + kvh * sk_h, jm, KNP, D_PAD, HEAD_DIM,
-                                     DOT_DTYPE)
+                                     DOT_DTYPE, PLANAR)
         s = scores(qa, qb, qc, qd, k0, k1, k2, k3, KNP) * scale_log2
         vis = jm[None, :] & (j[None, :] <= tok[:, None])
         if window > 0:
@@ -126,12 +129,13 @@ def _prefill_kernel(
         s = tl.where(vis, s, float("-inf"))
         p, m_i, l_i, alpha = _online_update(s, m_i, l_i)
         v0, v1, v2, v3 = load_planes(VN, kv_off * sv_t + kvh * sv_h, jm, VNP, D_PAD, HEAD_DIM,
-                                     DOT_DTYPE)
+                                     DOT_DTYPE, PLANAR)
         a0, a1, a2, a3 = accumulate(a0, a1, a2, a3, alpha, p.to(DOT_DTYPE), v0, v1, v2, v3,
                                     VNP)
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     store_planes(Out, (q0 + tok).to(tl.int64) * so_t + qh * so_h, rmask, a0 * inv[:, None],
-                 a1 * inv[:, None], a2 * inv[:, None], a3 * inv[:, None], VNP, D_PAD, HEAD_DIM)
+                 a1 * inv[:, None], a2 * inv[:, None], a3 * inv[:, None], VNP, D_PAD, HEAD_DIM,
+                 PLANAR)
 
 
 def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -232,13 +236,21 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # key centering: the prefix is cached as k − μ, so center the chunk's keys too; then
         # every score of a query row drops by the same q·μ, which softmax ignores (float32)
         key = key.float() - mu.to(dev, torch.float32)
-    if loader.rotated:
-        def rot(x, m, nh):
-            return (x.reshape(-1, d).float() @ m[:d, :d]).view(tq, nh, d)  # float32
+    planar = bool(loader.rotated)
+    if planar:
+        # rotated space, laid out as the loader's planes (contiguous plane loads):
+        # <R(q*s_k), R(k/s_k)> = <q, k>; sum_j p_j R(v_j/s_v) unrotates to sum_j p_j v_j
+        knp, vnp = kargs[10], vargs[10]
+        op_dtype = dot_dtype if dot_dtype != torch.float32 else torch.float32
 
-        query, key, value = (rot(query, loader.q_in, hq), rot(key, loader.k_in, hkv),
-                             rot(value, loader.v_in, hkv))
-        final, out = out, torch.empty(tq, hq, d, dtype=torch.float32, device=dev)
+        def rot(x, m, nh, np_):
+            mp = to_planar_columns(m[:d, :d], np_, d, d_pad)
+            return (x.reshape(-1, d).float() @ mp).to(op_dtype).view(tq, nh, d_pad)
+
+        query, key, value = (rot(query, loader.q_in, hq, knp), rot(key, loader.k_in, hkv, knp),
+                             rot(value, loader.v_in, hkv, vnp))
+        u_planar = to_planar_columns(loader.out_mat[:d, :d].T, vnp, d, d_pad).T  # (d_pad, d)
+        final, out = out, torch.empty(tq, hq, d_pad, dtype=torch.float32, device=dev)
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     grid = (triton.cdiv(max_query_len, block_mt), ns, hkv)
     _prefill_kernel[grid](
@@ -246,12 +258,12 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         value, value.stride(0), value.stride(1), out, out.stride(0), out.stride(1),
         cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
         num_blocks, *kargs[:6], *vargs[:6], scale * _LOG2E, window,
-        LOAD_K=loader.tile, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8], KP3=kargs[9],
-        KNP=kargs[10], LOAD_V=loader.tile, VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
+        FETCH=loader.fetch, DEQUANT=loader.dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
+        KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
         VP3=vargs[9], VNP=vargs[10], G=g, G_PAD=g_pad, BLOCK_MT=block_mt, BLOCK_N=block_n, HEAD_DIM=d,
-        D_PAD=d_pad, BLOCK_SIZE=loader.block_size, DOT_DTYPE=_TL[dot_dtype],
+        D_PAD=d_pad, BLOCK_SIZE=loader.block_size, DOT_DTYPE=_TL[dot_dtype], PLANAR=planar,
         num_warps=num_warps, num_stages=num_stages)
     if final is not None:
-        final.copy_((out.view(-1, d) @ loader.out_mat[:d, :d]).view(tq, hq, d))
+        final.copy_((out.view(-1, d_pad) @ u_planar).view(tq, hq, d))
         out = final
     return out
