@@ -94,9 +94,11 @@ def reference_attention(pool: TkvTokenToKVPool, layer_id: int, q: torch.Tensor,
         if ql == 0:
             continue
         pre = n - ql if key is not None else n
-        reg = pool.paged.gather(i, locs[:pre])
-        ks = [codec.decompress_k(reg["k_codes"], reg["k_norms"])]
-        vs = [codec.decompress_v(reg["v_codes"], reg["v_norms"])]
+        ks, vs = [], []
+        if pre:  # a first chunk has no cached prefix: nothing to gather or decompress
+            reg = pool.paged.gather(i, locs[:pre])
+            ks.append(codec.decompress_k(reg["k_codes"], reg["k_norms"]))
+            vs.append(codec.decompress_v(reg["v_codes"], reg["v_norms"]))
         if key is not None:
             ks.append(key[a:a + ql].float())
             vs.append(value[a:a + ql].float())
