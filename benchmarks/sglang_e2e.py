@@ -1,17 +1,49 @@
-"""Device-side smoke / comparison run of SGLang 0.5.11: bf16 KV cache vs ``--kv-cache-dtype tkv
---attention-backend turbo-attn`` on one GPU, side by side in one run.
+"""End-to-end tkv-sglang check on one GPU: KV capacity, greedy agreement, decode throughput,
+OpenAI server.
 
-NOT yet run on the H200 (written on a CPU machine; the first device session runs it and
-moves the measured table to benchmarks/). Each configuration runs in its own subprocess (one
-``sglang.Engine`` per process, so GPU memory is freed in between) and prints one JSON line;
-the parent prints the table with ratios vs bf16 (the baseline).
+Compares, in one run and on the same GPU, SGLang 0.5.11 with
 
-    python benchmarks/sglang_e2e.py --model /tmp/tkv-models/smollm2-135m --mem 0.5 \
-        --configs bf16 tkv:8.0 tkv:4.0 --concurrency 64 256
+* ``bf16`` — the baseline: bf16 KV cache (``--kv-cache-dtype auto``), attention backend
+  ``--baseline-backend`` (default ``triton``: FlashAttention 3, SGLang's Hopper default,
+  needs the 261 MiB ``flash_ops`` staged with ``stage --with-fa3``; ``fa3`` then works here);
+* ``tkv@B`` — ``--kv-cache-dtype tkv --attention-backend turbo-attn`` (page size 16) at
+  ``TKV_BITS=B``, for each ``--bits`` (default ``8.0 4.0``),
 
-Per configuration: KV-cache tokens SGLang allocated (``max_total_num_tokens``), greedy
-output ids of 8 fixed prompts (first 32 tokens; agreement vs bf16 is reported), and decode
-throughput (output tokens/s) at each concurrency, 512-token prompts, 256 output tokens.
+and writes, per model, a table with ratios against bf16:
+
+1. KV-cache tokens SGLang allocated (``max_total_num_tokens``, from ``get_server_info()``;
+   the scheduler's log line as fallback) at the same ``--mem`` (``mem_fraction_static``);
+2. greedy agreement with bf16: 8 fixed prompts, first 32 tokens, ``ignore_eos``
+   (exact-match prompts and mean matching-prefix fraction);
+3. offline decode throughput (``sgl.Engine.generate``), CUDA graphs on: ``--batches``
+   concurrent requests (default 64 and 256) of 512 random prompt tokens, 256 output tokens
+   each, ``ignore_eos``; output tokens / wall second, prefill included, one warm-up first.
+
+Models: local HF folders with real weights (e.g. ``/tmp/tkv-models/smollm2-135m``) and
+``qwen3-8b-like``: Qwen3-8B attention geometry (36 layers, Hq 32, Hkv 8, head_dim 128),
+random weights (``load_format=dummy``, no tokenizer: prompts are token ids), built from a
+config in ``OUT/models``; no download.
+
+Without ``--bundle`` a uniform bundle (rows 4.0 = K4V4 and 8.0 = K8V8) is written per
+model, so ``TKV_BITS=8`` is available (``tkv.codec`` refuses bits other than 4.0 without a
+bundle); pass a ``tkv-calibrate`` bundle for SmartMix numbers.
+
+Every (model, mode) runs in its own process group (``setsid``): a worker that builds one
+``sgl.Engine`` (which starts its own scheduler and detokenizer processes), measures, writes
+JSON and exits. The driver gives each a ``--timeout``, kills the whole group on timeout or
+exit (SGLang's children otherwise keep the GPU memory), keeps its log, and goes on with the
+next mode after a failure. The group being run is in ``OUT/current_server.pgid``.
+
+Usage (GPU host; sglang patched with ``tkv-sglang patch apply``; packages/tkv-sglang/gpu/
+session does all of it on the lent H200)::
+
+    python benchmarks/sglang_e2e.py all --model /tmp/tkv-models/smollm2-135m qwen3-8b-like \\
+        --out /tmp/e2e-sglang/job/results
+    python benchmarks/sglang_e2e.py smoke --model /tmp/tkv-models/smollm2-135m --out DIR
+    python benchmarks/sglang_e2e.py serve-check --model /tmp/tkv-models/smollm2-135m --port 30000
+
+Output in ``--out``: ``<model>-<mode>.json`` and ``.log`` per run, ``<model>.json``,
+``results.json`` (everything) and ``README.md`` (the tables).
 """
 
 from __future__ import annotations
@@ -19,102 +51,382 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three laws of thermodynamics are",
-    "Translate to German: The weather is nice today.",
-    "A list of prime numbers: 2, 3, 5,",
-    "Photosynthesis is the process by which",
-    "In 1969, the Apollo 11 mission",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# shared with the vLLM benchmark: same prompts, models, bundle and agreement metric
+from vllm_e2e import (
+    GREEDY_TOKENS,
+    PROMPTS,
+    agreement,
+    resolve_model,
+    write_uniform_bundle,
+)
+
+KV_TOKENS_RE = re.compile(r"max_total_num_tokens=(\d+)")
+PROMPT_LEN, OUTPUT_LEN = 512, 256
 
 
-def run_one(args, config: str) -> dict:
+# ----------------------------------------------------------------------------- worker
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    """``sgl.Engine`` arguments of one run (``a``: the worker's arguments)."""
+    kw = dict(model_path=a.model, mem_fraction_static=a.mem, random_seed=0,
+              context_length=a.context_length, max_running_requests=max(a.batches),
+              cuda_graph_max_bs=max(a.batches), disable_cuda_graph=a.eager,
+              sampling_backend="pytorch", grammar_backend="none", log_level="info")
+    if a.mode == "tkv":
+        kw.update(kv_cache_dtype="tkv", attention_backend="turbo-attn", page_size=16)
+    else:
+        kw.update(kv_cache_dtype="auto", attention_backend=a.baseline_backend)
+    if a.dummy:
+        kw.update(load_format="dummy", skip_tokenizer_init=True)
+    return kw
+
+
+def worker(a: argparse.Namespace) -> None:
+    """One (model, mode) in this process: build the engine, measure, write ``a.result``."""
     import random
 
     import sglang as sgl
 
-    kw = dict(model_path=args.model, mem_fraction_static=args.mem, random_seed=0,
-              log_level="warning", sampling_backend="pytorch")
-    if config.startswith("tkv"):
-        bits = config.split(":")[1] if ":" in config else "4.0"
-        os.environ["TKV_BITS"] = bits
-        kw.update(kv_cache_dtype="tkv", attention_backend="turbo-attn", page_size=16)
-    else:
-        kw.update(kv_cache_dtype="auto", page_size=16)
-    t0 = time.time()
+    kw = engine_kwargs(a)
+    t0 = time.perf_counter()
     llm = sgl.Engine(**kw)
-    info = llm.get_server_info()
-    res = {"config": config, "startup_s": round(time.time() - t0, 1),
-           "kv_tokens": int(info["max_total_num_tokens"])}
-    outs = llm.generate(PROMPTS, {"max_new_tokens": 32, "temperature": 0})
-    res["greedy_ids"] = [o["output_ids"] if "output_ids" in o else o["text"] for o in outs]
-    res["greedy_text"] = [o["text"] for o in outs]
-    rng = random.Random(0)
-    res["decode_tok_s"] = {}
-    for c in args.concurrency:
-        prompts = [[rng.randrange(100, 20000) for _ in range(512)] for _ in range(c)]
-        llm.generate(input_ids=prompts[:2], sampling_params={"max_new_tokens": 8})  # warm
-        t = time.time()
-        outs = llm.generate(input_ids=prompts, sampling_params={
-            "max_new_tokens": 256, "temperature": 0, "ignore_eos": True})
-        dt = time.time() - t
-        res["decode_tok_s"][str(c)] = round(sum(len(o["output_ids"]) for o in outs) / dt, 1)
+    res: dict = {"mode": a.mode, "tkv_bits": os.environ.get("TKV_BITS"), "engine_kwargs": kw,
+                 "startup_s": round(time.perf_counter() - t0, 1)}
+    try:
+        info = llm.get_server_info()
+        res["kv_tokens"] = int(info["max_total_num_tokens"])
+        res["attention_backend"] = info.get("attention_backend")
+    except Exception as e:  # the log line is the fallback
+        res["server_info_error"] = repr(e)
+
+    greedy = {"max_new_tokens": GREEDY_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    if a.dummy:
+        rng = random.Random(1)
+        ids = [[rng.randrange(1000, 30000) for _ in range(16)] for _ in PROMPTS]
+        outs = llm.generate(input_ids=ids, sampling_params=greedy)
+    else:
+        outs = llm.generate(prompt=PROMPTS, sampling_params=greedy)
+        res["greedy_text"] = [o.get("text") for o in outs]
+    res["greedy"] = [list(o["output_ids"]) for o in outs]
+
+    if not a.greedy_only:
+        rng = random.Random(0)
+        sp = {"max_new_tokens": OUTPUT_LEN, "temperature": 0.0, "ignore_eos": True}
+        res["throughput"] = {}
+        for n in a.batches:
+            batch = [[rng.randrange(1000, 30000) for _ in range(PROMPT_LEN)] for _ in range(n)]
+            llm.generate(input_ids=batch[: min(n, 8)],
+                         sampling_params={"max_new_tokens": 8, "ignore_eos": True})  # warm-up
+            t = time.perf_counter()
+            outs = llm.generate(input_ids=batch, sampling_params=sp)
+            dt = time.perf_counter() - t
+            toks = sum(len(o["output_ids"]) for o in outs)
+            res["throughput"][str(n)] = {"seconds": round(dt, 3), "output_tokens": toks,
+                                         "output_tok_s": round(toks / dt, 1)}
+    Path(a.result).write_text(json.dumps(res, indent=1))
     llm.shutdown()
+
+
+# ----------------------------------------------------------------------------- driver
+def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the process group led by ``proc``, then SIGKILL whatever is left after
+    ``grace`` seconds; ``proc`` is reaped (a zombie leader would keep the group alive)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + wait
+        while time.time() < deadline:
+            proc.poll()
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
+
+
+def run_group(cmd: list[str], env: dict, log: Path, timeout: float, out: Path) -> int | None:
+    """Run ``cmd`` in a new session (its own process group), output into ``log``; kill the
+    group when it exits or after ``timeout`` s. Returns the exit status (None: timed out)."""
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+        (out / "current_server.pgid").write_text(str(p.pid))
+        try:
+            rc: int | None = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            _kill_group(p)
+            p.wait()
+            (out / "current_server.pgid").unlink(missing_ok=True)
+    return rc
+
+
+def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path | None,
+             out: Path, o: argparse.Namespace, greedy_only: bool = False) -> dict:
+    """One (model, mode) in its own process group; the result dict (``failed`` on error)."""
+    tag = f"{model.name}-{mode}{'-' + bits if bits else ''}"
+    result = out / f"{tag}.json"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "worker", "--model", str(model), "--mode", mode,
+           "--result", str(result), "--mem", str(o.mem), "--context-length",
+           str(o.context_length), "--baseline-backend", o.baseline_backend,
+           "--batches", *map(str, o.batches)]
+    if dummy:
+        cmd.append("--dummy")
+    if greedy_only:
+        cmd.append("--greedy-only")
+    if o.eager:
+        cmd.append("--eager")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TKV_BITS", None)
+    env.pop("TKV_CALIBRATION_FILE", None)
+    if mode == "tkv":
+        env["TKV_BITS"] = bits or "4.0"
+        if bundle is not None:
+            env["TKV_CALIBRATION_FILE"] = str(bundle)
+    log = out / f"{tag}.log"
+    print(f"== {tag}: TKV_BITS={env.get('TKV_BITS', '-')} {' '.join(cmd[2:])}", flush=True)
+    t = time.perf_counter()
+    rc = run_group(cmd, env, log, o.timeout, out)
+    dt = time.perf_counter() - t
+    text = log.read_text(errors="replace")
+    if rc != 0 or not result.is_file():
+        why = f"timed out after {o.timeout}s" if rc is None else f"rc={rc}"
+        print(f"   FAILED ({why}, {dt:.0f}s); log: {log}\n{text[-3000:]}", flush=True)
+        return {"mode": mode, "tkv_bits": bits, "failed": why, "log_tail": text[-3000:]}
+    res = json.loads(result.read_text())
+    m = KV_TOKENS_RE.findall(text)
+    if m:
+        res["kv_tokens_log"] = int(m[-1])
+        res.setdefault("kv_tokens", int(m[-1]))
+    res["wall_s"] = round(dt, 1)
+    print(f"   done in {dt:.0f}s: kv_tokens={res.get('kv_tokens')} "
+          f"throughput={ {k: v['output_tok_s'] for k, v in res.get('throughput', {}).items()} }",
+          flush=True)
     return res
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--mem", type=float, default=0.5, help="mem_fraction_static")
-    p.add_argument("--configs", nargs="+", default=["bf16", "tkv:8.0", "tkv:4.0"])
-    p.add_argument("--concurrency", nargs="+", type=int, default=[64, 256])
-    p.add_argument("--one", help=argparse.SUPPRESS)
-    p.add_argument("--json-out", default=None)
-    args = p.parse_args()
-    if args.one:
-        print("RESULT " + json.dumps(run_one(args, args.one)), flush=True)
-        return 0
-    results = []
-    for cfg in args.configs:
-        cmd = [sys.executable, __file__, "--model", args.model, "--mem", str(args.mem),
-               "--concurrency", *map(str, args.concurrency), "--one", cfg]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            print(f"[{cfg}] FAILED rc={proc.returncode}\n{proc.stderr[-4000:]}", flush=True)
-            results.append({"config": cfg, "error": proc.stderr[-2000:]})
+def table(model: str, res: dict[str, dict]) -> str:
+    """Markdown table of one model's runs, ratios against ``res['bf16']``."""
+    base = res.get("bf16", {})
+    bt = base.get("throughput", {})
+    ks = sorted({k for r in res.values() for k in r.get("throughput", {})}, key=int)
+    head = ["run", "KV tokens", "×bf16", "greedy = bf16 (32 tok)",
+            *(f"tok/s @{k}" for k in ks), "tok/s ×bf16", "startup s"]
+    rows = [f"### {model}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in res.items():
+        if r.get("failed"):
+            rows.append(f"| {name} | FAILED: {r['failed']} |" + " |" * (len(head) - 2))
             continue
-        results.append(json.loads(line[7:]))
-    base = next((r for r in results if r.get("config") == "bf16" and "error" not in r), None)
-    print(f"{'config':10s} {'kv_tokens':>12s} {'x bf16':>7s} {'greedy=bf16':>11s} "
-          + " ".join(f"{'tok/s@' + str(c):>12s} {'x':>5s}" for c in args.concurrency))
-    for r in results:
-        if "error" in r:
-            print(f"{r['config']:10s} FAILED")
+        kv, kvb = r.get("kv_tokens"), base.get("kv_tokens")
+        ratio = f"{kv / kvb:.2f}" if kv and kvb else "-"
+        if base.get("greedy") and r.get("greedy"):
+            ex, fr = agreement(base["greedy"], r["greedy"])
+            agree = f"{ex}/{len(base['greedy'])} exact, {100 * fr:.0f}% prefix"
+        else:
+            agree = "-"
+        tps = [r.get("throughput", {}).get(k, {}).get("output_tok_s") for k in ks]
+        vs = [f"{t / bt[k]['output_tok_s']:.2f}" if t and k in bt else "-"
+              for t, k in zip(tps, ks, strict=True)]
+        cells = [name, f"{kv:,}" if kv else "?", ratio, agree,
+                 *(f"{t:,.0f}" if t else "-" for t in tps), " / ".join(vs) or "-",
+                 str(r.get("startup_s", "-"))]
+        rows.append("| " + " | ".join(cells) + " |")
+    texts = [(n, r["greedy_text"][0]) for n, r in res.items() if r.get("greedy_text")]
+    if texts:
+        rows += ["", f"Greedy text, prompt 1 ({PROMPTS[0]!r}):", ""]
+        rows += [f"* {n}: {t!r}" for n, t in texts]
+    return "\n".join(rows) + "\n"
+
+
+def run_models(o: argparse.Namespace, bits_full: list[str], bits_greedy: list[str]) -> None:
+    out = Path(o.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = [f"# tkv-sglang end-to-end ({time.strftime('%Y-%m-%d %H:%M')} UTC)", "",
+          f"SGLang 0.5.11; mem_fraction_static={o.mem}; context_length={o.context_length}; "
+          f"baseline: bf16 KV cache, attention backend `{o.baseline_backend}`; tkv: "
+          "`--kv-cache-dtype tkv --attention-backend turbo-attn --page-size 16`; "
+          f"throughput: batches {o.batches} x {PROMPT_LEN}-token prompts, {OUTPUT_LEN} output "
+          f"tokens, CUDA graphs {'OFF' if o.eager else 'on'}, PyTorch sampler.", "",
+          "Command: `" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) + "`", ""]
+    everything: dict = {}
+    for spec in o.model:
+        try:
+            model, dummy = resolve_model(spec, out / "models")
+        except SystemExit as e:
+            print(f"== {spec}: skipped ({e})", flush=True)
+            md.append(f"### {spec}\n\nskipped: {e}\n")
             continue
-        kv_x = r["kv_tokens"] / base["kv_tokens"] if base else float("nan")
-        agree = (sum(a == b for a, b in zip(r["greedy_ids"], base["greedy_ids"], strict=True))
-                 if base else -1)
-        cols = []
-        for c in args.concurrency:
-            v = r["decode_tok_s"][str(c)]
-            bx = v / base["decode_tok_s"][str(c)] if base else float("nan")
-            cols.append(f"{v:12.1f} {bx:5.2f}")
-        print(f"{r['config']:10s} {r['kv_tokens']:12d} {kv_x:7.2f} {agree:>8d}/{len(PROMPTS)} "
-              + " ".join(cols))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
+        bundle = Path(o.bundle) if o.bundle else write_uniform_bundle(
+            model, out / f"{model.name}-uniform-bundle.json")
+        res = {"bf16": run_mode(model, dummy, "bf16", None, None, out, o,
+                                greedy_only=not bits_full)}
+        for b in bits_full:
+            res[f"tkv@{b}"] = run_mode(model, dummy, "tkv", b, bundle, out, o)
+        for b in bits_greedy:
+            if b not in bits_full:
+                res[f"tkv@{b}"] = run_mode(model, dummy, "tkv", b, bundle, out, o,
+                                           greedy_only=True)
+        everything[model.name] = res
+        (out / f"{model.name}.json").write_text(json.dumps(res, indent=1))
+        t = table(model.name + (" (random weights)" if dummy else ""), res)
+        print(t, flush=True)
+        md.append(t)
+        (out / "results.json").write_text(json.dumps(everything, indent=1))
+        (out / "README.md").write_text("\n".join(md))
+    if getattr(o, "serve", False):
+        real = next((m for m in o.model if m != "qwen3-8b-like"), None)
+        if real is None:
+            md.append("### serve-check\n\nskipped: needs a model with a tokenizer\n")
+        else:
+            ok, detail = serve_check_run(real, o, out)
+            everything["serve_check"] = {"ok": ok, **detail}
+            md.append("### OpenAI server (`python -m sglang.launch_server`, tkv@"
+                      f"{o.serve_bits}, port {o.port}): {'OK' if ok else 'FAILED'}\n\n"
+                      f"```\n{json.dumps(detail, indent=1)[:3000]}\n```\n")
+    (out / "results.json").write_text(json.dumps(everything, indent=1))
+    (out / "README.md").write_text("\n".join(md))
+    print(f"results in {out}", flush=True)
+
+
+def run_all(o: argparse.Namespace) -> None:
+    run_models(o, bits_full=[b for b in o.bits if b in o.throughput_bits],
+               bits_greedy=o.bits)
+
+
+def smoke(o: argparse.Namespace) -> None:
+    """Quick: one real model, eager, greedy only, bf16 vs tkv@8 (and tkv@4)."""
+    o.eager, o.batches = True, [8]
+    run_models(o, bits_full=[], bits_greedy=o.bits)
+    res = json.loads((Path(o.out) / "results.json").read_text())
+    bad = [f"{m}:{k}" for m, rs in res.items() for k, r in rs.items() if r.get("failed")]
+    if bad:
+        raise SystemExit(f"smoke FAILED: {bad}")
+
+
+# ----------------------------------------------------------------------------- server
+def serve_check_run(model: str, o: argparse.Namespace, out: Path) -> tuple[bool, dict]:
+    """``python -m sglang.launch_server`` with the tkv flags on ``o.port``; POST one
+    ``/v1/completions``; kill the server's process group. Returns (ok, details)."""
+    import urllib.request
+
+    m = Path(model)
+    bundle = Path(o.bundle) if o.bundle else write_uniform_bundle(
+        m, out / f"{m.name}-uniform-bundle.json")
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(m),
+           "--kv-cache-dtype", "tkv", "--attention-backend", "turbo-attn", "--page-size", "16",
+           "--host", "127.0.0.1", "--port", str(o.port), "--mem-fraction-static", str(o.mem),
+           "--context-length", str(o.context_length), "--sampling-backend", "pytorch",
+           "--grammar-backend", "none", "--random-seed", "0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TKV_BITS": o.serve_bits,
+           "TKV_CALIBRATION_FILE": str(bundle)}
+    log = out / f"serve-{m.name}-tkv-{o.serve_bits}.log"
+    print("$ TKV_BITS=" + o.serve_bits + " " + " ".join(cmd[1:]), flush=True)
+    detail: dict = {"cmd": " ".join(cmd[1:]), "log": str(log)}
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        srv = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+    (out / "current_server.pgid").write_text(str(srv.pid))
+    base = f"http://127.0.0.1:{o.port}"
+    try:
+        deadline = time.time() + o.timeout
+        while True:
+            if srv.poll() is not None:
+                raise RuntimeError(f"server exited with {srv.returncode}")
+            if time.time() > deadline:
+                raise TimeoutError(f"server not healthy after {o.timeout}s")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        detail["ready_s"] = round(time.perf_counter() - t0, 1)
+        body = json.dumps({"model": str(m), "prompt": PROMPTS[0], "max_tokens": 16,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"{base}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            ans = json.loads(r.read())
+        detail["response"] = ans
+        text = ans["choices"][0]["text"]
+        detail["text"] = text
+        ok = bool(text)
+    except Exception as e:  # reported; the run goes on
+        detail["error"] = repr(e)
+        detail["log_tail"] = log.read_text(errors="replace")[-3000:]
+        ok = False
+    finally:
+        _kill_group(srv)
+        srv.wait()
+        (out / "current_server.pgid").unlink(missing_ok=True)
+    print(f"serve-check: {'OK' if ok else 'FAILED'} {json.dumps(detail)[:2000]}", flush=True)
+    return ok, detail
+
+
+def serve_check(o: argparse.Namespace) -> None:
+    out = Path(o.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ok, detail = serve_check_run(o.model[0], o, out)
+    (out / "serve_check.json").write_text(json.dumps({"ok": ok, **detail}, indent=1))
+    if not ok:
+        raise SystemExit(1)
+
+
+# ----------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("all", "smoke", "serve-check"):
+        a = sub.add_parser(name)
+        a.add_argument("--model", nargs="+", default=["qwen3-8b-like"],
+                       help="model directories and/or 'qwen3-8b-like'")
+        a.add_argument("--out", default="benchmarks/results/sglang_e2e"
+                       + ("" if name == "all" else "_" + name.replace("-", "_")))
+        a.add_argument("--mem", type=float, default=0.5, help="mem_fraction_static")
+        a.add_argument("--context-length", type=int, default=4096)
+        a.add_argument("--timeout", type=int, default=600, help="seconds per run")
+        a.add_argument("--bundle", default=None, help="calibration bundle (default: uniform)")
+        a.add_argument("--port", type=int, default=30000)
+        a.add_argument("--serve-bits", default="8.0", help="TKV_BITS of the server check")
+        a.add_argument("--baseline-backend", default="triton",
+                       help="attention backend of the bf16 run (fa3 needs stage --with-fa3)")
+        if name != "serve-check":
+            a.add_argument("--bits", nargs="+", default=["8.0", "4.0"],
+                           help="TKV_BITS values to run (greedy + KV tokens)")
+        if name == "all":
+            a.add_argument("--throughput-bits", nargs="+", default=["4.0"],
+                           help="of --bits, those that also get the throughput runs "
+                                "(default 4.0: the KV-capacity configuration)")
+            a.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+            a.add_argument("--eager", action="store_true", help="disable CUDA graphs")
+            a.add_argument("--serve", action="store_true",
+                           help="finish with serve-check on the first real model")
+    w = sub.add_parser("worker")
+    w.add_argument("--model", required=True)
+    w.add_argument("--mode", choices=("bf16", "tkv"), required=True)
+    w.add_argument("--result", required=True)
+    w.add_argument("--mem", type=float, default=0.5)
+    w.add_argument("--context-length", type=int, default=4096)
+    w.add_argument("--baseline-backend", default="triton")
+    w.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    w.add_argument("--dummy", action="store_true")
+    w.add_argument("--greedy-only", action="store_true")
+    w.add_argument("--eager", action="store_true")
+    o = p.parse_args(argv)
+    {"all": run_all, "smoke": smoke, "serve-check": serve_check, "worker": worker}[o.cmd](o)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
