@@ -87,3 +87,15 @@ def register() -> None:
 
     register_kv_cache_dtype(TKV_DTYPE, torch.uint8, validate=validate)
     register_backend(AttentionBackendEnum.TURBO_ATTN, BACKEND_PATH)
+    _register_spec_managers()
+
+
+def _register_spec_managers() -> None:
+    """vLLM picks a KV-cache group's block manager by the spec's exact type
+    (``single_type_kv_cache_manager.spec_manager_map[type(spec)]``): map tkv's spec
+    subclasses to the managers of their parents (same block bookkeeping, other page bytes),
+    and serve per-layer-width groups (``UniformTypeKVCacheSpecs``), which 0.20.1's
+    coordinator cannot — see :mod:`tkv.vllm.managers`."""
+    from .managers import register_kv_cache_managers
+
+    register_kv_cache_managers()
