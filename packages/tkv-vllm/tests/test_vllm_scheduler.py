@@ -1,6 +1,8 @@
-"""The engine core's block managers over tkv specs (vLLM 0.20.1 scheduler side, CPU only):
-a group of tkv layers at one width, and a per-layer-width group (``UniformTypeKVCacheSpecs``),
-full and sliding attention, with prefix caching — allocate, free, hit the cached prefix."""
+"""The engine core's block managers over tkv specs (vLLM 0.20.1 scheduler side, CPU only),
+built the way EngineCore builds them (``generate_scheduler_kv_cache_config``): a group of tkv
+layers at one width, and a per-layer-width group (``UniformTypeKVCacheSpecs``), full and
+sliding attention, with prefix caching — allocate, free, hit the cached prefix. vLLM picks
+managers by exact spec type, so without the plugin's map entries this is a KeyError."""
 
 from __future__ import annotations
 
@@ -45,27 +47,30 @@ def test_block_manager_allocates_and_hits_the_prefix_cache(patched_vllm, tmp_pat
                                                            monkeypatch, mixed, window):
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
+    from vllm.v1.core import single_type_kv_cache_manager as stm
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_request_block_hasher,
+        init_none_hash,
+    )
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
     from vllm.v1.request import Request
 
     from tkv.codec.bundle import LayerAllocation
-    from tkv.vllm import managers
 
     alloc = (LayerAllocation((4, 3, 8, 2), (3, 3, 4, 2), "smartmix") if mixed
              else LayerAllocation.uniform(4, 4, 4))
     cfg = _kv_cache_config(monkeypatch, tmp_path, alloc, window)
     (group,) = cfg.kv_cache_groups
     assert isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs) == mixed
-    managers.register_kv_cache_managers()
+    cfg = generate_scheduler_kv_cache_config([cfg])  # what EngineCore hands the scheduler
     init_none_hash(sha256)
     hasher = get_request_block_hasher(16, sha256)
     kvm = KVCacheManager(cfg, max_model_len=1024, hash_block_size=16, enable_caching=True,
                          max_num_batched_tokens=256)
     mgr = kvm.coordinator.single_type_managers[0]
-    want = managers.TkvSlidingWindowManager if window else managers.TkvFullAttentionManager
-    assert type(mgr) is want
+    assert type(mgr) is (stm.SlidingWindowManager if window else stm.FullAttentionManager)
 
     prompt = list(range(100, 100 + 80))  # 5 full blocks
 

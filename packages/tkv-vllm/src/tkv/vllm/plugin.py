@@ -91,11 +91,14 @@ def register() -> None:
 
 
 def _register_spec_managers() -> None:
-    """vLLM picks a KV-cache group's block manager by the spec's exact type
+    """vLLM picks a layer's block manager by the spec's exact type
     (``single_type_kv_cache_manager.spec_manager_map[type(spec)]``): map tkv's spec
-    subclasses to the managers of their parents (same block bookkeeping, other page bytes),
-    and serve per-layer-width groups (``UniformTypeKVCacheSpecs``), which 0.20.1's
-    coordinator cannot — see :mod:`tkv.vllm.managers`."""
-    from .managers import register_kv_cache_managers
+    subclasses to the managers of their parents (same block bookkeeping, other page bytes).
+    A per-layer-width group (``UniformTypeKVCacheSpecs``) reaches the scheduler as one of its
+    member specs (``generate_scheduler_kv_cache_config``), so these two entries cover it."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
 
-    register_kv_cache_managers()
+    from .spec import TkvFullAttentionSpec, TkvSlidingWindowSpec
+
+    stm.spec_manager_map.setdefault(TkvFullAttentionSpec, stm.FullAttentionManager)
+    stm.spec_manager_map.setdefault(TkvSlidingWindowSpec, stm.SlidingWindowManager)
