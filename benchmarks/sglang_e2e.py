@@ -30,9 +30,10 @@ bundle); pass a ``tkv-calibrate`` bundle for SmartMix numbers.
 
 Every (model, mode) runs in its own process group (``setsid``): a worker that builds one
 ``sgl.Engine`` (which starts its own scheduler and detokenizer processes), measures, writes
-JSON and exits. The driver gives each a ``--timeout``, kills the whole group on timeout or
-exit (SGLang's children otherwise keep the GPU memory), keeps its log, and goes on with the
-next mode after a failure. The group being run is in ``OUT/current_server.pgid``.
+JSON and exits. The driver gives each a ``--timeout``, kills the whole group on timeout, on
+exit, or 30 s after the result JSON appeared (SGLang's children otherwise keep the GPU
+memory; a hanging shutdown costs no more), keeps its log, and goes on with the next mode
+after a failure. The group being run is in ``OUT/current_server.pgid``.
 
 Usage (GPU host; sglang patched with ``tkv-sglang patch apply``; packages/tkv-sglang/gpu/
 session does all of it on the lent H200)::
@@ -153,17 +154,29 @@ def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
             time.sleep(0.5)
 
 
-def run_group(cmd: list[str], env: dict, log: Path, timeout: float, out: Path) -> int | None:
+def run_group(cmd: list[str], env: dict, log: Path, timeout: float, out: Path,
+              result: Path | None = None, linger: float = 30.0) -> int | None:
     """Run ``cmd`` in a new session (its own process group), output into ``log``; kill the
-    group when it exits or after ``timeout`` s. Returns the exit status (None: timed out)."""
+    group when it exits, ``linger`` s after ``result`` appeared (a hanging engine shutdown
+    costs no more), or after ``timeout`` s. Returns the exit status (None: killed)."""
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True)
         (out / "current_server.pgid").write_text(str(p.pid))
+        t0, done_at = time.time(), None
+        rc: int | None = None
         try:
-            rc: int | None = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
+            while True:
+                try:
+                    rc = p.wait(timeout=2)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                now = time.time()
+                if done_at is None and result is not None and result.is_file():
+                    done_at = now
+                if now - t0 > timeout or (done_at is not None and now - done_at > linger):
+                    break
         finally:
             _kill_group(p)
             p.wait()
@@ -197,14 +210,15 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
     log = out / f"{tag}.log"
     print(f"== {tag}: TKV_BITS={env.get('TKV_BITS', '-')} {' '.join(cmd[2:])}", flush=True)
     t = time.perf_counter()
-    rc = run_group(cmd, env, log, o.timeout, out)
+    rc = run_group(cmd, env, log, o.timeout, out, result=result)
     dt = time.perf_counter() - t
     text = log.read_text(errors="replace")
-    if rc != 0 or not result.is_file():
+    if not result.is_file():  # results on disk count even if the engine's shutdown hung
         why = f"timed out after {o.timeout}s" if rc is None else f"rc={rc}"
         print(f"   FAILED ({why}, {dt:.0f}s); log: {log}\n{text[-3000:]}", flush=True)
         return {"mode": mode, "tkv_bits": bits, "failed": why, "log_tail": text[-3000:]}
     res = json.loads(result.read_text())
+    res["exit"] = rc
     m = KV_TOKENS_RE.findall(text)
     if m:
         res["kv_tokens_log"] = int(m[-1])
