@@ -34,6 +34,10 @@ def test_job_writes_valid_bundle_and_report(job, tiny):
             assert len(set(zip(alloc.k_bits, alloc.v_bits, strict=False))) == 1
     assert "evaluation" in b.metrics and b.metrics["evaluation"]["rows"]
     assert b.provenance["corpus"] == "valid.txt" and len(b.provenance["corpus_sha256"]) == 64
+    # key centering is on by default; the bundle carries μ for every layer where it won
+    assert b.provenance["key_centering"] is True
+    for layer, sc in zip(b.layers, res.calibration.scales, strict=True):
+        assert (layer.k_channel_offset is None) == (sc.k_offset is None)
     md = (out / "report.md").read_text()
     assert "SmartMix decisions" in md and "vLLM turboquant_4bit_nc" in md and "KIVI" in md
     assert (out / "report.png").stat().st_size > 10_000

@@ -1,4 +1,5 @@
-"""Steps 1–2 (and the bundle draft): collection → channel scales → fitted codebooks.
+"""Steps 1–2 (and the bundle draft): collection → key centering + channel scales → fitted
+codebooks.
 
 :func:`fit_calibration` turns calibration windows into per-layer
 :class:`tkv.codec.LayerCalibration` records plus the diagnostics the report shows (error
@@ -35,8 +36,9 @@ class Calibration:
     """What steps 1–2 learned.
 
     Attributes:
-        layers: per layer :class:`LayerCalibration` (scales + kept fitted codebooks).
-        scales: per layer :class:`ScaleChoice` (errors with/without scales).
+        layers: per layer :class:`LayerCalibration` (scales, key offset μ, kept fitted
+            codebooks).
+        scales: per layer :class:`ScaleChoice` (errors with/without scales and centering).
         codebooks: per layer ``{"k": SideCodebooks, "v": SideCodebooks}``.
         num_tokens: calibration tokens collected. seconds: wall time per step.
     """
@@ -59,7 +61,11 @@ class Calibration:
         mean = lambda xs: sum(xs) / max(len(xs), 1)
         out = {
             "k_logit_rel_mse_unscaled": mean([s.k_error_unscaled for s in self.scales]),
+            "k_logit_rel_mse_scaled_uncentered": mean([
+                s.k_error if s.k_error_uncentered is None else s.k_error_uncentered
+                for s in self.scales]),
             "k_logit_rel_mse_scaled": mean([s.k_error for s in self.scales]),
+            "k_centered_layers": sum(s.k_offset is not None for s in self.scales),
             "v_output_rel_mse_unscaled": mean([s.v_error_unscaled for s in self.scales]),
             "v_output_rel_mse_scaled": mean([s.v_error for s in self.scales]),
             "k_scaled_layers": sum(s.k_scales is not None for s in self.scales),
@@ -77,11 +83,14 @@ class Calibration:
 
 def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed: int = 0,
                     held_fraction: float = 0.25, show_progress: bool = True,
-                    collection: KVCollection | None = None) -> Calibration:
-    """Collect K/V over ``windows`` (int64 ``(n, T)``), then fit scales and codebooks per layer.
+                    collection: KVCollection | None = None,
+                    center_keys: bool = True) -> Calibration:
+    """Collect K/V over ``windows`` (int64 ``(n, T)``), then fit the key offset μ, scales and
+    codebooks per layer.
 
     The last ``held_fraction`` of the collected tokens (whole windows when n > 1) is held out
-    to select scales and judge codebooks.
+    to select scales (and whether to center) and judge codebooks; μ is fitted on the rest.
+    ``center_keys=False`` never centers (ablation; bundles then carry no offset).
     """
     t0 = time.perf_counter()
     col = collection or collect_kv(model, windows, show_progress=show_progress)
@@ -93,9 +102,10 @@ def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed:
     layers, scales, books = [], [], []
     pb = bar(len(col.layers), "scales+codebooks", show_progress, "layer")
     for s in col.layers:
-        sc = choose_scales(s, train, held, seed)
+        sc = choose_scales(s, train, held, seed, center_keys=center_keys)
+        kx = s.k if sc.k_offset is None else s.k - sc.k_offset
         cbs = {}
-        for side, x, sv in (("k", s.k, sc.k_scales), ("v", s.v, sc.v_scales)):
+        for side, x, sv in (("k", kx, sc.k_scales), ("v", s.v, sc.v_scales)):
             z = standardized_coords(x, sv, rot)
             cbs[side] = fit_side_codebooks(z[train], z[held], seed=seed)
         books.append(cbs)
@@ -103,7 +113,8 @@ def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed:
         cb_map = {f"{side}_bits_{b}": cb for side in ("k", "v") for b, cb in cbs[side].books.items()}
         layers.append(LayerCalibration(
             None if sc.k_scales is None else tuple(sc.k_scales.tolist()),
-            None if sc.v_scales is None else tuple(sc.v_scales.tolist()), cb_map))
+            None if sc.v_scales is None else tuple(sc.v_scales.tolist()), cb_map,
+            None if sc.k_offset is None else tuple(sc.k_offset.tolist())))
         pb.update(1)
     pb.close()
     if len(layers) != geometry.num_layers:

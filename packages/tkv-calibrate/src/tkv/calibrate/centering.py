@@ -1,17 +1,20 @@
-"""Experiment (not shipped in bundles): per-channel mean removal before the tkv codec.
+"""Experiment: per-head K (and V) mean removal, emulated outside the codec.
 
-Post-RoPE keys of SmolLM2-135M carry ~60 % of their energy in a per-channel mean shared by
-all tokens (measured on 512 ``valid`` tokens). The codec quantizes ``‖x‖``-normalized
-vectors, so that shared component is quantized again in every token. Removing it is free for
-keys — ``q·(k − μ_k)`` differs from ``q·k`` by ``q·μ_k``, the same for every key of a query
-row, which softmax ignores — and cheap for values (``Σ_j p_j (v_j − μ_v) + μ_v`` since the
-attention weights sum to 1). Shipping it needs a per-layer offset in the codec and the bundle
-(``tkv.codec`` change); this module only emulates it so its value can be measured:
+The job ships key centering with one offset per layer shared by its KV heads (the codec's
+``k_channel_offset``, fitted in :mod:`tkv.calibrate.scales`); this module emulates what the
+codec cannot store — a mean per KV head, and value centering — so their value can be
+measured against it. Post-RoPE keys of SmolLM2-135M carry ~60 % of their energy in a
+per-channel mean shared by all tokens (measured on 512 ``valid`` tokens). The codec quantizes
+``‖x‖``-normalized vectors, so that shared component is quantized again in every token.
+Removing it is free for keys — ``q·(k − μ_k)`` differs from ``q·k`` by ``q·μ_k``, the same for
+every key of a query row, which softmax ignores — and cheap for values
+(``Σ_j p_j (v_j − μ_v) + μ_v`` since the attention weights sum to 1):
 
     python -m tkv.calibrate.centering --bundle tkv-calibration/tkv_bundle.json
 
-It re-fits scales and codebooks on centered K/V (same calibration windows as the job),
-keeps each bundle row's per-layer widths, and evaluates teacher-forced on the test text.
+It re-fits scales and codebooks on per-head-centered K/V (same calibration windows as the
+job, the job's own per-layer centering off), keeps each bundle row's per-layer widths, and
+evaluates teacher-forced on the test text.
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     arms: list[Arm] = [x for x in _bundle_arms(bundle) if x.group == "smartmix"]
     for values in (False, True):
         ccol, mk, mv = center_collection(col, values)
-        cal = fit_calibration(lm.model, geo, cal_ids, bundle.seed, collection=ccol)
+        cal = fit_calibration(lm.model, geo, cal_ids, bundle.seed, collection=ccol,
+                              center_keys=False)
         cb = draft_bundle(cal)
         tag = "K+V centered" if values else "K centered"
         for key in bundle.budgets():

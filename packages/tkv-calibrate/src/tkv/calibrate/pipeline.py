@@ -62,6 +62,7 @@ class JobConfig:
     peers: bool = False
     needle: bool = False
     decode: bool = True
+    center_keys: bool = True
     seed: int = 0
     threads: int | None = None
     show_progress: bool = True
@@ -251,7 +252,8 @@ def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
     times["tokenize"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    cal = fit_calibration(lm.model, geo, collect_ids, cfg.seed, show_progress=cfg.show_progress)
+    cal = fit_calibration(lm.model, geo, collect_ids, cfg.seed, show_progress=cfg.show_progress,
+                          center_keys=cfg.center_keys)
     times["collect"] = cal.seconds["collect"]
     times["scales_codebooks"] = cal.seconds["fit"]
     draft = draft_bundle(cal)
@@ -273,6 +275,7 @@ def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
         "sensitivity_tokens": int(sens_ids.numel()), "verify_tokens": int(verify_ids.numel()),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
+        "key_centering": bool(cfg.center_keys),
         "budget_semantics": "TKV_BITS=b buys the bytes of a uniform cache with b-bit K and V "
                             "codes plus bf16 norms (interpolated between floor(b) and ceil(b)), "
                             "priced by tkv.codec.layout",

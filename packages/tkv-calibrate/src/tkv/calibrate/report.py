@@ -128,9 +128,12 @@ def write_report(res, out: Path) -> tuple[Path, Path]:
              "within the same byte cap.\n")
     s = res.calibration.summary()
     L.append("## Calibration\n")
-    L.append(f"- Channel scales (4-bit probe, held-out tokens): key logit relative MSE "
-             f"{s['k_logit_rel_mse_unscaled']:.4g} → {s['k_logit_rel_mse_scaled']:.4g} "
-             f"({s['k_scaled_layers']}/{s['num_layers']} layers scaled); value output relative "
+    L.append(f"- Key centering and channel scales (4-bit probe, held-out tokens): key logit "
+             f"relative MSE {s['k_logit_rel_mse_unscaled']:.4g} (plain) → "
+             f"{s['k_logit_rel_mse_scaled_uncentered']:.4g} (scales) → "
+             f"{s['k_logit_rel_mse_scaled']:.4g} (scales + centering; "
+             f"{s['k_centered_layers']}/{s['num_layers']} layers centered, "
+             f"{s['k_scaled_layers']}/{s['num_layers']} scaled); value output relative "
              f"MSE {s['v_output_rel_mse_unscaled']:.4g} → {s['v_output_rel_mse_scaled']:.4g} "
              f"({s['v_scaled_layers']}/{s['num_layers']} layers scaled).")
     for side in ("k", "v"):

@@ -17,6 +17,15 @@ Scales are normalized to geometric mean 1. For each layer and side three strengt
 — none, half (exponent 1/8) and full (1/4) — and the one with the lowest *measured* error on
 held-out calibration tokens (real codec, 4 bits) is kept: relative logit MSE
 ``Σ (q·k − q·k̂)² / Σ (q·k)²`` for keys, relative ``‖W_o (v − v̂)‖²`` for values.
+
+Key centering (``center_keys``, the codec's ``k_channel_offset`` μ): post-RoPE keys carry a
+large per-channel mean shared by all tokens, which a per-vector-normalized codec quantizes
+again in every token. μ is the mean of the training keys over tokens and KV heads
+(``(head_dim,)``, one vector per layer, as the codec stores it; the minimizer of
+``E‖k − μ‖²``). Subtracting it is exact for attention (each score of a query row shifts by the
+same ``q·μ``). Keys are then scaled with the statistics of ``k − μ``; the three strengths are
+tried with and without μ, and the lowest held-out error (always measured on model-space keys,
+the codec adds μ back) wins, so a layer is centered only where it measured better.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from tkv.codec import TurboKVCodec
 
 from .collect import LayerSamples
 
-__all__ = ["ScaleChoice", "choose_scales", "k_logit_error", "v_output_error"]
+__all__ = ["ScaleChoice", "choose_scales", "k_logit_error", "key_offset", "v_output_error"]
 
 STRENGTHS = (0.0, 0.5, 1.0)
 PROBE_BITS = 4
@@ -47,6 +56,10 @@ class ScaleChoice:
         k_error, v_error: relative held-out error with the chosen scales (at PROBE_BITS).
         k_error_unscaled, v_error_unscaled: the same without scales.
         k_strength, v_strength: 0, 0.5 or 1.
+        k_offset: float32 ``(head_dim,)`` key mean μ subtracted before compression, or None
+            (not centered: centering off, or it did not measure better).
+        k_error_uncentered: the best held-out key error without μ (equals ``k_error`` when
+            centering is off or lost).
     """
 
     k_scales: torch.Tensor | None
@@ -57,6 +70,8 @@ class ScaleChoice:
     v_error_unscaled: float
     k_strength: float
     v_strength: float
+    k_offset: torch.Tensor | None = None
+    k_error_uncentered: float | None = None
 
 
 def _normalize(ratio: torch.Tensor, power: float) -> torch.Tensor:
@@ -105,11 +120,20 @@ def v_output_error(v: torch.Tensor, v_hat: torch.Tensor, metric: torch.Tensor | 
     return float(num / den.clamp_min(1e-30))
 
 
-def choose_scales(s: LayerSamples, train: slice, held: slice, seed: int = 0) -> ScaleChoice:
-    """Fit and select the K and V channel scales of one layer (module docstring).
+def key_offset(k: torch.Tensor) -> torch.Tensor:
+    """Key mean μ over tokens and KV heads: k float ``(tokens, num_kv_heads, head_dim)`` →
+    float32 ``(head_dim,)`` (accumulated in float64)."""
+    return k.double().mean(dim=(0, 1)).float()
+
+
+def choose_scales(s: LayerSamples, train: slice, held: slice, seed: int = 0,
+                  center_keys: bool = True) -> ScaleChoice:
+    """Fit and select the K and V channel scales (and the key offset) of one layer (module
+    docstring).
 
     Args:
         s: the layer's samples. train, held: token ranges for fitting and for selection.
+        center_keys: also try key centering (μ fitted on ``train``).
     """
     d = s.k.shape[-1]
     k_tr, v_tr = s.k[train], s.v[train]
@@ -118,35 +142,46 @@ def choose_scales(s: LayerSamples, train: slice, held: slice, seed: int = 0) -> 
     if k_ho.shape[0] > MAX_HELD:
         k_ho, v_ho = k_ho[-MAX_HELD:], v_ho[-MAX_HELD:]
     metric = _group_weights(s.o_proj, s.num_heads, s.num_kv_heads, d)
-    k_ratio = (k_tr.double() ** 2).mean(dim=(0, 1)) / s.q_sq.clamp_min(1e-12)
+    offsets = [None, key_offset(k_tr)] if center_keys else [None]
     if metric is not None:
         w = torch.diagonal(metric, dim1=1, dim2=2).mean(0)
     else:
         w = torch.ones(d, dtype=torch.float64)
     v_ratio = (v_tr.double() ** 2).mean(dim=(0, 1)) / w.clamp_min(1e-12)
 
-    def err(side: str, scales) -> float:
+    def err(side: str, scales, offset=None) -> float:
         codec = TurboKVCodec(d, PROBE_BITS, seed=seed, check_finite=False,
                              k_channel_scales=scales if side == "k" else None,
-                             v_channel_scales=scales if side == "v" else None)
+                             v_channel_scales=scales if side == "v" else None,
+                             k_channel_offset=offset)
         if side == "k":
             kh = codec.decompress_k(*codec.compress_k(k_ho))
             return k_logit_error(k_ho, kh, q_ho)
         vh = codec.decompress_v(*codec.compress_v(v_ho))
         return v_output_error(v_ho, vh, metric)
 
-    out = {}
-    for side, ratio in (("k", k_ratio), ("v", v_ratio)):
-        best = None
-        base = None
+    # keys: every strength with and without the offset; values: strengths only
+    best_k, best_k_plain, kb = None, None, None
+    for off in offsets:
+        kc = k_tr.double() if off is None else k_tr.double() - off.double()
+        k_ratio = (kc ** 2).mean(dim=(0, 1)) / s.q_sq.clamp_min(1e-12)
         for st in STRENGTHS:
-            sc = None if st == 0 else _normalize(ratio, 0.25 * st)
-            e = err(side, sc)
-            if st == 0:
-                base = e
-            if best is None or e < best[0]:
-                best = (e, sc, st)
-        out[side] = (best, base)
-    (ke, ks, kst), kb = out["k"]
-    (ve, vs, vst), vb = out["v"]
-    return ScaleChoice(ks, vs, ke, ve, kb, vb, kst, vst)
+            sc = None if st == 0 else _normalize(k_ratio, 0.25 * st)
+            e = err("k", sc, off)
+            if st == 0 and off is None:
+                kb = e
+            if best_k is None or e < best_k[0]:
+                best_k = (e, sc, st, off)
+            if off is None and (best_k_plain is None or e < best_k_plain):
+                best_k_plain = e
+    best_v, vb = None, None
+    for st in STRENGTHS:
+        sc = None if st == 0 else _normalize(v_ratio, 0.25 * st)
+        e = err("v", sc)
+        if st == 0:
+            vb = e
+        if best_v is None or e < best_v[0]:
+            best_v = (e, sc, st)
+    ke, ks, kst, koff = best_k
+    ve, vs, vst = best_v
+    return ScaleChoice(ks, vs, ke, ve, kb, vb, kst, vst, koff, best_k_plain)
