@@ -92,3 +92,30 @@ def test_bundle_carries_the_offset_and_tkv_cache_uses_it(tmp_path):
     kp, _ = plain.layers[0].update(k, v)
     err = lambda x: float(((x - k) ** 2).sum() / (k ** 2).sum())
     assert err(kc) < 0.5 * err(kp)
+
+
+def test_goal_lines_check_bytes_vllm_ratio_and_needle():
+    from tkv.calibrate.report import goal_lines
+
+    def row(name, group, b, kl, dppl, budget=None):
+        r = {"name": name, "group": group, "bytes_per_token_head": b, "kl": kl,
+             "delta_ppl_pct": dppl}
+        if budget is not None:
+            r["budget"] = budget
+        return r
+
+    rows = [row("TKV@4 SmartMix", "smartmix", 68, 0.02, 1.5, 4.0),
+            row("TKV@4 uniform K4V4", "tkv", 68, 0.03, 2.0, 4.0),
+            row("TKV@5 SmartMix", "smartmix", 84, 0.006, 0.5, 5.0),
+            row("KIVI int4 (K/ch g32, V/tok)", "peer", 80, 0.015, 1.1),
+            row("fp8-e4m3 per-tensor", "peer", 128, 0.007, 0.7),
+            row("vLLM turboquant_4bit_nc (2+2 bf16)", "peer", 94.8, 0.045, 4.0)]
+    needle = {"summary": {"uncompressed": "10/12", "TKV@4": "9/12", "TKV@3": "11/12"}}
+    md = "\n".join(goal_lines(rows, needle))
+    assert "KL ≤ 0.0153 | 0.0200 | no (1.31× the goal)" in md
+    assert "KL ratio ≤ 0.8 | 0.67 | yes" in md
+    assert "0.85 × KIVI int4 (K/ch g32, V/tok) (68.0) | 68.0 | yes" in md
+    assert "0.67 × fp8-e4m3 per-tensor (85.3) | 84.0 | yes" in md
+    assert "KL ratio ≤ 0.5 | 0.44 | yes" in md
+    assert "needle TKV@4 | passes = uncompressed (10/12) | 9/12 | no (1 cell(s) fewer)" in md
+    assert "needle TKV@3 | misses ≤ 1 of 12 | 1 missed | yes" in md

@@ -60,12 +60,22 @@ def evaluation_lines(ev, rows) -> list[str]:
 # budget → (max KL, max ΔPPL %), and SmartMix KL ≤ 0.8 × best uniform at 4.0.
 GOALS = {3.0: (None, 8.0), 4.0: (0.0153, 1.08), 5.0: (0.0071, None)}
 MIX_GOAL = 0.8
+VLLM_4BIT_RATIO = 0.5      # TKV@4 KL ≤ 0.5 × vLLM turboquant_4bit_nc
+BYTES_VS_PEER = {4.0: ("KIVI int4", 0.85), 5.0: ("fp8-e4m3", 2 / 3)}  # bytes ≤ f × peer's
 
 
-def goal_lines(rows) -> list[str]:
-    """Markdown lines checking the shipped row of each budget against :data:`GOALS`."""
+def _passes(s: str) -> tuple[int, int]:
+    a, b = s.split("/")
+    return int(a), int(b)
+
+
+def goal_lines(rows, needle: dict | None = None) -> list[str]:
+    """Markdown lines checking the shipped row of each budget against :data:`GOALS`, the
+    byte goals and the vLLM ratio (when peers were evaluated) and the needle goals (when
+    ``needle``, :func:`tkv.calibrate.needle.run_needle`'s result, is given)."""
     by_budget: dict[float, dict] = {}
     uni: dict[float, dict] = {}
+    peers = {r["name"]: r for r in rows if r["group"] == "peer"}
     for r in rows:
         b = r.get("budget")
         if b is None:
@@ -91,7 +101,38 @@ def goal_lines(rows) -> list[str]:
     if 4.0 in uni and by_budget.get(4.0, {}).get("group") == "smartmix":
         ratio = by_budget[4.0]["kl"] / max(uni[4.0]["kl"], 1e-30)
         L.append(f"| 4 | SmartMix vs {uni[4.0]['name']} | KL ratio ≤ {MIX_GOAL} | {ratio:.2f} | "
-                 f"{'yes' if ratio <= MIX_GOAL else 'no'} |")
+                 f"{'yes' if ratio <= MIX_GOAL else f'no (by {ratio - MIX_GOAL:.2f})'} |")
+    for b, (prefix, frac) in BYTES_VS_PEER.items():
+        peer = next((p for n, p in peers.items() if n.startswith(prefix)), None)
+        r = by_budget.get(b)
+        if peer is None or r is None:
+            continue
+        cap = frac * peer["bytes_per_token_head"]
+        got = r["bytes_per_token_head"]
+        L.append(f"| {b:g} | {r['name']} | B/tok/head ≤ {frac:.2f} × {peer['name']} "
+                 f"({cap:.1f}) | {got:.1f} | {'yes' if got <= cap else 'no'} |")
+    vllm = next((p for n, p in peers.items() if "turboquant_4bit_nc" in n), None)
+    if vllm is not None and 4.0 in by_budget:
+        ratio = by_budget[4.0]["kl"] / max(vllm["kl"], 1e-30)
+        verdict = ("yes" if ratio <= VLLM_4BIT_RATIO
+                   else f"no (by {ratio - VLLM_4BIT_RATIO:.2f})")
+        L.append(f"| 4 | {by_budget[4.0]['name']} vs {vllm['name']} | KL ratio ≤ "
+                 f"{VLLM_4BIT_RATIO} | {ratio:.2f} | {verdict} |")
+    summ = (needle or {}).get("summary", {})
+    if "uncompressed" in summ:
+        base, total = _passes(summ["uncompressed"])
+        if "TKV@4" in summ:
+            got = _passes(summ["TKV@4"])[0]
+            verdict = "yes" if got >= base else f"no ({base - got} cell(s) fewer)"
+            L.append(f"| 4 | needle TKV@4 | passes = uncompressed ({base}/{total}) | "
+                     f"{got}/{total} | {verdict} |")
+        if "TKV@3" in summ:
+            got = _passes(summ["TKV@3"])[0]
+            allowed = total // 12
+            misses = total - got
+            verdict = "yes" if misses <= allowed else f"no ({misses - allowed} miss(es) over)"
+            L.append(f"| 3 | needle TKV@3 | misses ≤ {allowed} of {total} | {misses} missed | "
+                     f"{verdict} |")
     return [*L, ""]
 
 
@@ -112,7 +153,7 @@ def write_report(res, out: Path) -> tuple[Path, Path]:
              "for SmartMix verification). Bundle: `" + res.bundle_path.name + "`.\n")
     if res.evaluation is not None:
         L += evaluation_lines(res.evaluation, rows)
-        L += goal_lines(rows)
+        L += goal_lines(rows, res.needle)
     L.append("## SmartMix decisions (held-out calibration text)\n")
     L.append("| budget | cap B/token (all layers) | mix | mix held-out KL | best uniform | "
              "uniform held-out KL | shipped |")
