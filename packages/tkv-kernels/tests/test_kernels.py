@@ -314,6 +314,23 @@ def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.flo
     assert _rel(out, ref) < _tol(dtype)
 
 
+def test_prefill_no_prefix_bypass_and_broken_promise():
+    """no_prefix=True: first chunks run as plain attention (no rotation, cache untouched) and
+    equal the oracle; a sequence that has a prefix after all gets NaN rows, never garbage."""
+    codec = TurboKVCodec(64, k_bits=4, v_bits=3, device=DEV, seed=5)
+    ld = TkvLoader(codec, 2, 16)
+    _prefill_check(ld, [0, 0, 0], [19, 1, 33], 4, seed=31, no_prefix=True)
+    g = _gen(32)
+    batch = make_paged_batch([7 + 5, 9], 16, DEV, generator=g)
+    cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
+    q = torch.randn(14, 8, 64, generator=g).to(DEV, torch.float16)
+    k = torch.randn(14, 2, 64, generator=g).to(DEV, torch.float16)
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32, device=DEV)
+    out = prefill(q, k, k, cu, batch.seq_lens, 9, cache, batch.block_table, ld, no_prefix=True)
+    assert torch.isnan(out[:5]).all()        # sequence 0 has a 7-token prefix
+    assert torch.isfinite(out[5:]).all()
+
+
 @pytest.mark.parametrize("head_dim,group,prefix,qlens,window", [
     (64, 4, [0, 0], [19, 1], 0),               # first chunk: pure bf16 path (prefill bypass)
     (64, 1, [35, 16, 0], [9, 1, 12], 0),

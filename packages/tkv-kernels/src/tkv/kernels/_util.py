@@ -61,15 +61,18 @@ def check_out(out: torch.Tensor, shape: tuple[int, ...], device: torch.device) -
     check_same_device(device, out=out)
 
 
-def tile_tokens(block_n: int | None, head_dim: int, min_block_n: int) -> int:
-    """Key/value tile length in tokens for decode and prefill: ``block_n`` if given, else 64
-    for head_dim <= 128 and 32 above (register budget), raised to the loader's ``min_block_n``.
+def tile_tokens(block_n: int | None, head_dim: int, min_block_n: int,
+                small_head: int = 64) -> int:
+    """Key/value tile length in tokens for decode and prefill: ``block_n`` if given, else
+    ``small_head`` for head_dim <= 128 and 32 above (register budget), raised to the loader's
+    ``min_block_n``. Decode passes ``small_head=128`` (fastest on the H200 for K4V4,
+    benchmarks/results/kernels_gpu_2026-11-29_planes.md).
 
     Raises:
         ValueError: an explicit ``block_n`` below ``min_block_n``.
     """
     if block_n is None:
-        return max(64 if head_dim <= 128 else 32, min_block_n)
+        return max(small_head if head_dim <= 128 else 32, min_block_n)
     if block_n < min_block_n:
         raise ValueError(f"this loader needs block_n >= {min_block_n} here, got {block_n}")
     return block_n

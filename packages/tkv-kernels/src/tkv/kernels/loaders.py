@@ -52,6 +52,7 @@ from tkv.codec import TurboKVCodec
 from tkv.codec.errors import DtypeError, ShapeError
 from tkv.codec.layout import SlotLayout
 
+from ._planes import to_planar_columns
 from ._util import check_dtype, check_last_dim_contiguous, check_tensor, next_pow2
 
 __all__ = ["BypassLoader", "Fp8Loader", "Loader", "SideArgs", "TkvLoader"]
@@ -227,6 +228,9 @@ class TkvLoader:
         k_in, v_in: ``(d_pad, d_pad)`` ``A`` with ``R (x / s) = x @ A`` (prescale + rotation).
         q_in: ``(d_pad, d_pad)`` with ``rotate_query(q) = q @ q_in``.
         out_mat: ``(d_pad, d_pad)`` with ``unrotate_output(o) = o @ out_mat``.
+        q_in_planar, k_in_planar, v_in_planar: ``(head_dim, d_pad)``: q_in / k_in / v_in with
+            the output columns in the side's planar layout (``_planes.planar_index``).
+        out_planar: ``(d_pad, head_dim)``: out_mat taking planar-layout (V planes) rows.
         layout: the :class:`~tkv.codec.layout.SlotLayout` (the only source of offsets).
     """
 
@@ -285,6 +289,12 @@ class TkvLoader:
         self.out_mat = pad(r @ torch.diag(sv))          # o @ U = s_v * R^T o
         self.k_norm_correction = bool(codec.k.norm_correction)
         self.v_norm_correction = bool(codec.v.norm_correction)
+        # the same maps with columns in each side's planar layout (prefill: contiguous planes)
+        knp, vnp = self.planes("k"), self.planes("v")
+        self.q_in_planar = to_planar_columns(self.q_in[:d, :d], knp, d, dp).contiguous()
+        self.k_in_planar = to_planar_columns(self.k_in[:d, :d], knp, d, dp).contiguous()
+        self.v_in_planar = to_planar_columns(self.v_in[:d, :d], vnp, d, dp).contiguous()
+        self.out_planar = to_planar_columns(self.out_mat[:d, :d].T, vnp, d, dp).T.contiguous()
 
     fetch = tkv_fetch
     dequant = tkv_dequant

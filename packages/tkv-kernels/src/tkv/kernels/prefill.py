@@ -11,7 +11,7 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
-from ._planes import accumulate, load_planes, scores, store_planes, to_planar_columns
+from ._planes import accumulate, load_planes, scores, store_planes
 from ._util import (
     check_dtype,
     check_int_tensor,
@@ -23,7 +23,7 @@ from ._util import (
     next_pow2,
     tile_tokens,
 )
-from .loaders import Loader
+from .loaders import Loader, bypass_fetch, identity_dequant
 
 __all__ = ["prefill"]
 
@@ -53,7 +53,7 @@ def _prefill_kernel(
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_MT: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, PLANAR: tl.constexpr):
+        DOT_DTYPE: tl.constexpr, PLANAR: tl.constexpr, NO_PREFIX: tl.constexpr):
     """One (query tile, sequence, KV head). Q/KN/VN/Out live in the loader's space (the wrapper
     rotates them for rotated loaders, in the planar layout: ``PLANAR``); every K/V operand,
     cached or new, is handled as the loader's planes so prefix and chunk share one
@@ -68,6 +68,8 @@ def _prefill_kernel(
     L = tl.load(seq_lens + seq)
     prefix = L - q_len
     BLOCK_M: tl.constexpr = BLOCK_MT * G_PAD
+    if NO_PREFIX:  # the caller promised first chunks only: fail loudly, never guess
+        prefix = tl.where(prefix != 0, -1, prefix)
     rows = tl.arange(0, BLOCK_M)
     tok = tile * BLOCK_MT + rows // G_PAD          # chunk-relative query index
     hh = rows % G_PAD
@@ -133,6 +135,8 @@ def _prefill_kernel(
         a0, a1, a2, a3 = accumulate(a0, a1, a2, a3, alpha, p.to(DOT_DTYPE), v0, v1, v2, v3,
                                     VNP)
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+    if NO_PREFIX:
+        inv = tl.where(prefix < 0, float("nan"), inv)
     store_planes(Out, (q0 + tok).to(tl.int64) * so_t + qh * so_h, rmask, a0 * inv[:, None],
                  a1 * inv[:, None], a2 * inv[:, None], a3 * inv[:, None], VNP, D_PAD, HEAD_DIM,
                  PLANAR)
@@ -143,7 +147,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             cache, block_table: torch.Tensor, loader: Loader, *,
             out: torch.Tensor | None = None, sm_scale: float | None = None, window: int = 0,
             block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-            num_stages: int | None = None) -> torch.Tensor:
+            num_stages: int | None = None, no_prefix: bool = False) -> torch.Tensor:
     """Varlen causal attention for (chunked) prefill, flash-attention tiling with tl.dot.
 
     Sequence ``i`` has ``q_len = cu_seqlens_q[i+1] − cu_seqlens_q[i]`` new tokens at absolute
@@ -165,6 +169,10 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
         window: sliding window (key visible iff ``q_pos − k_pos < window``; 0 = full).
         block_m, block_n, num_warps, num_stages: tiling overrides (defaults by head_dim).
+        no_prefix: the caller guarantees ``seq_lens == q_len`` for every sequence (first
+            chunks only; engines know it from host-side metadata): the prefill bypass — plain
+            attention over the new K/V in model space, no rotation, the cache untouched. A
+            sequence that does have a prefix gets NaN output rows (loud, never silent).
 
     Rotated loaders (tkv): the wrapper rotates the query and the chunk's K/V into the cache's
     rotated space with three small float32 matmuls (no D×D tile inside the kernel, so head_dim
@@ -232,24 +240,25 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     final = None
     mu = getattr(getattr(loader, "codec", None), "k", None)
     mu = None if mu is None else mu.channel_offset
-    if mu is not None:
+    if mu is not None and not no_prefix:
         # key centering: the prefix is cached as k − μ, so center the chunk's keys too; then
         # every score of a query row drops by the same q·μ, which softmax ignores (float32)
         key = key.float() - mu.to(dev, torch.float32)
-    planar = bool(loader.rotated)
-    if planar:
+    fetch, dequant = loader.fetch, loader.dequant
+    planar = bool(loader.rotated) and not no_prefix
+    if no_prefix:
+        # prefill bypass: plain attention over the chunk in model space; the cache is never
+        # read (a sequence with a prefix gets NaN rows: a broken promise fails loudly)
+        fetch, dequant = bypass_fetch, identity_dequant
+        kargs = vargs = (query, query, query, 0, 0, 0, d, 0, 0, 0, 1)
+    elif planar:
         # rotated space, laid out as the loader's planes (contiguous plane loads):
         # <R(q*s_k), R(k/s_k)> = <q, k>; sum_j p_j R(v_j/s_v) unrotates to sum_j p_j v_j
-        knp, vnp = kargs[10], vargs[10]
-        op_dtype = dot_dtype if dot_dtype != torch.float32 else torch.float32
+        def rot(x, m, nh):
+            return (x.reshape(-1, d).float() @ m).to(dot_dtype).view(tq, nh, d_pad)
 
-        def rot(x, m, nh, np_):
-            mp = to_planar_columns(m[:d, :d], np_, d, d_pad)
-            return (x.reshape(-1, d).float() @ mp).to(op_dtype).view(tq, nh, d_pad)
-
-        query, key, value = (rot(query, loader.q_in, hq, knp), rot(key, loader.k_in, hkv, knp),
-                             rot(value, loader.v_in, hkv, vnp))
-        u_planar = to_planar_columns(loader.out_mat[:d, :d].T, vnp, d, d_pad).T  # (d_pad, d)
+        query, key, value = (rot(query, loader.q_in_planar, hq), rot(key, loader.k_in_planar, hkv),
+                             rot(value, loader.v_in_planar, hkv))
         final, out = out, torch.empty(tq, hq, d_pad, dtype=torch.float32, device=dev)
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     grid = (triton.cdiv(max_query_len, block_mt), ns, hkv)
@@ -258,12 +267,12 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         value, value.stride(0), value.stride(1), out, out.stride(0), out.stride(1),
         cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
         num_blocks, *kargs[:6], *vargs[:6], scale * _LOG2E, window,
-        FETCH=loader.fetch, DEQUANT=loader.dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
+        FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
-        VP3=vargs[9], VNP=vargs[10], G=g, G_PAD=g_pad, BLOCK_MT=block_mt, BLOCK_N=block_n, HEAD_DIM=d,
-        D_PAD=d_pad, BLOCK_SIZE=loader.block_size, DOT_DTYPE=_TL[dot_dtype], PLANAR=planar,
-        num_warps=num_warps, num_stages=num_stages)
+        VP3=vargs[9], VNP=vargs[10], G=g, G_PAD=g_pad, BLOCK_MT=block_mt, BLOCK_N=block_n,
+        HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=loader.block_size, DOT_DTYPE=_TL[dot_dtype],
+        PLANAR=planar, NO_PREFIX=bool(no_prefix), num_warps=num_warps, num_stages=num_stages)
     if final is not None:
-        final.copy_((out.view(-1, d_pad) @ u_planar).view(tq, hq, d))
+        final.copy_((out.view(-1, d_pad) @ loader.out_planar).view(tq, hq, d))
         out = final
     return out
