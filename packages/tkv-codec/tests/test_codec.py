@@ -224,3 +224,16 @@ def test_key_centering_is_exact_for_attention_and_cuts_error():
         TurboKVCodec(d, 3, k_channel_offset=torch.zeros(d + 1))
     with pytest.raises(NonFiniteError):
         TurboKVCodec(d, 3, k_channel_offset=torch.full((d,), float("nan")))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+def test_zero_tokens_round_trip(bits):
+    """An empty batch (0 tokens, e.g. a chunk without cached prefix) compresses and
+    decompresses to an empty (0, heads, head_dim) tensor at every width (byte-table and
+    unpack paths alike)."""
+    codec = TurboKVCodec(64, k_bits=bits, v_bits=bits)
+    x = torch.randn(0, 3, 64)
+    for comp, decomp in ((codec.compress_k, codec.decompress_k),
+                         (codec.compress_v, codec.decompress_v)):
+        packed, norms = comp(x)
+        assert decomp(packed, norms).shape == (0, 3, 64)

@@ -168,7 +168,9 @@ class SideCodec:
         work = torch.float64 if dtype == torch.float64 else torch.float32
         if self._byte_table is not None and work == torch.float32:
             vals = torch.nn.functional.embedding(packed.long(), self._byte_table)
-            vals = vals.reshape(*packed.shape[:-1], -1)[..., : self.head_dim]
+            per_byte = self._byte_table.shape[1]          # codes per byte (8 // bits)
+            vals = vals.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+            vals = vals[..., : self.head_dim]
             return (vals * norms.to(work).unsqueeze(-1)).to(dtype)
         codes = unpack_codes(packed, self.bits, self.head_dim)
         table = self._scaled_centroids if work == torch.float32 else (
