@@ -64,8 +64,20 @@ env_setup() {
 }
 
 do_setup() {
-    local log=$E2E/setup.log
-    {
+    local log=$E2E/setup.log rc=0
+    # The steps run in a child bash with its own `set -e`: in a `{ ...; } > log || die` group
+    # (the old form) bash ignores errexit for every command inside, because the group's
+    # status is tested by `||`, so a failed check fell through to "SETUP OK". The `||` below
+    # only guards the parent; the child process keeps -e and stops at the first failure.
+    PY="$PY" REPO="$REPO" bash -euo pipefail -c "$(declare -f setup_steps); setup_steps" \
+        > "$log" 2>&1 || rc=$?
+    if [[ $rc -ne 0 ]] || ! grep -qx "SETUP OK" "$log"; then
+        cat "$log"; die "setup rc=$rc (log: $log)"
+    fi
+    cat "$log"
+}
+
+setup_steps() {  # runs in its own `bash -e`: the first failing step ends it non-zero
         echo "== $(date -u +%FT%TZ) setup in $REPO"
         nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv || true
         "$PY" - <<'EOF'
@@ -99,8 +111,6 @@ import tkv.kernels, tkv.vllm.backend  # noqa: F401  (Triton kernels and backend 
 print("vllm", vllm.__version__, "| dtype tkv registered | TURBO_ATTN ->", cls.__module__, cls.__name__)
 EOF
         echo "SETUP OK"
-    } > "$log" 2>&1 || { cat "$log"; die "setup (log: $log)"; }
-    cat "$log"
 }
 
 do_smoke() {

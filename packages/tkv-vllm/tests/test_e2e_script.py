@@ -115,3 +115,43 @@ def test_run_worker_kills_the_engine_process_group(e2e, tmp_path):
             time.sleep(0.1)
         else:
             raise AssertionError(f"grandchild {gc} survived the run")
+
+
+def _fake_session(tmp_path, fail_on: str):
+    """A gpu_session.sh environment on CPU: empty env.sh, and a fake python that passes the
+    heredoc checks (``python -``) and fails (rc 3) when its arguments contain ``fail_on``."""
+    import os
+    import stat
+
+    env_sh = tmp_path / "env.sh"
+    env_sh.write_text("# test env\n")
+    py = tmp_path / "fakepy"
+    py.write_text("#!/usr/bin/env bash\n"
+                  f'case "$*" in *"{fail_on}"*) echo "fake failure: $*" >&2; exit 3 ;; esac\n'
+                  '[[ "${1:-}" == - ]] && cat > /dev/null\n'
+                  'echo "fake ok: $*"\n')
+    py.chmod(py.stat().st_mode | stat.S_IEXEC)
+    return {**os.environ, "TKV_ENV_SH": str(env_sh), "TKV_E2E_DIR": str(tmp_path / "e2e"),
+            "TKV_EP_DIR": str(tmp_path / "ep"), "PYTHON": str(py)}
+
+
+@pytest.mark.parametrize("fail_on", ["patch apply", "patch status", "NO-SUCH-STEP"])
+def test_gpu_session_setup_fails_when_a_step_fails(tmp_path, fail_on):
+    """`setup` stops at the first failing step and says so (it used to print SETUP OK:
+    errexit is off inside a `{ ...; } || die` group)."""
+    import subprocess
+
+    script = _PATH.parent / "gpu_session.sh"
+    p = subprocess.run(["bash", str(script), "setup"], env=_fake_session(tmp_path, fail_on),
+                       capture_output=True, text=True, timeout=60)
+    out = p.stdout + p.stderr
+    if fail_on == "NO-SUCH-STEP":
+        assert p.returncode == 0, out
+        assert "SETUP OK" in out and "fake ok: -m tkv.vllm.cli patch status" in out
+    else:
+        assert p.returncode != 0, out
+        assert "SETUP OK" not in out
+        assert f"fake failure: -m tkv.vllm.cli {fail_on}" in out
+        assert "GPU_SESSION FAILED: setup rc=3" in out
+        if fail_on == "patch apply":  # nothing after the failed step ran
+            assert "plugin discovery" not in out
