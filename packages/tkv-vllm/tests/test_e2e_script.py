@@ -45,6 +45,7 @@ def test_agreement_and_table(e2e):
            "tkv@8.0": {"failed": True}}
     t = e2e.table("m", res)
     assert "| tkv@4.0 | 3,800 | 3.80 | 1/2 exact, 75% prefix | 1,100 | 2,200 | 1.10 / 1.10 | 2.20 / 2.20 |" in t
+    assert "| 1.10 / 1.10 | 2.20 / 2.20 | p1@16 |" in t  # first divergence, no logprobs
     assert "| tkv@8.0 | FAILED" in t
 
 
@@ -83,8 +84,9 @@ def test_tp_table_and_kv_memory_parse(e2e):
     assert "| bf16 tp2 | 1,000 | 1.00 | 50 / 50 | 100 | 200 | 1.00 / 1.00 |" in t
     assert "| tkv@4.0 tp2 | 3,900 | 3.90 | ? | 120 | 240 | 1.20 / 1.20 |" in t
     assert "| tkv@8.0 (goal: 8/8 equal) | 2/2 exact, 100% prefix |" in t
-    assert "| tkv@4.0 (reported) | 1/2 exact, 75% prefix |" in t
-    assert "| tkv@4.0 vs bf16, both TP=2 (CUDA graphs) | 1/2 exact, 75% prefix |" in t
+    assert "| tkv@4.0 (reported) | 1/2 exact, 75% prefix | p1@16 |" in t
+    assert "| tkv@8.0 (goal: 8/8 equal) | 2/2 exact, 100% prefix | none |" in t
+    assert "| tkv@4.0 vs bf16, both TP=2 (CUDA graphs) | 1/2 exact, 75% prefix | p1@16" in t
 
 
 def test_run_worker_kills_the_engine_process_group(e2e, tmp_path):
@@ -155,3 +157,146 @@ def test_gpu_session_setup_fails_when_a_step_fails(tmp_path, fail_on):
         assert "GPU_SESSION FAILED: setup rc=3" in out
         if fail_on == "patch apply":  # nothing after the failed step ran
             assert "plugin discovery" not in out
+
+
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+    "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 32, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def test_qwen3_weight_names_match_transformers_and_8b_size(e2e):
+    """The checkpoint names/shapes are exactly Qwen3ForCausalLM's state dict (the names
+    vLLM 0.20.1's Qwen3 loader consumes); the full Qwen3-8B-like geometry is 8.19e9
+    parameters, 16.4 GB in bf16 (Qwen3-8B's own count)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shapes = e2e.qwen3_weight_shapes(TINY_QWEN3)
+    with torch.device("meta"):
+        ref = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in TINY_QWEN3.items()
+                                              if k not in ("architectures", "model_type")}))
+    assert {k: tuple(v.shape) for k, v in ref.state_dict().items()} == shapes
+    big = e2e.qwen3_weight_shapes(e2e.QWEN3_8B_LIKE)
+    n = sum(e2e._numel(s) for s in big.values())
+    assert n == 8_190_735_360
+    assert len(big) == 36 * 11 + 3
+    assert big["model.layers.35.self_attn.k_proj.weight"] == (8 * 128, 4096)
+    assert big["model.layers.0.self_attn.q_norm.weight"] == (128,)
+
+
+def test_random_checkpoint_loads_in_transformers_and_is_seeded(e2e, tmp_path):
+    """A tiny-config checkpoint (several shards) loads into transformers' Qwen3ForCausalLM
+    on CPU with no missing/unexpected/mismatched tensor; weights ~ N(0, 0.02²) in bf16,
+    norms 1; the same seed gives the same bytes, another seed other weights; a second call
+    is skipped; an interrupted write (no marker) is rebuilt."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen3ForCausalLM
+
+    d = tmp_path / "ckpt"
+    t = e2e.write_random_checkpoint(d, TINY_QWEN3, seed=3, device="cpu",
+                                    shard_gib=40_000 / 2**30)
+    assert not t["skipped"] and t["shards"] > 2
+    assert t["bytes"] == 2 * sum(e2e._numel(s) for s in e2e.qwen3_weight_shapes(TINY_QWEN3).values())
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(e2e.qwen3_weight_shapes(TINY_QWEN3))
+    files = {}
+    for f in sorted(set(index["weight_map"].values())):
+        files.update(load_file(str(d / f)))
+    assert all(v.dtype == torch.bfloat16 for v in files.values())
+    model, info = Qwen3ForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16,
+                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not info["mismatched_keys"]
+    sd = model.state_dict()
+    for name, w in files.items():
+        assert torch.equal(sd[name], w), name
+        if w.ndim == 1:
+            assert torch.all(w == 1), name
+    emb = files["model.embed_tokens.weight"].double()
+    assert emb.mean().abs() < 0.002 and abs(emb.std().item() - 0.02) < 0.0005
+    # deterministic in the seed
+    again = e2e.write_random_checkpoint(tmp_path / "again", TINY_QWEN3, seed=3, device="cpu",
+                                        shard_gib=40_000 / 2**30)
+    assert not again["skipped"]
+    for f in set(index["weight_map"].values()):
+        assert (d / f).read_bytes() == (tmp_path / "again" / f).read_bytes()
+    other = e2e.write_random_checkpoint(tmp_path / "other", TINY_QWEN3, seed=4, device="cpu")
+    assert not other["skipped"]
+    o = load_file(str(tmp_path / "other" / "model-00001-of-00001.safetensors"))
+    assert not torch.equal(o["model.embed_tokens.weight"], files["model.embed_tokens.weight"])
+    # present -> skipped; a different seed or config is rebuilt; no marker -> rebuilt
+    assert e2e.write_random_checkpoint(d, TINY_QWEN3, seed=3, device="cpu")["skipped"]
+    (d / e2e.RANDOM_CKPT_MARKER).unlink()
+    assert not e2e.write_random_checkpoint(d, TINY_QWEN3, seed=3, device="cpu")["skipped"]
+    assert (d / e2e.RANDOM_CKPT_MARKER).is_file() and not (tmp_path / "ckpt.tmp").exists()
+
+
+def test_divergences_report_the_reference_top2_gap(e2e):
+    """`top2_of` reads vLLM's {token_id: Logprob} (top-2 plus the sampled token); the
+    divergence cell names prompt@token, ref's top-1 − top-2 gap, tie, and ¬2nd."""
+    from types import SimpleNamespace as L
+
+    pos = {7: L(logprob=-0.5, rank=1), 9: L(logprob=-0.52, rank=2), 4: L(logprob=-3.0, rank=9)}
+    assert e2e.top2_of(pos) == [7, -0.5, 9, -0.52]
+    assert e2e.top2_of({7: L(logprob=0.0, rank=1)}) == [7, 0.0, None, None]
+    ref = {"greedy": [[1, 2, 3], [1, 2, 3], [5, 6, 7]],
+           "greedy_top2": [[[1, -0.1, 8, -2.0], [2, -0.2, 9, -0.21], [3, 0, 4, -1]],
+                           [[1, -0.1, 8, -2.0], [2, -0.2, 9, -0.5], [3, 0, 4, -1]],
+                           [[5, -0.1, 8, -2.0], [6, -0.2, 9, -0.5], [7, 0, 4, -1]]]}
+    other = {"greedy": [[1, 9, 3], [1, 4, 3], [5, 6, 7]]}
+    ds = e2e.divergences(ref, other, n=3)
+    assert [(d["prompt"], d["pos"], d["ref_tok"], d["other_tok"]) for d in ds] == [
+        (0, 1, 2, 9), (1, 1, 2, 4)]
+    assert ds[0]["gap"] == pytest.approx(0.01) and ds[0]["other_is_top2"]
+    assert ds[1]["gap"] == pytest.approx(0.3) and not ds[1]["other_is_top2"]
+    old = e2e.divergence_cell(ref, other)
+    assert old == "p0@1 Δ0.010 tie, p1@1 Δ0.300 ¬2nd"
+    assert e2e.divergence_cell({"greedy": ref["greedy"]}, other) == "p0@1, p1@1"
+    assert e2e.divergence_cell(ref, ref) == "none"
+
+
+def test_parse_smoke_log_and_bf16_spacing(e2e):
+    log = ("SMOKE\n\n[0] 'The capital of France is'\n  bf16     : ' Paris.'\n"
+           "  tkv@8.0  : \" Paris's\"\n\n[1] 'x'\n  bf16     : 'a\\nb'\n  tkv@8.0  : 'c'\n")
+    runs = e2e.parse_smoke_log(log)
+    assert runs["bf16"]["greedy_text"][:2] == [" Paris.", "a\nb"]
+    assert runs["tkv@8.0"]["greedy_text"][:2] == [" Paris's", "c"]
+    assert e2e.bf16_spacing(20.0) == 0.125 and e2e.bf16_spacing(-1.5) == 2 ** -7
+
+
+def test_tp_loads_one_seeded_checkpoint_at_every_tp_size(e2e, tmp_path, monkeypatch):
+    """`tp` (default --weights random) writes the checkpoint once and runs every engine,
+    TP=2 and TP=1, on that same directory with load_format=auto (worker --weights random);
+    `all` keeps load_format=dummy unless asked."""
+    calls, written = [], []
+    monkeypatch.setenv("TKV_CKPT_DIR", str(tmp_path / "ckpt"))
+
+    def fake_ensure(d, seed, timeout=900):  # the real one writes weights + config.json
+        written.append((d, seed))
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(e2e.QWEN3_8B_LIKE))
+
+    monkeypatch.setattr(e2e, "ensure_random_checkpoint", fake_ensure)
+
+    def fake_run_mode(model, weights, mode, bits, bundle, out, opts, greedy_only=False):
+        calls.append((model, weights, mode, bits, opts.tp))
+        return {"mode": mode, "greedy": [[1] * 32] * 8, "kv_tokens_reported": 10}
+
+    monkeypatch.setattr(e2e, "run_mode", fake_run_mode)
+    monkeypatch.setattr(e2e, "write_uniform_bundle", lambda m, p: p)
+    assert e2e.main(["tp", "--model", "qwen3-8b-like", "--out", str(tmp_path / "o"),
+                     "--batches", "64"]) == 0
+    assert written == [(tmp_path / "ckpt", 0)]
+    assert {c[0] for c in calls} == {tmp_path / "ckpt"} and {c[1] for c in calls} == {"random"}
+    assert {c[4] for c in calls} == {1, 2}
+    assert "one seeded checkpoint" in (tmp_path / "o" / "README.md").read_text()
+    calls.clear()
+    assert e2e.main(["all", "--model", "qwen3-8b-like", "--out", str(tmp_path / "a"),
+                     "--runs", "bf16"]) == 0
+    assert [c[1] for c in calls] == ["dummy"] and len(written) == 1
