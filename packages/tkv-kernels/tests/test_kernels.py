@@ -200,11 +200,28 @@ def test_decode_prefetch_variants(prefetch, block_n):
     assert _rel(out, ref) < _tol(torch.float16)
 
 
+@pytest.mark.parametrize("lookup,kb,vb,d", [("pair", 3, 3, 128), ("gather", 3, 4, 96),
+                                             ("pair", 4, 3, 256)])
+def test_decode_three_bit_planes(lookup, kb, vb, d):
+    """3-bit sides with 8 planes (8 codes in 3 bytes) — pair and gather lookups, D_PAD
+    padding (96) and 256."""
+    codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV, seed=d)
+    ld = TkvLoader(codec, 2, 16, lookup=lookup)
+    assert 8 in (ld.planes("k"), ld.planes("v"))
+    batch, cache = _scenario(ld, [40, 1, 17], 15)
+    q = torch.randn(3, 4, d).to(DEV, torch.float16)
+    out = torch.full(q.shape, float("nan"), device=DEV)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out, block_n=16)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    tol = 2e-3 if interpreting() and lookup == "pair" else _tol(torch.float16)
+    assert _rel(out, ref) < tol
+
+
 def test_planes_follow_widths():
     """2/4/8-bit sides decode as 4/2/1 planes, odd widths per element; planes keep >= 16
     coordinates (tensor-core K)."""
-    for kb, vb, d, want in [(4, 2, 64, (2, 4)), (8, 3, 128, (1, 1)), (2, 5, 96, (4, 1)),
-                            (2, 4, 32, (1, 2))]:
+    for kb, vb, d, want in [(4, 2, 64, (2, 4)), (8, 3, 128, (1, 8)), (2, 5, 96, (4, 1)),
+                            (2, 4, 32, (1, 2)), (3, 3, 64, (1, 1)), (3, 7, 256, (8, 1))]:
         ld = TkvLoader(TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV), 1, 16)
         assert (ld.planes("k"), ld.planes("v")) == want
 

@@ -49,68 +49,59 @@ def _plane(ptr, rows, rmask, P: tl.constexpr, NP: tl.constexpr, D_PAD: tl.conste
 @triton.jit
 def load_planes(ptr, rows, rmask, NP: tl.constexpr, D_PAD: tl.constexpr,
                 HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PLANAR: tl.constexpr = False):
-    """Rows ``ptr + rows[m]`` (element offsets) as ``NP`` planes ``[M, D_PAD // NP]`` of
-    ``DTYPE``. Interleaved rows (natural coordinate order, unit stride, ``HEAD_DIM`` wide):
-    strided reads, coordinates ≥ HEAD_DIM read 0. ``PLANAR`` rows (``D_PAD`` wide, already
-    in :func:`planar_index` order): contiguous reads. Masked rows read 0."""
-    x0 = _plane(ptr, rows, rmask, 0, NP, D_PAD, HEAD_DIM, DTYPE, PLANAR)
-    x1 = x0
-    x2 = x0
-    x3 = x0
-    if NP > 1:
-        x1 = _plane(ptr, rows, rmask, 1, NP, D_PAD, HEAD_DIM, DTYPE, PLANAR)
-    if NP > 2:
-        x2 = _plane(ptr, rows, rmask, 2, NP, D_PAD, HEAD_DIM, DTYPE, PLANAR)
-        x3 = _plane(ptr, rows, rmask, 3, NP, D_PAD, HEAD_DIM, DTYPE, PLANAR)
-    return x0, x1, x2, x3
+    """Rows ``ptr + rows[m]`` (element offsets) as a tuple of ``NP`` planes
+    ``[M, D_PAD // NP]`` of ``DTYPE``. Interleaved rows (natural coordinate order, unit stride,
+    ``HEAD_DIM`` wide): strided reads, coordinates ≥ HEAD_DIM read 0. ``PLANAR`` rows
+    (``D_PAD`` wide, already in :func:`planar_index` order): contiguous reads. Masked rows
+    read 0."""
+    planes = ()
+    for p in tl.static_range(NP):
+        planes = planes + (_plane(ptr, rows, rmask, p, NP, D_PAD, HEAD_DIM, DTYPE, PLANAR),)
+    return planes
 
 
 @triton.jit
-def _store_plane(ptr, rows, rmask, x, P: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, PLANAR: tl.constexpr):
-    j = tl.arange(0, D_PAD // NP)
-    if PLANAR:
-        tl.store(ptr + rows[:, None] + (P * (D_PAD // NP) + j)[None, :],
-                 x.to(ptr.dtype.element_ty), mask=rmask[:, None])
-    else:
-        c = j * NP + P
-        tl.store(ptr + rows[:, None] + c[None, :], x.to(ptr.dtype.element_ty),
-                 mask=rmask[:, None] & (c < HEAD_DIM)[None, :])
-
-
-@triton.jit
-def store_planes(ptr, rows, rmask, x0, x1, x2, x3, NP: tl.constexpr, D_PAD: tl.constexpr,
+def store_planes(ptr, rows, rmask, planes, scale, NP: tl.constexpr, D_PAD: tl.constexpr,
                  HEAD_DIM: tl.constexpr, PLANAR: tl.constexpr = False):
-    """Inverse of :func:`load_planes` (padding coordinates and masked rows not written)."""
-    _store_plane(ptr, rows, rmask, x0, 0, NP, D_PAD, HEAD_DIM, PLANAR)
-    if NP > 1:
-        _store_plane(ptr, rows, rmask, x1, 1, NP, D_PAD, HEAD_DIM, PLANAR)
-    if NP > 2:
-        _store_plane(ptr, rows, rmask, x2, 2, NP, D_PAD, HEAD_DIM, PLANAR)
-        _store_plane(ptr, rows, rmask, x3, 3, NP, D_PAD, HEAD_DIM, PLANAR)
+    """Inverse of :func:`load_planes`, each plane times ``scale[:, None]`` (padding
+    coordinates and masked rows not written)."""
+    j = tl.arange(0, D_PAD // NP)
+    for p in tl.static_range(NP):
+        x = (planes[p] * scale[:, None]).to(ptr.dtype.element_ty)
+        if PLANAR:
+            tl.store(ptr + rows[:, None] + (p * (D_PAD // NP) + j)[None, :], x,
+                     mask=rmask[:, None])
+        else:
+            c = j * NP + p
+            tl.store(ptr + rows[:, None] + c[None, :], x,
+                     mask=rmask[:, None] & (c < HEAD_DIM)[None, :])
 
 
 @triton.jit
-def scores(q0, q1, q2, q3, k0, k1, k2, k3, NP: tl.constexpr):
-    """``Σ_p q_p k_pᵀ``: ``[M, N]`` float32 from ``[M, D/NP]`` query and ``[N, D/NP]`` key
-    planes (one tensor-core dot per plane, accumulated in place)."""
-    s = tl.dot(q0, tl.trans(k0))
-    if NP > 1:
-        s = tl.dot(q1, tl.trans(k1), s)
-    if NP > 2:
-        s = tl.dot(q2, tl.trans(k2), s)
-        s = tl.dot(q3, tl.trans(k3), s)
+def scores(q, k, NP: tl.constexpr):
+    """``Σ_p q_p k_pᵀ``: ``[M, N]`` float32 from tuples of ``[M, D/NP]`` query and
+    ``[N, D/NP]`` key planes (one tensor-core dot per plane, accumulated in place)."""
+    s = tl.dot(q[0], tl.trans(k[0]))
+    for p in tl.static_range(1, NP):
+        s = tl.dot(q[p], tl.trans(k[p]), s)
     return s
 
 
 @triton.jit
-def accumulate(a0, a1, a2, a3, alpha, p, v0, v1, v2, v3, NP: tl.constexpr):
-    """Online-softmax value step per plane: ``a_p ← alpha[:, None] · a_p + p @ v_p``
-    (``a_p`` ``[M, D/NP]`` float32, ``p`` ``[M, N]`` in the dot dtype, ``v_p`` ``[N, D/NP]``)."""
-    a0 = tl.dot(p, v0, a0 * alpha[:, None])
-    if NP > 1:
-        a1 = tl.dot(p, v1, a1 * alpha[:, None])
-    if NP > 2:
-        a2 = tl.dot(p, v2, a2 * alpha[:, None])
-        a3 = tl.dot(p, v3, a3 * alpha[:, None])
-    return a0, a1, a2, a3
+def zero_planes(M: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr):
+    """A tuple of ``NP`` float32 zero accumulators ``[M, D_PAD // NP]``."""
+    acc = ()
+    for p in tl.static_range(NP):
+        acc = acc + (tl.zeros([M, D_PAD // NP], tl.float32),)
+    return acc
+
+
+@triton.jit
+def accumulate(acc, alpha, p, v, NP: tl.constexpr):
+    """Online-softmax value step per plane: ``acc_p ← alpha[:, None] · acc_p + p @ v_p``
+    (``acc_p`` ``[M, D/NP]`` float32, ``p`` ``[M, N]`` in the dot dtype, ``v_p``
+    ``[N, D/NP]``); returns the new tuple."""
+    out = ()
+    for i in tl.static_range(NP):
+        out = out + (tl.dot(p, v[i], acc[i] * alpha[:, None]),)
+    return out

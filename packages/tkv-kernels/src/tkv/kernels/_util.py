@@ -65,7 +65,8 @@ def tile_tokens(block_n: int | None, head_dim: int, min_block_n: int,
                 small_head: int = 64) -> int:
     """Key/value tile length in tokens for decode and prefill: ``block_n`` if given, else
     ``small_head`` for head_dim <= 128 and 32 above (register budget), raised to the loader's
-    ``min_block_n``. Decode passes ``small_head=128`` (fastest on the H200 for K4V4,
+    ``min_block_n``. Decode passes the loader's ``preferred_block_n`` (TkvLoader: 128 for
+    2/4/8-bit sides, the fastest on the H200 for K4V4,
     benchmarks/results/kernels_gpu_2026-11-29_planes.md).
 
     Raises:

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
-from ._planes import accumulate, load_planes, scores, store_planes
+from ._planes import accumulate, load_planes, scores, store_planes, zero_planes
 from ._util import (
     check_dtype,
     check_int_tensor,
@@ -79,14 +79,11 @@ def _decode_split_kernel(
     per = tl.cdiv(t1 - t0, NUM_SPLITS)
     my0 = t0 + split * per
     my1 = tl.minimum(my0 + per, t1)
-    q0, q1, q2, q3 = load_planes(Q, seq.to(tl.int64) * sq_s + qh * sq_h, hmask, KNP, D_PAD,
-                                 HEAD_DIM, DOT_DTYPE)
+    q = load_planes(Q, seq.to(tl.int64) * sq_s + qh * sq_h, hmask, KNP, D_PAD, HEAD_DIM,
+                    DOT_DTYPE)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    a0 = tl.zeros([BLOCK_H, D_PAD // VNP], tl.float32)
-    a1 = a0
-    a2 = a0
-    a3 = a0
+    acc = zero_planes(BLOCK_H, VNP, D_PAD)
     cap = max_blocks * BLOCK_SIZE
     bt_row = block_table + seq.to(tl.int64) * s_bt
     # PREFETCH: software pipeline — the K/V bytes of tile t+1 are fetched while tile t is
@@ -106,25 +103,23 @@ def _decode_split_kernel(
                 t, my1, L, start, cap, bt_row, num_blocks, kvh, k_base, k_aux, k_table,
                 k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1,
                 KP2, KP3, KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, BLOCK_N, D_PAD)
-        k0, k1, k2, k3 = DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
-        s = scores(q0, q1, q2, q3, k0, k1, k2, k3, KNP) * (ks * scale_log2)[None, :]
+        k = DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
+        s = scores(q, k, KNP) * (ks * scale_log2)[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v0, v1, v2, v3 = DEQUANT(rv, v_table, VP0, VP1, VP2, VP3, VNP, D_PAD, DOT_DTYPE)
-        a0, a1, a2, a3 = accumulate(a0, a1, a2, a3, alpha, (p * vs[None, :]).to(DOT_DTYPE),
-                                    v0, v1, v2, v3, VNP)
+        v = DEQUANT(rv, v_table, VP0, VP1, VP2, VP3, VNP, D_PAD, DOT_DTYPE)
+        acc = accumulate(acc, alpha, (p * vs[None, :]).to(DOT_DTYPE), v, VNP)
         m_i = m_new
         if PREFETCH:
             mask_n, rk, ks, rv, vs = mask_nx, rkx, ksx, rvx, vsx
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     row = (seq.to(tl.int64) * (G * tl.num_programs(1)) + qh) * NUM_SPLITS + split
-    store_planes(part_o, row * D_PAD, hmask, a0 * inv[:, None], a1 * inv[:, None],
-                 a2 * inv[:, None], a3 * inv[:, None], VNP, D_PAD, D_PAD)
+    store_planes(part_o, row * D_PAD, hmask, acc, inv, VNP, D_PAD, D_PAD)
     tl.store(part_lse + row, lse, mask=hmask)
 
 
@@ -205,8 +200,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         output_rotated: leave the output in rotated space (fold ``loader.out_mat`` into
             o_proj) instead of unrotating it.
         num_splits: override the split-K count (power of two ≤ workspace.max_splits).
-        block_n, num_warps, num_stages: tile length (tokens; default 128 for head_dim ≤ 128,
-            else 32) and Triton launch options. ``num_stages`` > 1 lets Triton's pipeliner
+        block_n, num_warps, num_stages: tile length (tokens; default the loader's
+            ``preferred_block_n`` (else 64) for head_dim ≤ 128, 32 above) and Triton launch
+            options. ``num_stages`` > 1 lets Triton's pipeliner
             stage the codebook gathers through shared memory, which measured slower.
         prefetch: fetch tile ``t+1``'s bytes while tile ``t`` is computed (software
             pipeline). Off by default: on the H200 it helped 32-token tiles (0.46 vs 0.49 ms)
@@ -264,7 +260,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     if loader.rotated and not query_rotated:
         q = workspace.rotated_queries(ns, hq, d)
         torch.matmul(query.float(), loader.q_in[:d, :d], out=q)
-    block_n = tile_tokens(block_n, d, loader.min_block_n, small_head=128)
+    block_n = tile_tokens(block_n, d, loader.min_block_n,
+                          small_head=getattr(loader, "preferred_block_n", 64))
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     _decode_split_kernel[(ns, hkv, splits)](
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,

@@ -12,16 +12,16 @@ signatures (identical for every format, see ``docs/writing_a_loader.md``)::
                            stride_block, stride_head, stride_tok,   # runtime ints
                            P0, P1, P2, P3,        # format constants (tl.constexpr)
                            NP, D_PAD)             # planes (1, 2 or 4), padded head_dim
-    t0, t1, t2, t3 = DEQUANT(raw, table, P0, P1, P2, P3, NP, D_PAD,
-                             OUT_DTYPE)           # tl.float16 / tl.bfloat16 (dot operand)
+    planes = DEQUANT(raw, table, P0, P1, P2, P3, NP, D_PAD,
+                     OUT_DTYPE)                   # tl.float16 / tl.bfloat16 (dot operand)
 
 ``FETCH`` does every memory access that depends on the token (the kernels issue it one tile
 ahead, so the loads of tile ``t+1`` are in flight while tile ``t`` is computed); ``raw`` is any
-tensor (e.g. packed bytes). ``DEQUANT`` turns it into the tile, split into ``NP`` *coordinate
-planes*: ``t_p`` is ``[BLOCK_N, D_PAD // NP]`` and holds coordinates ``NP * j + p`` (``j = 0 …
-D_PAD/NP − 1``); planes ``p ≥ NP`` are unused (return any plane). With ``NP = 1``, ``t0`` is
-the ordinary ``[BLOCK_N, D_PAD]`` tile. Planes let a packed format hand over the codes of one
-byte without re-interleaving them in registers: a 4-bit byte holds coordinates ``2j`` (low
+tensor (e.g. packed bytes). ``DEQUANT`` turns it into the tile, split into a tuple of ``NP``
+*coordinate planes* (NP = 1, 2, 4 or 8): ``planes[p]`` is ``[BLOCK_N, D_PAD // NP]`` and holds
+coordinates ``NP * j + p`` (``j = 0 … D_PAD/NP − 1``). With ``NP = 1`` it is the ordinary
+``[BLOCK_N, D_PAD]`` tile. Planes let a packed format hand over the codes of one group of
+bytes without re-interleaving them in registers: a 4-bit byte holds coordinates ``2j`` (low
 nibble, plane 0) and ``2j + 1`` (high nibble, plane 1), and a dot product over ``d`` is the
 sum of the planes' dot products, so the kernels run one tensor-core ``tl.dot`` per plane and
 load queries and store outputs with the same strided coordinates. ``row_scale``
@@ -122,13 +122,16 @@ def tkv_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_hea
     Constants: ``P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP``, ``P1`` codes offset, ``P2``
     norms offset (bytes in the page), ``P3`` norms per head.
 
-    Widths 2/4/8 with ``NP = 8 // BITS`` planes: ``raw`` = the tokens' code bytes
-    ``[BLOCK_N, D_PAD // NP]`` uint8, one contiguous row per token (16-byte vector loads).
-    Widths 3/5/6/7 (``NP = 1``): ``raw`` = the codes ``[BLOCK_N, D_PAD]`` uint8, read per
-    element (one or two bytes each: a code may straddle two bytes).
+    Planar widths (``NP > 1``, or 8 bits): the token's codes come in *groups* of ``NP`` codes
+    in ``BITS * NP / 8`` bytes (one byte for 2/4/8 bits, three bytes of 8 codes for 3 bits);
+    ``raw`` = the groups ``[BLOCK_N, D_PAD // NP]`` (the bytes themselves, one contiguous row
+    per token, or for 3 bits the little-endian 24-bit words, int32). Other widths
+    (``NP = 1``): ``raw`` = the codes ``[BLOCK_N, D_PAD]`` uint8, read per element (one or two
+    bytes each: a code may straddle two bytes).
     """
     BITS: tl.constexpr = P0 % 16
     CODE_BYTES: tl.constexpr = (P0 // 16) % 4096
+    GROUP_BYTES: tl.constexpr = BITS * NP // 8
     page = blk.to(tl.int64) * stride_block                                  # [N] bytes
     row = page + P1 + head * stride_head + off.to(tl.int64) * stride_tok
     nidx = (page + P2) // 2 + head * P3 + off
@@ -146,10 +149,17 @@ def tkv_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_hea
             hi = tl.load(ptr + 1, mask=mask_n[:, None] & need[None, :], other=0).to(tl.int32)
             w = w | (hi << 8)
         raw = ((w >> sh[None, :]) & ((1 << BITS) - 1)).to(tl.uint8)
-    else:
+    elif GROUP_BYTES <= 1:
         offs_j = tl.arange(0, D_PAD // NP)
         bmask = mask_n[:, None] & (offs_j < CODE_BYTES)[None, :]
         raw = tl.load(base + (row[:, None] + offs_j[None, :]), mask=bmask, other=0)
+    else:
+        gb = tl.arange(0, D_PAD // NP) * GROUP_BYTES
+        gmask = mask_n[:, None] & (gb < CODE_BYTES)[None, :]
+        ptr = base + (row[:, None] + gb[None, :])
+        raw = tl.load(ptr, mask=gmask, other=0).to(tl.int32)
+        for k in tl.static_range(1, GROUP_BYTES):
+            raw = raw | (tl.load(ptr + k, mask=gmask, other=0).to(tl.int32) << (8 * k))
     return raw, norm
 
 
@@ -157,47 +167,39 @@ def tkv_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_hea
 def tkv_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
                 P3: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr,
                 OUT_DTYPE: tl.constexpr):
-    """tkv packed tile, arithmetic half: ``raw`` (:func:`tkv_fetch`) → planes of
-    ``centroid[code] / sqrt(d)`` (rotated space; ``row_scale`` = the norm).
+    """tkv packed tile, arithmetic half: ``raw`` (:func:`tkv_fetch`) → tuple of ``NP`` planes
+    of ``centroid[code] / sqrt(d)`` (rotated space; ``row_scale`` = the norm).
 
-    Plane ``p`` of byte ``j`` (coordinate ``NP*j + p``) is one shift and mask — no
-    re-interleave. LOOKUP 1/2 (4-bit): one gather from a 256-entry table of fp16/bf16 *pairs*
-    per byte yields both planes; (2-bit): one gather per nibble from a 16-entry pair table.
+    Plane ``p`` of group ``j`` (coordinate ``NP*j + p``) is one shift and mask of the group
+    word — no re-interleave. LOOKUP 1/2 (2/3/4 bits): one gather per *two* codes from a
+    ``2**(2*BITS)``-entry table of fp16/bf16 centroid pairs yields planes ``p, p+1``.
     LOOKUP 0: one gather per code from the float32 centroid table (``table``).
     """
     BITS: tl.constexpr = P0 % 16
     LOOKUP: tl.constexpr = P0 // 65536
     MASK: tl.constexpr = (1 << BITS) - 1
-    byt = raw.to(tl.int32)
+    w = raw.to(tl.int32)
+    planes = ()
     if LOOKUP == 0:
-        t0 = tl.load(table + (byt & MASK)).to(OUT_DTYPE)
-        t1 = t0
-        t2 = t0
-        t3 = t0
-        if NP > 1:
-            t1 = tl.load(table + ((byt >> BITS) & MASK)).to(OUT_DTYPE)
-        if NP > 2:
-            t2 = tl.load(table + ((byt >> (2 * BITS)) & MASK)).to(OUT_DTYPE)
-            t3 = tl.load(table + ((byt >> (3 * BITS)) & MASK)).to(OUT_DTYPE)
+        for p in tl.static_range(NP):
+            planes = planes + (tl.load(table + ((w >> (BITS * p)) & MASK)).to(OUT_DTYPE),)
     else:
         if LOOKUP == 1:
             HALF: tl.constexpr = tl.float16
         else:
             HALF: tl.constexpr = tl.bfloat16
-        if NP == 2:   # 4-bit: byte -> (plane 0, plane 1)
-            t0, t1 = _half_pair(tl.load(table + byt), HALF, OUT_DTYPE)
-            t2 = t0
-            t3 = t1
-        else:         # 2-bit: low nibble -> planes 0, 1; high nibble -> planes 2, 3
-            t0, t1 = _half_pair(tl.load(table + (byt & 15)), HALF, OUT_DTYPE)
-            t2, t3 = _half_pair(tl.load(table + (byt >> 4)), HALF, OUT_DTYPE)
-    return t0, t1, t2, t3
+        PMASK: tl.constexpr = (1 << (2 * BITS)) - 1
+        for p in tl.static_range(0, NP, 2):
+            lo, hi = _half_pair(tl.load(table + ((w >> (BITS * p)) & PMASK)), HALF, OUT_DTYPE)
+            planes = planes + (lo, hi)
+    return planes
 
 
 def _pair_table(scaled: torch.Tensor, bits: int, half: torch.dtype) -> torch.Tensor:
-    """int32 pair table of a 4-bit (256 entries, indexed by a byte) or 2-bit (16 entries,
-    indexed by a nibble) codebook: entry ``i = fp(c[i & m]) | fp(c[i >> bits]) << 16`` with
-    ``fp`` the 16-bit float ``half`` (its bit pattern) and ``m = 2**bits − 1``."""
+    """int32 pair table of a codebook: ``2**(2*bits)`` entries indexed by two adjacent codes
+    (a 4-bit byte, a 2-bit nibble, 6 bits of a 3-bit group): entry
+    ``i = fp(c[i & m]) | fp(c[i >> bits]) << 16`` with ``fp`` the 16-bit float ``half`` (its
+    bit pattern) and ``m = 2**bits − 1``."""
     n = 1 << (2 * bits)
     h = scaled.detach().cpu().to(half).view(torch.int16).to(torch.int32) & 0xFFFF
     i = torch.arange(n)
@@ -211,10 +213,9 @@ class TkvLoader:
         codec: the layer's :class:`~tkv.codec.TurboKVCodec` (its device is the kernels' device).
         num_kv_heads: KV heads of the layer (per TP rank).
         block_size: tokens per page.
-        lookup: codebook lookup in the tile loader. ``"auto"`` / ``"pair"`` (default): 4-bit
-            and 2-bit sides gather 16-bit *pairs* of centroids (one lookup per byte resp.
-            nibble, in the query's 16-bit float type), other widths gather float32
-            centroids; with float32 dots (the interpreter) "auto" gathers float32 centroids
+        lookup: codebook lookup in the tile loader. ``"auto"`` / ``"pair"`` (default): 2-, 3-
+            and 4-bit sides with planes gather 16-bit *pairs* of centroids (one lookup per two
+            codes, in the query's 16-bit float type), other widths gather float32 centroids; with float32 dots (the interpreter) "auto" gathers float32 centroids
             and "pair" uses float16 pairs. ``"gather"``: one float32 gather per code for
             every width.
 
@@ -260,7 +261,7 @@ class TkvLoader:
         self._pairs = {}
         for side, bits, table in (("k", self.k_bits, self.k_table), ("v", self.v_bits,
                                                                       self.v_table)):
-            if bits in (2, 4) and lookup != "gather":
+            if bits in (2, 3, 4) and lookup != "gather":
                 for half, code in ((torch.float16, LOOKUP_PAIR_F16),
                                    (torch.bfloat16, LOOKUP_PAIR_BF16)):
                     self._pairs[side, half] = (_pair_table(table, bits, half).to(dev), code)
@@ -301,11 +302,18 @@ class TkvLoader:
 
     def planes(self, side: str) -> int:
         """Coordinate planes of a side's tiles: ``8 // bits`` for widths 2/4/8 (one byte holds
-        that many whole codes) while a plane keeps ≥ 16 coordinates (tensor-core K), else 1."""
+        that many whole codes), 8 for 3 bits (8 codes in 3 bytes), while a plane keeps ≥ 16
+        coordinates (tensor-core K); else 1 (per-element reads: 5/6/7 bits)."""
         bits = self.k_bits if side == "k" else self.v_bits
-        if bits in (2, 4, 8) and self.d_pad // (8 // bits) >= 16:
-            return 8 // bits
-        return 1
+        np_ = {2: 4, 3: 8, 4: 2, 8: 1}.get(bits, 1)
+        return np_ if self.d_pad // np_ >= 16 else 1
+
+    @property
+    def preferred_block_n(self) -> int:
+        """Decode tile length (tokens, head_dim ≤ 128) that fits the registers: 128 when both
+        sides are 2/4/8-bit (fastest measured on the H200), 32 when a side is 3/5/6/7-bit
+        (8 planes or per-element codes: 64+ token tiles spill, from ptxas on sm_90a)."""
+        return 128 if self.k_bits in (2, 4, 8) and self.v_bits in (2, 4, 8) else 32
 
     def check_cache(self, cache) -> int:
         """``cache`` uint8 ``(num_blocks, page_bytes)`` contiguous, on the codec's device."""
@@ -327,6 +335,8 @@ class TkvLoader:
         half = torch.bfloat16 if dot_dtype == torch.bfloat16 else torch.float16
         if dot_dtype == torch.float32 and self.lookup == "auto":
             half = None   # float32 dots (interpreter): exact float32 centroids
+        if self.planes(side) == 1:
+            half = None   # one plane: per-code gathers from the float32 table
         table, code = self._pairs.get((side, half), (
             self.k_table if side == "k" else self.v_table, LOOKUP_GATHER))
         bits = lay.k_bits if side == "k" else lay.v_bits
@@ -383,8 +393,7 @@ def identity_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.cons
                      P3: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr,
                      OUT_DTYPE: tl.constexpr):
     """One plane: the fetched tile itself, cast to the dot dtype."""
-    x = raw.to(OUT_DTYPE)
-    return x, x, x, x
+    return (raw.to(OUT_DTYPE),)
 
 
 class BypassLoader:
@@ -439,8 +448,7 @@ def fp8_e4m3_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.cons
     the 2**8 and the per-tensor scale are in row_scale (:func:`fp8_e4m3_fetch`)."""
     b = raw.to(tl.int32)
     h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    x = h.to(tl.int16).to(tl.float16, bitcast=True).to(OUT_DTYPE)
-    return x, x, x, x
+    return (h.to(tl.int16).to(tl.float16, bitcast=True).to(OUT_DTYPE),)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
-from ._planes import accumulate, load_planes, scores, store_planes
+from ._planes import accumulate, load_planes, scores, store_planes, zero_planes
 from ._util import (
     check_dtype,
     check_int_tensor,
@@ -75,14 +75,11 @@ def _prefill_kernel(
     hh = rows % G_PAD
     rmask = (tok < q_len) & (hh < G)
     qh = kvh * G + hh
-    qa, qb, qc, qd = load_planes(Q, (q0 + tok).to(tl.int64) * sq_t + qh * sq_h, rmask, KNP,
-                                 D_PAD, HEAD_DIM, DOT_DTYPE, PLANAR)
+    q = load_planes(Q, (q0 + tok).to(tl.int64) * sq_t + qh * sq_h, rmask, KNP, D_PAD,
+                    HEAD_DIM, DOT_DTYPE, PLANAR)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    a0 = tl.zeros([BLOCK_M, D_PAD // VNP], tl.float32)
-    a1 = a0
-    a2 = a0
-    a3 = a0
+    acc = zero_planes(BLOCK_M, VNP, D_PAD)
     qpos = prefix + tok                            # absolute position of each query row
     tile_lo = prefix + tile * BLOCK_MT             # smallest query position of the tile
     # ---- prefix: read (compressed) from the paged cache through the loader
@@ -102,16 +99,15 @@ def _prefill_kernel(
                        KP0, KP1, KP2, KP3, KNP, D_PAD)
         rv, vs = FETCH(v_base, v_aux, v_table, blk, off, mask_n, kvh, v_sb, v_sh, v_st,
                        VP0, VP1, VP2, VP3, VNP, D_PAD)
-        k0, k1, k2, k3 = DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
-        s = scores(qa, qb, qc, qd, k0, k1, k2, k3, KNP) * (ks * scale_log2)[None, :]
+        k = DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
+        s = scores(q, k, KNP) * (ks * scale_log2)[None, :]
         vis = mask_n[None, :] & (qpos >= 0)[:, None]
         if window > 0:
             vis = vis & ((qpos[:, None] - pos[None, :]) < window)
         s = tl.where(vis, s, float("-inf"))
         p, m_i, l_i, alpha = _online_update(s, m_i, l_i)
-        v0, v1, v2, v3 = DEQUANT(rv, v_table, VP0, VP1, VP2, VP3, VNP, D_PAD, DOT_DTYPE)
-        a0, a1, a2, a3 = accumulate(a0, a1, a2, a3, alpha, (p * vs[None, :]).to(DOT_DTYPE),
-                                    v0, v1, v2, v3, VNP)
+        v = DEQUANT(rv, v_table, VP0, VP1, VP2, VP3, VNP, D_PAD, DOT_DTYPE)
+        acc = accumulate(acc, alpha, (p * vs[None, :]).to(DOT_DTYPE), v, VNP)
     # ---- current chunk: uncompressed new K/V (same space and planes), causal
     hi = tl.minimum(q_len, (tile + 1) * BLOCK_MT)
     lo2 = 0
@@ -122,24 +118,22 @@ def _prefill_kernel(
         j = j0 + tl.arange(0, BLOCK_N)
         jm = j < q_len
         kv_off = (q0 + j).to(tl.int64)
-        k0, k1, k2, k3 = load_planes(KN, kv_off * sk_t + kvh * sk_h, jm, KNP, D_PAD, HEAD_DIM,
-                                     DOT_DTYPE, PLANAR)
-        s = scores(qa, qb, qc, qd, k0, k1, k2, k3, KNP) * scale_log2
+        k = load_planes(KN, kv_off * sk_t + kvh * sk_h, jm, KNP, D_PAD, HEAD_DIM, DOT_DTYPE,
+                        PLANAR)
+        s = scores(q, k, KNP) * scale_log2
         vis = jm[None, :] & (j[None, :] <= tok[:, None])
         if window > 0:
             vis = vis & ((tok[:, None] - j[None, :]) < window)
         s = tl.where(vis, s, float("-inf"))
         p, m_i, l_i, alpha = _online_update(s, m_i, l_i)
-        v0, v1, v2, v3 = load_planes(VN, kv_off * sv_t + kvh * sv_h, jm, VNP, D_PAD, HEAD_DIM,
-                                     DOT_DTYPE, PLANAR)
-        a0, a1, a2, a3 = accumulate(a0, a1, a2, a3, alpha, p.to(DOT_DTYPE), v0, v1, v2, v3,
-                                    VNP)
+        v = load_planes(VN, kv_off * sv_t + kvh * sv_h, jm, VNP, D_PAD, HEAD_DIM, DOT_DTYPE,
+                        PLANAR)
+        acc = accumulate(acc, alpha, p.to(DOT_DTYPE), v, VNP)
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     if NO_PREFIX:
         inv = tl.where(prefix < 0, float("nan"), inv)
-    store_planes(Out, (q0 + tok).to(tl.int64) * so_t + qh * so_h, rmask, a0 * inv[:, None],
-                 a1 * inv[:, None], a2 * inv[:, None], a3 * inv[:, None], VNP, D_PAD, HEAD_DIM,
-                 PLANAR)
+    store_planes(Out, (q0 + tok).to(tl.int64) * so_t + qh * so_h, rmask, acc, inv, VNP, D_PAD,
+                 HEAD_DIM, PLANAR)
 
 
 def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
