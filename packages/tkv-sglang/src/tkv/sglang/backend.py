@@ -53,12 +53,15 @@ class TurboAttnMetadata:
         seq_lens: int32 ``(batch,)`` tokens in the cache per request after this step.
         cu_seqlens_q: int32 ``(batch + 1,)`` query offsets (extend only, else None).
         max_seq_len_q: longest query chunk (tokens; 1 for decode).
+        no_prefix: extend where no request has cached tokens (host-side
+            ``extend_prefix_lens_cpu`` all 0): the kernels' prefill bypass.
     """
 
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor | None = None
     max_seq_len_q: int = 1
+    no_prefix: bool = False
 
 
 def _window(layer) -> int:
@@ -206,8 +209,10 @@ class TurboAttnBackend(AttentionBackend):
         ext = forward_batch.extend_seq_lens
         cu = torch.nn.functional.pad(torch.cumsum(ext, dim=0, dtype=torch.int32), (1, 0))
         ext_cpu = [int(x) for x in forward_batch.extend_seq_lens_cpu]   # list or CPU tensor
+        pre_cpu = getattr(forward_batch, "extend_prefix_lens_cpu", None)
+        no_prefix = pre_cpu is not None and all(int(x) == 0 for x in pre_cpu)
         self.forward_metadata = TurboAttnMetadata(block_table, seq_lens, cu,
-                                                  max(ext_cpu, default=0))
+                                                  max(ext_cpu, default=0), no_prefix)
 
     # ---------------------------------------------------------------- CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -311,7 +316,7 @@ class TurboAttnBackend(AttentionBackend):
             prefill(q3, k3, v3, md.cu_seqlens_q, md.seq_lens, md.max_seq_len_q,
                     self.pool.get_key_buffer(layer.layer_id), md.block_table,
                     self.pool.loader(layer.layer_id), out=out.view(-1, hq, d),
-                    sm_scale=layer.scaling, window=_window(layer))
+                    sm_scale=layer.scaling, window=_window(layer), no_prefix=md.no_prefix)
         else:
             out.view(-1, hq, d).copy_(reference_attention(
                 self.pool, layer.layer_id, q3, k3, v3, self._token_locs(forward_batch),
