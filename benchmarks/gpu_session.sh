@@ -19,7 +19,10 @@
 #                        No args: `all` for SmolLM2 on GPU 0 and for qwen3-8b-like on GPU 1
 #                        (two jobs) when there are 2 GPUs, else one job with both models
 #   tp [ARGS...]         job "tp": vllm_e2e.py tp --model qwen3-8b-like smollm2 --tp 2 ARGS
-#                        (needs both GPUs: refuses while another job runs)
+#                        (needs both GPUs: refuses while another job runs). The Qwen3-8B-like
+#                        model is ONE seeded random checkpoint (16.4 GB bf16, written once to
+#                        /tmp/tkv-models/qwen3-8b-like-seed0 on GPU 0, timing in the job log)
+#                        loaded at TP=1 and TP=2; `--weights dummy` for the old behaviour
 #   poll                 jobs' state + log tails; copies <= 5 flat files into $OUT
 #   wait [SECONDS]       keep the machine busy (it is given back after ~30 s idle, and /tmp
 #                        with it) until every job ends or SECONDS (default 540) pass, then poll

@@ -82,7 +82,9 @@ DIVERGENCE_LEGEND = (
     "First divergences: `p<prompt>@<token>` = first generated token (0-based) where the run "
     "leaves {ref}'s greedy text; `Δ` = {ref}'s top-1 minus top-2 logprob there (vLLM "
     "logprobs, nats); `tie` = Δ < 0.05 (bf16 rounding alone can flip it); `¬2nd` = the run's "
-    "token was not {ref}'s runner-up.")
+    "token was not {ref}'s runner-up. vLLM's logits are bf16, so Δ comes in steps of the bf16 "
+    "spacing at the top logit (0.125 for logits in [16, 32)): Δ0.000 is an exact bf16 tie and "
+    "Δ ≤ 0.125 is one rounding step.")
 WEIGHTS_NOTE = {"real": "", "dummy": " (random weights, load_format=dummy)",
                 "random": " (random weights, one seeded checkpoint)"}
 KV_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
@@ -264,6 +266,16 @@ def ensure_random_checkpoint(model_dir: Path, seed: int, timeout: float = 900) -
     if rc != 0 or not (model_dir / RANDOM_CKPT_MARKER).is_file():
         raise SystemExit(f"writing the random checkpoint {model_dir} failed (rc={rc})")
     print(f"   checkpoint ready in {time.perf_counter() - t:.0f}s", flush=True)
+
+
+def checkpoint_note(model_dir: Path) -> str:
+    """One markdown line on the random checkpoint (seed, std, size, write time)."""
+    m = json.loads((model_dir / RANDOM_CKPT_MARKER).read_text())
+    t = m.get("timing", {})
+    return (f"Weights: one seeded random checkpoint `{model_dir}` (seed {m['seed']}, "
+            f"std {m['std']}, norms 1, bf16, {t.get('bytes', 0) / 2**30:.1f} GiB in "
+            f"{t.get('shards', '?')} safetensors shards, written in {t.get('total_s', '?')} s), "
+            "loaded with load_format=auto at every TP size.\n")
 
 
 def resolve_model(spec: str, work: Path, weights: str = "dummy",
@@ -616,6 +628,8 @@ def run_tp(opts: argparse.Namespace) -> int:
     failed = False
     for spec in opts.model:
         model, weights = resolve_model(spec, out / "models", opts.weights, opts.seed)
+        if weights == "random":
+            md.append(checkpoint_note(model))
         why = tp_unsupported(model, tp)
         if why:
             line = f"### {model.name}: not run at TP={tp} — {why}\n"

@@ -281,6 +281,9 @@ def test_tp_loads_one_seeded_checkpoint_at_every_tp_size(e2e, tmp_path, monkeypa
         written.append((d, seed))
         d.mkdir(parents=True, exist_ok=True)
         (d / "config.json").write_text(json.dumps(e2e.QWEN3_8B_LIKE))
+        (d / e2e.RANDOM_CKPT_MARKER).write_text(json.dumps(
+            {"seed": seed, "std": 0.02, "timing": {"bytes": 16 * 2**30, "shards": 5,
+                                                    "total_s": 40.0}}))
 
     monkeypatch.setattr(e2e, "ensure_random_checkpoint", fake_ensure)
 
@@ -295,7 +298,8 @@ def test_tp_loads_one_seeded_checkpoint_at_every_tp_size(e2e, tmp_path, monkeypa
     assert written == [(tmp_path / "ckpt", 0)]
     assert {c[0] for c in calls} == {tmp_path / "ckpt"} and {c[1] for c in calls} == {"random"}
     assert {c[4] for c in calls} == {1, 2}
-    assert "one seeded checkpoint" in (tmp_path / "o" / "README.md").read_text()
+    readme = (tmp_path / "o" / "README.md").read_text()
+    assert "one seeded checkpoint" in readme and "16.0 GiB in 5 safetensors shards" in readme
     calls.clear()
     assert e2e.main(["all", "--model", "qwen3-8b-like", "--out", str(tmp_path / "a"),
                      "--runs", "bf16"]) == 0
