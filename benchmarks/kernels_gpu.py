@@ -197,12 +197,16 @@ def prefill_rows():
         codec = TurboKVCodec(d, 4, device=DEV)
         ld = TkvLoader(codec, hkv, block)
         cache = tkv_cache(ld, nblk)
-        for bm, bn, nw in ((128, 64, 8), (128, 32, 8), (64, 64, 4)):
+        if prefix == 0:  # first chunk: the engines' prefill bypass (no rotation)
+            ms = bench(lambda: prefill(q, k, v, cu, sl, ql, cache, bt, ld, no_prefix=True))
+            log({**base, "impl": "tkv_K4V4_no_prefix", "ms": ms, "TFLOPs": flops / ms / 1e9})
+        for bm, bn, nw, st in ((128, 64, 8, 1), (128, 64, 8, 2), (128, 32, 8, 1),
+                               (64, 64, 4, 1), (128, 128, 8, 1)):
             try:
                 ms = bench(lambda: prefill(q, k, v, cu, sl, ql, cache, bt, ld, block_m=bm,
-                                           block_n=bn, num_warps=nw))
+                                           block_n=bn, num_warps=nw, num_stages=st))
                 log({**base, "impl": "tkv_K4V4", "block_m": bm, "block_n": bn, "num_warps": nw,
-                     "ms": ms, "TFLOPs": flops / ms / 1e9})
+                     "num_stages": st, "ms": ms, "TFLOPs": flops / ms / 1e9})
             except Exception as e:
                 log({**base, "impl": "tkv_K4V4", "block_m": bm, "error": str(e)[:160]})
         del cache
