@@ -304,3 +304,62 @@ def test_tp_loads_one_seeded_checkpoint_at_every_tp_size(e2e, tmp_path, monkeypa
     assert e2e.main(["all", "--model", "qwen3-8b-like", "--out", str(tmp_path / "a"),
                      "--runs", "bf16"]) == 0
     assert [c[1] for c in calls] == ["dummy"] and len(written) == 1
+
+
+_VLLM_LOAD = r'''
+import glob, json, socket, sys
+import torch
+import vllm.platforms as P
+from vllm.platforms.cpu import CpuPlatform
+P._current_platform = CpuPlatform()  # this process only: vLLM's model code on CPU
+from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from safetensors.torch import load_file
+
+d = sys.argv[1]
+mc = ModelConfig(model=d, skip_tokenizer_init=True, dtype="bfloat16")
+vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"))
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+with set_current_vllm_config(vc):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    initialize_model_parallel(1, 1)
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+    with torch.device("cpu"):
+        m = Qwen3ForCausalLM(vllm_config=vc)
+    files = sorted(glob.glob(d + "/*.safetensors"))
+    loaded = m.load_weights(safetensors_weights_iterator(files, False))
+    params = dict(m.named_parameters())
+    w = {}
+    for f in files:
+        w.update(load_file(f))
+    p = "model.layers.1."
+    qkv = torch.cat([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
+                     w[p + "self_attn.v_proj.weight"]])
+    gu = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+    print(json.dumps({"missing": sorted(set(params) - set(loaded)),
+                      "qkv": torch.equal(params[p + "self_attn.qkv_proj.weight"], qkv),
+                      "gate_up": torch.equal(params[p + "mlp.gate_up_proj.weight"], gu),
+                      "lm_head": torch.equal(params["lm_head.weight"], w["lm_head.weight"])}))
+'''
+
+
+def test_vllm_qwen3_loader_consumes_the_random_checkpoint(e2e, tmp_path):
+    """vLLM 0.20.1's own Qwen3ForCausalLM.load_weights (CPU, in a subprocess: the platform
+    is forced to CPU there) initializes every parameter from the checkpoint, stacking
+    q/k/v into qkv_proj and gate/up into gate_up_proj byte for byte."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm", reason="vllm not installed (nox -s vllm installs it)")
+    d = tmp_path / "ckpt"
+    e2e.write_random_checkpoint(d, TINY_QWEN3, seed=1, device="cpu", shard_gib=40_000 / 2**30)
+    p = subprocess.run([sys.executable, "-c", _VLLM_LOAD, str(d)], capture_output=True,
+                       text=True, timeout=600, env={**__import__("os").environ,
+                                                    "CUDA_VISIBLE_DEVICES": ""})
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"missing": [], "qkv": True, "gate_up": True, "lm_head": True}
