@@ -142,13 +142,19 @@ def store_rows(copy_gbs):
             v = torch.randn_like(k)
             slots = torch.randperm(nblk * 16, device=DEV)[:T]
             nbytes = 2 * T * hkv * d * 2 + T * ld.layout.ideal_bytes_per_token + T * 8
-            row = {"kernel": "compress_store", "T": T, "Hkv": hkv, "D": d, "impl": f"K{kb}V{vb}"}
-            try:
-                ms = bench(lambda: compress_store(k, v, cache, slots, ld))
-            except Exception as e:
-                log({**row, "error": str(e)[:160]})
-                continue
-            log({**row, "ms": ms, "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+            variants = [{}]
+            if (d, T, kb) == (128, 16384, 4):  # tile sweep at the main shape
+                variants += [dict(chunk=64), dict(block_t=32), dict(num_warps=8)]
+            for o in variants:
+                row = {"kernel": "compress_store", "T": T, "Hkv": hkv, "D": d,
+                       "impl": f"K{kb}V{vb}", **o}
+                try:
+                    ms = bench(lambda o=o: compress_store(k, v, cache, slots, ld, **o))
+                except Exception as e:
+                    log({**row, "error": str(e)[:160]})
+                    continue
+                log({**row, "ms": ms, "GBps": nbytes / ms / 1e6,
+                     "frac_copy": nbytes / ms / 1e6 / copy_gbs})
 
 
 def prefill_rows():
@@ -223,7 +229,7 @@ def table(copy_gbs, path):
         shape = ", ".join(f"{k}={r[k]}" for k in ("B", "L", "T", "q_len", "prefix", "Hq", "Hkv", "D")
                           if k in r)
         opts = ", ".join(f"{k}={r[k]}" for k in ("block_n", "num_warps", "num_stages", "prefetch",
-                                                  "block_m") if k in r)
+                                                  "block_m", "block_t", "chunk") if k in r)
         if "error" in r:
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {opts} | error: "
                          f"{r['error'][:60]} | | | |")

@@ -61,9 +61,13 @@ def _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM: tl.con
                  mask=valid[:, None] & cmask[None, :])
     else:
         NG: tl.constexpr = CH // GROUP
-        c3 = tl.reshape(code.to(tl.int64), (BLOCK_T, NG, GROUP))
-        shifts = (tl.arange(0, GROUP) * BITS).to(tl.int64)
-        word = tl.sum(c3 << shifts[None, None, :], axis=2)          # [T, NG], < 2**56
+        if GROUP * BITS <= 32:   # 2/3/4 bits: the group word fits 32 bits (half the registers)
+            WT: tl.constexpr = tl.int32
+        else:                    # 5/6/7 bits: 40/48/56-bit group words
+            WT: tl.constexpr = tl.int64
+        c3 = tl.reshape(code.to(WT), (BLOCK_T, NG, GROUP))
+        shifts = (tl.arange(0, GROUP) * BITS).to(WT)
+        word = tl.sum(c3 << shifts[None, None, :], axis=2)          # [T, NG]
         gidx = tl.arange(0, NG)
         for k in tl.static_range(GROUP_BYTES):
             byte = ((word >> (8 * k)) & 0xFF).to(tl.uint8)
@@ -79,7 +83,7 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
                 CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr, CODE_BYTES: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, NORM_CORR: tl.constexpr, GROUP: tl.constexpr,
                 GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_STRIDE: tl.constexpr,
-                TOK_STRIDE: tl.constexpr, NORM_HEAD_STRIDE: tl.constexpr):
+                TOK_STRIDE: tl.constexpr, NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr):
     offs_d = tl.arange(0, D_PAD)
     dmask = offs_d < HEAD_DIM
     x = tl.load(X + tok.to(tl.int64)[:, None] * sx_t + head * sx_h + offs_d[None, :],
@@ -90,30 +94,23 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
     page = blk * page_bytes
     row = page + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
     sqrt_d = tl.full([BLOCK_T], math.sqrt(HEAD_DIM), tl.float32)
-    if D_PAD <= 128:  # one pass: the whole D x D rotation tile fits in shared memory
-        a = tl.load(A + offs_d[:, None] * D_PAD + offs_d[None, :])
-        y = tl.dot(x, a, input_precision="tf32x3")                   # R (x / s), [T, D_PAD]
-        n = tl.sqrt_rn(tl.sum(y * y, axis=1))
-        inv = tl.where(n > 0, tl.div_rn(sqrt_d, tl.where(n > 0, n, 1.0)), 0.0)
-        usq = _quant_pack(y, inv, offs_d, valid, cache, row, bounds, table, HEAD_DIM, BITS,
-                          CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T, D_PAD, 0)
-    else:  # head_dim > 128: rotation by 64-column blocks, two passes (norm, then codes)
-        CH: tl.constexpr = 64
-        ss = tl.zeros([BLOCK_T], tl.float32)
-        for c in tl.static_range(D_PAD // CH):
-            cols = c * CH + tl.arange(0, CH)
-            y = tl.dot(x, tl.load(A + offs_d[:, None] * D_PAD + cols[None, :]),
-                       input_precision="tf32x3")
-            ss += tl.sum(y * y, axis=1)
-        n = tl.sqrt_rn(ss)
-        inv = tl.where(n > 0, tl.div_rn(sqrt_d, tl.where(n > 0, n, 1.0)), 0.0)
-        usq = tl.zeros([BLOCK_T], tl.float32)
-        for c in tl.static_range(D_PAD // CH):
-            cols = c * CH + tl.arange(0, CH)
-            y = tl.dot(x, tl.load(A + offs_d[:, None] * D_PAD + cols[None, :]),
-                       input_precision="tf32x3")
-            usq += _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM, BITS,
-                               CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T, CH, c * CH)
+    # rotation by column chunks of CH (the chunk of A is a tf32x3 dot operand held in
+    # registers: whole 128x128 tiles spilled), rotated chunks kept for the norm, then quantized
+    ys = ()
+    ss = tl.zeros([BLOCK_T], tl.float32)
+    for c in tl.static_range(D_PAD // CH):
+        cols = c * CH + tl.arange(0, CH)
+        y = tl.dot(x, tl.load(A + offs_d[:, None] * D_PAD + cols[None, :]),
+                   input_precision="tf32x3")                           # R (x / s), [T, CH]
+        ss += tl.sum(y * y, axis=1)
+        ys = ys + (y,)
+    n = tl.sqrt_rn(ss)
+    inv = tl.where(n > 0, tl.div_rn(sqrt_d, tl.where(n > 0, n, 1.0)), 0.0)
+    usq = tl.zeros([BLOCK_T], tl.float32)
+    for c in tl.static_range(D_PAD // CH):
+        cols = c * CH + tl.arange(0, CH)
+        usq += _quant_pack(ys[c], inv, cols, valid, cache, row, bounds, table, HEAD_DIM, BITS,
+                           CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T, CH, c * CH)
     if NORM_CORR:  # store n / ||c[code]/sqrt(d)|| so that ||x_hat|| = ||x|| (codec, K side)
         n = tl.div_rn(n, tl.maximum(tl.sqrt_rn(usq), 1e-12))
     nidx = (page + NORMS_OFF) // 2 + head * NORM_HEAD_STRIDE + off
@@ -132,7 +129,7 @@ def _compress_store_kernel(
         V_CODE_BYTES: tl.constexpr, V_NORM_CORR: tl.constexpr, V_GROUP: tl.constexpr,
         V_GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, K_HEAD_STRIDE: tl.constexpr,
         K_TOK_STRIDE: tl.constexpr, V_HEAD_STRIDE: tl.constexpr, V_TOK_STRIDE: tl.constexpr,
-        NORM_HEAD_STRIDE: tl.constexpr):
+        NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr):
     pid = tl.program_id(0)
     head = tl.program_id(1)
     tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -145,11 +142,11 @@ def _compress_store_kernel(
     _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kbounds, ktable, kmu, blk, off,
                 page_bytes, K_HAS_MU, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES,
                 BLOCK_SIZE, K_NORM_CORR, K_GROUP, K_GROUP_BYTES, BLOCK_T, K_HEAD_STRIDE,
-                K_TOK_STRIDE, NORM_HEAD_STRIDE)
+                K_TOK_STRIDE, NORM_HEAD_STRIDE, CH)
     _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, vbounds, vtable, kmu, blk, off,
                 page_bytes, False, HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES,
                 BLOCK_SIZE, V_NORM_CORR, V_GROUP, V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE,
-                V_TOK_STRIDE, NORM_HEAD_STRIDE)
+                V_TOK_STRIDE, NORM_HEAD_STRIDE, CH)
 
 
 def _group(bits: int) -> tuple[int, int]:
@@ -159,7 +156,7 @@ def _group(bits: int) -> tuple[int, int]:
 
 def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                    slot_mapping: torch.Tensor, loader: TkvLoader, *,
-                   block_t: int = 16, num_warps: int = 4) -> None:
+                   block_t: int = 16, num_warps: int = 4, chunk: int | None = None) -> None:
     """Compress new tokens' K and V and scatter them into their slots, in one launch.
 
     Per token and KV head: ``y = R ((x − μ) / s)`` (key centering when the codec has a
@@ -177,6 +174,10 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             ``-1`` (any negative) skips the token; slots ≥ ``num_blocks · block_size`` are
             skipped too (never written out of bounds).
         loader: the layer's :class:`TkvLoader`.
+        block_t, num_warps: tokens per program and Triton warps.
+        chunk: rotation columns per tensor-core pass (a power of two ≥ 16; default 32: the
+            tf32x3 operand lives in registers, and ptxas (sm_90a) spills 1.7 KB per thread
+            with whole 128×128 tiles, none with 32-column chunks at head_dim 64/128).
 
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
@@ -208,6 +209,10 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     mu = loader.codec.k.channel_offset  # float32 (head_dim,) on the codec's device, or None
     if mu is not None:
         mu = mu.to(cache.device, torch.float32).contiguous()
+    if chunk is None:
+        chunk = 32
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ShapeError(f"chunk must be a power of two >= 16, got {chunk}")
     kg, kgb = _group(lay.k_bits)
     vg, vgb = _group(lay.v_bits)
     grid = (triton.cdiv(n, block_t), lay.num_kv_heads)
@@ -224,4 +229,4 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         V_CODE_BYTES=lay.v_code_bytes, V_NORM_CORR=loader.v_norm_correction, V_GROUP=vg,
         V_GROUP_BYTES=vgb, BLOCK_T=block_t, K_HEAD_STRIDE=st["k_head"],
         K_TOK_STRIDE=st["k_token"], V_HEAD_STRIDE=st["v_head"], V_TOK_STRIDE=st["v_token"],
-        NORM_HEAD_STRIDE=st["norm_head"], num_warps=num_warps)
+        NORM_HEAD_STRIDE=st["norm_head"], CH=min(loader.d_pad, chunk), num_warps=num_warps)
