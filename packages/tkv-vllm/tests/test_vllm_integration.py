@@ -403,3 +403,23 @@ def test_model_runners_view_each_layer_with_its_own_page(patched_vllm, tmp_path,
             assert kv.dtype is torch.uint8 and tuple(kv.shape) == (kcfg.num_blocks, lay.page_bytes)
             assert kv.is_contiguous() and kv.data_ptr() == buffers[name].data_ptr()
             lay.views(kv)  # the codec's own typed views accept it
+
+
+def test_prefill_bypass_flag_from_host_metadata():
+    """The metadata builder marks a batch's prefill rows as first chunks only from vLLM's CPU
+    sequence lengths (seq_len == query_len for every prefill row); a row with cached tokens,
+    or no CPU lengths at all, keeps the general (rotated, cache-reading) path."""
+    pytest.importorskip("vllm", reason="vllm not installed (nox -s vllm installs it)")
+    from types import SimpleNamespace
+
+    from tkv.vllm.backend import _no_cached_prefix
+
+    qsl = torch.tensor([0, 1, 2, 7, 19], dtype=torch.int32)   # 2 decodes, prefills 5 and 12
+    p_cpu = qsl[2:]
+    first = SimpleNamespace(seq_lens_cpu_upper_bound=torch.tensor([30, 9, 5, 12]))
+    assert _no_cached_prefix(first, 2, 4, p_cpu)
+    cont = SimpleNamespace(seq_lens_cpu_upper_bound=torch.tensor([30, 9, 5, 40]))
+    assert not _no_cached_prefix(cont, 2, 4, p_cpu)
+    legacy = SimpleNamespace(seq_lens_cpu_upper_bound=None, _seq_lens_cpu=torch.tensor([3, 4, 5, 12]))
+    assert _no_cached_prefix(legacy, 2, 4, p_cpu)
+    assert not _no_cached_prefix(SimpleNamespace(), 2, 4, p_cpu)

@@ -135,6 +135,8 @@ class TurboAttnMetadata(AttentionMetadata):
     addresses: query_start_loc int32 (num_reqs + 1,), seq_lens int32 (≥ num_reqs,),
     block_table int32 (≥ num_reqs, max_blocks), slot_mapping int64; and, eager batches only,
     prefill_cu_seqlens int32 (num_prefills + 1,): the prefill rows' offsets rebased to 0.
+    prefill_no_prefix (host bool): no prefill row has cached tokens (all first chunks), so
+    the kernels' prefill bypass applies (plain attention, no rotation).
     """
 
     num_actual_tokens: int
@@ -151,6 +153,7 @@ class TurboAttnMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor
     max_prefill_query_len: int = 0
     prefill_cu_seqlens: torch.Tensor | None = None
+    prefill_no_prefix: bool = False
 
 
 class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
@@ -194,7 +197,23 @@ class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
             md.max_prefill_query_len = int((p_cpu[1:] - p_cpu[:-1]).max())
             qsl = cam.query_start_loc[num_decodes:cam.num_reqs + 1]
             md.prefill_cu_seqlens = (qsl - num_decode_tokens).to(torch.int32)
+            md.prefill_no_prefix = _no_cached_prefix(cam, num_decodes, cam.num_reqs, p_cpu)
         return md
+
+
+def _no_cached_prefix(cam: CommonAttentionMetadata, lo: int, hi: int,
+                      qsl_cpu: torch.Tensor) -> bool:
+    """Host-side: rows ``lo:hi`` are all first chunks (``seq_len == query_len``). Uses
+    vLLM's CPU sequence lengths (``seq_lens_cpu_upper_bound``, exact for prefill rows, or the
+    runner's ``_seq_lens_cpu``); False when neither is there (the general path is always
+    right)."""
+    sl = getattr(cam, "seq_lens_cpu_upper_bound", None)
+    if sl is None:
+        sl = getattr(cam, "_seq_lens_cpu", None)
+    if sl is None or hi <= lo:
+        return False
+    q = qsl_cpu[1:] - qsl_cpu[:-1]
+    return bool(torch.equal(sl[lo:hi].to(q.dtype), q[: hi - lo]))
 
 
 # ----------------------------------------------------------------------------- per-layer state
@@ -350,5 +369,5 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
             kernels.prefill(q[ndt:n], k[ndt:n], v[ndt:n], md.prefill_cu_seqlens,
                             md.seq_lens[nd:r1], md.max_prefill_query_len, kv_cache,
                             md.block_table[nd:r1], loader, out=out[ndt:n], sm_scale=self.scale,
-                            window=self._window)
+                            window=self._window, no_prefix=md.prefill_no_prefix)
         return output
