@@ -21,20 +21,19 @@ from tkv.kernels.reference import (
     gather_kv,
     prefill_reference,
 )
-from tkv.kernels.testing import fill_cache, make_cache, make_paged_batch
+from tkv.kernels.testing import (
+    fill_cache,
+    make_cache,
+    make_paged_batch,
+    relative_error,
+    tolerance,
+)
 
 DEV = "cpu" if interpreting() or not torch.cuda.is_available() else "cuda"
 
 
-def _tol(dtype):
-    if interpreting():
-        return 1e-4
-    return 6e-3 if dtype == torch.float16 else 2.5e-2
-
-
-def _rel(out, ref):
-    assert torch.isfinite(out).all(), "non-finite output (unwritten or poisoned)"
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+_tol = tolerance
+_rel = relative_error
 
 
 def _centered_codec(d, kb, vb, g, seed=0, scales=False):

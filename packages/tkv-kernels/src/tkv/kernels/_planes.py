@@ -1,4 +1,5 @@
-"""Tensor-core attention steps over coordinate planes (shared by decode and prefill).
+"""Attention steps shared by decode and prefill: the paged K/V tile fetch and the
+tensor-core steps over coordinate planes.
 
 A tile loader returns a K or V tile as ``NP`` planes (``tkv.kernels.loaders`` module doc):
 plane ``p`` holds coordinates ``NP * j + p``. Because ``q·k = Σ_p q_p·k_p`` and
@@ -105,3 +106,25 @@ def accumulate(acc, alpha, p, v, NP: tl.constexpr):
     for i in tl.static_range(NP):
         out = out + (tl.dot(p, v[i], acc[i] * alpha[:, None]),)
     return out
+
+
+@triton.jit
+def fetch_kv(pos, mask_n, bt_row, num_blocks, kvh,
+             k_base, k_aux, k_table, k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st,
+             FETCH: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr, KP2: tl.constexpr,
+             KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr, VP1: tl.constexpr,
+             VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr):
+    """Memory half of the K and V tiles of absolute token positions ``pos`` [BLOCK_N] of one
+    sequence (``bt_row``: its block-table row) through the loader's ``FETCH``; tokens outside
+    ``mask_n`` or with an out-of-range block id are masked. Returns ``(mask_n, raw_k,
+    row_scale_k, raw_v, row_scale_v)``."""
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=mask_n, other=0)
+    mask_n = mask_n & (blk >= 0) & (blk < num_blocks)
+    blk = tl.where(mask_n, blk, 0)
+    off = pos % BLOCK_SIZE
+    rk, ks = FETCH(k_base, k_aux, k_table, blk, off, mask_n, kvh, k_sb, k_sh, k_st,
+                   KP0, KP1, KP2, KP3, KNP, D_PAD)
+    rv, vs = FETCH(v_base, v_aux, v_table, blk, off, mask_n, kvh, v_sb, v_sh, v_st,
+                   VP0, VP1, VP2, VP3, VNP, D_PAD)
+    return mask_n, rk, ks, rv, vs

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
-from ._planes import accumulate, load_planes, scores, store_planes, zero_planes
+from ._planes import accumulate, fetch_kv, load_planes, scores, store_planes, zero_planes
 from ._util import (
     check_dtype,
     check_int_tensor,
@@ -37,19 +37,12 @@ def _fetch_kv(t, t_end, L, start, cap, bt_row, num_blocks, kvh,
               KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr, VP1: tl.constexpr,
               VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
-    """Memory half of token tile ``t`` (all tokens masked when ``t >= t_end``):
-    ``(mask_n, raw_k, row_scale_k, raw_v, row_scale_v)``."""
+    """Token tile ``t`` of the split (all tokens masked when ``t >= t_end``): see fetch_kv."""
     pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = (pos < L) & (pos >= start) & (pos < cap) & (t < t_end)
-    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=mask_n, other=0)
-    mask_n = mask_n & (blk >= 0) & (blk < num_blocks)
-    blk = tl.where(mask_n, blk, 0)
-    off = pos % BLOCK_SIZE
-    rk, ks = FETCH(k_base, k_aux, k_table, blk, off, mask_n, kvh, k_sb, k_sh, k_st,
-                   KP0, KP1, KP2, KP3, KNP, D_PAD)
-    rv, vs = FETCH(v_base, v_aux, v_table, blk, off, mask_n, kvh, v_sb, v_sh, v_st,
-                   VP0, VP1, VP2, VP3, VNP, D_PAD)
-    return mask_n, rk, ks, rv, vs
+    return fetch_kv(pos, mask_n, bt_row, num_blocks, kvh, k_base, k_aux, k_table, k_sb, k_sh,
+                    k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1, KP2, KP3,
+                    KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, D_PAD)
 
 
 @triton.jit

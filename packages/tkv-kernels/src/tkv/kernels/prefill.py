@@ -11,7 +11,7 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
-from ._planes import accumulate, load_planes, scores, store_planes, zero_planes
+from ._planes import accumulate, fetch_kv, load_planes, scores, store_planes, zero_planes
 from ._util import (
     check_dtype,
     check_int_tensor,
@@ -89,16 +89,11 @@ def _prefill_kernel(
     lo = (lo // BLOCK_N) * BLOCK_N
     for n0 in range(lo, prefix, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        mask_n = (pos < prefix) & (pos < max_blocks * BLOCK_SIZE)
-        blk = tl.load(block_table + seq.to(tl.int64) * s_bt + pos // BLOCK_SIZE,
-                      mask=mask_n, other=0)
-        mask_n = mask_n & (blk >= 0) & (blk < num_blocks)
-        blk = tl.where(mask_n, blk, 0)
-        off = pos % BLOCK_SIZE
-        rk, ks = FETCH(k_base, k_aux, k_table, blk, off, mask_n, kvh, k_sb, k_sh, k_st,
-                       KP0, KP1, KP2, KP3, KNP, D_PAD)
-        rv, vs = FETCH(v_base, v_aux, v_table, blk, off, mask_n, kvh, v_sb, v_sh, v_st,
-                       VP0, VP1, VP2, VP3, VNP, D_PAD)
+        mask_n, rk, ks, rv, vs = fetch_kv(
+            pos, (pos < prefix) & (pos < max_blocks * BLOCK_SIZE),
+            block_table + seq.to(tl.int64) * s_bt, num_blocks, kvh, k_base, k_aux, k_table,
+            k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1, KP2,
+            KP3, KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, D_PAD)
         k = DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
         s = scores(q, k, KNP) * (ks * scale_log2)[None, :]
         vis = mask_n[None, :] & (qpos >= 0)[:, None]

@@ -8,7 +8,8 @@ import torch
 from .loaders import BypassLoader, Fp8Loader, TkvLoader
 from .store import compress_store
 
-__all__ = ["PagedBatch", "fill_cache", "make_cache", "make_paged_batch"]
+__all__ = ["PagedBatch", "fill_cache", "make_cache", "make_paged_batch", "relative_error",
+           "tolerance"]
 
 
 class PagedBatch:
@@ -76,3 +77,20 @@ def fill_cache(loader, cache, key: torch.Tensor, value: torch.Tensor, slots: tor
     else:
         cache[0][b, o] = (key.float() / loader.k_scale).to(torch.float8_e4m3fn)
         cache[1][b, o] = (value.float() / loader.v_scale).to(torch.float8_e4m3fn)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Relative-error bound of a kernel output vs the float64 oracle: 1e-4 under the Triton
+    interpreter (float32 dots), else the dot dtype's rounding (fp16 6e-3, bf16 2.5e-2)."""
+    from ._util import interpreting
+
+    if interpreting():
+        return 1e-4
+    return 6e-3 if dtype == torch.float16 else 2.5e-2
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``‖out − ref‖ / ‖ref‖`` in float64; raises AssertionError if ``out`` has a non-finite
+    entry (an unwritten or poisoned output)."""
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or poisoned)"
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
