@@ -5,14 +5,16 @@ One run, one table (markdown + raw JSON lines) with the device-to-device copy ba
 measured in the same run. Baselines named in each row:
 
 * decode: torch SDPA bf16 on contiguous KV (cuDNN and flash backends, GQA), tkv's own
-  BypassLoader on paged bf16 (same kernel, raw tiles), tkv K/V widths (TkvLoader).
+  BypassLoader on paged bf16 (same kernel, raw tiles), tkv K/V widths (TkvLoader), and
+  vLLM 0.20.1's own TurboQuant decode at turboquant_4bit_nc when vLLM imports (cache filled
+  by vLLM's store, call recorded from its backend's forward; else a "skipped: ..." row).
   GB/s counts the bytes the format must read (cache bytes of all tokens, all heads, K+V).
 * compress_store: GB/s over bytes read (bf16 K+V) + written (packed codes + norms).
 * prefill: TFLOP/s (causal FLOPs actually needed) for a 2K chunk over prefixes 0/8K/32K vs
   SDPA bf16 (flash, causal) at prefix 0 and SDPA with an explicit mask (efficient backend)
   over a prefix; tkv through TkvLoader (compressed prefix) and BypassLoader (bf16 prefix).
 
-Usage: python benchmarks/kernels_gpu.py --out benchmarks/results [--quick]
+Usage: python benchmarks/kernels_gpu.py --out benchmarks/results [--quick] [--vllm-only]
 """
 
 from __future__ import annotations
@@ -70,6 +72,134 @@ def tkv_cache(ld, nblocks):
     return cache
 
 
+VLLM_TQ_PRESET = "turboquant_4bit_nc"  # the issue's comparison point (4-bit K and V)
+
+
+def vllm_turboquant_decode(q, bt, sl, num_blocks, hkv, block=16, preset=VLLM_TQ_PRESET,
+                           fill_chunk=1 << 17):
+    """vLLM 0.20.1's own TurboQuant decode on a paged cache filled by vLLM's own store.
+
+    Everything is vLLM's: ``TurboQuantAttentionImpl`` (the backend object a layer holds), the
+    cache shape from ``TurboQuantAttentionBackend.get_kv_cache_shape``, the centroids from
+    ``get_centroids`` and the decode scratch buffers that ``Attention._init_turboquant_buffers``
+    registers on the layer (``_tq_mid_o_buf`` (B, Hq, S, D+1) float32, ``_tq_output_buf``
+    (B, Hq, D), ``_tq_lse_buf`` (B, Hq), S = ``tq_max_kv_splits_for_cuda_graph``). Every slot
+    of every block is filled through ``impl.do_kv_cache_update`` (vLLM's fused
+    ``triton_turboquant_store``: Hadamard rotation, Lloyd-Max key indices + fp16 key norm,
+    per-token min/max asymmetric value codes + fp16 scale/zero) from random N(0, 1) K/V in q's
+    dtype, ``fill_chunk`` tokens per call. ``impl.forward`` then runs once on a pure decode
+    batch (one query token per request) with the module's ``triton_turboquant_decode_attention``
+    intercepted, so the call returned for timing carries exactly the arguments the backend
+    passes (rotated-query GEMM + stage-1 split-KV kernel + stage-2 LSE merge + cast).
+
+    Args:
+        q: query (B, Hq, D) bfloat16/float16, model space (not rotated).
+        bt: block table int32 (B, max_blocks), physical block ids in [0, num_blocks).
+        sl: seq_lens int32 (B,), tokens per request (all already in the cache).
+        num_blocks: physical blocks in the cache.
+        hkv: KV heads.
+        block: tokens per block (vLLM's TurboQuant accepts 16/32/64/128).
+        preset: a ``TQ_PRESETS`` name (``--kv-cache-dtype``).
+        fill_chunk: tokens per store call while filling.
+
+    Returns:
+        ``(fn, info)``: ``fn()`` launches vLLM's decode with the recorded arguments and returns
+        (B, Hq, D) in q's dtype; ``info`` has ``kv_cache`` (num_blocks, block, Hkv, slot) uint8,
+        ``slot_B`` (bytes the kernels read per token per KV head: ``TurboQuantConfig.slot_size``),
+        ``slot_B_aligned`` (allocated), ``bytes_read`` (sum(sl) * Hkv * slot_B), ``splits``,
+        ``kwargs`` (the recorded call), ``out`` (forward's output, (B, Hq * D)), ``impl``,
+        ``layer``, ``vllm_version``.
+
+    Raises:
+        ImportError: vLLM is not importable (its own import error, or a missing module).
+        Exception: anything else means vLLM's TurboQuant API differs from 0.20.1's.
+    """
+    import vllm
+    import vllm.v1.attention.backends.turboquant_attn as tqa
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+    from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+
+    B, hq, d = q.shape
+    dev = q.device
+    vcfg = VllmConfig(device_config=DeviceConfig(device=dev.type))
+    with set_current_vllm_config(vcfg):
+        impl = tqa.TurboQuantAttentionImpl(num_heads=hq, head_size=d, scale=d ** -0.5,
+                                           num_kv_heads=hkv, kv_cache_dtype=preset)
+    tq = TurboQuantConfig.from_cache_dtype(preset, d)
+    shape = tqa.TurboQuantAttentionBackend.get_kv_cache_shape(num_blocks, block, hkv, d, preset)
+    if tuple(shape) != (num_blocks, block, hkv, tq.slot_size_aligned):
+        raise RuntimeError(f"cache shape {shape} is not (blocks, block, Hkv, slot)")
+    # The layer: the buffers vLLM's Attention registers for TurboQuant (one decode batch of B).
+    layer = torch.nn.Module()
+    layer.register_buffer("_tq_centroids", get_centroids(d, tq.centroid_bits).to(dev))
+    splits = vcfg.attention_config.tq_max_kv_splits_for_cuda_graph
+    layer.register_buffer("_tq_mid_o_buf", torch.empty(B, hq, splits, d + 1, device=dev))
+    layer.register_buffer("_tq_output_buf", torch.empty(B, hq, d, device=dev))
+    layer.register_buffer("_tq_lse_buf", torch.empty(B, hq, device=dev))
+    kv_cache = torch.zeros(shape, dtype=torch.uint8, device=dev)
+    nslots = num_blocks * block
+    for s0 in range(0, nslots, fill_chunk):
+        n = min(fill_chunk, nslots - s0)
+        k = torch.randn(n, hkv * d, device=dev, dtype=q.dtype)
+        v = torch.randn_like(k)
+        slots = torch.arange(s0, s0 + n, device=dev, dtype=torch.int64)
+        impl.do_kv_cache_update(layer, k, v, kv_cache, slots)
+    meta = tqa.TurboQuantMetadata(
+        seq_lens=sl, slot_mapping=torch.full((B,), -1, dtype=torch.int64, device=dev),
+        block_table=bt, query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=dev),
+        num_actual_tokens=B, max_query_len=1, max_seq_len=int(sl.max()), is_prefill=False,
+        num_decodes=B, num_decode_tokens=B)
+    real = tqa.triton_turboquant_decode_attention
+    calls = []
+
+    def spy(*a, **kw):
+        calls.append((a, kw))
+        return real(*a, **kw)
+
+    knew = torch.randn(B, hkv * d, device=dev, dtype=q.dtype)
+    out = torch.empty(B, hq * d, device=dev, dtype=q.dtype)
+    tqa.triton_turboquant_decode_attention = spy
+    try:
+        impl.forward(layer, q.reshape(B, hq * d), knew, knew, kv_cache, meta, output=out)
+    finally:
+        tqa.triton_turboquant_decode_attention = real
+    if len(calls) != 1:
+        raise RuntimeError(f"forward made {len(calls)} decode calls, expected 1")
+    a, kw = calls[0]
+    nread = int(sl.sum()) * hkv * tq.slot_size
+    info = dict(kv_cache=kv_cache, slot_B=tq.slot_size, slot_B_aligned=tq.slot_size_aligned,
+                bytes_read=nread, splits=kw.get("max_num_kv_splits"), kwargs=kw, out=out,
+                impl=impl, layer=layer, vllm_version=vllm.__version__)
+    return (lambda: real(*a, **kw)), info
+
+
+def vllm_rows(base, q, bt, sl, nblk, hkv, block, copy_gbs):
+    """One row: vLLM 0.20.1's TurboQuant decode (``VLLM_TQ_PRESET``) on the same paged shape;
+    GB/s over the cache bytes it must read (sum(sl) * Hkv * slot bytes). Logs a
+    ``skipped: <reason>`` row when vLLM is absent or its API differs."""
+    impl = f"vllm_{VLLM_TQ_PRESET}"
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # absent, or its import fails on this torch
+        log({**base, "impl": impl, "error": f"skipped: vLLM not importable ({type(e).__name__}: "
+             f"{str(e)[:100]})"})
+        return
+    try:
+        fn, info = vllm_turboquant_decode(q, bt, sl, nblk, hkv, block)
+        fn()
+        ms = bench(fn)
+    except Exception as e:
+        log({**base, "impl": impl, "error": f"skipped: vLLM API differs from 0.20.1 "
+             f"({type(e).__name__}: {str(e)[:120]})"})
+        return
+    nbytes = info["bytes_read"]
+    log({**base, "impl": impl, "vllm": info["vllm_version"], "slot_B": info["slot_B"],
+         "splits": info["splits"], "ms": ms, "GBps": nbytes / ms / 1e6,
+         "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+    del fn, info
+
+
 def decode_rows(cfgs, widths, copy_gbs, tune):
     ws = Workspace(128, 64, 256, DEV)
     for (B, L, hq, hkv, d) in cfgs:
@@ -104,6 +234,7 @@ def decode_rows(cfgs, widths, copy_gbs, tune):
         log({**base, "impl": "tkv_bypass_bf16_paged", "ms": ms, "GBps": bf16_bytes / ms / 1e6,
              "frac_copy": bf16_bytes / ms / 1e6 / copy_gbs})
         del kp, vp
+        vllm_rows(base, q, bt, sl, nblk, hkv, block, copy_gbs)
         for kb, vb in widths:
             codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV)
             lds = {lk: TkvLoader(codec, hkv, block, lookup=lk) for lk in LOOKUPS}
@@ -249,6 +380,9 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true", help="sweep decode tile options at B=32 L=8K")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--vllm-only", action="store_true",
+                    help="decode at the main shapes only (K4V4 + baselines + vLLM TurboQuant); "
+                         "no D=64/256, other widths, compress_store or prefill")
     ap.add_argument("--lookups", default="gather,pair",
                     help="TkvLoader lookup variants to time (gather, pair)")
     a = ap.parse_args()
@@ -266,11 +400,13 @@ def main():
     if a.quick:
         main_cfgs = [(32, 8192, 32, 8, 128), (1, 32768, 32, 8, 128)]
     decode_rows(main_cfgs, [(4, 4)], copy_gbs, tune=False)
-    decode_rows([(32, 8192, 32, 8, 64), (32, 8192, 32, 8, 256)], [(4, 4)], copy_gbs, tune=False)
-    decode_rows([(32, 8192, 32, 8, 128)], [(2, 2), (3, 3), (8, 8), (4, 2)], copy_gbs,
-                tune=False)
-    store_rows(copy_gbs)
-    prefill_rows()
+    if not a.vllm_only:
+        decode_rows([(32, 8192, 32, 8, 64), (32, 8192, 32, 8, 256)], [(4, 4)], copy_gbs,
+                    tune=False)
+        decode_rows([(32, 8192, 32, 8, 128)], [(2, 2), (3, 3), (8, 8), (4, 2)], copy_gbs,
+                    tune=False)
+        store_rows(copy_gbs)
+        prefill_rows()
     tag = f"_{a.tag}" if a.tag else ""
     table(copy_gbs, out / f"kernels_gpu{tag}.md")
     (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")

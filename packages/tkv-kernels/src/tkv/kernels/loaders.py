@@ -123,11 +123,12 @@ def tkv_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_hea
     norms offset (bytes in the page), ``P3`` norms per head.
 
     Planar widths (``NP > 1``, or 8 bits): the token's codes come in *groups* of ``NP`` codes
-    in ``BITS * NP / 8`` bytes (one byte for 2/4/8 bits, three bytes of 8 codes for 3 bits);
-    ``raw`` = the groups ``[BLOCK_N, D_PAD // NP]`` (the bytes themselves, one contiguous row
-    per token, or for 3 bits the little-endian 24-bit words, int32). Other widths
-    (``NP = 1``): ``raw`` = the codes ``[BLOCK_N, D_PAD]`` uint8, read per element (one or two
-    bytes each: a code may straddle two bytes).
+    in ``BITS * NP / 8`` whole bytes (one byte for 2/4/8 bits; 3 bytes of 4 codes for 6 bits;
+    3/5/7 bytes of 8 codes for 3/5/7 bits); ``raw`` = the groups ``[BLOCK_N, D_PAD // NP]``
+    (the bytes themselves, one contiguous row per token, or the little-endian group words:
+    int32 up to 4 bytes, int64 above). Otherwise (``NP = 1``, head_dim too small for 16
+    coordinates per plane): ``raw`` = the codes ``[BLOCK_N, D_PAD]`` uint8, read per element
+    (one or two bytes each: a code may straddle two bytes).
     """
     BITS: tl.constexpr = P0 % 16
     CODE_BYTES: tl.constexpr = (P0 // 16) % 4096
@@ -154,12 +155,16 @@ def tkv_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_hea
         bmask = mask_n[:, None] & (offs_j < CODE_BYTES)[None, :]
         raw = tl.load(base + (row[:, None] + offs_j[None, :]), mask=bmask, other=0)
     else:
+        if GROUP_BYTES <= 4:
+            WT: tl.constexpr = tl.int32
+        else:  # 5/7 bits: 8 codes in 5/7 bytes
+            WT: tl.constexpr = tl.int64
         gb = tl.arange(0, D_PAD // NP) * GROUP_BYTES
         gmask = mask_n[:, None] & (gb < CODE_BYTES)[None, :]
         ptr = base + (row[:, None] + gb[None, :])
-        raw = tl.load(ptr, mask=gmask, other=0).to(tl.int32)
+        raw = tl.load(ptr, mask=gmask, other=0).to(WT)
         for k in tl.static_range(1, GROUP_BYTES):
-            raw = raw | (tl.load(ptr + k, mask=gmask, other=0).to(tl.int32) << (8 * k))
+            raw = raw | (tl.load(ptr + k, mask=gmask, other=0).to(WT) << (8 * k))
     return raw, norm
 
 
@@ -178,11 +183,15 @@ def tkv_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr
     BITS: tl.constexpr = P0 % 16
     LOOKUP: tl.constexpr = P0 // 65536
     MASK: tl.constexpr = (1 << BITS) - 1
-    w = raw.to(tl.int32)
+    if BITS * NP > 32:   # 5/7-bit groups: 40/56-bit words
+        w = raw.to(tl.int64)
+    else:
+        w = raw.to(tl.int32)
     planes = ()
     if LOOKUP == 0:
         for p in tl.static_range(NP):
-            planes = planes + (tl.load(table + ((w >> (BITS * p)) & MASK)).to(OUT_DTYPE),)
+            code = ((w >> (BITS * p)) & MASK).to(tl.int32)
+            planes = planes + (tl.load(table + code).to(OUT_DTYPE),)
     else:
         if LOOKUP == 1:
             HALF: tl.constexpr = tl.float16
@@ -301,11 +310,11 @@ class TkvLoader:
     dequant = tkv_dequant
 
     def planes(self, side: str) -> int:
-        """Coordinate planes of a side's tiles: ``8 // bits`` for widths 2/4/8 (one byte holds
-        that many whole codes), 8 for 3 bits (8 codes in 3 bytes), while a plane keeps ≥ 16
-        coordinates (tensor-core K); else 1 (per-element reads: 5/6/7 bits)."""
+        """Coordinate planes of a side's tiles: the codes of one whole-byte group,
+        ``8 / gcd(bits, 8)`` (2→4, 3→8, 4→2, 5→8, 6→4, 7→8, 8→1), while a plane keeps ≥ 16
+        coordinates (tensor-core K); else 1 (per-element reads, e.g. 3 bits at head_dim 64)."""
         bits = self.k_bits if side == "k" else self.v_bits
-        np_ = {2: 4, 3: 8, 4: 2, 8: 1}.get(bits, 1)
+        np_ = 8 // math.gcd(bits, 8)   # codes per whole-byte group: 2→4 3→8 4→2 5→8 6→4 7→8 8→1
         return np_ if self.d_pad // np_ >= 16 else 1
 
     @property
