@@ -403,8 +403,8 @@ def main():
     if not a.vllm_only:
         decode_rows([(32, 8192, 32, 8, 64), (32, 8192, 32, 8, 256)], [(4, 4)], copy_gbs,
                     tune=False)
-        decode_rows([(32, 8192, 32, 8, 128)], [(2, 2), (3, 3), (8, 8), (4, 2)], copy_gbs,
-                    tune=False)
+        decode_rows([(32, 8192, 32, 8, 128)], [(2, 2), (3, 3), (5, 5), (6, 6), (7, 7), (8, 8),
+                                               (4, 2), (5, 3)], copy_gbs, tune=False)
         store_rows(copy_gbs)
         prefill_rows()
     tag = f"_{a.tag}" if a.tag else ""
