@@ -81,10 +81,11 @@ def _decode_split_kernel(
     bt_row = block_table + seq.to(tl.int64) * s_bt
     # PREFETCH: software pipeline — the K/V bytes of tile t+1 are fetched while tile t is
     # computed (costs the registers of one raw tile pair)
-    mask_n, rk, ks, rv, vs = _fetch_kv(
-        my0, my1, L, start, cap, bt_row, num_blocks, kvh, k_base, k_aux, k_table, k_sb, k_sh,
-        k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1, KP2, KP3, KNP, VP0,
-        VP1, VP2, VP3, VNP, BLOCK_SIZE, BLOCK_N, D_PAD)
+    if PREFETCH:
+        mask_n, rk, ks, rv, vs = _fetch_kv(
+            my0, my1, L, start, cap, bt_row, num_blocks, kvh, k_base, k_aux, k_table, k_sb,
+            k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1, KP2, KP3,
+            KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, BLOCK_N, D_PAD)
     for t in range(my0, my1):
         if PREFETCH:
             mask_nx, rkx, ksx, rvx, vsx = _fetch_kv(
