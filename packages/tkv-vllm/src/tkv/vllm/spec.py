@@ -46,8 +46,21 @@ def _merge_widths(cls: type, specs: list, merged: Any) -> Any:
     return replace(merged, tkv_k_bits=first[0], tkv_v_bits=first[1])
 
 
+class _TkvPages:
+    """Page bytes of a tkv spec from :class:`SlotLayout` (the one source of the layout);
+    mixed in before vLLM's spec class so it overrides ``real_page_size_bytes``."""
+
+    def layout(self, block_size: int | None = None) -> SlotLayout:
+        """SlotLayout of one page (``block_size`` defaults to the spec's)."""
+        return _layout(self, block_size)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return self.layout().page_bytes
+
+
 @dataclass(frozen=True, kw_only=True)
-class TkvFullAttentionSpec(FullAttentionSpec):
+class TkvFullAttentionSpec(_TkvPages, FullAttentionSpec):
     """Full-attention spec of a tkv layer (also used for sliding layers when vLLM's hybrid
     KV-cache manager is off: ``sliding_window`` set, allocated as full attention).
 
@@ -59,33 +72,17 @@ class TkvFullAttentionSpec(FullAttentionSpec):
     tkv_k_bits: int = 4
     tkv_v_bits: int = 4
 
-    def layout(self, block_size: int | None = None) -> SlotLayout:
-        """SlotLayout of one page (``block_size`` defaults to the spec's)."""
-        return _layout(self, block_size)
-
-    @property
-    def real_page_size_bytes(self) -> int:
-        return self.layout().page_bytes
-
     @classmethod
     def merge(cls, specs: list) -> TkvFullAttentionSpec:
         return _merge_widths(cls, specs, super().merge(specs))
 
 
 @dataclass(frozen=True, kw_only=True)
-class TkvSlidingWindowSpec(SlidingWindowSpec):
+class TkvSlidingWindowSpec(_TkvPages, SlidingWindowSpec):
     """Sliding-window spec of a tkv layer (vLLM frees blocks outside the window)."""
 
     tkv_k_bits: int = 4
     tkv_v_bits: int = 4
-
-    def layout(self, block_size: int | None = None) -> SlotLayout:
-        """SlotLayout of one page (``block_size`` defaults to the spec's)."""
-        return _layout(self, block_size)
-
-    @property
-    def real_page_size_bytes(self) -> int:
-        return self.layout().page_bytes
 
     # merge: KVCacheSpec.merge asserts every layer's spec is equal, widths included.
 
