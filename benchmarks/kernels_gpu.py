@@ -360,7 +360,8 @@ def table(copy_gbs, path):
         shape = ", ".join(f"{k}={r[k]}" for k in ("B", "L", "T", "q_len", "prefix", "Hq", "Hkv", "D")
                           if k in r)
         opts = ", ".join(f"{k}={r[k]}" for k in ("block_n", "num_warps", "num_stages", "prefetch",
-                                                  "block_m", "block_t", "chunk") if k in r)
+                                                  "num_splits", "auto_splits", "block_m",
+                                                  "block_t", "chunk") if k in r)
         if "error" in r:
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {opts} | error: "
                          f"{r['error'][:60]} | | | |")
@@ -374,11 +375,39 @@ def table(copy_gbs, path):
     print("\n".join(lines))
 
 
+def split_rows(copy_gbs):
+    """Short contexts: the split-K count (Workspace.splits_for picks it from the batch shape
+    alone) swept for the bf16 BypassLoader and tkv K4V4 — the skeleton's own overhead."""
+    ws = Workspace(128, 64, 256, DEV)
+    hq, hkv, d, block = 32, 8, 128, 16
+    for B, L in ((32, 1024), (8, 1024), (128, 1024)):
+        bt, sl, nblk = paged(B, L, block)
+        q = torch.randn(B, hq, d, device=DEV, dtype=torch.bfloat16)
+        bl = BypassLoader(hkv, d, block, torch.bfloat16)
+        kp = torch.randn(nblk, block, hkv, d, device=DEV, dtype=torch.bfloat16)
+        ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, block)
+        cache = tkv_cache(ld, nblk)
+        base = dict(kernel="decode", B=B, L=L, Hq=hq, Hkv=hkv, D=d)
+        for name, loader, c, nbytes in (("tkv_bypass_bf16_paged", bl, (kp, kp),
+                                         2 * B * L * hkv * d * 2),
+                                        ("tkv_K4V4_pair", ld, cache,
+                                         B * L * ld.layout.bytes_per_token)):
+            for sp in (1, 2, 4, 8, 16):
+                ms = bench(lambda sp=sp, loader=loader, c=c: decode(q, c, bt, sl, loader, ws,
+                                                                  num_splits=sp))
+                log({**base, "impl": name, "num_splits": sp, "auto_splits":
+                     ws.splits_for(B, hkv), "ms": ms, "GBps": nbytes / ms / 1e6,
+                     "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+        del kp, cache
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--tune", action="store_true", help="sweep decode tile options at B=32 L=8K")
+    ap.add_argument("--tune", action="store_true",
+                    help="sweep decode tile options at B=32 L=8K and split-K at short contexts")
     ap.add_argument("--tag", default="")
     ap.add_argument("--vllm-only", action="store_true",
                     help="decode at the main shapes only (K4V4 + baselines + vLLM TurboQuant); "
@@ -395,6 +424,10 @@ def main():
     log({"kernel": "copy", "impl": "torch copy_", "GBps": copy_gbs, "ms": 0.0})
     if a.tune:
         decode_rows([(32, 8192, 32, 8, 128)], [(4, 4)], copy_gbs, tune=True)
+        try:
+            split_rows(copy_gbs)
+        except Exception as e:  # a sweep must not cost the rest of the run
+            log({"kernel": "decode", "impl": "split-K sweep", "error": str(e)[:160]})
     main_cfgs = [(b, l, 32, 8, 128) for b in (1, 8, 32, 128) for l in (1024, 8192, 32768)]
     main_cfgs.append((1, 131072, 32, 8, 128))
     if a.quick:
