@@ -1,5 +1,6 @@
 """Calibration bundle: round trip, corruption and mismatch refused, budget rows, env config."""
 
+import dataclasses
 import json
 
 import pytest
@@ -51,6 +52,32 @@ def test_round_trip(tmp_path):
     assert torch.allclose(b2.codec(0, 3, 4).k.channel_offset, torch.tensor(b.layers[0].k_channel_offset))
     codecs = b2.codecs("3.5")
     assert [x.k_bits for x in codecs] == [3, 3, 3]
+
+
+def test_per_head_offset_round_trip_and_old_form(tmp_path):
+    """A per-head offset (num_kv_heads*head_dim floats, head-major) saves, loads and builds a codec
+    with a (H, head_dim) μ; the old head_dim form still loads as a shared (head_dim,) μ; a length
+    that is neither is refused by name."""
+    b = make_bundle()
+    heads, d = b.geometry.num_kv_heads, b.geometry.head_dim
+    mu = torch.randn(heads, d)
+    layers = list(b.layers)
+    layers[2] = dataclasses.replace(layers[2], k_channel_offset=tuple(mu.flatten().tolist()))
+    b = dataclasses.replace(b, layers=tuple(layers))
+    b2 = CalibrationBundle.load(b.save(tmp_path / "ph.json"))
+    assert b2.layers[2].k_channel_offset == b.layers[2].k_channel_offset
+    c = b2.codec(2, 4, 4)
+    assert c.k.channel_offset.shape == (heads, d) and torch.allclose(c.k.channel_offset, mu)
+    assert b2.codec(0, 4, 4).k.channel_offset.shape == (d,)   # old (shared) form unchanged
+    x = torch.randn(5, heads, d)
+    assert c.decompress_k(*c.compress_k(x)).shape == (5, heads, d)
+    dd = b.to_dict()
+    dd.pop("integrity")
+    dd["layers"][2]["k_channel_offset"] = [0.0] * ((heads + 1) * d)
+    with pytest.raises(BundleSchemaError, match=r"layers\[2\]\.k_channel_offset"):
+        CalibrationBundle.from_dict(dd)
+    with pytest.raises(BundleGeometryError):
+        b2.check_geometry(b.geometry.num_layers, heads + 1, d)
 
 
 def test_missing_row_lists_rows():

@@ -226,6 +226,43 @@ def test_key_centering_is_exact_for_attention_and_cuts_error():
         TurboKVCodec(d, 3, k_channel_offset=torch.full((d,), float("nan")))
 
 
+def test_per_head_key_offset_matches_float64_reference():
+    """A per-head μ (H, head_dim): compress_k/decompress_k subtract/add μ[h] on head h, equal to
+    a float64 plain-PyTorch per-head reference; the shared (head_dim,) form still broadcasts;
+    keys without the head axis are refused by name."""
+    g = torch.Generator().manual_seed(11)
+    h, d = 3, 64
+    mu = torch.randn(h, d, generator=g) * 3
+    k = torch.randn(40, h, d, generator=g) + mu
+    per = TurboKVCodec(d, 4, seed=2, k_channel_offset=mu)
+    assert per.k.offset_heads == h
+    pk, nk = per.compress_k(k)
+    k_hat = per.decompress_k(pk, nk, torch.float64)
+    # reference: each head with its own shared-offset codec (same rotation / codebook)
+    for i in range(h):
+        ref = TurboKVCodec(d, 4, seed=2, k_channel_offset=mu[i])
+        pr, nr = ref.compress_k(k[:, i])
+        assert torch.equal(pr, pk[:, i]) and torch.equal(nr, nk[:, i])
+        assert torch.allclose(ref.decompress_k(pr, nr, torch.float64), k_hat[:, i], atol=1e-9)
+    rot = per.decompress_k_rotated(pk, nk, torch.float64)
+    back = per.rotation.inverse(rot) + mu.double()
+    assert torch.allclose(back, k_hat, atol=1e-9)
+    shared = TurboKVCodec(d, 4, seed=2, k_channel_offset=mu.mean(0))
+    err_per = ((k_hat.float() - k) ** 2).sum()
+    err_sh = ((shared.decompress_k(*shared.compress_k(k)) - k) ** 2).sum()
+    assert err_per < err_sh
+    with pytest.raises(ShapeError, match="per-head key offset"):
+        per.compress_k(torch.randn(40, d))
+    with pytest.raises(ShapeError, match="per-head key offset"):
+        per.compress_k(torch.randn(40, h + 1, d))
+    with pytest.raises(ShapeError, match="per-head key offset"):
+        per.decompress_k(pk[:, :2], nk[:, :2])
+    with pytest.raises(ShapeError):
+        TurboKVCodec(d, 4, k_channel_offset=torch.zeros(h, d + 1))
+    with pytest.raises(ShapeError):
+        TurboKVCodec(d, 4, k_channel_offset=torch.zeros(2, h, d))
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
 def test_zero_tokens_round_trip(bits):
     """An empty batch (0 tokens, e.g. a chunk without cached prefix) compresses and

@@ -12,7 +12,9 @@ Format (``schema_version`` 1)::
       "layers": [                                 # one entry per layer, in order
         {"k_channel_scales": [...head_dim floats > 0] | null,
          "v_channel_scales": [...] | null,
-         "k_channel_offset": [...head_dim floats] | null,   # optional key mean (centering)
+         "k_channel_offset": [...head_dim floats]           # optional key mean (centering):
+                           | [...num_kv_heads*head_dim floats] | null,  # shared, or per KV head
+                                                            # (head-major: head h at h*head_dim)
          "codebooks": {"k_bits_4": {"centroids": [16 floats], "boundaries": [15 floats]},
                        "v_bits_3": {...}, ...}}   # any subset of k_bits_2..8 / v_bits_2..8
       ],
@@ -176,14 +178,32 @@ class LayerCalibration:
     Attributes:
         k_channel_scales, v_channel_scales: float ``(head_dim,)`` lists of positive prescales, or None.
         codebooks: fitted codebooks keyed ``"k_bits_N"`` / ``"v_bits_N"`` (standardized units).
-        k_channel_offset: float ``(head_dim,)`` key mean subtracted before compression, or None
-            (see ``TurboKVCodec``'s ``k_channel_offset``; optional, absent in older bundles).
+        k_channel_offset: flat float tuple, key mean subtracted before compression, or None (see
+            ``TurboKVCodec``'s ``k_channel_offset``; optional, absent in older bundles). Either
+            ``head_dim`` floats (one mean shared by all KV heads; older bundles) or
+            ``num_kv_heads * head_dim`` floats, head-major (one mean per KV head);
+            :meth:`k_offset_tensor` gives the codec's ``(head_dim,)`` / ``(H, head_dim)`` form.
     """
 
     k_channel_scales: tuple[float, ...] | None = None
     v_channel_scales: tuple[float, ...] | None = None
     codebooks: Mapping[str, Codebook] = field(default_factory=dict)
     k_channel_offset: tuple[float, ...] | None = None
+
+    def k_offset_tensor(self, head_dim: int):
+        """float32 ``(head_dim,)`` (shared) or ``(num_kv_heads, head_dim)`` (per head) key mean,
+        or None. Raises BundleSchemaError if the flat length is not a multiple of head_dim."""
+        if self.k_channel_offset is None:
+            return None
+        import torch
+
+        n = len(self.k_channel_offset)
+        if n == 0 or n % head_dim:
+            raise BundleSchemaError(
+                f"k_channel_offset holds {n} floats; expected head_dim={head_dim} or "
+                f"num_kv_heads*head_dim")
+        t = torch.tensor(self.k_channel_offset, dtype=torch.float32)
+        return t if n == head_dim else t.view(n // head_dim, head_dim)
 
     def codebook(self, side: str, bits: int) -> Codebook | None:
         """The fitted codebook of ``side`` ("k"/"v") at ``bits``, or None (→ Gaussian default)."""
@@ -200,7 +220,8 @@ class LayerCalibration:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping, head_dim: int, path: str) -> LayerCalibration:
+    def from_dict(cls, d: Mapping, head_dim: int, path: str,
+                  num_kv_heads: int | None = None) -> LayerCalibration:
         scales = {}
         for side in ("k", "v"):
             key = f"{side}_channel_scales"
@@ -227,7 +248,16 @@ class LayerCalibration:
                 raise _fail(f"{p}.boundaries", "boundaries are not the midpoints of the centroids")
             cbs[key] = book
         off = d.get("k_channel_offset") if isinstance(d, Mapping) else None
-        offset = None if off is None else tuple(_floats(off, f"{path}.k_channel_offset", head_dim))
+        offset = None
+        if off is not None:
+            p = f"{path}.k_channel_offset"
+            vals = _floats(off, p)
+            allowed = {head_dim} | ({num_kv_heads * head_dim} if num_kv_heads else set())
+            if len(vals) not in allowed:
+                want = " or ".join(str(a) for a in sorted(allowed))
+                raise _fail(p, f"expected {want} numbers (head_dim={head_dim} shared, or "
+                               f"num_kv_heads={num_kv_heads} x head_dim per head), got {len(vals)}")
+            offset = tuple(vals)
         return cls(scales["k"], scales["v"], cbs, offset)
 
 
@@ -336,7 +366,8 @@ class CalibrationBundle:
         layers_raw = _req(d, "layers", "bundle")
         if not isinstance(layers_raw, list) or len(layers_raw) != geo.num_layers:
             raise _fail("layers", f"expected {geo.num_layers} layer entries")
-        layers = tuple(LayerCalibration.from_dict(x, geo.head_dim, f"layers[{i}]")
+        layers = tuple(LayerCalibration.from_dict(x, geo.head_dim, f"layers[{i}]",
+                                                  geo.num_kv_heads)
                        for i, x in enumerate(layers_raw))
         table_raw = _req(d, "byte_budget_table", "bundle")
         if not isinstance(table_raw, Mapping) or not table_raw:
@@ -424,7 +455,7 @@ class CalibrationBundle:
             self.geometry.head_dim, k_bits=k_bits, v_bits=v_bits, device=device, seed=self.seed,
             k_channel_scales=cal.k_channel_scales, v_channel_scales=cal.v_channel_scales,
             k_codebook=cal.codebook("k", k_bits), v_codebook=cal.codebook("v", v_bits),
-            k_channel_offset=cal.k_channel_offset, **kwargs)
+            k_channel_offset=cal.k_offset_tensor(self.geometry.head_dim), **kwargs)
 
     def codecs(self, tkv_bits: str | float, device="cpu", **kwargs) -> list:
         """One codec per layer for the ``tkv_bits`` row."""

@@ -94,6 +94,21 @@ class SideCodec:
             self._byte_table = self._scaled_centroids[idx]  # (256, per) float32
 
     @property
+    def offset_heads(self) -> int | None:
+        """Number of KV heads of a per-head ``channel_offset`` ``(num_kv_heads, head_dim)``;
+        None for a shared ``(head_dim,)`` offset or no offset."""
+        m = self.channel_offset
+        return None if m is None or m.dim() == 1 else int(m.shape[0])
+
+    def _check_heads(self, lead: torch.Size, name: str, shape) -> None:
+        """A per-head offset needs the KV-head axis just before head_dim: ``lead[-1] == H``."""
+        h = self.offset_heads
+        if h is not None and (len(lead) == 0 or lead[-1] != h):
+            raise ShapeError(
+                f"{name} must have shape (..., {h}, {self.head_dim}) (the per-head key offset "
+                f"holds {h} KV heads), got {tuple(shape)}")
+
+    @property
     def scaled_centroids(self) -> torch.Tensor:
         """Dequant table, float32 ``(2**bits,)`` on the codec's device: ``centroids / sqrt(head_dim)``.
         A rotated coordinate is ``norm * scaled_centroids[code]`` (kernels read this table)."""
@@ -119,6 +134,7 @@ class SideCodec:
         Raises DtypeError, ShapeError, DeviceMismatchError, NonFiniteError (see validation).
         """
         check_vectors(x, self.head_dim, self.device, f"{self.name} input", self.check_finite)
+        self._check_heads(x.shape[:-1], f"{self.name} input", x.shape)
         codes, norms = self.quantize(x)
         return pack_codes(codes, self.bits), norms
 
@@ -180,7 +196,11 @@ class SideCodec:
 
     def decompress(self, packed: torch.Tensor, norms: torch.Tensor,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Original-space reconstruction ``x̂ = s ⊙ Rᵀ ŷ + μ``: ``(..., head_dim)`` ``dtype``."""
+        """Original-space reconstruction ``x̂ = s ⊙ Rᵀ ŷ + μ``: ``(..., head_dim)`` ``dtype``.
+        With a per-head μ ``(H, head_dim)``, ``packed`` must be ``(..., H, packed_bytes)``
+        (ShapeError otherwise) and μ[h] is added to head h."""
+        if isinstance(packed, torch.Tensor):
+            self._check_heads(packed.shape[:-1], f"{self.name} packed", packed.shape)
         work = torch.float64 if dtype == torch.float64 else torch.float32
         x = self.rotation.inverse(self.decompress_rotated(packed, norms, work))
         if self.channel_scales is not None:
@@ -208,8 +228,10 @@ class TurboKVCodec:
             conditional-mean reconstruction is already the unbiased, MSE-optimal estimate of
             ``Σ p_j v_j``; rescaling would amplify the error instead.
         k_channel_scales, v_channel_scales: positive float ``(head_dim,)`` prescales or None.
-        k_channel_offset: float ``(head_dim,)`` key mean μ subtracted before compression (None:
-            no centering). Exact for attention: a score ``⟨q, k⟩ = ⟨q, k − μ⟩ + ⟨q, μ⟩`` only
+        k_channel_offset: key mean μ subtracted before compression (None: no centering), float
+            ``(head_dim,)`` (one mean shared by all KV heads) or ``(num_kv_heads, head_dim)`` (one
+            mean per KV head; ``compress_k``/``decompress_k`` then require keys of shape
+            ``(..., num_kv_heads, head_dim)`` and raise ShapeError otherwise). Exact for attention: a score ``⟨q, k⟩ = ⟨q, k − μ⟩ + ⟨q, μ⟩`` only
             gains a per-query constant, which softmax ignores, so kernels attend over the
             centered keys (``decompress_k_rotated``) unchanged while ``decompress_k`` adds μ
             back. Removing the shared mean shrinks what the quantizer has to spend bits on.

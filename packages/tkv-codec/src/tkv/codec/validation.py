@@ -73,9 +73,25 @@ def check_channel_scales(s, head_dim: int, name: str) -> torch.Tensor | None:
 
 
 def check_channel_offset(m, head_dim: int, name: str) -> torch.Tensor | None:
-    """Return a per-channel offset as a float32 CPU tensor ``(head_dim,)``, or None.
+    """Return a key offset μ as a float32 CPU tensor, or None.
+
+    Two forms: ``(head_dim,)`` (one mean shared by every KV head of the layer) or
+    ``(num_kv_heads, head_dim)`` (one mean per KV head; inputs then carry the head axis at -2).
 
     Raises:
-        ShapeError: not ``(head_dim,)``. NonFiniteError: NaN/Inf.
+        ShapeError: neither ``(head_dim,)`` nor ``(H, head_dim)`` with H >= 1. NonFiniteError: NaN/Inf.
     """
-    return None if m is None else _channel_vector(m, head_dim, name)
+    if m is None:
+        return None
+    t = torch.as_tensor(m).detach().to("cpu", torch.float32)
+    if t.dim() == 2:
+        if t.shape[0] < 1 or t.shape[1] != head_dim:
+            raise ShapeError(f"{name} must have shape ({head_dim},) or (num_kv_heads, {head_dim}), "
+                             f"got {tuple(t.shape)}")
+        if not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(f"{name} must be finite")
+        return t
+    if t.dim() != 1:
+        raise ShapeError(f"{name} must have shape ({head_dim},) or (num_kv_heads, {head_dim}), "
+                         f"got {tuple(t.shape)}")
+    return _channel_vector(t, head_dim, name)
