@@ -3,6 +3,7 @@ TkvCache carrying it. Synthetic post-RoPE samples with a planted shared key mean
 
 import json
 
+import pytest
 import torch
 
 from tkv.calibrate.cache import TkvCache
@@ -37,7 +38,7 @@ def test_choose_scales_centers_keys_with_a_shared_mean():
     g = torch.Generator().manual_seed(1)
     s, mu = _samples(g)
     train, held = slice(0, 512), slice(512, 768)
-    sc = choose_scales(s, train, held, seed=0, center_keys=True)
+    sc = choose_scales(s, train, held, seed=0, center_keys="shared")
     assert sc.k_offset is not None and sc.k_offset.shape == (D,)
     # fitted on the training tokens only (not the held-out ones), close to the planted mean
     torch.testing.assert_close(sc.k_offset, key_offset(s.k[train]))
@@ -48,6 +49,31 @@ def test_choose_scales_centers_keys_with_a_shared_mean():
     off = choose_scales(s, train, held, seed=0, center_keys=False)
     assert off.k_offset is None
     assert off.k_error == off.k_error_uncentered == sc.k_error_uncentered
+
+
+def test_per_head_offset_is_the_mean_over_tokens_per_head_and_beats_shared():
+    """Planted per-head key means (heads differ): the per-head μ (H, D) is the float64 mean over
+    the training tokens of each head, and its held-out key error beats the shared μ's."""
+    g = torch.Generator().manual_seed(5)
+    n = 768
+    mu = 4.0 * torch.randn(H, D, generator=g)
+    k = torch.randn(n, H, D, generator=g) + mu
+    v = torch.randn(n, H, D, generator=g)
+    q = torch.randn(128, 2 * H, D, generator=g)
+    s = LayerSamples(k, v, q, (q.double() ** 2).mean(dim=(0, 1)), None)
+    train, held = slice(0, 512), slice(512, 768)
+    got = key_offset(k[train], per_head=True)
+    assert got.dtype == torch.float32 and got.shape == (H, D)
+    torch.testing.assert_close(got.double(), k[train].double().mean(0), rtol=0, atol=1e-6)
+    per = choose_scales(s, train, held, seed=0, center_keys="per-head")
+    shared = choose_scales(s, train, held, seed=0, center_keys="shared")
+    assert per.k_offset.shape == (H, D) and shared.k_offset.shape == (D,)
+    assert (per.k_offset - mu).abs().max() < 0.25
+    assert per.k_error < 0.5 * shared.k_error
+    assert per.k_error_uncentered == shared.k_error_uncentered
+    assert choose_scales(s, train, held, seed=0, center_keys="off").k_offset is None
+    with pytest.raises(ValueError, match="center_keys"):
+        choose_scales(s, train, held, seed=0, center_keys="per-layer")
 
 
 def _collection(g, layers=2, n=256):
@@ -69,7 +95,8 @@ def test_bundle_carries_the_offset_and_tkv_cache_uses_it(tmp_path):
     assert cal.summary()["k_logit_rel_mse_scaled"] < cal.summary()["k_logit_rel_mse_scaled_uncentered"]
     path = draft_bundle(cal).save(tmp_path / "b.json")
     raw = json.loads(path.read_text())
-    assert all(len(layer["k_channel_offset"]) == D for layer in raw["layers"])
+    # default centering is per head: H*D floats per layer, head-major
+    assert all(len(layer["k_channel_offset"]) == H * D for layer in raw["layers"])
     b = CalibrationBundle.load(path)
     for i, sc in enumerate(cal.scales):
         codec = b.codec(i, 4, 4)

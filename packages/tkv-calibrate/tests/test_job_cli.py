@@ -35,7 +35,7 @@ def test_job_writes_valid_bundle_and_report(job, tiny):
     assert "evaluation" in b.metrics and b.metrics["evaluation"]["rows"]
     assert b.provenance["corpus"] == "valid.txt" and len(b.provenance["corpus_sha256"]) == 64
     # key centering is on by default; the bundle carries μ for every layer where it won
-    assert b.provenance["key_centering"] is True
+    assert b.provenance["key_centering"] == "per-head"
     for layer, sc in zip(b.layers, res.calibration.scales, strict=True):
         assert (layer.k_channel_offset is None) == (sc.k_offset is None)
     md = (out / "report.md").read_text()
@@ -109,3 +109,14 @@ def test_evaluate_existing_bundle(job, tiny, tmp_path):
     names = [x["name"] for x in r["rows"]]
     assert any(n.startswith("TKV@3") for n in names) and any(n.startswith("TKV@4") for n in names)
     assert (tmp_path / "evaluation.md").is_file() and (tmp_path / "evaluation.png").is_file()
+
+
+def test_center_keys_flag():
+    """--center-keys per-head (default) | shared | off; --no-center-keys means off."""
+    from tkv.calibrate.cli import _parser
+
+    assert _parser().parse_args([]).center_keys == "per-head"
+    assert _parser().parse_args(["--center-keys", "shared"]).center_keys == "shared"
+    assert _parser().parse_args(["--no-center-keys"]).center_keys == "off"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--center-keys", "per-layer"])

@@ -84,13 +84,15 @@ class Calibration:
 def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed: int = 0,
                     held_fraction: float = 0.25, show_progress: bool = True,
                     collection: KVCollection | None = None,
-                    center_keys: bool = True) -> Calibration:
+                    center_keys: bool | str = "per-head") -> Calibration:
     """Collect K/V over ``windows`` (int64 ``(n, T)``), then fit the key offset μ, scales and
     codebooks per layer.
 
     The last ``held_fraction`` of the collected tokens (whole windows when n > 1) is held out
     to select scales (and whether to center) and judge codebooks; μ is fitted on the rest.
-    ``center_keys=False`` never centers (ablation; bundles then carry no offset).
+    ``center_keys``: ``"per-head"`` (default; True), ``"shared"`` or ``"off"`` (False; ablation,
+    bundles then carry no offset). A per-head μ is stored flat, head-major
+    (``num_kv_heads * head_dim`` floats).
     """
     t0 = time.perf_counter()
     col = collection or collect_kv(model, windows, show_progress=show_progress)
@@ -114,7 +116,7 @@ def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed:
         layers.append(LayerCalibration(
             None if sc.k_scales is None else tuple(sc.k_scales.tolist()),
             None if sc.v_scales is None else tuple(sc.v_scales.tolist()), cb_map,
-            None if sc.k_offset is None else tuple(sc.k_offset.tolist())))
+            None if sc.k_offset is None else tuple(sc.k_offset.flatten().tolist())))
         pb.update(1)
     pb.close()
     if len(layers) != geometry.num_layers:

@@ -78,8 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--peers", action="store_true", help="also evaluate fp8, KIVI, vLLM presets")
     r.add_argument("--needle", action="store_true", help="also run the needle test")
     r.add_argument("--no-decode", action="store_true", help="skip the decode-path metric")
-    r.add_argument("--no-center-keys", action="store_true", help="ablation: no key centering "
-                   "(the bundle then carries no k_channel_offset)")
+    r.add_argument("--center-keys", choices=("per-head", "shared", "off"), default="per-head",
+                   help="key centering μ: one mean per KV head (default), one shared by the "
+                   "layer's KV heads, or off (the bundle then carries no k_channel_offset); a "
+                   "layer is centered only if it lowers the held-out key error")
+    r.add_argument("--no-center-keys", action="store_const", const="off", dest="center_keys",
+                   help="same as --center-keys off")
     r.add_argument("--threads", type=int, help="torch CPU threads")
     r.add_argument("--seed", type=int, default=0, help="rotation seed")
     r.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -118,7 +122,7 @@ def _run(a) -> int:
     kw = dict(model=a.model, calib_text=a.calib_text, eval_text=a.eval_text, out=a.out,
               eval_window=a.eval_window, collect_windows=a.collect_windows,
               calib_window=a.calib_window, decode=not a.no_decode,
-              center_keys=not a.no_center_keys, seed=a.seed,
+              center_keys=a.center_keys, seed=a.seed,
               threads=a.threads, show_progress=not a.quiet)
     for name in ("budgets", "eval_windows", "sensitivity_windows", "verify_windows"):
         v = getattr(a, name)

@@ -25,6 +25,7 @@ from .evaluate import Arm, EvalResult, evaluate_arms, measure_kl
 from .model import LoadedModel, load_model
 from .peers import bf16_bytes_per_token_head, peer_arms, uncalibrated_arm
 from .quantizers import PRICE_BLOCK_SIZE, TkvQuantizer
+from .scales import center_mode
 from .sensitivity import Sensitivity, measure_sensitivity
 from .smartmix import (
     DEFAULT_BUDGETS,
@@ -62,7 +63,7 @@ class JobConfig:
     peers: bool = False
     needle: bool = False
     decode: bool = True
-    center_keys: bool = True
+    center_keys: bool | str = "per-head"  # "per-head" | "shared" | "off" (True/False accepted)
     seed: int = 0
     threads: int | None = None
     show_progress: bool = True
@@ -275,7 +276,7 @@ def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
         "sensitivity_tokens": int(sens_ids.numel()), "verify_tokens": int(verify_ids.numel()),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "key_centering": bool(cfg.center_keys),
+        "key_centering": center_mode(cfg.center_keys),
         "budget_semantics": "TKV_BITS=b buys the bytes of a uniform cache with b-bit K and V "
                             "codes plus bf16 norms (interpolated between floor(b) and ceil(b)), "
                             "priced by tkv.codec.layout",

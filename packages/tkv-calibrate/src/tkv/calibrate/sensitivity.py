@@ -28,6 +28,7 @@ from tkv.codec import CalibrationBundle
 from .cache import QuantizedKVCache
 from .metrics import compare_logits
 from .progress import bar
+from .quantizers import compress_k_bhtd, decompress_k_bhtd
 from .runner import PrefixRunner
 
 __all__ = ["Sensitivity", "SideQuantizer", "measure_sensitivity"]
@@ -45,7 +46,7 @@ class SideQuantizer:
 
     def roundtrip(self, k, v):
         if self.side == "k":
-            return self.codec.decompress_k(*self.codec.compress_k(k), dtype=k.dtype), v
+            return decompress_k_bhtd(self.codec, *compress_k_bhtd(self.codec, k), k.dtype), v
         return k, self.codec.decompress_v(*self.codec.compress_v(v), dtype=v.dtype)
 
     def bytes_per_token_head(self) -> float:  # pragma: no cover - not priced
