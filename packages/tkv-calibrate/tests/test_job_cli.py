@@ -115,8 +115,8 @@ def test_center_keys_flag():
     """--center-keys per-head (default) | shared | off; --no-center-keys means off."""
     from tkv.calibrate.cli import _parser
 
-    assert _parser().parse_args([]).center_keys == "per-head"
-    assert _parser().parse_args(["--center-keys", "shared"]).center_keys == "shared"
-    assert _parser().parse_args(["--no-center-keys"]).center_keys == "off"
+    assert _parser().parse_args(["run"]).center_keys == "per-head"
+    assert _parser().parse_args(["run", "--center-keys", "shared"]).center_keys == "shared"
+    assert _parser().parse_args(["run", "--no-center-keys"]).center_keys == "off"
     with pytest.raises(SystemExit):
-        _parser().parse_args(["--center-keys", "per-layer"])
+        _parser().parse_args(["run", "--center-keys", "per-layer"])
