@@ -4,7 +4,11 @@ compress_store stores ``k − μ``; decode needs nothing (every score of a row d
 ``q·μ``); prefill centers the uncompressed chunk keys too, so a query row that sees compressed
 prefix keys and raw chunk keys still gets one uniform shift. Everything is checked against the
 float64 oracle (which adds μ back, i.e. attends over the model-space keys) on fresh random
-inputs whose keys carry a large shared mean, so a non-uniform shift would show at once."""
+inputs whose keys carry a large shared mean, so a non-uniform shift would show at once.
+
+Both forms of μ are covered: ``(head_dim,)`` shared by the KV heads, and per head
+``(num_kv_heads, head_dim)`` (compress_store loads row μ[head], prefill subtracts μ[h] from
+head h's chunk keys, the oracle adds μ[h] back), with keys whose mean differs per head."""
 
 import itertools
 
@@ -12,6 +16,7 @@ import pytest
 import torch
 
 from tkv.codec import TurboKVCodec
+from tkv.codec.errors import ShapeError
 from tkv.codec.packing import unpack_codes
 from tkv.kernels import TkvLoader, Workspace, compress_store, decode, prefill
 from tkv.kernels._util import interpreting
@@ -36,37 +41,48 @@ _tol = tolerance
 _rel = relative_error
 
 
-def _centered_codec(d, kb, vb, g, seed=0, scales=False):
-    """Codec with a random μ (not the keys' mean: centering is exact for any μ)."""
-    mu = torch.randn(d, generator=g) * 2
+def _centered_codec(d, kb, vb, g, seed=0, scales=False, heads=None):
+    """Codec with a random μ (not the keys' mean: centering is exact for any μ): ``(d,)``, or
+    per head ``(heads, d)`` when ``heads`` is given."""
+    mu = torch.randn(d if heads is None else (heads, d), generator=g) * 2
     ks = (torch.rand(d, generator=g) + 0.5) if scales else None
     return TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV, seed=seed, k_channel_offset=mu,
                         k_channel_scales=ks)
 
 
 def _keys(n, h, d, g, shift):
-    """Keys with a large shared per-channel mean ``shift`` ``(d,)`` (real post-RoPE keys
-    have one); float32 ``(n, h, d)``."""
+    """Keys with a large per-channel mean ``shift`` ``(d,)`` or per head ``(h, d)`` (real
+    post-RoPE keys have one); float32 ``(n, h, d)``."""
     return torch.randn(n, h, d, generator=g) + shift
 
 
-@pytest.mark.parametrize("head_dim,kb,vb,scales", [(64, 4, 4, False), (96, 3, 5, True),
-                                                   (256, 2, 4, False)])
-def test_compress_store_subtracts_key_offset(head_dim, kb, vb, scales):
+@pytest.mark.parametrize("head_dim,kb,vb,scales,per_head", [
+    (64, 4, 4, False, False), (96, 3, 5, True, False), (256, 2, 4, False, False),
+    (64, 4, 4, False, True), (96, 3, 5, True, True)])
+def test_compress_store_subtracts_key_offset(head_dim, kb, vb, scales, per_head):
     g = torch.Generator().manual_seed(head_dim + kb)
-    codec = _centered_codec(head_dim, kb, vb, g, seed=5, scales=scales)
-    ld = TkvLoader(codec, 2, 16)
+    h = 3 if per_head else 2
+    codec = _centered_codec(head_dim, kb, vb, g, seed=5, scales=scales,
+                            heads=h if per_head else None)
+    ld = TkvLoader(codec, h, 16)
     nblk, n = 4, 29
     cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8,
                           generator=g).to(DEV)
-    k = _keys(n, 2, head_dim, g, torch.randn(head_dim, generator=g) * 3).to(DEV, torch.bfloat16)
-    v = torch.randn(n, 2, head_dim, generator=g).to(DEV, torch.bfloat16)
+    shift = torch.randn(h if per_head else 1, head_dim, generator=g) * 3
+    k = _keys(n, h, head_dim, g, shift).to(DEV, torch.bfloat16)
+    v = torch.randn(n, h, head_dim, generator=g).to(DEV, torch.bfloat16)
     slots = torch.randperm(nblk * 16, generator=g)[:n].to(DEV)
     compress_store(k, v, cache, slots, ld)
     views = ld.layout.views(cache)
     b, o = slots // 16, slots % 16
     pk, nk = codec.compress_k(k)
     ck = codec.k.quantize(k)[0]                       # the codec subtracts μ itself
+    if per_head:  # plain-PyTorch check of the per-head subtraction: head i is centered by μ[i]
+        plain = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=5,
+                             k_channel_scales=codec.k.channel_scales)
+        for i in range(h):
+            xi = k[:, i].float() - codec.k.channel_offset[i]
+            assert torch.equal(plain.k.quantize(xi)[0], ck[:, i])
     got = unpack_codes(views["k_codes"][b, :, o], kb, head_dim)
     assert (got == ck).float().mean() > 0.999
     assert ((got - ck).abs() <= 1).all()
@@ -87,15 +103,16 @@ def test_compress_store_subtracts_key_offset(head_dim, kb, vb, scales):
     torch.testing.assert_close(rec, plain, rtol=0, atol=0.2)
 
 
-def test_decode_with_key_offset_matches_reference():
+@pytest.mark.parametrize("per_head", [False, True])
+def test_decode_with_key_offset_matches_reference(per_head):
     g = torch.Generator().manual_seed(11)
     d, hkv, group = 64, 2, 4
-    codec = _centered_codec(d, 3, 4, g, seed=2, scales=True)
+    codec = _centered_codec(d, 3, 4, g, seed=2, scales=True, heads=hkv if per_head else None)
     ld = TkvLoader(codec, hkv, 16)
     lens = [37, 1, 20]
     batch = make_paged_batch(lens, 16, DEV, generator=g)
     cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
-    shift = torch.randn(d, generator=g) * 3
+    shift = torch.randn(hkv if per_head else 1, d, generator=g) * 3
     for i, n in enumerate(lens):
         k = _keys(n, hkv, d, g, shift).to(DEV, torch.bfloat16)
         v = torch.randn(n, hkv, d, generator=g).to(DEV, torch.bfloat16)
@@ -130,13 +147,14 @@ def _prefill_case(ld, prefix, qlens, group, g, shift, dtype=torch.float16, **kw)
     return out, ref, (q, k, v, cu, batch, cache)
 
 
-def test_chunked_prefill_with_key_offset_matches_reference():
+@pytest.mark.parametrize("per_head", [False, True])
+def test_chunked_prefill_with_key_offset_matches_reference(per_head):
     """Rows that mix compressed prefix keys and raw chunk keys (the non-uniform-shift trap)."""
     g = torch.Generator().manual_seed(21)
     d = 64
-    codec = _centered_codec(d, 4, 3, g, seed=4)
+    codec = _centered_codec(d, 4, 3, g, seed=4, heads=2 if per_head else None)
     ld = TkvLoader(codec, 2, 16)
-    shift = torch.randn(d, generator=g) * 3
+    shift = torch.randn(2 if per_head else 1, d, generator=g) * 3
     out, ref, _ = _prefill_case(ld, [35, 3, 0], [9, 17, 5], 2, g, shift)
     assert _rel(out, ref) < _tol(torch.float16)
 
@@ -160,3 +178,39 @@ def test_reference_adds_offset_back_and_centering_is_exact_for_attention():
                                 pos[20:], pos)
     assert _rel(mixed, ref) > 1e-2                    # the trap is real at this μ
     assert _rel(out, ref) < _tol(torch.float16)       # and the kernel avoids it
+
+
+def test_reference_adds_per_head_offset_back():
+    """Per-head μ (H, d): the oracle's gathered keys equal, head by head, the codec's own
+    decompress_k (μ[h] added to head h), and the kernels' chunked prefill over a prefix of
+    per-head-centered keys matches the oracle (the chunk keys are centered per head too)."""
+    g = torch.Generator().manual_seed(7)
+    d, hkv = 64, 2
+    codec = _centered_codec(d, 4, 4, g, seed=3, heads=hkv)
+    ld = TkvLoader(codec, hkv, 16)
+    shift = torch.randn(hkv, d, generator=g) * 3
+    out, ref, (q, k, v, _cu, batch, cache) = _prefill_case(ld, [20], [6], 2, g, shift)
+    kp, _ = gather_kv(cache, ld, batch.block_table[0], 20)
+    views = ld.layout.views(cache)
+    pos = torch.arange(20, device=q.device)
+    blocks = batch.block_table[0].long()[pos // 16]
+    own = codec.decompress_k(views["k_codes"][blocks, :, pos % 16],
+                             views["k_norms"][blocks, :, pos % 16], torch.float64)
+    torch.testing.assert_close(kp, own, rtol=1e-9, atol=1e-9)
+    mu = codec.k.channel_offset.double()
+    full = torch.cat([kp - mu, k.double() - mu])      # every key centered by its head's μ
+    kpos = torch.arange(26, device=q.device)
+    centered = attention_reference(q, full, torch.cat([gather_kv(cache, ld, batch.block_table[0],
+                                                                 20)[1], v.double()]),
+                                   kpos[20:], kpos)
+    torch.testing.assert_close(centered, ref, rtol=1e-9, atol=1e-9)
+    assert _rel(out, ref) < _tol(torch.float16)
+
+
+def test_loader_refuses_per_head_offset_of_another_head_count():
+    """A per-head μ for 3 heads on a layer (rank) with 2 KV heads would center a head with
+    another head's mean: refused by name."""
+    codec = TurboKVCodec(64, 4, device=DEV, k_channel_offset=torch.zeros(3, 64))
+    with pytest.raises(ShapeError, match="per-head k_channel_offset holds 3"):
+        TkvLoader(codec, 2, 16)
+    TkvLoader(codec, 3, 16)

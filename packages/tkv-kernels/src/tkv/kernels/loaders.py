@@ -230,6 +230,7 @@ class TkvLoader:
 
     Raises:
         ValueError: unknown ``lookup``. DtypeError: ``codec`` is not a TurboKVCodec.
+        ShapeError: a per-head ``k_channel_offset`` whose head count is not ``num_kv_heads``.
 
     Attributes (device tensors, float32 unless noted):
         k_table, v_table: ``(2**bits,)`` centroids / sqrt(head_dim) (SideCodec.scaled_centroids).
@@ -255,6 +256,13 @@ class TkvLoader:
         self.lookup = lookup
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")
+        mu_heads = codec.k.offset_heads
+        if mu_heads is not None and mu_heads != num_kv_heads:
+            # a per-head key offset must hold exactly this layer's (per-rank) KV heads: a wrong
+            # row would center head h with another head's mean (silently wrong attention)
+            raise ShapeError(
+                f"the codec's per-head k_channel_offset holds {mu_heads} KV heads, the layer "
+                f"has {num_kv_heads} (slice the offset to this rank's heads)")
         self.codec = codec
         self.layout: SlotLayout = codec.layout(num_kv_heads, block_size)
         self.head_dim = codec.head_dim

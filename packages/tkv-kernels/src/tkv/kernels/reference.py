@@ -30,7 +30,8 @@ def _tkv_gather(cache, loader: TkvLoader, blocks, offs):
         x = codec.rotation.inverse(y)
         if sc.channel_scales is not None:
             x = x * sc.channel_scales.double()
-        if sc.channel_offset is not None:  # key centering: back to model space, k̂ + μ
+        if sc.channel_offset is not None:  # key centering: back to model space, k̂ + μ (μ (d,) shared
+            # by the heads, or (H, d): row h added to head h — x is (n, H, d), so both broadcast)
             x = x + sc.channel_offset.double().to(x.device)
         out.append(x)
     return out

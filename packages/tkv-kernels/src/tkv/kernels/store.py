@@ -78,7 +78,7 @@ def _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM: tl.con
 
 
 @triton.jit
-def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, MU, blk, off,
+def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, MU, mu_sh, blk, off,
                 page_bytes, HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
                 CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr, CODE_BYTES: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, NORM_CORR: tl.constexpr, GROUP: tl.constexpr,
@@ -88,8 +88,8 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
     dmask = offs_d < HEAD_DIM
     x = tl.load(X + tok.to(tl.int64)[:, None] * sx_t + head * sx_h + offs_d[None, :],
                 mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    if HAS_MU:  # key centering: x - mu (float32, shared by all KV heads), before R and s
-        mu = tl.load(MU + offs_d, mask=dmask, other=0.0)
+    if HAS_MU:  # key centering: x - mu[head] (float32; mu_sh = 0: one mu shared by all heads)
+        mu = tl.load(MU + head * mu_sh + offs_d, mask=dmask, other=0.0)
         x = tl.where(valid[:, None] & dmask[None, :], x - mu[None, :], 0.0)
     page = blk * page_bytes
     row = page + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
@@ -120,7 +120,7 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
 @triton.jit
 def _compress_store_kernel(
         K, skt, skh, V, svt, svh, slots, num_tokens, num_slots, cache, aux,
-        Ak, Av, kbounds, vbounds, ktable, vtable, kmu, page_bytes,
+        Ak, Av, kbounds, vbounds, ktable, vtable, kmu, kmu_sh, page_bytes,
         K_HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         K_BITS: tl.constexpr, K_CODES_OFF: tl.constexpr, K_NORMS_OFF: tl.constexpr,
         K_CODE_BYTES: tl.constexpr, K_NORM_CORR: tl.constexpr, K_GROUP: tl.constexpr,
@@ -139,11 +139,11 @@ def _compress_store_kernel(
     slot = tl.where(valid, slot, 0)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
-    _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kbounds, ktable, kmu, blk, off,
+    _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kbounds, ktable, kmu, kmu_sh, blk, off,
                 page_bytes, K_HAS_MU, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES,
                 BLOCK_SIZE, K_NORM_CORR, K_GROUP, K_GROUP_BYTES, BLOCK_T, K_HEAD_STRIDE,
                 K_TOK_STRIDE, NORM_HEAD_STRIDE, CH)
-    _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, vbounds, vtable, kmu, blk, off,
+    _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, vbounds, vtable, kmu, 0, blk, off,
                 page_bytes, False, HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES,
                 BLOCK_SIZE, V_NORM_CORR, V_GROUP, V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE,
                 V_TOK_STRIDE, NORM_HEAD_STRIDE, CH)
@@ -159,8 +159,9 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                    block_t: int = 16, num_warps: int = 4, chunk: int | None = None) -> None:
     """Compress new tokens' K and V and scatter them into their slots, in one launch.
 
-    Per token and KV head: ``y = R ((x − μ) / s)`` (key centering when the codec has a
-    ``k_channel_offset`` μ, keys only; prescale; randomized WHT), ``n = ‖y‖``,
+    Per token and KV head h: ``y = R ((x − μ_h) / s)`` (key centering when the codec has a
+    ``k_channel_offset`` μ, keys only: row h of a per-head ``(num_kv_heads, head_dim)`` μ, or
+    the shared ``(head_dim,)`` μ; prescale; randomized WHT), ``n = ‖y‖``,
     codes = Lloyd-Max bucket of ``sqrt(d) · y / n`` (binary search over the boundaries),
     K norm stored as ``n / ‖c[code]/sqrt(d)‖`` when the codec's norm correction is on,
     codes packed LSB-first — bit-for-bit the codec's ``compress_k`` / ``compress_v`` up to
@@ -206,9 +207,13 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     if n == 0:
         return
     st = lay.strides()
-    mu = loader.codec.k.channel_offset  # float32 (head_dim,) on the codec's device, or None
+    # float32 (head_dim,) (shared by the KV heads) or (num_kv_heads, head_dim) (row per head,
+    # checked against the layout by TkvLoader), or None
+    mu = loader.codec.k.channel_offset
+    mu_sh = 0
     if mu is not None:
         mu = mu.to(cache.device, torch.float32).contiguous()
+        mu_sh = lay.head_dim if mu.dim() == 2 else 0
     if chunk is None:
         chunk = 32
     if chunk < 16 or chunk & (chunk - 1):
@@ -220,7 +225,7 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
         slot_mapping, n, num_blocks * lay.block_size, cache, cache.view(torch.bfloat16),
         loader.k_in, loader.v_in, loader.k_bounds, loader.v_bounds, loader.k_table,
-        loader.v_table, loader.k_table if mu is None else mu, lay.page_bytes,
+        loader.v_table, loader.k_table if mu is None else mu, mu_sh, lay.page_bytes,
         K_HAS_MU=mu is not None, HEAD_DIM=lay.head_dim, D_PAD=loader.d_pad, BLOCK_SIZE=lay.block_size,
         K_BITS=lay.k_bits, K_CODES_OFF=lay.k_codes_offset, K_NORMS_OFF=lay.k_norms_offset,
         K_CODE_BYTES=lay.k_code_bytes, K_NORM_CORR=loader.k_norm_correction, K_GROUP=kg,
