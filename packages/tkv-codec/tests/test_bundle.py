@@ -78,6 +78,14 @@ def test_per_head_offset_round_trip_and_old_form(tmp_path):
         CalibrationBundle.from_dict(dd)
     with pytest.raises(BundleGeometryError):
         b2.check_geometry(b.geometry.num_layers, heads + 1, d)
+    # a TP rank's heads: the per-head rows are sliced, the shared μ is not
+    for r in range(heads):
+        cr = b2.codec(2, 4, 4, heads=range(r, r + 1))
+        assert cr.k.channel_offset.shape == (1, d) and torch.equal(cr.k.channel_offset[0], mu[r])
+        assert torch.equal(b2.codec(0, 4, 4, heads=range(r, r + 1)).k.channel_offset,
+                           b2.codec(0, 4, 4).k.channel_offset)
+    with pytest.raises(BundleGeometryError, match="outside"):
+        b2.codec(2, 4, 4, heads=range(heads, heads + 1))
 
 
 def test_missing_row_lists_rows():

@@ -74,6 +74,28 @@ def test_mixed_row_gives_per_layer_layouts(tkv_env, bundle_file):
         worker_layouts(cfg, 2, 5, 16, 2)
 
 
+def test_per_head_key_offset_refused_on_a_sharded_rank(tkv_env, bundle_file, tmp_path):
+    """A per-head key offset (2 KV heads) is served on a rank holding both heads; a TP rank
+    holding 1 head is refused by name (never centered with another head's mean); a shared
+    offset is fine on any rank."""
+    import dataclasses
+
+    from tkv.codec import CalibrationBundle
+
+    b = CalibrationBundle.load(bundle_file)
+    layers = list(b.layers)
+    layers[2] = dataclasses.replace(layers[2], k_channel_offset=tuple([0.5] * (2 * 64)))
+    layers[0] = dataclasses.replace(layers[0], k_channel_offset=tuple([0.5] * 64))
+    path = dataclasses.replace(b, layers=tuple(layers)).save(tmp_path / "ph.json")
+    tkv_env("4.5", path)
+    cfg = tkv_config(GEO)
+    assert len(worker_layouts(cfg, 0, 4, 16, 2)) == 4
+    assert len(worker_layouts(cfg, 0, 2, 16, 1)) == 2          # shared μ on layer 0: fine
+    with pytest.raises(UnsupportedFeatureError, match="per-head key offset for 2 KV heads"):
+        worker_layouts(cfg, 0, 4, 16, 1)
+    assert cfg.codec(2).k.channel_offset.shape == (2, 64)
+
+
 @pytest.mark.parametrize("page", [16, 32, 64, 128])
 def test_cell_size_is_slotlayout_bytes_per_token(tkv_env, bundle_file, page):
     tkv_env("4.5", bundle_file)

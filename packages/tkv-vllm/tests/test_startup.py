@@ -95,3 +95,42 @@ def test_layer_index():
 def test_tp_shard_from_config():
     vc = fake_vllm_config(fake_model_config(num_kv_heads=8), tp=1)
     assert startup.tp_shard(vc).num_local_heads == 8
+
+
+def test_per_head_key_offset_is_sliced_to_the_tp_rank(tmp_path):
+    """A bundle with a per-head key offset μ (4 KV heads): each TP rank's codec carries exactly
+    the rows of its KV heads (vLLM's QKVParallelLinear rule, replication when H < T included),
+    so kernels on a rank center head h with μ[first_head + h]; the shared form is untouched."""
+    import dataclasses
+
+    import torch
+
+    from tkv.codec.bundle import CalibrationBundle
+    from tkv.vllm.sharding import shard_kv_heads
+
+    h, d = 4, 64
+    b = CalibrationBundle.load(make_bundle(tmp_path / "b.json", num_kv_heads=h, head_dim=d))
+    mu = torch.randn(h, d)
+    layers = list(b.layers)
+    layers[1] = dataclasses.replace(layers[1], k_channel_offset=tuple(mu.flatten().tolist()))
+    layers[0] = dataclasses.replace(layers[0], k_channel_offset=tuple(mu[0].tolist()))
+    path = dataclasses.replace(b, layers=tuple(layers)).save(tmp_path / "ph.json")
+    vc = fake_vllm_config(fake_model_config(num_kv_heads=h, head_dim=d))
+    cfg = startup.tkv_config(vc, {"TKV_BITS": "4.0", "TKV_CALIBRATION_FILE": str(path)})
+    full = startup.layer_codec(cfg, 1, 4, 4, "cpu")
+    assert torch.equal(full.k.channel_offset, mu)
+    for tp in (1, 2, 4, 8):
+        for rank in range(tp):
+            shard = shard_kv_heads(h, tp, rank)
+            c = startup.layer_codec(cfg, 1, 4, 4, "cpu", shard)
+            assert torch.equal(c.k.channel_offset, mu[list(shard.heads)])
+            assert c.k.offset_heads == shard.num_local_heads
+            shared = startup.layer_codec(cfg, 0, 4, 4, "cpu", shard)
+            assert torch.equal(shared.k.channel_offset, mu[0])
+    # a rank's codec compresses its local heads exactly as the full codec does those heads
+    shard = shard_kv_heads(h, 2, 1)
+    c = startup.layer_codec(cfg, 1, 4, 4, "cpu", shard)
+    x = torch.randn(5, h, d) + mu
+    pf, nf = full.compress_k(x)
+    pr, nr = c.compress_k(x[:, list(shard.heads)])
+    assert torch.equal(pf[:, list(shard.heads)], pr) and torch.equal(nf[:, list(shard.heads)], nr)

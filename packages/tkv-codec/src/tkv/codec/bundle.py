@@ -443,19 +443,37 @@ class CalibrationBundle:
                 f"rows present: {', '.join(self.budgets())}")
         return self.byte_budget_table[key]
 
-    def codec(self, layer: int, k_bits: int, v_bits: int, device="cpu", **kwargs):
+    def codec(self, layer: int, k_bits: int, v_bits: int, device="cpu", heads=None, **kwargs):
         """A :class:`~tkv.codec.TurboKVCodec` for ``layer`` at the given widths, with this bundle's
-        channel scales, fitted codebooks (Gaussian where none was fitted) and seed."""
+        channel scales, fitted codebooks (Gaussian where none was fitted) and seed.
+
+        ``heads``: global KV-head indices this codec serves (e.g. a TP rank's ``range``); a
+        per-head key offset is sliced to those rows (a shared one is unaffected). None: all
+        ``num_kv_heads`` heads.
+
+        Raises:
+            IndexError: layer out of range. BundleGeometryError: a head index outside the
+            bundle's ``num_kv_heads``.
+        """
         from .codec import TurboKVCodec
 
         if not 0 <= layer < self.geometry.num_layers:
             raise IndexError(f"layer {layer} outside 0..{self.geometry.num_layers - 1}")
         cal = self.layers[layer]
+        mu = cal.k_offset_tensor(self.geometry.head_dim)
+        if heads is not None:
+            idx = list(heads)
+            nh = self.geometry.num_kv_heads
+            if not idx or any(not 0 <= h < nh for h in idx):
+                raise BundleGeometryError(
+                    f"KV heads {idx} outside the bundle's {nh} KV heads (0..{nh - 1})")
+            if mu is not None and mu.dim() == 2:
+                mu = mu[idx]
         return TurboKVCodec(
             self.geometry.head_dim, k_bits=k_bits, v_bits=v_bits, device=device, seed=self.seed,
             k_channel_scales=cal.k_channel_scales, v_channel_scales=cal.v_channel_scales,
             k_codebook=cal.codebook("k", k_bits), v_codebook=cal.codebook("v", v_bits),
-            k_channel_offset=cal.k_offset_tensor(self.geometry.head_dim), **kwargs)
+            k_channel_offset=mu, **kwargs)
 
     def codecs(self, tkv_bits: str | float, device="cpu", **kwargs) -> list:
         """One codec per layer for the ``tkv_bits`` row."""

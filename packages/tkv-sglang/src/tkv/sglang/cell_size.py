@@ -9,7 +9,9 @@ from tkv.codec.config import TkvConfig
 from tkv.codec.errors import ShapeError
 from tkv.codec.layout import ModelLayout, SlotLayout
 
-__all__ = ["cell_size_bytes", "worker_layouts"]
+from .errors import UnsupportedFeatureError
+
+__all__ = ["cell_size_bytes", "check_key_offset_heads", "worker_layouts"]
 
 
 def worker_layouts(config: TkvConfig, start_layer: int, end_layer: int, page_size: int,
@@ -19,11 +21,38 @@ def worker_layouts(config: TkvConfig, start_layer: int, end_layer: int, page_siz
 
     Raises:
         ShapeError: layer range outside the model.
+        UnsupportedFeatureError: the bundle has a per-head key offset μ for one of these layers
+            and this rank holds another number of KV heads than the bundle (TP > 1): the pool
+            does not slice μ to the rank's heads yet (check_key_offset_heads).
     """
     if not 0 <= start_layer < end_layer <= config.num_layers:
         raise ShapeError(f"layer range [{start_layer}, {end_layer}) outside the model's "
                          f"{config.num_layers} layers")
+    for i in range(start_layer, end_layer):
+        check_key_offset_heads(config, i, num_kv_heads)
     return [config.slot_layout(i, page_size, num_kv_heads) for i in range(start_layer, end_layer)]
+
+
+def check_key_offset_heads(config: TkvConfig, layer: int, num_kv_heads: int) -> None:
+    """Refuse a per-head key offset μ ``(H, head_dim)`` on a rank that holds ``num_kv_heads``
+    ≠ H KV heads (tensor/attention parallelism shards or replicates heads): the SGLang pool
+    builds the codec from the whole bundle entry, so head h would be centered with another
+    head's mean — silently wrong attention. A shared ``(head_dim,)`` μ is fine on any rank.
+
+    Raises:
+        UnsupportedFeatureError: the case above, naming the layer and both head counts.
+    """
+    b = config.bundle
+    mu = None if b is None else b.layers[layer].k_channel_offset
+    if mu is None or len(mu) == config.head_dim:
+        return
+    heads = len(mu) // config.head_dim
+    if heads != num_kv_heads:
+        raise UnsupportedFeatureError(
+            f"tkv (SGLang): layer {layer}'s calibration bundle has a per-head key offset for "
+            f"{heads} KV heads, this rank holds {num_kv_heads} (TP/attention-TP > 1); slicing "
+            "it per rank is not supported in the SGLang pool yet: serve with --tp 1, or "
+            "recalibrate with `tkv-calibrate --center-keys shared`")
 
 
 def cell_size_bytes(layouts: list[SlotLayout]) -> int:

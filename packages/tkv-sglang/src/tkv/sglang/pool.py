@@ -79,6 +79,9 @@ class TkvTokenToKVPool(KVCache):
         """The layer's :class:`~tkv.codec.TurboKVCodec` on the pool's device (cached)."""
         i = self._idx(layer_id)
         if i not in self._codecs:
+            from .cell_size import check_key_offset_heads
+
+            check_key_offset_heads(self.config, layer_id, self.layouts[i].num_kv_heads)
             self._codecs[i] = self.config.codec(layer_id, self.device, check_finite=False)
         return self._codecs[i]
 

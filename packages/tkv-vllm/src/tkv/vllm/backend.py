@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from tkv import kernels
+from tkv.codec.errors import UnsupportedFeatureError
 from tkv.codec.layout import SlotLayout
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import (
@@ -51,7 +52,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from .errors import PatchesNotAppliedError, UnsupportedModelError
 from .spec import TKV_DTYPE, kv_cache_spec_for_layer, page_plan
-from .startup import layer_codec, layer_index, tkv_config
+from .startup import layer_codec, layer_index, tkv_config, tp_shard
 from .workspace import shared_workspace
 
 __all__ = ["TurboAttnBackend", "TurboAttnImpl", "TurboAttnMetadata", "TurboAttnMetadataBuilder"]
@@ -262,7 +263,18 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
     k_bits, v_bits = plan.served[idx]
     dev = _layer_device(layer) if device is None else torch.device(device)
     block = int(vllm_config.cache_config.block_size)
-    codec = layer_codec(cfg, idx, k_bits, v_bits, dev)
+    # a per-head key offset μ (bundle: num_kv_heads * head_dim floats) is sliced to this TP
+    # rank's KV heads; the rank's head count must be the shard's, or the rows would not match
+    mu = None if cfg.bundle is None else cfg.bundle.layers[idx].k_channel_offset
+    shard = None
+    if mu is not None and len(mu) != cfg.head_dim:
+        shard = tp_shard(vllm_config)
+        if shard.num_local_heads != int(impl.num_kv_heads):
+            raise UnsupportedFeatureError(
+                f"tkv: layer {layer.layer_name} has {impl.num_kv_heads} KV heads on this rank, "
+                f"the TP shard {shard.num_local_heads} (heads {list(shard.heads)}): the "
+                "bundle's per-head key offset cannot be sliced to this rank")
+    codec = layer_codec(cfg, idx, k_bits, v_bits, dev, shard)
     state = LayerState(idx, k_bits, v_bits, int(impl.num_kv_heads), codec, {}, block)
     state.loader(block)
     sc = vllm_config.scheduler_config

@@ -8,8 +8,10 @@ vLLM shards KV heads across TP ranks the way ``QKVParallelLinear`` does: with
   head ``r // (T/H)`` (one head per rank).
 
 The tkv cache of a rank is then the :class:`~tkv.codec.layout.SlotLayout` of its local
-heads; nothing else is sharded: a layer's rotation, codebooks and channel scales act on
-``head_dim`` and are shared by all heads, so every rank loads the same bundle entry.
+heads. A layer's rotation, codebooks, channel scales and a shared key offset act on
+``head_dim`` and are shared by all heads, so every rank loads the same bundle entry; a
+per-head key offset ``(num_kv_heads, head_dim)`` is the one per-head tensor, sliced to
+:attr:`KvHeadShard.heads` (``startup.layer_codec``).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import torch
 
 from tkv.codec.codec import TurboKVCodec
 from tkv.codec.config import ENV_BITS, ENV_CALIBRATION_FILE, TkvConfig, load_config
+from tkv.codec.errors import UnsupportedFeatureError
 
 from .errors import UnsupportedModelError
 from .sharding import KvHeadShard, shard_kv_heads
@@ -119,10 +120,26 @@ def layer_index(layer_name: str, num_layers: int) -> int:
 
 
 def layer_codec(config: TkvConfig, layer: int, k_bits: int, v_bits: int,
-                device: torch.device | str) -> TurboKVCodec:
+                device: torch.device | str, shard: KvHeadShard | None = None) -> TurboKVCodec:
     """The codec of ``layer`` at the widths it is served at (the bundle's channel scales,
-    codebooks and seed when a bundle is set; Gaussian codebooks otherwise)."""
+    codebooks and seed when a bundle is set; Gaussian codebooks otherwise).
+
+    ``shard``: this TP rank's KV heads. A bundle's per-head key offset μ ``(H, head_dim)`` is
+    sliced to ``shard.heads`` (replicated heads when ``H < T`` included), so the rank's
+    kernels center head h with μ[first_head + h]; a shared ``(head_dim,)`` μ is unaffected.
+
+    Raises:
+        UnsupportedFeatureError: a per-head μ with no ``shard`` while the bundle holds more
+        KV heads than one rank could serve unsharded is not guessed at — pass the shard.
+    """
     if config.bundle is not None:
-        return config.bundle.codec(layer, k_bits, v_bits, device, check_finite=False)
+        heads = None if shard is None else shard.heads
+        codec = config.bundle.codec(layer, k_bits, v_bits, device, heads=heads,
+                                    check_finite=False)
+        if shard is None and codec.k.offset_heads not in (None, config.num_kv_heads):
+            raise UnsupportedFeatureError(
+                f"tkv: layer {layer}'s per-head key offset holds {codec.k.offset_heads} KV "
+                f"heads, the model {config.num_kv_heads}")
+        return codec
     return TurboKVCodec(config.head_dim, k_bits=k_bits, v_bits=v_bits, device=device,
                         check_finite=False)
