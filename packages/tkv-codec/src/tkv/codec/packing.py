@@ -21,7 +21,8 @@ import torch
 
 from .errors import BitWidthError, DtypeError, ShapeError
 
-__all__ = ["MAX_BITS", "MIN_BITS", "check_bits", "pack_codes", "packed_bytes", "unpack_codes"]
+__all__ = ["MAX_BITS", "MIN_BITS", "check_bits", "code_group", "pack_codes", "packed_bytes",
+           "unpack_codes"]
 
 MIN_BITS = 2
 MAX_BITS = 8
@@ -46,9 +47,12 @@ def packed_bytes(num_codes: int, bits: int) -> int:
     return (num_codes * bits + 7) // 8
 
 
-def _group(bits: int) -> tuple[int, int]:
-    g = 8 // math.gcd(bits, 8)  # codes per group
-    return g, g * bits // 8  # (codes, bytes) per group
+def code_group(bits: int) -> tuple[int, int]:
+    """``(codes, bytes)`` of the smallest whole-byte group of ``bits``-bit codes:
+    ``8 / gcd(bits, 8)`` codes in ``codes * bits / 8`` bytes (2→(4, 1), 3→(8, 3), 4→(2, 1),
+    5→(8, 5), 6→(4, 3), 7→(8, 7), 8→(1, 1)). Kernels that unpack a group at a time use it."""
+    g = 8 // math.gcd(bits, 8)
+    return g, g * bits // 8
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -75,7 +79,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     nbytes = (n * bits + 7) // 8
     if bits == 8:
         return codes.to(torch.uint8)
-    g, gb = _group(bits)
+    g, gb = code_group(bits)
     ngroups = -(-n // g)
     # Word type: the g*bits bits of a group fit int32 for widths 2, 3, 4, 6 (<= 24 bits).
     wt = torch.int32 if g * bits <= 31 else torch.int64
@@ -121,7 +125,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, num_codes: int) -> torch.Tenso
     lead = packed.shape[:-1]
     if bits == 8:
         return packed.to(torch.int64)
-    g, gb = _group(bits)
+    g, gb = code_group(bits)
     ngroups = -(-num_codes // g)
     mask = (1 << bits) - 1
     if gb == 1:  # widths 2 and 4

@@ -51,6 +51,7 @@ import triton.language as tl
 from tkv.codec import TurboKVCodec
 from tkv.codec.errors import DtypeError, ShapeError
 from tkv.codec.layout import SlotLayout
+from tkv.codec.packing import code_group
 
 from ._planes import to_planar_columns
 from ._util import check_dtype, check_last_dim_contiguous, check_tensor, next_pow2
@@ -224,8 +225,9 @@ class TkvLoader:
         block_size: tokens per page.
         lookup: codebook lookup in the tile loader. ``"auto"`` / ``"pair"`` (default): 2-, 3-
             and 4-bit sides with planes gather 16-bit *pairs* of centroids (one lookup per two
-            codes, in the query's 16-bit float type), other widths gather float32 centroids; with float32 dots (the interpreter) "auto" gathers float32 centroids
-            and "pair" uses float16 pairs. ``"gather"``: one float32 gather per code for
+            codes, in the query's 16-bit float type), other widths gather float32 centroids;
+            with float32 dots (the interpreter) "auto" gathers float32 centroids and "pair"
+            uses float16 pairs. ``"gather"``: one float32 gather per code for
             every width.
 
     Raises:
@@ -322,7 +324,7 @@ class TkvLoader:
         ``8 / gcd(bits, 8)`` (2→4, 3→8, 4→2, 5→8, 6→4, 7→8, 8→1), while a plane keeps ≥ 16
         coordinates (tensor-core K); else 1 (per-element reads, e.g. 3 bits at head_dim 64)."""
         bits = self.k_bits if side == "k" else self.v_bits
-        np_ = 8 // math.gcd(bits, 8)   # codes per whole-byte group: 2→4 3→8 4→2 5→8 6→4 7→8 8→1
+        np_, _ = code_group(bits)
         return np_ if self.d_pad // np_ >= 16 else 1
 
     @property

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from tkv.codec.errors import ShapeError
+from tkv.codec.packing import code_group
 
 from ._util import (
     check_dtype,
@@ -149,11 +150,6 @@ def _compress_store_kernel(
                 V_TOK_STRIDE, NORM_HEAD_STRIDE, CH)
 
 
-def _group(bits: int) -> tuple[int, int]:
-    g = 8 // math.gcd(bits, 8)
-    return g, g * bits // 8
-
-
 def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                    slot_mapping: torch.Tensor, loader: TkvLoader, *,
                    block_t: int = 16, num_warps: int = 4, chunk: int | None = None) -> None:
@@ -218,8 +214,8 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         chunk = 32
     if chunk < 16 or chunk & (chunk - 1):
         raise ShapeError(f"chunk must be a power of two >= 16, got {chunk}")
-    kg, kgb = _group(lay.k_bits)
-    vg, vgb = _group(lay.v_bits)
+    kg, kgb = code_group(lay.k_bits)
+    vg, vgb = code_group(lay.v_bits)
     grid = (triton.cdiv(n, block_t), lay.num_kv_heads)
     _compress_store_kernel[grid](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
