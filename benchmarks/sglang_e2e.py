@@ -66,6 +66,7 @@ from vllm_e2e import (
     PROMPTS,
     agreement,
     resolve_model,
+    tkv_env,
     write_uniform_bundle,
 )
 
@@ -200,13 +201,7 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
         cmd.append("--greedy-only")
     if o.eager:
         cmd.append("--eager")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("TKV_BITS", None)
-    env.pop("TKV_CALIBRATION_FILE", None)
-    if mode == "tkv":
-        env["TKV_BITS"] = bits or "4.0"
-        if bundle is not None:
-            env["TKV_CALIBRATION_FILE"] = str(bundle)
+    env = {**tkv_env(mode, bits, bundle), "PYTHONUNBUFFERED": "1"}
     log = out / f"{tag}.log"
     print(f"== {tag}: TKV_BITS={env.get('TKV_BITS', '-')} {' '.join(cmd[2:])}", flush=True)
     t = time.perf_counter()

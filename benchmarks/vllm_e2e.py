@@ -482,13 +482,7 @@ def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Pat
         cmd.append("--greedy-only")
     if eager:
         cmd.append("--enforce-eager")
-    env = {**os.environ}
-    env.pop("TKV_BITS", None)
-    env.pop("TKV_CALIBRATION_FILE", None)
-    if mode == "tkv":
-        env["TKV_BITS"] = bits or "4.0"
-        if bundle is not None:
-            env["TKV_CALIBRATION_FILE"] = str(bundle)
+    env = tkv_env(mode, bits, bundle)
     if max_len > 32768:
         env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     log = out / f"{tag}.log"
@@ -509,6 +503,19 @@ def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Pat
         res["kv_gib_by_process"] = gib
     print(f"   done in {time.perf_counter() - t:.0f}s", flush=True)
     return res
+
+
+def tkv_env(mode: str, bits: str | None, bundle: Path | None) -> dict[str, str]:
+    """The engine subprocess environment: this one without TKV_BITS / TKV_CALIBRATION_FILE,
+    set again only for a ``tkv`` run (TKV_BITS default 4.0; the bundle when given)."""
+    env = {**os.environ}
+    env.pop("TKV_BITS", None)
+    env.pop("TKV_CALIBRATION_FILE", None)
+    if mode == "tkv":
+        env["TKV_BITS"] = bits or "4.0"
+        if bundle is not None:
+            env["TKV_CALIBRATION_FILE"] = str(bundle)
+    return env
 
 
 def agreement(a: list[list[int]], b: list[list[int]], n: int = GREEDY_TOKENS) -> tuple[int, float]:
