@@ -165,12 +165,19 @@ def test_decode_tkv_geometry(head_dim, group, block_size, window, lens):
     _decode_check(ld, lens, group, seed=group + block_size, window=window)
 
 
+_GPU_ONLY = pytest.mark.skipif(DEV == "cpu", reason="PTX inline assembly: CUDA only")
+
+
 @pytest.mark.parametrize("lookup,kb,vb,dtype", [
     ("pair", 4, 4, torch.bfloat16), ("pair", 4, 2, torch.float16), ("pair", 2, 3, torch.bfloat16),
     ("gather", 4, 2, torch.float16), ("gather", 8, 4, torch.bfloat16),
-    ("gather", 2, 8, torch.float16)])
+    ("gather", 2, 8, torch.float16), ("shuffle", 4, 4, torch.bfloat16),
+    ("shuffle", 2, 4, torch.float16), ("shuffle", 8, 3, torch.bfloat16),
+    pytest.param("prmt", 4, 4, torch.bfloat16, marks=_GPU_ONLY),
+    pytest.param("prmt", 4, 2, torch.float16, marks=_GPU_ONLY),
+    pytest.param("prmt", 3, 4, torch.float16, marks=_GPU_ONLY)])
 def test_decode_lookup_variants(lookup, kb, vb, dtype):
-    """Every plane count (NP = 4/2/1 for 2/4/8 bits) with both lookups, fp16 and bf16."""
+    """Every plane count (NP = 4/2/1 for 2/4/8 bits) with every lookup, fp16 and bf16."""
     codec = TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV, seed=11)
     ld = TkvLoader(codec, 2, 16, lookup=lookup)
     batch, cache = _scenario(ld, [37, 1, 20], 13)
@@ -201,7 +208,8 @@ def test_decode_prefetch_variants(prefetch, block_n):
 
 @pytest.mark.parametrize("lookup,kb,vb,d", [("pair", 3, 3, 128), ("gather", 3, 4, 96),
                                              ("pair", 4, 3, 256), ("auto", 5, 6, 128),
-                                             ("auto", 7, 2, 128), ("auto", 6, 5, 96)])
+                                             ("auto", 7, 2, 128), ("auto", 6, 5, 96),
+                                             ("shuffle", 3, 5, 128)])
 def test_decode_odd_width_planes(lookup, kb, vb, d):
     """Odd and 6-bit sides as whole-byte groups (3/5/7 bits: 8 codes in 3/5/7 bytes, int32 or
     int64 group words; 6 bits: 4 codes in 3 bytes) — pair and gather lookups, D_PAD padding
@@ -360,6 +368,14 @@ def test_prefill_tkv(head_dim, group, prefix, qlens, window):
     codec = TurboKVCodec(head_dim, k_bits=3, v_bits=4, device=DEV, seed=3)
     ld = TkvLoader(codec, 2, 16)
     _prefill_check(ld, prefix, qlens, group, seed=head_dim + group, window=window)
+
+
+@pytest.mark.parametrize("lookup", ["shuffle", pytest.param("prmt", marks=_GPU_ONLY)])
+def test_prefill_tkv_lookups(lookup):
+    """The register lookups in the prefill kernel's compressed-prefix loop (K4V4)."""
+    codec = TurboKVCodec(128, k_bits=4, v_bits=4, device=DEV, seed=6)
+    ld = TkvLoader(codec, 2, 16, lookup=lookup)
+    _prefill_check(ld, [37, 5], [6, 11], 4, seed=41)
 
 
 def test_prefill_tkv_fused_rotation_and_head_dim_256():

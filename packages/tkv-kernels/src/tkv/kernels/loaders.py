@@ -54,7 +54,13 @@ from tkv.codec.layout import SlotLayout
 from tkv.codec.packing import code_group
 
 from ._planes import to_planar_columns
-from ._util import check_dtype, check_last_dim_contiguous, check_tensor, next_pow2
+from ._util import (
+    check_dtype,
+    check_last_dim_contiguous,
+    check_tensor,
+    interpreting,
+    next_pow2,
+)
 
 __all__ = ["BypassLoader", "Fp8Loader", "Loader", "SideArgs", "TkvLoader"]
 
@@ -102,6 +108,45 @@ class Loader(Protocol):
 
 # ============================================================================ tkv
 LOOKUP_GATHER, LOOKUP_PAIR_F16, LOOKUP_PAIR_BF16 = 0, 1, 2
+LOOKUP_SHUFFLE, LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16 = 3, 4, 5
+
+# 4-bit codes -> 16-bit centroids with byte permutes, 4 code bytes (8 codes) per call: PTX
+# ``prmt`` picks 4 of 8 source bytes by 3-bit selectors, so the 16-entry tables of the
+# centroids' low bytes ($5 $9 $13 $17) and high bytes ($21 $25 $29 $33) are looked up as
+# entries 0-7 / 8-15 and merged on bit 3 of each code (the selector 0x3210 | bit3 << 2);
+# the last four prmt pair each code's low and high byte into a 16-bit float. Outputs: $0 $1
+# the low-nibble codes (plane 0) of bytes 0-1 / 2-3, $2 $3 the high-nibble codes (plane 1).
+# 22 integer instructions per 4 bytes, no memory access, any register layout.
+_PRMT_LUT16: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 x, s, xs, ss, a, b, l0, l1, h0, h1;
+and.b32 x, $4, 0x77777777;
+shr.b32 s, $4, 1;
+and.b32 s, s, 0x44444444;
+or.b32 s, s, 0x32103210;
+shr.b32 xs, x, 16;
+shr.b32 ss, s, 16;
+prmt.b32 a, $5, $9, x;
+prmt.b32 b, $13, $17, x;
+prmt.b32 l0, a, b, s;
+prmt.b32 a, $21, $25, x;
+prmt.b32 b, $29, $33, x;
+prmt.b32 h0, a, b, s;
+prmt.b32 a, $5, $9, xs;
+prmt.b32 b, $13, $17, xs;
+prmt.b32 l1, a, b, ss;
+prmt.b32 a, $21, $25, xs;
+prmt.b32 b, $29, $33, xs;
+prmt.b32 h1, a, b, ss;
+prmt.b32 $0, l0, h0, 0x6240;
+prmt.b32 $1, l1, h1, 0x6240;
+prmt.b32 $2, l0, h0, 0x7351;
+prmt.b32 $3, l1, h1, 0x7351;
+}
+""")
+# outputs: 2 planes x 4 16-bit values (2 regs each); inputs: 4 code bytes (1 reg), then the 8
+# table words, each an int32 tensor (pack=4: 4 regs each, all equal; the asm reads the first)
+_PRMT_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 32)
 
 
 @triton.jit
@@ -189,7 +234,28 @@ def tkv_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr
     else:
         w = raw.to(tl.int32)
     planes = ()
-    if LOOKUP == 0:
+    if LOOKUP >= 4:   # LOOKUP_PRMT_*, 4 bits: 2 planes from the byte tile, no memory access
+        if LOOKUP == 4:
+            HALF: tl.constexpr = tl.float16
+        else:
+            HALF: tl.constexpr = tl.bfloat16
+        t = ()
+        for i in tl.static_range(8):
+            t = t + (tl.load(table + i),)
+        lo, hi = tl.inline_asm_elementwise(
+            _PRMT_LUT16, _PRMT_CONSTRAINTS,
+            [raw.to(tl.uint8), t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]],
+            dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
+        planes = (lo.to(HALF, bitcast=True).to(OUT_DTYPE),
+                  hi.to(HALF, bitcast=True).to(OUT_DTYPE))
+    elif LOOKUP == 3:   # LOOKUP_SHUFFLE, ≤ 5 bits: per-code tl.gather from a register table
+        NE: tl.constexpr = 1 << BITS
+        tab = tl.load(table + tl.arange(0, NE)[:, None]
+                      + tl.zeros([NE, D_PAD // NP], tl.int32)).to(OUT_DTYPE)
+        for p in tl.static_range(NP):
+            code = ((w >> (BITS * p)) & MASK).to(tl.int32)
+            planes = planes + (tl.gather(tab, code, 0),)
+    elif LOOKUP == 0:
         for p in tl.static_range(NP):
             code = ((w >> (BITS * p)) & MASK).to(tl.int32)
             planes = planes + (tl.load(table + code).to(OUT_DTYPE),)
@@ -216,6 +282,20 @@ def _pair_table(scaled: torch.Tensor, bits: int, half: torch.dtype) -> torch.Ten
     return (h[i & ((1 << bits) - 1)] | (h[i >> bits] << 16)).to(torch.int32)
 
 
+def _prmt_table(scaled: torch.Tensor, half: torch.dtype) -> torch.Tensor:
+    """int32 ``(8,)`` byte tables of a 16-entry codebook for ``_PRMT_LUT16``: words 0-3 the
+    low bytes of the 16-bit float ``half`` centroids (entry ``i`` = byte ``i % 4`` of word
+    ``i // 4``), words 4-7 their high bytes."""
+    h = scaled.detach().cpu().to(half).view(torch.int16).to(torch.int32) & 0xFFFF
+    lo, hi = (h & 0xFF).view(4, 4), (h >> 8).view(4, 4)
+    sh = torch.tensor([0, 8, 16, 24])
+    words = torch.cat([(lo << sh).sum(1), (hi << sh).sum(1)])
+    return words.to(torch.int64).where(words < 2**31, words - 2**32).to(torch.int32)
+
+
+_LOOKUPS = ("auto", "pair", "gather", "shuffle", "prmt")
+
+
 class TkvLoader:
     """Per-layer tkv format: the codec's tables as device tensors + the layer's SlotLayout.
 
@@ -223,12 +303,19 @@ class TkvLoader:
         codec: the layer's :class:`~tkv.codec.TurboKVCodec` (its device is the kernels' device).
         num_kv_heads: KV heads of the layer (per TP rank).
         block_size: tokens per page.
-        lookup: codebook lookup in the tile loader. ``"auto"`` / ``"pair"`` (default): 2-, 3-
-            and 4-bit sides with planes gather 16-bit *pairs* of centroids (one lookup per two
-            codes, in the query's 16-bit float type), other widths gather float32 centroids;
-            with float32 dots (the interpreter) "auto" gathers float32 centroids and "pair"
-            uses float16 pairs. ``"gather"``: one float32 gather per code for
-            every width.
+        lookup: codebook lookup in the tile loader. ``"pair"``: 2-, 3- and 4-bit sides with
+            planes gather 16-bit *pairs* of centroids (one lookup per two codes, in the
+            query's 16-bit float type), other widths gather float32 centroids; with float32
+            dots (the interpreter) it uses float16 pairs. ``"prmt"``: 4-bit sides with planes
+            and 16-bit dots decode 8 codes with 22 integer instructions and no memory access
+            (PTX byte permutes over 16-entry byte tables; CUDA only, DtypeError under the
+            interpreter); other sides as ``"pair"``. ``"auto"`` (default): ``"prmt"`` on CUDA
+            (K4V4 decode on the H200: 0.300 ms vs 0.378 ms with pairs,
+            ``benchmarks/results/kernels_gpu_2026-11-30_lookups.md``), float32 gathers under
+            the interpreter. ``"gather"``: one float32 gather per code for every width.
+            ``"shuffle"``: 3-, 4- and 5-bit sides with planes look codes up in a register copy
+            of the codebook (``tl.gather``, warp shuffles): 1.15 vs 1.38 ms at K5V5, slower
+            at K4V4 (2-bit tables crashed Triton 3.6's ThreadLocality pass, hence not offered).
 
     Raises:
         ValueError: unknown ``lookup``. DtypeError: ``codec`` is not a TurboKVCodec.
@@ -253,8 +340,8 @@ class TkvLoader:
 
     def __init__(self, codec: TurboKVCodec, num_kv_heads: int, block_size: int,
                  lookup: str = "auto"):
-        if lookup not in ("auto", "pair", "gather"):
-            raise ValueError(f"lookup must be 'auto', 'pair' or 'gather', got {lookup!r}")
+        if lookup not in _LOOKUPS:
+            raise ValueError(f"lookup must be one of {_LOOKUPS}, got {lookup!r}")
         self.lookup = lookup
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")
@@ -277,13 +364,17 @@ class TkvLoader:
         dev = self.device
         self.k_table = codec.k.scaled_centroids.to(dev, torch.float32).contiguous()
         self.v_table = codec.v.scaled_centroids.to(dev, torch.float32).contiguous()
-        self._pairs = {}
+        self._pairs, self._prmt = {}, {}
         for side, bits, table in (("k", self.k_bits, self.k_table), ("v", self.v_bits,
                                                                       self.v_table)):
-            if bits in (2, 3, 4) and lookup != "gather":
+            if bits in (2, 3, 4) and lookup in ("auto", "pair", "prmt"):
                 for half, code in ((torch.float16, LOOKUP_PAIR_F16),
                                    (torch.bfloat16, LOOKUP_PAIR_BF16)):
                     self._pairs[side, half] = (_pair_table(table, bits, half).to(dev), code)
+            if bits == 4 and lookup in ("auto", "prmt"):
+                for half, code in ((torch.float16, LOOKUP_PRMT_F16),
+                                   (torch.bfloat16, LOOKUP_PRMT_BF16)):
+                    self._prmt[side, half] = (_prmt_table(table, half).to(dev), code)
 
         def bounds(side):
             b = side.boundaries.to(torch.float32).cpu()
@@ -356,9 +447,17 @@ class TkvLoader:
             half = None   # float32 dots (interpreter): exact float32 centroids
         if self.planes(side) == 1:
             half = None   # one plane: per-code gathers from the float32 table
-        table, code = self._pairs.get((side, half), (
-            self.k_table if side == "k" else self.v_table, LOOKUP_GATHER))
         bits = lay.k_bits if side == "k" else lay.v_bits
+        if self.lookup == "prmt" and interpreting():
+            raise DtypeError("lookup='prmt' is PTX inline assembly: it needs a CUDA device, not "
+                             "the Triton interpreter (use lookup='pair' there)")
+        table, code = self.k_table if side == "k" else self.v_table, LOOKUP_GATHER
+        if (side, half) in self._prmt and not interpreting():
+            table, code = self._prmt[side, half]
+        elif (side, half) in self._pairs:
+            table, code = self._pairs[side, half]
+        if self.lookup == "shuffle" and bits in (3, 4, 5) and self.planes(side) > 1:
+            code = LOOKUP_SHUFFLE
         code_bytes = lay.k_code_bytes if side == "k" else lay.v_code_bytes
         p0 = bits + 16 * code_bytes + 65536 * code
         if side == "k":

@@ -1,0 +1,84 @@
+"""The ``prmt`` codebook lookup (PTX inline assembly) checked on the CPU by executing its
+exact assembly text with a small emulator of the four instructions it uses, on random code
+bytes and random codebooks; the compiled path is checked against the float64 oracle by
+``test_kernels.py::test_decode_lookup_variants`` on a GPU."""
+
+import re
+
+import pytest
+import torch
+
+from tkv.kernels.loaders import _PRMT_LUT16 as _ASM
+from tkv.kernels.loaders import _prmt_table
+
+_PRMT_LUT16 = _ASM.value
+
+M32 = 0xFFFFFFFF
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32`` default mode: byte n of the result is byte ``sel[4n+2:4n]`` of the
+    8-byte value ``b:a``, or that byte's sign replicated when ``sel`` bit ``4n+3`` is set."""
+    src = (b << 32) | a
+    out = 0
+    for n in range(4):
+        nib = (sel >> (4 * n)) & 0xF
+        byte = (src >> (8 * (nib & 7))) & 0xFF
+        if nib & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * n)
+    return out
+
+
+def _run(asm: str, operands: dict[str, int]) -> dict[str, int]:
+    """Execute the inline-assembly block on 32-bit values (``$n`` operands preset)."""
+    regs = dict(operands)
+
+    def val(tok):
+        tok = tok.strip()
+        if tok.startswith("0x"):
+            return int(tok, 16)
+        if tok.isdigit():
+            return int(tok)
+        return regs[tok]
+
+    ops = {"and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
+           "shr.b32": lambda a, b: a >> b}
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        args = [t.strip() for t in rest.split(",")]
+        if op == "prmt.b32":
+            regs[args[0]] = _prmt(val(args[1]), val(args[2]), val(args[3]))
+        elif op in ops:
+            regs[args[0]] = ops[op](val(args[1]), val(args[2])) & M32
+        else:
+            raise AssertionError(f"emulator lacks {op}")
+    return regs
+
+
+def test_prmt_asm_uses_only_emulated_instructions():
+    used = set(re.findall(r"^\s*([a-z]+\.[a-z0-9]+)\s", _PRMT_LUT16, re.M))
+    assert used <= {"and.b32", "or.b32", "shr.b32", "prmt.b32"}, used
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_prmt_lookup_matches_codebook(half):
+    g = torch.Generator().manual_seed(7)
+    for trial in range(4):
+        table = torch.randn(16, generator=g) * (0.05 + trial)
+        words = [int(w) & M32 for w in _prmt_table(table, half)]
+        want = (table.to(half).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+        # the asm reads the first register of each table operand ($5, $9, …, $33)
+        operands = {f"${5 + 4 * i}": w for i, w in enumerate(words)}
+        codes = torch.randint(0, 256, (64, 4), generator=g).tolist()
+        codes += [[0, 0, 0, 0], [255, 255, 255, 255], [0x0F, 0xF0, 0x88, 0x77]]
+        for b in codes:
+            x = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+            r = _run(_PRMT_LUT16, {**operands, "$4": x})
+            lo = [r["$0"] & 0xFFFF, r["$0"] >> 16, r["$1"] & 0xFFFF, r["$1"] >> 16]
+            hi = [r["$2"] & 0xFFFF, r["$2"] >> 16, r["$3"] & 0xFFFF, r["$3"] >> 16]
+            assert lo == [want[c & 15] for c in b], (b, lo)
+            assert hi == [want[c >> 4] for c in b], (b, hi)
