@@ -41,7 +41,7 @@ def bench(fn, rep=60):
     Python launch overhead), else — when ``fn`` cannot be captured — of eager calls."""
     try:
         return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-    except Exception:  # noqa: BLE001  (uncapturable: time eagerly)
+    except Exception:
         torch.cuda.synchronize()
         return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
