@@ -17,7 +17,8 @@ and writes, per model, a table with ratios against bf16:
    (exact-match prompts and mean matching-prefix fraction);
 3. offline decode throughput (``sgl.Engine.generate``), CUDA graphs on: ``--batches``
    concurrent requests (default 64 and 256) of 512 random prompt tokens, 256 output tokens
-   each, ``ignore_eos``; output tokens / wall second, prefill included, one warm-up first.
+   each, ``ignore_eos``; output tokens / wall second, prefill included, after a warm-up batch
+   of other prompts of the same shape (all kernel variants compiled before timing).
 
 Models: local HF folders with real weights (e.g. ``/tmp/tkv-models/smollm2-135m``) and
 ``qwen3-8b-like``: Qwen3-8B attention geometry (36 layers, Hq 32, Hkv 8, head_dim 128),
@@ -123,9 +124,11 @@ def worker(a: argparse.Namespace) -> None:
         sp = {"max_new_tokens": OUTPUT_LEN, "temperature": 0.0, "ignore_eos": True}
         res["throughput"] = {}
         for n in a.batches:
+            # warm-up: a whole batch of other prompts (no radix-cache hits in the timed run),
+            # so that every kernel variant is compiled before timing (see vllm_e2e.py)
+            warm = [[rng.randrange(1000, 30000) for _ in range(PROMPT_LEN)] for _ in range(n)]
+            llm.generate(input_ids=warm, sampling_params={"max_new_tokens": 16, "ignore_eos": True})
             batch = [[rng.randrange(1000, 30000) for _ in range(PROMPT_LEN)] for _ in range(n)]
-            llm.generate(input_ids=batch[: min(n, 8)],
-                         sampling_params={"max_new_tokens": 8, "ignore_eos": True})  # warm-up
             t = time.perf_counter()
             outs = llm.generate(input_ids=batch, sampling_params=sp)
             dt = time.perf_counter() - t
