@@ -450,7 +450,11 @@ def test_named_errors_on_bad_input():
 def test_workspace_split_count_is_static_and_bounded():
     ws = Workspace(64, 32, 128, DEV, max_splits=16, target_programs=512)
     assert ws.splits_for(1, 8) == 16
-    assert ws.splits_for(64, 8) == 1
+    assert ws.splits_for(64, 8) == 2          # min_splits (default 2)
+    assert Workspace(64, 32, 128, DEV, target_programs=512, min_splits=1).splits_for(64, 8) == 1
+    for bad in (0, 3, 64, True):
+        with pytest.raises(ShapeError):
+            Workspace(4, 4, 64, DEV, max_splits=32, min_splits=bad)
     assert all(ws.splits_for(n, 8) & (ws.splits_for(n, 8) - 1) == 0 for n in range(1, 65))
     o, lse = ws.partials(4, 32, ws.splits_for(4, 8), 128)
     assert o.shape == (4, 32, 16, 128) and lse.shape == (4, 32, 16)

@@ -29,6 +29,12 @@ class Workspace:
         max_splits: the most split-K partitions a sequence is cut into (power of two).
         target_programs: split-K aims for ``num_seqs · num_kv_heads · splits ≥ target_programs``
             CTAs; default ``4 × SM count`` on CUDA (fills the chip with several waves).
+        min_splits: the fewest partitions (power of two ≤ max_splits), whatever the batch.
+            Default 2: on the H200, K4V4 decode at B=128, L=1K, Hkv=8 (1,024 CTAs, already
+            past target_programs) took 0.361 ms with 1 split and 0.217 ms with 2 (4: 0.222,
+            8: 0.238; bf16 BypassLoader 0.143 vs 0.148 — `benchmarks/results/
+            kernels_gpu_2026-11-30_lookups.md`): one tile chain per CTA leaves the dependent
+            load → lookup → dot latency exposed.
 
     Memory: ``rows · d_pad · 4`` bytes of float32 partial outputs plus ``rows · 4`` of LSEs, with
     ``rows = max over n ≤ max_num_seqs of n · max_num_q_heads · splits(n, 1)`` — bounded because
@@ -37,13 +43,18 @@ class Workspace:
 
     def __init__(self, max_num_seqs: int, max_num_q_heads: int, max_head_dim: int,
                  device: torch.device | str = "cuda", *, max_splits: int = 32,
-                 target_programs: int | None = None):
+                 target_programs: int | None = None, min_splits: int = 2):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_q_heads", max_num_q_heads),
                         ("max_head_dim", max_head_dim), ("max_splits", max_splits)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ShapeError(f"Workspace.{name} must be a positive int, got {v!r}")
         if max_splits & (max_splits - 1):
             raise ShapeError(f"max_splits must be a power of two, got {max_splits}")
+        if (isinstance(min_splits, bool) or not isinstance(min_splits, int) or min_splits < 1
+                or min_splits & (min_splits - 1) or min_splits > max_splits):
+            raise ShapeError(f"min_splits must be a power of two in [1, max_splits={max_splits}],"
+                             f" got {min_splits!r}")
+        self.min_splits = min_splits
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         self.max_num_q_heads = max_num_q_heads
@@ -68,7 +79,7 @@ class Workspace:
         """Split-K count for a batch: a power of two in ``[1, max_splits]``; depends only on
         the batch shape (never on sequence lengths), so it is static under CUDA graphs."""
         want = -(-self.target_programs // max(1, num_seqs * num_kv_heads))
-        return max(1, min(self.max_splits, next_pow2(want)))
+        return max(self.min_splits, min(self.max_splits, next_pow2(want)))
 
     def partials(self, num_seqs: int, num_q_heads: int, splits: int, d_pad: int):
         """Views ``(o float32 (num_seqs, num_q_heads, splits, d_pad), lse float32 (num_seqs,
