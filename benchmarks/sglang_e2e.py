@@ -274,7 +274,8 @@ def run_models(o: argparse.Namespace, bits_full: list[str], bits_greedy: list[st
     everything: dict = {}
     for spec in o.model:
         try:
-            model, dummy = resolve_model(spec, out / "models")
+            model, weights = resolve_model(spec, out / "models")
+            dummy = weights == "dummy"   # "real" / "random" checkpoints load their files
         except SystemExit as e:
             print(f"== {spec}: skipped ({e})", flush=True)
             md.append(f"### {spec}\n\nskipped: {e}\n")

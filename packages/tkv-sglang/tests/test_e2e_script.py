@@ -1,0 +1,59 @@
+"""The SGLang end-to-end script's driver on CPU: which models load real weights.
+
+On 2026-11-30 the driver unpacked ``resolve_model``'s weights *string* as a bool, so a model
+with real weights ("real" is truthy) ran with ``--dummy`` (random weights): the first GPU smoke
+measured SmolLM2's geometry, not SmolLM2. The engine runs are stubbed here (``run_mode``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    sys.path.insert(0, str(_BENCH))  # sglang_e2e imports its shared helpers from vllm_e2e
+    try:
+        spec = importlib.util.spec_from_file_location("sglang_e2e", _BENCH / "sglang_e2e.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.path.remove(str(_BENCH))
+
+
+def test_real_models_load_real_weights_and_generated_ones_are_dummy(e2e, tmp_path, monkeypatch):
+    real = tmp_path / "real-model"
+    real.mkdir()
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "hidden_size": 64, "head_dim": 16}
+    (real / "config.json").write_text(json.dumps(cfg))
+    calls = []
+
+    def fake_run_mode(model, dummy, mode, bits, bundle, out, o, greedy_only=False):
+        calls.append((model.name, dummy, mode, bits))
+        return {"kv_tokens": 1000 if mode == "bf16" else 3760, "greedy": [[1, 2]] * 8}
+
+    monkeypatch.setattr(e2e, "run_mode", fake_run_mode)
+    monkeypatch.setattr(e2e, "write_uniform_bundle", lambda model, path: path)
+    o = argparse.Namespace(out=str(tmp_path / "out"), mem=0.5, context_length=4096,
+                           baseline_backend="triton", batches=[8], eager=True, bundle=None,
+                           model=[str(real), "qwen3-8b-like"], serve=False)
+    e2e.run_models(o, ["4.0"], ["8.0"])
+    by_model = {}
+    for name, dummy, _mode, _bits in calls:
+        by_model.setdefault(name, set()).add(dummy)
+    assert by_model["real-model"] == {False}
+    assert by_model["qwen3-8b-like"] == {True}
+    assert {(m, b) for n, _, m, b in calls if n == "real-model"} == {
+        ("bf16", None), ("tkv", "4.0"), ("tkv", "8.0")}
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "real-model (random weights)" not in readme
+    assert "qwen3-8b-like (random weights)" in readme
