@@ -82,3 +82,31 @@ def test_prmt_lookup_matches_codebook(half):
             hi = [r["$2"] & 0xFFFF, r["$2"] >> 16, r["$3"] & 0xFFFF, r["$3"] >> 16]
             assert lo == [want[c & 15] for c in b], (b, lo)
             assert hi == [want[c >> 4] for c in b], (b, hi)
+
+
+def test_lookup_selection_per_width_and_backend(monkeypatch):
+    """Which lookup each side gets: prmt for 4-bit sides with 16-bit dots on CUDA (the default),
+    pair tables for 2/3-bit sides, float32 gathers for float32 dots (the interpreter) and for
+    one-plane sides; an explicit prmt under the interpreter is a named error."""
+    import tkv.kernels.loaders as L
+    from tkv.codec import TurboKVCodec
+    from tkv.codec.errors import DtypeError
+
+    codec = TurboKVCodec(128, k_bits=4, v_bits=3, device="cpu", seed=1)
+    cache = L.TkvLoader(codec, 2, 16).layout.allocate(2, "cpu")
+
+    def code(ld, side, dot):
+        return ld.side_args(cache, side, dot)[6] // 65536
+
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    auto = L.TkvLoader(codec, 2, 16)
+    assert code(auto, "k", torch.bfloat16) == L.LOOKUP_PRMT_BF16
+    assert code(auto, "k", torch.float16) == L.LOOKUP_PRMT_F16
+    assert code(auto, "v", torch.bfloat16) == L.LOOKUP_PAIR_BF16      # 3 bits: pair table
+    assert code(L.TkvLoader(codec, 2, 16, lookup="pair"), "k", torch.bfloat16) == L.LOOKUP_PAIR_BF16
+    assert code(L.TkvLoader(codec, 2, 16, lookup="shuffle"), "v", torch.float16) == L.LOOKUP_SHUFFLE
+    assert code(L.TkvLoader(codec, 2, 16, lookup="gather"), "k", torch.bfloat16) == L.LOOKUP_GATHER
+    monkeypatch.setattr(L, "interpreting", lambda: True)
+    assert code(auto, "k", torch.float32) == L.LOOKUP_GATHER
+    with pytest.raises(DtypeError):
+        L.TkvLoader(codec, 2, 16, lookup="prmt").side_args(cache, "k", torch.bfloat16)
