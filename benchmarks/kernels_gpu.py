@@ -36,19 +36,72 @@ ROWS: list[dict] = []
 LOOKUPS: tuple[str, ...] = ("gather", "pair", "shuffle", "prmt")  # TkvLoader lookups, side by side
 
 
+TIMING = {"method": None}  # how the last bench() timed: "graph" or "eager" (logged per row)
+_FLUSH_BYTES = 256 << 20      # > the H200's 50 MB L2: every timed call starts from HBM
+
+
+def _graph_ms(fn, n=20, replays=7):
+    """GPU ms per call of ``fn`` from CUDA graphs, L2 flushed before every call like
+    ``do_bench`` does: graph A = n × (flush, fn), graph B = n × flush; median over replays of
+    (A − B) / n. No Python launch overhead (what engines see under CUDA graphs)."""
+    buf = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device=DEV)
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    graphs = []
+    with torch.cuda.stream(stream):
+        for with_fn in (True, False):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=stream):
+                for _ in range(n):
+                    buf.zero_()
+                    if with_fn:
+                        fn()
+            graphs.append(g)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        t = []
+        for g in graphs:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            t.append(a.elapsed_time(b))
+        times.append((t[0] - t[1]) / n)
+    del graphs, buf
+    return sorted(times)[len(times) // 2]
+
+
 def bench(fn, rep=60):
-    """Median ms of ``fn`` replayed from a CUDA graph (GPU time, as engines run decode; no
-    Python launch overhead), else — when ``fn`` cannot be captured — of eager calls."""
+    """Median ms of ``fn``: from CUDA graphs with the L2 flushed before every call
+    (:func:`_graph_ms`), else — ``fn`` cannot be captured (host sync, CPU-side allocation) —
+    eager ``do_bench`` calls (launch overhead included). ``TIMING["method"]`` says which;
+    :func:`log` writes it into every row with a time."""
     try:
-        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-    except Exception:
+        ms = _graph_ms(fn)
+        TIMING["method"] = "graph"
+        return ms
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # capture refused / no memory
         torch.cuda.synchronize()
+        TIMING["method"] = f"eager ({type(e).__name__})"
         return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
 def log(row):
+    if "ms" in row and row.get("kernel") != "copy" and TIMING["method"]:
+        row = {**row, "timing": TIMING["method"]}
     ROWS.append(row)
     print(json.dumps(row), flush=True)
+
+
+def lookup_label(loader, cache, dot_dtype=torch.bfloat16) -> str:
+    """The lookups a TkvLoader really uses for K and V at ``dot_dtype`` (the requested
+    ``lookup`` falls back per side, e.g. prmt → pair for a 3-bit side): e.g. "prmt/pair"."""
+    names = {0: "gather", 1: "pair", 2: "pair", 3: "shuffle", 4: "prmt", 5: "prmt"}
+    k, v = (names[loader.side_args(cache, side, dot_dtype)[6] // 65536] for side in "kv")
+    return k if k == v else f"{k}/{v}"
 
 
 def copy_bandwidth():
@@ -261,7 +314,7 @@ def decode_rows(cfgs, widths, copy_gbs, tune):
                 except Exception as e:
                     log({**base, "impl": f"tkv_K{kb}V{vb}", **o, "error": str(e)[:160]})
                     continue
-                log({**base, "impl": f"tkv_K{kb}V{vb}_{lk}", **o, "ms": ms,
+                log({**base, "impl": f"tkv_K{kb}V{vb}_{lookup_label(ld, cache)}", **o, "ms": ms,
                      "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
             del cache
         torch.cuda.empty_cache()
@@ -396,7 +449,7 @@ def split_rows(copy_gbs):
         base = dict(kernel="decode", B=B, L=L, Hq=hq, Hkv=hkv, D=d)
         for name, loader, c, nbytes in (("tkv_bypass_bf16_paged", bl, (kp, kp),
                                          2 * B * L * hkv * d * 2),
-                                        ("tkv_K4V4_pair", ld, cache,
+                                        (f"tkv_K4V4_{lookup_label(ld, cache)}", ld, cache,
                                          B * L * ld.layout.bytes_per_token)):
             for sp in (1, 2, 4, 8, 16):
                 ms = bench(lambda sp=sp, loader=loader, c=c: decode(q, c, bt, sl, loader, ws,

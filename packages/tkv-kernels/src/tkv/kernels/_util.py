@@ -80,10 +80,11 @@ def tile_tokens(block_n: int | None, head_dim: int, min_block_n: int,
 
 
 def interpreting() -> bool:
-    """True under the Triton CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """True under the Triton CPU interpreter (``TRITON_INTERPRET`` set to any value Triton
+    itself reads as true: 1 / true / yes / on, any case)."""
     import os
 
-    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def dot_dtype_for(dtype: torch.dtype) -> torch.dtype:

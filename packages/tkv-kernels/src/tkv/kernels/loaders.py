@@ -448,7 +448,7 @@ class TkvLoader:
         if self.planes(side) == 1:
             half = None   # one plane: per-code gathers from the float32 table
         bits = lay.k_bits if side == "k" else lay.v_bits
-        if self.lookup == "prmt" and interpreting():
+        if (self.lookup == "prmt" and interpreting() and (side, half) in self._prmt):
             raise DtypeError("lookup='prmt' is PTX inline assembly: it needs a CUDA device, not "
                              "the Triton interpreter (use lookup='pair' there)")
         table, code = self.k_table if side == "k" else self.v_table, LOOKUP_GATHER
