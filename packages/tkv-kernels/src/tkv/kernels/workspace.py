@@ -30,9 +30,9 @@ class Workspace:
         target_programs: split-K aims for ``num_seqs · num_kv_heads · splits ≥ target_programs``
             CTAs; default ``4 × SM count`` on CUDA (fills the chip with several waves).
         min_splits: the fewest partitions (power of two ≤ max_splits), whatever the batch.
-            Default 2: on the H200, K4V4 decode (pair lookup) at B=128, L=1K, Hkv=8 (1,024 CTAs, already
-            past target_programs) took 0.361 ms with 1 split and 0.217 ms with 2 (4: 0.222,
-            8: 0.238; bf16 BypassLoader 0.143 vs 0.148 — `benchmarks/results/
+            Default 2: on the H200, K4V4 decode (pair lookup) at B=128, L=1K, Hkv=8 (1,024
+            CTAs, already past target_programs) took 0.361 ms with 1 split and 0.217 ms with
+            2 (4: 0.222, 8: 0.238; bf16 BypassLoader 0.143 vs 0.148 — `benchmarks/results/
             kernels_gpu_2026-11-30_lookups.md`): one tile chain per CTA leaves the dependent
             load → lookup → dot latency exposed.
 
