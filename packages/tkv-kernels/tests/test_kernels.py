@@ -378,6 +378,28 @@ def test_prefill_tkv_lookups(lookup):
     _prefill_check(ld, [37, 5], [6, 11], 4, seed=41)
 
 
+def test_warm_prefix_variant_reads_token_0_and_writes_nothing():
+    """The engines' compile warm-up: a 1-token chunk over the first sequence's token 0, output
+    equal to the oracle, cache bytes untouched; skipped for empty batches."""
+    from tkv.kernels import warm_prefix_variant
+
+    codec = TurboKVCodec(64, k_bits=4, v_bits=3, device=DEV, seed=8)
+    ld = TkvLoader(codec, 2, 16)
+    batch, cache = _scenario(ld, [9, 4], 51)
+    before = cache.clone()
+    g = _gen(52)
+    q = torch.randn(13, 8, 64, generator=g).to(DEV, torch.bfloat16)
+    k = torch.randn(13, 2, 64, generator=g).to(DEV, torch.bfloat16)
+    v = torch.randn(13, 2, 64, generator=g).to(DEV, torch.bfloat16)
+    out = warm_prefix_variant(q, k, v, cache, batch.block_table, ld, window=0)
+    assert torch.equal(cache, before)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([2], dtype=torch.int32, device=DEV)
+    ref = prefill_reference(q[:1], k[:1], v[:1], cu, sl, cache, batch.block_table[:1], ld)
+    assert _rel(out, ref) < max(_tol(torch.bfloat16), 8e-3)   # bf16 output rounding (2^-9)
+    assert warm_prefix_variant(q[:0], k[:0], v[:0], cache, batch.block_table, ld) is None
+
+
 def test_prefill_tkv_fused_rotation_and_head_dim_256():
     codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=4)
     codec = TurboKVCodec(256, k_bits=4, v_bits=3, device=DEV, seed=5)

@@ -451,6 +451,9 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
                                      vv.reshape(len(q), -1), w.layer, fb)
         exp = w.expected([1, 2], lens, q.float(), ext, chunk_exact=True)
         assert torch.allclose(o.view(-1, 4, 64).double(), exp, atol=3e-2, rtol=3e-2)
+        # the first chunks take the bypass and compile the prefix-reading variant right away
+        assert w.backend.forward_metadata.no_prefix == (prev == [0, 0])
+        assert w.layer.layer_id in w.backend._prefix_variant_warm
 
 
 @pytest.mark.gpu

@@ -155,6 +155,50 @@ def run(spec_k: int) -> float:
             worst = max(worst, padded_decode_step(B, impl, layer, cache, bt, seq_lens, slots,
                                                   window, builder, loader, gather_kv,
                                                   CommonAttentionMetadata, li))
+            worst = max(worst, first_prefill_step(impl, layer, shape, builder, window,
+                                                  CommonAttentionMetadata, li))
+    return worst
+
+
+def first_prefill_step(impl, layer, shape, builder, window, CommonAttentionMetadata, li):
+    """A batch of first chunks only (the prefill bypass, ``no_prefix``) on a fresh cache: equal
+    to the reference, and it compiles the prefix-reading variant once (``warm_prefix_variant``)
+    without writing the cache."""
+    hq, hd, hkv = impl.num_heads, impl.head_size, impl.num_kv_heads
+    bs = 16
+    cache = torch.zeros(shape, dtype=torch.uint8)
+    q_lens = [5, 3]
+    bt = torch.tensor([[3, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.int32)
+    sm = torch.cat([torch.arange(ql, dtype=torch.int64) + int(bt[r, 0]) * bs
+                    for r, ql in enumerate(q_lens)])
+    n = sum(q_lens)
+    q = torch.randn(n, hq, hd, dtype=torch.bfloat16)
+    k = torch.randn(n, hkv, hd, dtype=torch.bfloat16)
+    v = torch.randn(n, hkv, hd, dtype=torch.bfloat16)
+    impl.do_kv_cache_update(layer, k, v, cache, sm)
+    stored = cache.clone()
+    qsl = torch.tensor([0, 5, 8], dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor(q_lens, dtype=torch.int32), num_reqs=2, num_actual_tokens=n,
+        max_query_len=5, max_seq_len=5, block_table_tensor=bt, slot_mapping=sm,
+        seq_lens_cpu_upper_bound=torch.tensor(q_lens, dtype=torch.int32))
+    md = builder.build(0, cam)
+    assert md.num_prefills == 2 and md.prefill_no_prefix, md
+    impl._prefix_variant_warm = False
+    out = torch.full((n, hq, hd), float("nan"), dtype=torch.bfloat16)
+    impl.forward(layer, q, k, v, cache, md, output=out)
+    assert impl._prefix_variant_warm, "prefix-reading prefill variant not warmed"
+    assert torch.equal(cache, stored), "forward wrote the cache"
+    worst = 0.0
+    for r in range(2):
+        a, b = int(qsl[r]), int(qsl[r + 1])
+        empty = torch.zeros(0, hkv, hd, dtype=torch.float64)
+        ref = reference(q[a:b], k[a:b], v[a:b], empty, empty, 0, window, hd ** -0.5,
+                        decode=False)
+        err = (out[a:b].double() - ref).abs().max().item() / ref.abs().max().item()
+        print(f"first prefill layer {li} request {r}: rel err {err:.2e}")
+        worst = max(worst, err)
     return worst
 
 

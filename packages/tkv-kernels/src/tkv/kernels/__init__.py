@@ -2,14 +2,15 @@
 
 Public API: :class:`TkvLoader` (per-layer tkv format), :class:`BypassLoader`,
 :class:`Fp8Loader`, the :class:`Loader` protocol, :class:`Workspace` (shared scratch),
-:func:`compress_store`, :func:`decode`, :func:`prefill`; :mod:`tkv.kernels.reference` is the
+:func:`compress_store`, :func:`decode`, :func:`prefill` (+ :func:`warm_prefix_variant`);
+:mod:`tkv.kernels.reference` is the
 float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
 """
 
 from . import _interpreter_compat
 from .decode import decode
 from .loaders import BypassLoader, Fp8Loader, Loader, TkvLoader
-from .prefill import prefill
+from .prefill import prefill, warm_prefix_variant
 from .store import compress_store
 from .validate import MetadataError, check_metadata
 from .workspace import Workspace, WorkspaceTooSmallError
@@ -21,4 +22,5 @@ _interpreter_compat.apply()
 __version__ = "0.1.0"
 
 __all__ = ["BypassLoader", "Fp8Loader", "Loader", "MetadataError", "TkvLoader", "Workspace",
-           "WorkspaceTooSmallError", "check_metadata", "compress_store", "decode", "prefill"]
+           "WorkspaceTooSmallError", "check_metadata", "compress_store", "decode", "prefill",
+           "warm_prefix_variant"]

@@ -268,3 +268,33 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         final.copy_((out.view(-1, d_pad) @ loader.out_planar).view(tq, hq, d))
         out = final
     return out
+
+
+def warm_prefix_variant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache,
+                        block_table: torch.Tensor, loader: Loader, *,
+                        sm_scale: float | None = None, window: int = 0) -> torch.Tensor | None:
+    """Compile the prefill variant that reads a compressed prefix, by running it once on a
+    1-token chunk over a 1-token prefix into scratch; returns the scratch output (None when
+    skipped). Engines call it right after their first ``prefill(..., no_prefix=True)``.
+
+    First chunks take the prefill bypass, a different kernel specialization from the one
+    continuation chunks, prefix-cache hits and spec-decode verify use; without this, the first
+    such step stalls on a Triton compile (seconds — measured inside a vLLM throughput run on the
+    H200, 2026-11-30). The call uses this batch's own tensors (``query``/``key``/``value`` of
+    the chunk just prefilled, ``block_table`` rows of its sequences, the real ``cache``) so every
+    runtime argument falls in the same specialization class as the real calls; it reads the
+    first sequence's token 0 (stored by this step) and writes nothing but the scratch output.
+    Skipped while a CUDA graph is being captured.
+
+    Args: as :func:`prefill` (``query`` ``(≥1, num_q_heads, head_dim)``, ``block_table`` int32
+    ``(≥1, max_blocks_per_seq)``; only row 0 and token 0 are used).
+    """
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    if query.shape[0] == 0 or block_table.shape[0] == 0:
+        return None
+    dev = query.device
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor([2], dtype=torch.int32, device=dev)
+    return prefill(query[:1], key[:1], value[:1], cu, seq_lens, 1, cache, block_table[:1],
+                   loader, out=torch.empty_like(query[:1]), sm_scale=sm_scale, window=window)

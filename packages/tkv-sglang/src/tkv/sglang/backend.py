@@ -143,6 +143,7 @@ class TurboAttnBackend(AttentionBackend):
             raise UnsupportedFeatureError("turbo-attn does not support speculative decoding yet")
         self.pool = pool
         self.device = torch.device(model_runner.device)
+        self._prefix_variant_warm: set[int] = set()  # layers whose prefix prefill is compiled
         self.page_size = model_runner.page_size
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.max_pages = math.ceil(self.req_to_token.shape[1] / self.page_size)
@@ -311,12 +312,18 @@ class TurboAttnBackend(AttentionBackend):
         q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
         out = q.new_empty(q3.shape[0], hq * d)
         if self.impl == "triton":
-            from tkv.kernels import prefill
+            from tkv.kernels import prefill, warm_prefix_variant
 
-            prefill(q3, k3, v3, md.cu_seqlens_q, md.seq_lens, md.max_seq_len_q,
-                    self.pool.get_key_buffer(layer.layer_id), md.block_table,
-                    self.pool.loader(layer.layer_id), out=out.view(-1, hq, d),
+            lid = layer.layer_id
+            cache, loader = self.pool.get_key_buffer(lid), self.pool.loader(lid)
+            prefill(q3, k3, v3, md.cu_seqlens_q, md.seq_lens, md.max_seq_len_q, cache,
+                    md.block_table, loader, out=out.view(-1, hq, d),
                     sm_scale=layer.scaling, window=_window(layer), no_prefix=md.no_prefix)
+            if md.no_prefix and lid not in self._prefix_variant_warm:
+                # compile the prefix-reading variant now, not at the first continuation chunk
+                self._prefix_variant_warm.add(lid)
+                warm_prefix_variant(q3, k3, v3, cache, md.block_table, loader,
+                                    sm_scale=layer.scaling, window=_window(layer))
         else:
             out.view(-1, hq, d).copy_(reference_attention(
                 self.pool, layer.layer_id, q3, k3, v3, self._token_locs(forward_batch),

@@ -318,6 +318,7 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
         self.sliding_window = sliding_window
         self.kv_cache_dtype = kv_cache_dtype
         self._tkv_state: LayerState | None = None
+        self._prefix_variant_warm = False
         # Validate TKV_BITS / TKV_CALIBRATION_FILE now: the first layer built fails the
         # engine with the codec's named error, before any KV cache is allocated.
         tkv_config(get_current_vllm_config())
@@ -382,4 +383,10 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
                             md.seq_lens[nd:r1], md.max_prefill_query_len, kv_cache,
                             md.block_table[nd:r1], loader, out=out[ndt:n], sm_scale=self.scale,
                             window=self._window, no_prefix=md.prefill_no_prefix)
+            if md.prefill_no_prefix and not self._prefix_variant_warm:
+                # compile the prefix-reading variant now, not at the first continuation chunk
+                self._prefix_variant_warm = True
+                kernels.warm_prefix_variant(q[ndt:n], k[ndt:n], v[ndt:n], kv_cache,
+                                            md.block_table[nd:r1], loader, sm_scale=self.scale,
+                                            window=self._window)
         return output
