@@ -41,7 +41,11 @@ def _online_update(s, m_i, l_i):
     return p, m_new, l_i, alpha
 
 
-@triton.jit
+# Engines pass slices of their per-step metadata (e.g. vLLM's seq_lens[num_decodes:]), whose
+# start is 16-byte aligned or not depending on the batch: without this, Triton compiles one
+# variant per alignment, so a warm-up (warm_prefix_variant) could not cover every later step.
+# Both are read once per program, so alignment buys nothing here.
+@triton.jit(do_not_specialize_on_alignment=["cu_q", "seq_lens"])
 def _prefill_kernel(
         Q, sq_t, sq_h, KN, sk_t, sk_h, VN, sv_t, sv_h, Out, so_t, so_h,
         cu_q, seq_lens, block_table, s_bt, max_blocks, num_blocks,
