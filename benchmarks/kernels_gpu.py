@@ -96,11 +96,10 @@ def log(row):
     print(json.dumps(row), flush=True)
 
 
-def lookup_label(loader, cache, dot_dtype=torch.bfloat16) -> str:
-    """The lookups a TkvLoader really uses for K and V at ``dot_dtype`` (the requested
+def lookup_label(loader) -> str:
+    """The lookups a TkvLoader really uses for K and V with bf16 dots (the requested
     ``lookup`` falls back per side, e.g. prmt → pair for a 3-bit side): e.g. "prmt/pair"."""
-    names = {0: "gather", 1: "pair", 2: "pair", 3: "shuffle", 4: "prmt", 5: "prmt"}
-    k, v = (names[loader.side_args(cache, side, dot_dtype)[6] // 65536] for side in "kv")
+    k, v = (loader.lookup_name(side) for side in "kv")
     return k if k == v else f"{k}/{v}"
 
 
@@ -314,7 +313,7 @@ def decode_rows(cfgs, widths, copy_gbs, tune):
                 except Exception as e:
                     log({**base, "impl": f"tkv_K{kb}V{vb}", **o, "error": str(e)[:160]})
                     continue
-                log({**base, "impl": f"tkv_K{kb}V{vb}_{lookup_label(ld, cache)}", **o, "ms": ms,
+                log({**base, "impl": f"tkv_K{kb}V{vb}_{lookup_label(ld)}", **o, "ms": ms,
                      "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
             del cache
         torch.cuda.empty_cache()
@@ -449,7 +448,7 @@ def split_rows(copy_gbs):
         base = dict(kernel="decode", B=B, L=L, Hq=hq, Hkv=hkv, D=d)
         for name, loader, c, nbytes in (("tkv_bypass_bf16_paged", bl, (kp, kp),
                                          2 * B * L * hkv * d * 2),
-                                        (f"tkv_K4V4_{lookup_label(ld, cache)}", ld, cache,
+                                        (f"tkv_K4V4_{lookup_label(ld)}", ld, cache,
                                          B * L * ld.layout.bytes_per_token)):
             for sp in (1, 2, 4, 8, 16):
                 ms = bench(lambda sp=sp, loader=loader, c=c: decode(q, c, bt, sl, loader, ws,

@@ -103,10 +103,12 @@ def test_lookup_selection_per_width_and_backend(monkeypatch):
     assert code(auto, "k", torch.bfloat16) == L.LOOKUP_PRMT_BF16
     assert code(auto, "k", torch.float16) == L.LOOKUP_PRMT_F16
     assert code(auto, "v", torch.bfloat16) == L.LOOKUP_PAIR_BF16      # 3 bits: pair table
+    assert (auto.lookup_name("k"), auto.lookup_name("v")) == ("prmt", "pair")
     assert code(L.TkvLoader(codec, 2, 16, lookup="pair"), "k", torch.bfloat16) == L.LOOKUP_PAIR_BF16
     assert code(L.TkvLoader(codec, 2, 16, lookup="shuffle"), "v", torch.float16) == L.LOOKUP_SHUFFLE
     assert code(L.TkvLoader(codec, 2, 16, lookup="gather"), "k", torch.bfloat16) == L.LOOKUP_GATHER
     monkeypatch.setattr(L, "interpreting", lambda: True)
     assert code(auto, "k", torch.float32) == L.LOOKUP_GATHER
+    assert auto.lookup_name("k", torch.float32) == "gather"
     with pytest.raises(DtypeError):
         L.TkvLoader(codec, 2, 16, lookup="prmt").side_args(cache, "k", torch.bfloat16)

@@ -109,41 +109,37 @@ class Loader(Protocol):
 # ============================================================================ tkv
 LOOKUP_GATHER, LOOKUP_PAIR_F16, LOOKUP_PAIR_BF16 = 0, 1, 2
 LOOKUP_SHUFFLE, LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16 = 3, 4, 5
+_LOOKUP_NAMES = {LOOKUP_GATHER: "gather", LOOKUP_PAIR_F16: "pair", LOOKUP_PAIR_BF16: "pair",
+                 LOOKUP_SHUFFLE: "shuffle", LOOKUP_PRMT_F16: "prmt", LOOKUP_PRMT_BF16: "prmt"}
 
-# 4-bit codes -> 16-bit centroids with byte permutes, 4 code bytes (8 codes) per call: PTX
-# ``prmt`` picks 4 of 8 source bytes by 3-bit selectors, so the 16-entry tables of the
-# centroids' low bytes ($5 $9 $13 $17) and high bytes ($21 $25 $29 $33) are looked up as
-# entries 0-7 / 8-15 and merged on bit 3 of each code (the selector 0x3210 | bit3 << 2);
-# the last four prmt pair each code's low and high byte into a 16-bit float. Outputs: $0 $1
-# the low-nibble codes (plane 0) of bytes 0-1 / 2-3, $2 $3 the high-nibble codes (plane 1).
-# 22 integer instructions per 4 bytes, no memory access, any register layout.
-_PRMT_LUT16: tl.constexpr = tl.constexpr("""
-{
-.reg .b32 x, s, xs, ss, a, b, l0, l1, h0, h1;
-and.b32 x, $4, 0x77777777;
-shr.b32 s, $4, 1;
-and.b32 s, s, 0x44444444;
-or.b32 s, s, 0x32103210;
-shr.b32 xs, x, 16;
-shr.b32 ss, s, 16;
-prmt.b32 a, $5, $9, x;
-prmt.b32 b, $13, $17, x;
-prmt.b32 l0, a, b, s;
-prmt.b32 a, $21, $25, x;
-prmt.b32 b, $29, $33, x;
-prmt.b32 h0, a, b, s;
-prmt.b32 a, $5, $9, xs;
-prmt.b32 b, $13, $17, xs;
-prmt.b32 l1, a, b, ss;
-prmt.b32 a, $21, $25, xs;
-prmt.b32 b, $29, $33, xs;
-prmt.b32 h1, a, b, ss;
-prmt.b32 $0, l0, h0, 0x6240;
-prmt.b32 $1, l1, h1, 0x6240;
-prmt.b32 $2, l0, h0, 0x7351;
-prmt.b32 $3, l1, h1, 0x7351;
-}
-""")
+
+def _prmt_lut8(t0: str, t1: str, t2: str, t3: str, x: str, s: str, dst: str) -> list[str]:
+    """PTX: ``dst`` byte n = byte ``code_n`` of the 16-entry byte table in registers
+    ``t0..t3`` (entries 0-7 from ``t0:t1``, 8-15 from ``t2:t3``, merged by selector ``s``)."""
+    return [f"prmt.b32 a, {t0}, {t1}, {x};", f"prmt.b32 b, {t2}, {t3}, {x};",
+            f"prmt.b32 {dst}, a, b, {s};"]
+
+
+def _prmt_lut16_asm() -> str:
+    """4-bit codes -> 16-bit centroids with byte permutes, 4 code bytes (8 codes) per call: PTX
+    ``prmt`` picks 4 of 8 source bytes by 3-bit selectors, so the 16-entry tables of the
+    centroids' low bytes ($5 $9 $13 $17) and high bytes ($21 $25 $29 $33) are looked up as
+    entries 0-7 / 8-15 and merged on bit 3 of each code (the selector 0x3210 | bit3 << 2);
+    the last four prmt pair each code's low and high byte into a 16-bit float. Outputs: $0 $1
+    the low-nibble codes (plane 0) of bytes 0-1 / 2-3, $2 $3 the high-nibble codes (plane 1).
+    22 integer instructions per 4 bytes, no memory access, any register layout."""
+    lines = ["{", ".reg .b32 x, s, xs, ss, a, b, l0, l1, h0, h1;",
+             "and.b32 x, $4, 0x77777777;", "shr.b32 s, $4, 1;", "and.b32 s, s, 0x44444444;",
+             "or.b32 s, s, 0x32103210;", "shr.b32 xs, x, 16;", "shr.b32 ss, s, 16;"]
+    for x, sel, lo, hi in (("x", "s", "l0", "h0"), ("xs", "ss", "l1", "h1")):  # bytes 0-1, 2-3
+        lines += _prmt_lut8("$5", "$9", "$13", "$17", x, sel, lo)     # centroid low bytes
+        lines += _prmt_lut8("$21", "$25", "$29", "$33", x, sel, hi)   # centroid high bytes
+    lines += ["prmt.b32 $0, l0, h0, 0x6240;", "prmt.b32 $1, l1, h1, 0x6240;",
+              "prmt.b32 $2, l0, h0, 0x7351;", "prmt.b32 $3, l1, h1, 0x7351;", "}"]
+    return "\n".join(lines) + "\n"
+
+
+_PRMT_LUT16: tl.constexpr = tl.constexpr(_prmt_lut16_asm())
 # outputs: 2 planes x 4 16-bit values (2 regs each); inputs: 4 code bytes (1 reg), then the 8
 # table words, each an int32 tensor (pack=4: 4 regs each, all equal; the asm reads the first)
 _PRMT_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 32)
@@ -271,13 +267,18 @@ def tkv_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr
     return planes
 
 
+def _half_bits(scaled: torch.Tensor, half: torch.dtype) -> torch.Tensor:
+    """int32 bit patterns (0..65535) of a codebook rounded to the 16-bit float ``half``."""
+    return scaled.detach().cpu().to(half).view(torch.int16).to(torch.int32) & 0xFFFF
+
+
 def _pair_table(scaled: torch.Tensor, bits: int, half: torch.dtype) -> torch.Tensor:
     """int32 pair table of a codebook: ``2**(2*bits)`` entries indexed by two adjacent codes
     (a 4-bit byte, a 2-bit nibble, 6 bits of a 3-bit group): entry
     ``i = fp(c[i & m]) | fp(c[i >> bits]) << 16`` with ``fp`` the 16-bit float ``half`` (its
     bit pattern) and ``m = 2**bits − 1``."""
     n = 1 << (2 * bits)
-    h = scaled.detach().cpu().to(half).view(torch.int16).to(torch.int32) & 0xFFFF
+    h = _half_bits(scaled, half)
     i = torch.arange(n)
     return (h[i & ((1 << bits) - 1)] | (h[i >> bits] << 16)).to(torch.int32)
 
@@ -286,7 +287,7 @@ def _prmt_table(scaled: torch.Tensor, half: torch.dtype) -> torch.Tensor:
     """int32 ``(8,)`` byte tables of a 16-entry codebook for ``_PRMT_LUT16``: words 0-3 the
     low bytes of the 16-bit float ``half`` centroids (entry ``i`` = byte ``i % 4`` of word
     ``i // 4``), words 4-7 their high bytes."""
-    h = scaled.detach().cpu().to(half).view(torch.int16).to(torch.int32) & 0xFFFF
+    h = _half_bits(scaled, half)
     lo, hi = (h & 0xFF).view(4, 4), (h >> 8).view(4, 4)
     sh = torch.tensor([0, 8, 16, 24])
     words = torch.cat([(lo << sh).sum(1), (hi << sh).sum(1)])
@@ -435,29 +436,42 @@ class TkvLoader:
                              f" for {self.layout.describe()}, got {tuple(cache.shape)}")
         return cache.shape[0]
 
-    def side_args(self, cache: torch.Tensor, side: str,
-                  dot_dtype: torch.dtype = torch.float32) -> SideArgs:
-        """Kernel arguments of side ``"k"``/``"v"``; ``dot_dtype`` (the tensor-core operand
-        dtype) picks the 16-bit type of the pair tables (see ``lookup``)."""
-        lay = self.layout
-        st = lay.strides()
-        aux = cache.view(torch.bfloat16)
+    def _lookup(self, side: str, dot_dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """``(table, LOOKUP_* code)`` that side ``side`` uses with ``dot_dtype`` dots (the
+        ``lookup`` option resolved per side; see the class docstring)."""
         half = torch.bfloat16 if dot_dtype == torch.bfloat16 else torch.float16
         if dot_dtype == torch.float32 and self.lookup == "auto":
             half = None   # float32 dots (interpreter): exact float32 centroids
         if self.planes(side) == 1:
             half = None   # one plane: per-code gathers from the float32 table
-        bits = lay.k_bits if side == "k" else lay.v_bits
-        if (self.lookup == "prmt" and interpreting() and (side, half) in self._prmt):
+        interp = interpreting()
+        if self.lookup == "prmt" and interp and (side, half) in self._prmt:
             raise DtypeError("lookup='prmt' is PTX inline assembly: it needs a CUDA device, not "
                              "the Triton interpreter (use lookup='pair' there)")
         table, code = self.k_table if side == "k" else self.v_table, LOOKUP_GATHER
-        if (side, half) in self._prmt and not interpreting():
+        if (side, half) in self._prmt and not interp:
             table, code = self._prmt[side, half]
         elif (side, half) in self._pairs:
             table, code = self._pairs[side, half]
+        bits = self.k_bits if side == "k" else self.v_bits
         if self.lookup == "shuffle" and bits in (3, 4, 5) and self.planes(side) > 1:
             code = LOOKUP_SHUFFLE
+        return table, code
+
+    def lookup_name(self, side: str, dot_dtype: torch.dtype = torch.bfloat16) -> str:
+        """The lookup side ``"k"``/``"v"`` really uses with ``dot_dtype`` dots: "prmt",
+        "pair", "shuffle" or "gather" (a requested ``lookup`` falls back per side)."""
+        return _LOOKUP_NAMES[self._lookup(side, dot_dtype)[1]]
+
+    def side_args(self, cache: torch.Tensor, side: str,
+                  dot_dtype: torch.dtype = torch.float32) -> SideArgs:
+        """Kernel arguments of side ``"k"``/``"v"``; ``dot_dtype`` (the tensor-core operand
+        dtype) picks the lookup and the 16-bit type of its tables (see ``lookup``)."""
+        lay = self.layout
+        st = lay.strides()
+        aux = cache.view(torch.bfloat16)
+        table, code = self._lookup(side, dot_dtype)
+        bits = lay.k_bits if side == "k" else lay.v_bits
         code_bytes = lay.k_code_bytes if side == "k" else lay.v_code_bytes
         p0 = bits + 16 * code_bytes + 65536 * code
         if side == "k":

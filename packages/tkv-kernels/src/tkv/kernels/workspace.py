@@ -76,8 +76,9 @@ class Workspace:
                                   dtype=torch.float32, device=self.device)
 
     def splits_for(self, num_seqs: int, num_kv_heads: int) -> int:
-        """Split-K count for a batch: a power of two in ``[1, max_splits]``; depends only on
-        the batch shape (never on sequence lengths), so it is static under CUDA graphs."""
+        """Split-K count for a batch: a power of two in ``[min_splits, max_splits]``; depends
+        only on the batch shape (never on sequence lengths), so it is static under CUDA
+        graphs."""
         want = -(-self.target_programs // max(1, num_seqs * num_kv_heads))
         return max(self.min_splits, min(self.max_splits, next_pow2(want)))
 
