@@ -66,6 +66,7 @@ from vllm_e2e import (
     GREEDY_TOKENS,
     PROMPTS,
     agreement,
+    random_prompt_ids,
     resolve_model,
     tkv_env,
     write_uniform_bundle,
@@ -112,7 +113,7 @@ def worker(a: argparse.Namespace) -> None:
     greedy = {"max_new_tokens": GREEDY_TOKENS, "temperature": 0.0, "ignore_eos": True}
     if a.dummy:
         rng = random.Random(1)
-        ids = [[rng.randrange(1000, 30000) for _ in range(16)] for _ in PROMPTS]
+        ids = random_prompt_ids(rng, len(PROMPTS), 16)
         outs = llm.generate(input_ids=ids, sampling_params=greedy)
     else:
         outs = llm.generate(prompt=PROMPTS, sampling_params=greedy)
@@ -126,9 +127,9 @@ def worker(a: argparse.Namespace) -> None:
         for n in a.batches:
             # warm-up: a whole batch of other prompts (no radix-cache hits in the timed run),
             # so that every kernel variant is compiled before timing (see vllm_e2e.py)
-            warm = [[rng.randrange(1000, 30000) for _ in range(PROMPT_LEN)] for _ in range(n)]
-            llm.generate(input_ids=warm, sampling_params={"max_new_tokens": 16, "ignore_eos": True})
-            batch = [[rng.randrange(1000, 30000) for _ in range(PROMPT_LEN)] for _ in range(n)]
+            llm.generate(input_ids=random_prompt_ids(rng, n, PROMPT_LEN),
+                         sampling_params={"max_new_tokens": 16, "ignore_eos": True})
+            batch = random_prompt_ids(rng, n, PROMPT_LEN)
             t = time.perf_counter()
             outs = llm.generate(input_ids=batch, sampling_params=sp)
             dt = time.perf_counter() - t

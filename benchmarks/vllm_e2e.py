@@ -385,8 +385,8 @@ def worker(args: argparse.Namespace) -> None:
         import random
 
         rng = random.Random(1)
-        prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 30000)
-                                                  for _ in range(16)]) for _ in PROMPTS]
+        prompts = [TokensPrompt(prompt_token_ids=ids)
+                   for ids in random_prompt_ids(rng, len(PROMPTS), 16)]
     else:
         prompts = PROMPTS
     outs = llm.generate(prompts, greedy, use_tqdm=False)
@@ -402,9 +402,9 @@ def worker(args: argparse.Namespace) -> None:
         rng = random.Random(0)
         sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, **detok)
         res["throughput"] = {}
+
         def random_batch(n):
-            return [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 30000)
-                                                   for _ in range(512)]) for _ in range(n)]
+            return [TokensPrompt(prompt_token_ids=ids) for ids in random_prompt_ids(rng, n)]
 
         for n in args.batches:
             # Warm-up: a whole batch of the same shape but OTHER prompts (no prefix-cache hits
@@ -421,8 +421,7 @@ def worker(args: argparse.Namespace) -> None:
             dt = time.perf_counter() - t
             res["throughput"][str(n)] = {"seconds": dt, "output_tok_s": n * 256 / dt}
         if args.long_prompt and args.max_model_len >= args.long_prompt + 256:
-            long = [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 30000)
-                                                   for _ in range(args.long_prompt)])]
+            long = [TokensPrompt(prompt_token_ids=random_prompt_ids(rng, 1, args.long_prompt)[0])]
             t = time.perf_counter()
             llm.generate(long, sp, use_tqdm=False)
             dt = time.perf_counter() - t
@@ -511,6 +510,13 @@ def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Pat
         res["kv_gib_by_process"] = gib
     print(f"   done in {time.perf_counter() - t:.0f}s", flush=True)
     return res
+
+
+def random_prompt_ids(rng, n: int, length: int = 512) -> list[list[int]]:
+    """``n`` prompts of ``length`` random token ids in [1000, 30000) drawn from ``rng`` (a
+    ``random.Random``): the prompts of both e2e scripts for models without a tokenizer and
+    their throughput batches."""
+    return [[rng.randrange(1000, 30000) for _ in range(length)] for _ in range(n)]
 
 
 def tkv_env(mode: str, bits: str | None, bundle: Path | None) -> dict[str, str]:
