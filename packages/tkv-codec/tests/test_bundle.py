@@ -69,6 +69,7 @@ def test_per_head_offset_round_trip_and_old_form(tmp_path):
     c = b2.codec(2, 4, 4)
     assert c.k.channel_offset.shape == (heads, d) and torch.allclose(c.k.channel_offset, mu)
     assert b2.codec(0, 4, 4).k.channel_offset.shape == (d,)   # old (shared) form unchanged
+    assert b2.layers[2].k_offset_heads(d) == heads and b2.layers[0].k_offset_heads(d) is None
     x = torch.randn(5, heads, d)
     assert c.decompress_k(*c.compress_k(x)).shape == (5, heads, d)
     dd = b.to_dict()

@@ -190,6 +190,12 @@ class LayerCalibration:
     codebooks: Mapping[str, Codebook] = field(default_factory=dict)
     k_channel_offset: tuple[float, ...] | None = None
 
+    def k_offset_heads(self, head_dim: int) -> int | None:
+        """KV heads of a per-head key offset (``num_kv_heads * head_dim`` floats); None for a
+        shared ``(head_dim,)`` offset or none. The flat length is validated on load."""
+        n = 0 if self.k_channel_offset is None else len(self.k_channel_offset)
+        return None if n in (0, head_dim) else n // head_dim
+
     def k_offset_tensor(self, head_dim: int):
         """float32 ``(head_dim,)`` (shared) or ``(num_kv_heads, head_dim)`` (per head) key mean,
         or None. Raises BundleSchemaError if the flat length is not a multiple of head_dim."""

@@ -43,11 +43,8 @@ def check_key_offset_heads(config: TkvConfig, layer: int, num_kv_heads: int) -> 
         UnsupportedFeatureError: the case above, naming the layer and both head counts.
     """
     b = config.bundle
-    mu = None if b is None else b.layers[layer].k_channel_offset
-    if mu is None or len(mu) == config.head_dim:
-        return
-    heads = len(mu) // config.head_dim
-    if heads != num_kv_heads:
+    heads = None if b is None else b.layers[layer].k_offset_heads(config.head_dim)
+    if heads is not None and heads != num_kv_heads:
         raise UnsupportedFeatureError(
             f"tkv (SGLang): layer {layer}'s calibration bundle has a per-head key offset for "
             f"{heads} KV heads, this rank holds {num_kv_heads} (TP/attention-TP > 1); slicing "

@@ -265,9 +265,9 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
     block = int(vllm_config.cache_config.block_size)
     # a per-head key offset μ (bundle: num_kv_heads * head_dim floats) is sliced to this TP
     # rank's KV heads; the rank's head count must be the shard's, or the rows would not match
-    mu = None if cfg.bundle is None else cfg.bundle.layers[idx].k_channel_offset
+    mu_heads = None if cfg.bundle is None else cfg.bundle.layers[idx].k_offset_heads(cfg.head_dim)
     shard = None
-    if mu is not None and len(mu) != cfg.head_dim:
+    if mu_heads is not None:
         shard = tp_shard(vllm_config)
         if shard.num_local_heads != int(impl.num_kv_heads):
             raise UnsupportedFeatureError(
