@@ -424,6 +424,10 @@ def table(copy_gbs, path):
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {opts} | error: "
                          f"{r['error'][:60]} | | | |")
             continue
+        if "us_per_kernel" in r:
+            parts = "; ".join(f"{k} {v:.1f} µs" for k, v in list(r["us_per_kernel"].items())[:6])
+            lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {parts} | | | | |")
+            continue
         gbs = f"{r['GBps']:.0f}" if "GBps" in r else ""
         fr = f"{100 * r['frac_copy']:.0f}%" if "frac_copy" in r else ""
         tf = f"{r['TFLOPs']:.0f}" if "TFLOPs" in r else ""
@@ -460,6 +464,105 @@ def split_rows(copy_gbs):
         torch.cuda.empty_cache()
 
 
+def _kernel_breakdown(fn, calls=20):
+    """{CUDA kernel name: µs per call of ``fn``} from torch.profiler over ``calls`` eager
+    calls (launch gaps excluded: device time of each kernel only)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            out[ev.key[:60]] = t / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768))):
+    """One layer's attention work in a decode step as the engines run it, at the shapes of the
+    e2e throughput runs (Qwen3-8B-like geometry; 512-token prompts + 256 generated → ~640
+    tokens of context on average; and one 32K sequence): store the B new K/V tokens into the
+    paged cache, then decode. tkv = compress_store + decode (query rotation, split-K,
+    reduce + unrotate); bf16 = index_copy_ into a paged bf16 cache + tkv's BypassLoader decode
+    (same skeleton); cuDNN SDPA bf16 on contiguous KV (no store) as the named reference.
+    Each tkv step also gets a per-kernel device-time breakdown (torch.profiler)."""
+    hq, hkv, d, block = 32, 8, 128, 16
+    ws = Workspace(256, 64, 256, DEV)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for B, L in shapes:
+        bt, sl, nblk = paged(B, L, block)
+        slots = (bt[:, (L - 1) // block].long() * block + (L - 1) % block)
+        q = torch.randn(B, hq, d, device=DEV, dtype=torch.bfloat16)
+        kn = torch.randn(B, hkv, d, device=DEV, dtype=torch.bfloat16)
+        vn = torch.randn_like(kn)
+        base = dict(kernel="decode_step", B=B, L=L, Hq=hq, Hkv=hkv, D=d)
+        bf16_bytes = 2 * B * L * hkv * d * 2
+        kc = torch.randn(B, hkv, L, d, device=DEV, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        try:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                f = lambda: torch.nn.functional.scaled_dot_product_attention(
+                    q.view(B, hq, 1, d), kc, vc, enable_gqa=True)
+                f()
+                ms = bench(f)
+            log({**base, "impl": "sdpa_cudnn (no store)", "ms": ms,
+                 "GBps": bf16_bytes / ms / 1e6, "frac_copy": bf16_bytes / ms / 1e6 / copy_gbs})
+        except Exception as e:
+            log({**base, "impl": "sdpa_cudnn (no store)", "error": str(e)[:120]})
+        del kc, vc
+        bl = BypassLoader(hkv, d, block, torch.bfloat16)
+        kp = torch.randn(nblk, block, hkv, d, device=DEV, dtype=torch.bfloat16)
+        vp = torch.randn_like(kp)
+
+        def bf16_step():
+            kp.view(-1, hkv, d).index_copy_(0, slots, kn)
+            vp.view(-1, hkv, d).index_copy_(0, slots, vn)
+            decode(q, (kp, vp), bt, sl, bl, ws)
+        ms = bench(bf16_step)
+        log({**base, "impl": "bf16 store + tkv_bypass decode", "ms": ms,
+             "GBps": bf16_bytes / ms / 1e6, "frac_copy": bf16_bytes / ms / 1e6 / copy_gbs})
+        del kp, vp
+        ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, block)
+        cache = tkv_cache(ld, nblk)
+        nbytes = B * L * ld.layout.bytes_per_token
+        for name, fn in (("tkv K4V4 compress_store", lambda: compress_store(kn, vn, cache, slots,
+                                                                             ld)),
+                         ("tkv K4V4 decode", lambda: decode(q, cache, bt, sl, ld, ws)),
+                         ("tkv K4V4 store + decode", lambda: (compress_store(kn, vn, cache,
+                                                                              slots, ld),
+                                                              decode(q, cache, bt, sl, ld, ws)))):
+            ms = bench(fn)
+            log({**base, "impl": name, "lookup": lookup_label(ld),
+                 "splits": ws.splits_for(B, hkv), "ms": ms, "GBps": nbytes / ms / 1e6,
+                 "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+        for sp in (1, 2, 4, 8):
+            for bn in (64, 128):
+                try:
+                    ms = bench(lambda sp=sp, bn=bn: decode(q, cache, bt, sl, ld, ws,
+                                                           num_splits=sp, block_n=bn))
+                except Exception as e:
+                    log({**base, "impl": "tkv K4V4 decode", "num_splits": sp, "block_n": bn,
+                         "error": str(e)[:160]})
+                    continue
+                log({**base, "impl": "tkv K4V4 decode", "num_splits": sp, "block_n": bn,
+                     "auto_splits": ws.splits_for(B, hkv), "ms": ms, "GBps": nbytes / ms / 1e6,
+                     "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+        try:
+            br = _kernel_breakdown(lambda: (compress_store(kn, vn, cache, slots, ld),
+                                            decode(q, cache, bt, sl, ld, ws)))
+            log({**base, "kernel": "decode_step_breakdown", "impl": "tkv K4V4",
+                 "us_per_kernel": {k: round(v, 2) for k, v in br.items()}})
+        except Exception as e:
+            log({**base, "kernel": "decode_step_breakdown", "impl": "tkv K4V4",
+                 "error": str(e)[:160]})
+        del cache
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -470,6 +573,9 @@ def main():
     ap.add_argument("--vllm-only", action="store_true",
                     help="decode at the main shapes only (K4V4 + baselines + vLLM TurboQuant); "
                          "no D=64/256, other widths, compress_store or prefill")
+    ap.add_argument("--step", action="store_true",
+                    help="per-layer decode step (store + decode) at the e2e shapes, with a "
+                         "per-kernel breakdown, before the other rows")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt)")
     a = ap.parse_args()
@@ -480,6 +586,11 @@ def main():
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     log({"kernel": "copy", "impl": "torch copy_", "GBps": copy_gbs, "ms": 0.0})
+    if a.step:
+        try:
+            step_rows(copy_gbs)
+        except Exception as e:  # must not cost the rest of the run
+            log({"kernel": "decode_step", "impl": "step rows", "error": str(e)[:160]})
     if a.tune:
         decode_rows([(32, 8192, 32, 8, 128)], [(4, 4)], copy_gbs, tune=True)
         try:

@@ -58,13 +58,14 @@ def _ws(max_seqs=8, heads=32, d=256):
     return Workspace(max_seqs, heads, d, DEV, max_splits=8)
 
 
-def _decode_check(loader, lens, group, seed, window=0, dtype=torch.bfloat16, splits=None):
+def _decode_check(loader, lens, group, seed, window=0, dtype=torch.bfloat16, splits=None,
+                  ws=None):
     batch, cache = _scenario(loader, lens, seed, dtype)
     hq = loader.num_kv_heads * group
     q = (torch.randn(len(lens), hq, loader.head_dim) * 2).to(DEV, dtype)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
-    decode(q, cache, batch.block_table, batch.seq_lens, loader, _ws(), out=out, window=window,
-           num_splits=splits, block_n=16)
+    decode(q, cache, batch.block_table, batch.seq_lens, loader, ws or _ws(), out=out,
+           window=window, num_splits=splits, block_n=16)
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, loader, window=window)
     assert _rel(out, ref) < _tol(dtype)
     return out, q, cache, batch
@@ -163,6 +164,15 @@ def test_decode_tkv_geometry(head_dim, group, block_size, window, lens):
     codec = TurboKVCodec(head_dim, k_bits=4, v_bits=3, device=DEV, seed=head_dim)
     ld = TkvLoader(codec, 2, block_size)
     _decode_check(ld, lens, group, seed=group + block_size, window=window)
+
+
+def test_decode_many_rows_partial_row_block():
+    """≥ 1024 (sequence, query head) rows: the reduce and query-rotation kernels take 32 rows
+    per program; 45 · 24 = 1080 rows leave a partial last block (masked rows)."""
+    codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=21)
+    ld = TkvLoader(codec, 2, 16)
+    lens = [(i * 7) % 19 + 1 for i in range(45)]
+    _decode_check(ld, lens, 12, seed=21, ws=_ws(max_seqs=45, heads=24, d=64))
 
 
 _GPU_ONLY = pytest.mark.skipif(DEV == "cpu", reason="PTX inline assembly: CUDA only")

@@ -118,43 +118,84 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U,
-                          G: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U, num_rows,
+                          HQ: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, KC: tl.constexpr,
                           UNROTATE: tl.constexpr):
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    offs_h = tl.arange(0, BLOCK_H)
-    hmask = offs_h < G
-    qh = kvh * G + offs_h
-    offs_d = tl.arange(0, D_PAD)
-    base = (seq.to(tl.int64) * (G * tl.num_programs(1)) + qh) * NUM_SPLITS
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    """LSE merge of the split-K partials of ``BLOCK_R`` (sequence, query head) rows, then
+    (UNROTATE) ``out = merged @ U`` as tf32x3 tensor-core passes over KC-row slabs of U (the
+    merged partial is built slab by slab, so no [BLOCK_R, D] operand sits in registers): U is
+    read once per BLOCK_R rows — all heads of several sequences — not once per KV head."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)      # row = seq · HQ + q head
+    rmask = r < num_rows
+    base = r.to(tl.int64) * NUM_SPLITS
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for s in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(part_lse + base + s, mask=hmask, other=float("-inf")))
+        m = tl.maximum(m, tl.load(part_lse + base + s, mask=rmask, other=float("-inf")))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    den = tl.zeros([BLOCK_R], tl.float32)
     for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(part_lse + base + s, mask=hmask, other=float("-inf")) - m_safe)
-        o = tl.load(part_o + (base + s)[:, None] * D_PAD + offs_d[None, :],
-                    mask=hmask[:, None], other=0.0)
-        acc += w[:, None] * o
-        den += w
-    acc = acc / tl.where(den > 0, den, 1.0)[:, None]
-    optr = Out + seq.to(tl.int64) * so_s + qh[:, None] * so_h
+        den += tl.exp2(tl.load(part_lse + base + s, mask=rmask, other=float("-inf")) - m_safe)
+    inv = 1.0 / tl.where(den > 0, den, 1.0)
+    optr = Out + (r // HQ).to(tl.int64)[:, None] * so_s + (r % HQ)[:, None] * so_h
+    offs_d = tl.arange(0, D_PAD)
+    acc = tl.zeros([BLOCK_R, D_PAD], tl.float32)
+    for c in tl.static_range(D_PAD // KC):
+        kc = c * KC + tl.arange(0, KC)
+        a = tl.zeros([BLOCK_R, KC], tl.float32)
+        for s in range(NUM_SPLITS):
+            w = tl.exp2(tl.load(part_lse + base + s, mask=rmask, other=float("-inf")) - m_safe)
+            o = tl.load(part_o + (base + s)[:, None] * D_PAD + kc[None, :],
+                        mask=rmask[:, None], other=0.0)
+            a += w[:, None] * o
+        a = a * inv[:, None]
+        if UNROTATE:
+            u = tl.load(U + kc[:, None] * D_PAD + offs_d[None, :])
+            acc = tl.dot(a, u, acc, input_precision="tf32x3")
+        else:
+            tl.store(optr + kc[None, :], a.to(Out.dtype.element_ty),
+                     mask=rmask[:, None] & (kc < HEAD_DIM)[None, :])
     if UNROTATE:
-        # out = acc @ U, by column blocks of CH so that U's tile fits shared memory (D=256)
-        CH: tl.constexpr = 64 if D_PAD > 64 else D_PAD
-        for c in tl.static_range(D_PAD // CH):
-            cols = c * CH + tl.arange(0, CH)
-            u = tl.load(U + offs_d[:, None] * D_PAD + cols[None, :])
-            oc = tl.dot(acc, u, input_precision="tf32x3")
-            tl.store(optr + cols[None, :], oc.to(Out.dtype.element_ty),
-                     mask=hmask[:, None] & (cols < HEAD_DIM)[None, :])
-    else:
         tl.store(optr + offs_d[None, :], acc.to(Out.dtype.element_ty),
-                 mask=hmask[:, None] & (offs_d < HEAD_DIM)[None, :])
+                 mask=rmask[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _rotate_rows_kernel(X, sx_s, sx_h, M, Y, num_rows, HQ: tl.constexpr,
+                        BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                        KC: tl.constexpr):
+    """``Y[r] = X[r] @ M[:HEAD_DIM, :HEAD_DIM]`` in float32 (tf32x3 tensor-core passes over
+    KC-row slabs of M) for rows ``r = seq · HQ + head`` of a (seq, head, head_dim)
+    half-precision tensor: the cast and the product in one launch."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < num_rows
+    xrow = X + (r // HQ).to(tl.int64)[:, None] * sx_s + (r % HQ)[:, None] * sx_h
+    offs_d = tl.arange(0, D_PAD)
+    dmask = offs_d < HEAD_DIM
+    acc = tl.zeros([BLOCK_R, D_PAD], tl.float32)
+    for c in tl.static_range(D_PAD // KC):
+        kc = c * KC + tl.arange(0, KC)
+        kmask = kc < HEAD_DIM
+        x = tl.load(xrow + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        m = tl.load(M + kc[:, None] * D_PAD + offs_d[None, :],
+                    mask=kmask[:, None] & dmask[None, :], other=0.0)
+        acc = tl.dot(x.to(tl.float32), m, acc, input_precision="tf32x3")
+    tl.store(Y + r.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=rmask[:, None] & dmask[None, :])
+
+
+def _row_block(num_rows: int, d_pad: int) -> int:
+    """Rows per program of the reduce / rotation kernels: 32 (U or the rotation matrix read
+    once per 32 rows); 16 for small batches, so that they still spread over a few programs,
+    and at head_dim 256 (ptxas sm_90a, 8 warps: 16 rows fit the registers, 32 spill KBs)."""
+    return 32 if num_rows >= 1024 and d_pad <= 128 else 16
+
+
+def _slab(d_pad: int) -> int:
+    """Rows of U / M per tf32x3 tensor-core pass in the reduce / rotation kernels (the fp32
+    slab ``[KC, d_pad]`` is split hi/lo in registers): 32 (at most d_pad), 16 at head_dim
+    256."""
+    return min(32, d_pad) if d_pad <= 128 else 16
 
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -253,7 +294,10 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     q = query
     if loader.rotated and not query_rotated:
         q = workspace.rotated_queries(ns, hq, d)
-        torch.matmul(query.float(), loader.q_in[:d, :d], out=q)
+        br = _row_block(ns * hq, d_pad)
+        _rotate_rows_kernel[(triton.cdiv(ns * hq, br),)](
+            query, query.stride(0), query.stride(1), loader.q_in, q, ns * hq, HQ=hq,
+            BLOCK_R=br, HEAD_DIM=d, D_PAD=d_pad, KC=_slab(d_pad), num_warps=8)
     block_n = tile_tokens(block_n, d, loader.min_block_n,
                           small_head=getattr(loader, "preferred_block_n", 64))
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
@@ -269,8 +313,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         num_warps=num_warps, num_stages=num_stages)
     unrotate = bool(loader.rotated and not output_rotated)
     u = loader.out_mat if unrotate else part_lse
-    _decode_reduce_kernel[(ns, hkv)](
-        part_o, part_lse, out, out.stride(0), out.stride(1), u,
-        G=g, BLOCK_H=block_h, HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=splits, UNROTATE=unrotate,
-        num_warps=4)
+    br = _row_block(ns * hq, d_pad)
+    _decode_reduce_kernel[(triton.cdiv(ns * hq, br),)](
+        part_o, part_lse, out, out.stride(0), out.stride(1), u, ns * hq,
+        HQ=hq, BLOCK_R=br, HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=splits, KC=_slab(d_pad),
+        UNROTATE=unrotate, num_warps=8)
     return out

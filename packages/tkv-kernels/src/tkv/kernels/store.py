@@ -133,6 +133,7 @@ def _compress_store_kernel(
         NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr):
     pid = tl.program_id(0)
     head = tl.program_id(1)
+    side = tl.program_id(2)   # 0: K, 1: V — separate programs: half the dependent chain each
     tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = tok < num_tokens
     slot = tl.load(slots + tok, mask=tm, other=-1)
@@ -140,14 +141,16 @@ def _compress_store_kernel(
     slot = tl.where(valid, slot, 0)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
-    _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kbounds, ktable, kmu, kmu_sh, blk, off,
-                page_bytes, K_HAS_MU, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES,
-                BLOCK_SIZE, K_NORM_CORR, K_GROUP, K_GROUP_BYTES, BLOCK_T, K_HEAD_STRIDE,
-                K_TOK_STRIDE, NORM_HEAD_STRIDE, CH)
-    _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, vbounds, vtable, kmu, 0, blk, off,
-                page_bytes, False, HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES,
-                BLOCK_SIZE, V_NORM_CORR, V_GROUP, V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE,
-                V_TOK_STRIDE, NORM_HEAD_STRIDE, CH)
+    if side == 0:
+        _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kbounds, ktable, kmu, kmu_sh,
+                    blk, off, page_bytes, K_HAS_MU, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF,
+                    K_NORMS_OFF, K_CODE_BYTES, BLOCK_SIZE, K_NORM_CORR, K_GROUP, K_GROUP_BYTES,
+                    BLOCK_T, K_HEAD_STRIDE, K_TOK_STRIDE, NORM_HEAD_STRIDE, CH)
+    else:
+        _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, vbounds, vtable, kmu, 0, blk,
+                    off, page_bytes, False, HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF, V_NORMS_OFF,
+                    V_CODE_BYTES, BLOCK_SIZE, V_NORM_CORR, V_GROUP, V_GROUP_BYTES, BLOCK_T,
+                    V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH)
 
 
 def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -216,7 +219,7 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         raise ShapeError(f"chunk must be a power of two >= 16, got {chunk}")
     kg, kgb = code_group(lay.k_bits)
     vg, vgb = code_group(lay.v_bits)
-    grid = (triton.cdiv(n, block_t), lay.num_kv_heads)
+    grid = (triton.cdiv(n, block_t), lay.num_kv_heads, 2)
     _compress_store_kernel[grid](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
         slot_mapping, n, num_blocks * lay.block_size, cache, cache.view(torch.bfloat16),
