@@ -23,6 +23,9 @@
 #                        model is ONE seeded random checkpoint (16.4 GB bf16, written once to
 #                        /tmp/tkv-models/qwen3-8b-like-seed0 on GPU 0, timing in the job log)
 #                        loaded at TP=1 and TP=2; `--weights dummy` for the old behaviour
+#   kernels [ARGS...]    job "kernels": benchmarks/gpu_kernels.sh (GPU kernel tests, then
+#                        kernels_gpu.py --step ...) on $CUDA_VISIBLE_DEVICES
+#   (start / tp / kernels with TKV_AFTER=JOB wait in the background for job JOB to end first)
 #   poll                 jobs' state + log tails; copies <= 5 flat files into $OUT
 #   wait [SECONDS]       keep the machine busy (it is given back after ~30 s idle, and /tmp
 #                        with it) until every job ends or SECONDS (default 540) pass, then poll
@@ -149,17 +152,37 @@ do_start() {  # TKV_JOB names the job (default e2e); CUDA_VISIBLE_DEVICES is pas
     rm -rf "$job"; mkdir -p "$job/results"
     { printf 'CUDA_VISIBLE_DEVICES=%s ' "${CUDA_VISIBLE_DEVICES-}"
       printf '%q ' "$PY" benchmarks/vllm_e2e.py "${args[@]}"; echo; } > "$job/cmd"
+    launch "$job" "$PY" benchmarks/vllm_e2e.py "${args[@]}"
+}
+
+launch() {  # launch JOB_DIR CMD...: CMD in its own session, after $TKV_AFTER (if set) ends
+    # TKV_AFTER: space-separated job names (of this script) or pid files (e.g. the SGLang
+    # session's /tmp/e2e-sglang/job/pid); the job starts once none of them is alive.
+    local job=$1; shift
+    local after="" a
+    for a in ${TKV_AFTER:-}; do
+        if [[ $a == */* ]]; then after+=" $a"; else after+=" $JOBS/$a/pid"; fi
+    done
     # Own session: `stop` kills the group; the driver's engines run in their own groups
     # (vllm_e2e.py kills those itself and records the live one in current_worker.pgid).
-    setsid nohup bash -c '"$@"; echo $? > "'"$job"'/rc"' _ "$PY" benchmarks/vllm_e2e.py "${args[@]}" \
+    setsid nohup bash -c 'for p in $1; do while [[ -f $p ]] && kill -0 "$(cat "$p")" 2>/dev/null; do sleep 5; done; done
+        shift; "$@"; echo $? > "'"$job"'/rc"' _ "$after" "$@" \
         > "$job/job.log" 2>&1 < /dev/null &
     echo $! > "$job/pid"
     date -u +%s > "$job/started"
     sleep 3
     if ! job_running "$job" && [[ "$(cat "$job/rc" 2>/dev/null || echo 1)" != 0 ]]; then
-        tail_log "$job/job.log" 80; die "job $name exited at once"
+        tail_log "$job/job.log" 80; die "job $(basename "$job") exited at once"
     fi
-    echo "started job $name (pid $(cat "$job/pid")): $(cat "$job/cmd")"
+    echo "started job $(basename "$job") (pid $(cat "$job/pid"))${TKV_AFTER:+ after job $TKV_AFTER}: $(cat "$job/cmd")"
+}
+
+do_kernels() {  # job "kernels": GPU kernel tests + kernels_gpu.py (--step, vLLM TurboQuant row)
+    local job=$JOBS/kernels
+    job_running "$job" && die "job kernels is already running"
+    rm -rf "$job"; mkdir -p "$job/results"
+    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-} bash benchmarks/gpu_kernels.sh $job/results $*" > "$job/cmd"
+    launch "$job" bash benchmarks/gpu_kernels.sh "$job/results" "$@"
 }
 
 do_start_default() {  # both GPUs busy when there are two: one model per GPU
@@ -204,7 +227,7 @@ do_poll() {
         # results, bundles' json and every log (logs cut to their last 2 MiB), no model dirs
         local stage=$E2E/.pack; rm -rf "$stage"; mkdir -p "$stage"
         for d in "${tars[@]}"; do
-            (cd "$E2E" && find "$d" -type f \( -name '*.json' -o -name '*.md' -o -name cmd -o -name rc \) \
+            (cd "$E2E" && find "$d" -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.txt' -o -name cmd -o -name rc \) \
                 -not -path '*/models/*' -print0 | xargs -0 -r cp --parents -t "$stage")
             while IFS= read -r -d '' f; do
                 mkdir -p "$stage/$(dirname "${f#"$E2E"/}")"
@@ -253,8 +276,10 @@ case $mode in
     setup) do_setup ;;
     smoke) do_smoke "$@" ;;
     start) if [[ $# -gt 0 ]]; then do_start "$@"; else do_start_default; fi ;;
-    tp) any_running && die "TP=2 needs both GPUs: wait for / stop the running jobs first"
+    tp) [[ -z ${TKV_AFTER:-} ]] && any_running \
+            && die "TP=2 needs both GPUs: wait for / stop the running jobs first (or TKV_AFTER)"
         TKV_JOB=tp do_start tp --model qwen3-8b-like smollm2 --tp 2 "$@" ;;
+    kernels) do_kernels "$@" ;;
     poll) do_poll ;;
     wait) do_wait "$@" ;;
     stop) do_stop ;;
