@@ -18,11 +18,13 @@
 #                        (default e2e) under $TKV_E2E_DIR/jobs/, on $CUDA_VISIBLE_DEVICES.
 #                        No args: `all` for SmolLM2 on GPU 0 and for qwen3-8b-like on GPU 1
 #                        (two jobs) when there are 2 GPUs, else one job with both models
-#   tp [ARGS...]         job "tp": vllm_e2e.py tp --model qwen3-8b-like smollm2 --tp 2 ARGS
+#   tp [ARGS...]         job "tp": vllm_e2e.py tp --model qwen3-8b-like smollm2-x2 --tp 2 ARGS
 #                        (needs both GPUs: refuses while another job runs). The Qwen3-8B-like
 #                        model is ONE seeded random checkpoint (16.4 GB bf16, written once to
 #                        /tmp/tkv-models/qwen3-8b-like-seed0 on GPU 0, timing in the job log)
-#                        loaded at TP=1 and TP=2; `--weights dummy` for the old behaviour
+#                        loaded at TP=1 and TP=2; `--weights dummy` for the old behaviour.
+#                        smollm2-x2 = SmolLM2-135M with every head twice (18 q / 6 KV heads,
+#                        same function: vllm_e2e.widen_heads), real weights at TP=2
 #   kernels [ARGS...]    job "kernels": benchmarks/gpu_kernels.sh (GPU kernel tests, then
 #                        kernels_gpu.py --step ...) on $CUDA_VISIBLE_DEVICES
 #   (start / tp / kernels with TKV_AFTER=JOB wait in the background for job JOB to end first)
@@ -278,7 +280,7 @@ case $mode in
     start) if [[ $# -gt 0 ]]; then do_start "$@"; else do_start_default; fi ;;
     tp) [[ -z ${TKV_AFTER:-} ]] && any_running \
             && die "TP=2 needs both GPUs: wait for / stop the running jobs first (or TKV_AFTER)"
-        TKV_JOB=tp do_start tp --model qwen3-8b-like smollm2 --tp 2 "$@" ;;
+        TKV_JOB=tp do_start tp --model qwen3-8b-like smollm2-x2 --tp 2 "$@" ;;
     kernels) do_kernels "$@" ;;
     poll) do_poll ;;
     wait) do_wait "$@" ;;

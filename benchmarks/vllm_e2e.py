@@ -85,6 +85,13 @@ DIVERGENCE_LEGEND = (
     "token was not {ref}'s runner-up. vLLM's logits are bf16, so Δ comes in steps of the bf16 "
     "spacing at the top logit (0.125 for logits in [16, 32)): Δ0.000 is an exact bf16 tie and "
     "Δ ≤ 0.125 is one rounding step.")
+DRIFT_LEGEND = (
+    "Same-context drift: at every generated position up to and including a prompt's first "
+    "divergence both runs hold the same tokens, so their top-1 logprobs there must agree up to "
+    "arithmetic (TP all-reduce order, kernels, cache format); mean / max |Δ| over those "
+    "positions, nats. A sharding error (wrong heads, pages or scales on one rank) shows as "
+    "drift far above the bf16 TP=N vs TP=1 row; a greedy mismatch with drift at that row's "
+    "level is the model's own sensitivity (near-flat logits of random weights).")
 WEIGHTS_NOTE = {"real": "", "dummy": " (random weights, load_format=dummy)",
                 "random": " (random weights, one seeded checkpoint)"}
 KV_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
@@ -278,6 +285,72 @@ def checkpoint_note(model_dir: Path) -> str:
             "loaded with load_format=auto at every TP size.\n")
 
 
+WIDENED_MARKER = "tkv_widened_heads.json"
+
+
+def widen_heads(src: Path, dst: Path, factor: int = 2) -> Path:
+    """A copy of a Llama/Qwen-style checkpoint with every attention head repeated ``factor``
+    times: the same function, ``factor`` × the heads — so a model whose head counts forbid a
+    tensor-parallel size (SmolLM2-135M: 9 query / 3 KV heads, no TP=2) gets one with real
+    weights (issue #7's TP=2 greedy check on a trained model instead of near-flat random
+    logits).
+
+    KV head ``j`` becomes heads ``j·factor + c`` (c < factor), each with query group ``j``'s
+    ``g = num_heads / num_kv_heads`` query heads (copies of the same rows), and ``o_proj``'s
+    columns of every copy are divided by ``factor`` (exact in bf16 for factor 2): attention
+    outputs of the copies are equal, so the sum over copies is the original output. The
+    config gets ``num_attention_heads · factor``, ``num_key_value_heads · factor`` and an
+    explicit ``head_dim``. Everything else (embeddings, MLP, norms, tokenizer files) is copied
+    unchanged. Written once (marker ``tkv_widened_heads.json``); returns ``dst``.
+
+    Raises SystemExit if ``src`` has no safetensors weights or a non-GQA head layout.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if (dst / WIDENED_MARKER).is_file():
+        return dst
+    cfg = json.loads((src / "config.json").read_text())
+    hq = int(cfg["num_attention_heads"])
+    hkv = int(cfg.get("num_key_value_heads") or hq)
+    d = int(cfg.get("head_dim") or cfg["hidden_size"] // hq)
+    if hq % hkv:
+        raise SystemExit(f"{src}: {hq} query heads are not a multiple of {hkv} KV heads")
+    g = hq // hkv
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"{src}: no *.safetensors weights to widen")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    out = {}
+    for name, t in tensors.items():
+        if ".self_attn.q_proj." in name:       # rows (hkv, g, d) -> (hkv, factor, g, d)
+            rest = t.shape[1:]
+            t = t.reshape(hkv, 1, g * d, *rest).expand(hkv, factor, g * d, *rest)
+            t = t.reshape(hkv * factor * g * d, *rest)
+        elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            rest = t.shape[1:]
+            t = t.reshape(hkv, 1, d, *rest).expand(hkv, factor, d, *rest)
+            t = t.reshape(hkv * factor * d, *rest)
+        elif ".self_attn.o_proj.weight" in name:  # columns (hkv, g, d), each copy / factor
+            h = t.shape[0]
+            t = (t.reshape(h, hkv, 1, g * d).expand(h, hkv, factor, g * d) / factor)
+            t = t.to(tensors[name].dtype).reshape(h, hkv * factor * g * d)
+        out[name] = t.contiguous()
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, dst / f.name)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg.update(num_attention_heads=hq * factor, num_key_value_heads=hkv * factor, head_dim=d)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    (dst / WIDENED_MARKER).write_text(json.dumps({"source": str(src), "factor": factor}))
+    return dst
+
+
 def resolve_model(spec: str, work: Path, weights: str = "dummy",
                   seed: int = 0) -> tuple[Path, str]:
     """(model dir, weights) where weights is ``"real"``, ``"dummy"`` (vLLM
@@ -286,7 +359,8 @@ def resolve_model(spec: str, work: Path, weights: str = "dummy",
     ``qwen3-8b-like`` is generated: with ``weights="dummy"`` a config-only folder under
     ``work``; with ``weights="random"`` the seeded checkpoint of
     :func:`random_checkpoint_dir` (written on the GPU if missing). ``smollm2`` is
-    ``$TKV_MODEL`` (default ``/tmp/tkv-models/smollm2-135m``); anything else is a local
+    ``$TKV_MODEL`` (default ``/tmp/tkv-models/smollm2-135m``), ``smollm2-x2`` its
+    :func:`widen_heads` copy under ``work`` (every head twice); anything else is a local
     directory with real weights (stage HF models on the host beforehand)."""
     if spec == "qwen3-8b-like":
         if weights == "random":
@@ -294,8 +368,11 @@ def resolve_model(spec: str, work: Path, weights: str = "dummy",
             ensure_random_checkpoint(d, seed)
             return d, "random"
         return make_qwen3_like(work), "dummy"
-    if spec == "smollm2":  # the model ../shared/gpu stages on the device
-        spec = os.environ.get("TKV_MODEL", "/tmp/tkv-models/smollm2-135m")
+    if spec in ("smollm2", "smollm2-x2"):  # the model ../shared/gpu stages on the device
+        src = Path(os.environ.get("TKV_MODEL", "/tmp/tkv-models/smollm2-135m"))
+        if spec == "smollm2-x2":  # 18 query / 6 KV heads: TP=2 with real weights
+            return widen_heads(src, work / f"{src.name}-x2", 2), "real"
+        spec = str(src)
     p = Path(spec)
     if not (p / "config.json").is_file():
         raise SystemExit(f"{spec}: not a model directory with config.json")
@@ -311,6 +388,37 @@ def top2_of(position_logprobs) -> list:
     for tid, lp in best:
         out += [int(tid), float(lp.logprob)]
     return out + [None, None] * (2 - len(best))
+
+
+def same_context_drift(ref: dict, other: dict, n: int = GREEDY_TOKENS) -> dict | None:
+    """Numerical drift between two greedy runs where their contexts are still identical.
+
+    Up to and including each prompt's first diverging position both runs have generated the
+    same tokens, so their top-1 logprobs (``greedy_top2[i][k][1]``, vLLM, nats) at those
+    positions answer the same question: ``|Δ|`` there measures the arithmetic difference of
+    the two runs (TP all-reduce order, kernels, cache format) free of the chaos that one
+    flipped token adds to a greedy comparison. Returns ``{"positions", "mean", "max"}``
+    (nats) or None without logprobs.
+    """
+    ta, tb = ref.get("greedy_top2"), other.get("greedy_top2")
+    if not ta or not tb:
+        return None
+    deltas = []
+    for x, y, px, py in zip(ref["greedy"], other["greedy"], ta, tb, strict=True):
+        for k in range(min(n, len(x), len(y), len(px), len(py))):
+            if px[k][1] is None or py[k][1] is None:
+                break
+            deltas.append(abs(px[k][1] - py[k][1]))
+            if x[k] != y[k]:
+                break
+    if not deltas:
+        return None
+    return {"positions": len(deltas), "mean": sum(deltas) / len(deltas), "max": max(deltas)}
+
+
+def drift_cell(ref: dict, other: dict) -> str:
+    d = same_context_drift(ref, other)
+    return "-" if d is None else f"{d['mean']:.3f} / {d['max']:.3f} ({d['positions']})"
 
 
 def divergences(ref: dict, other: dict, n: int = GREEDY_TOKENS) -> list[dict]:
@@ -714,8 +822,9 @@ def tp_table(name: str, tp: int, bits: str, res: dict, greedy: dict) -> str:
         rows.append(f"| {label} | {kv(r):,} | {ratio} | {gib} | " if kv(r) else
                     f"| {label} | ? | {ratio} | {gib} | ")
         rows[-1] += " | ".join(f"{t:,.0f}" if t else "-" for t in tps) + f" | {' / '.join(vs)} |"
-    rows += ["", f"| greedy ({GREEDY_TOKENS} tokens, 8 prompts) | TP={tp} vs TP=1 | first "
-             "divergences from TP=1 |", "|---|---|---|"]
+    rows += ["", f"| greedy ({GREEDY_TOKENS} tokens, 8 prompts) | TP={tp} vs TP=1 | same-context "
+             "\\|Δ top-1 logprob\\| mean / max (positions) | first divergences from TP=1 |",
+             "|---|---|---|---|"]
     pairs = [("tkv@8.0", "goal: 8/8 equal"), (f"tkv@{bits}", "reported"), ("bf16", "reference")]
     seen = set()
     for pre, note in pairs:
@@ -724,17 +833,19 @@ def tp_table(name: str, tp: int, bits: str, res: dict, greedy: dict) -> str:
             continue
         seen.add(pre)
         if a.get("failed") or b.get("failed"):
-            rows.append(f"| {pre} ({note}) | FAILED | |")
+            rows.append(f"| {pre} ({note}) | FAILED | | |")
             continue
         ex, fr = agreement(b["greedy"], a["greedy"])
         rows.append(f"| {pre} ({note}) | {ex}/{len(a['greedy'])} exact, {100 * fr:.0f}% prefix | "
-                    f"{divergence_cell(b, a)} |")
+                    f"{drift_cell(b, a)} | {divergence_cell(b, a)} |")
     tkv_g = res.get(f"tkv@{bits} tp{tp}", {})
     if base.get("greedy") and tkv_g.get("greedy"):
         ex, fr = agreement(base["greedy"], tkv_g["greedy"])
         rows.append(f"| tkv@{bits} vs bf16, both TP={tp} (CUDA graphs) | {ex}/{len(base['greedy'])}"
-                    f" exact, {100 * fr:.0f}% prefix | {divergence_cell(base, tkv_g)} (from bf16) |")
-    return "\n".join(rows) + "\n\n" + DIVERGENCE_LEGEND.format(ref="the TP=1 run") + "\n"
+                    f" exact, {100 * fr:.0f}% prefix | {drift_cell(base, tkv_g)} | "
+                    f"{divergence_cell(base, tkv_g)} (from bf16) |")
+    return ("\n".join(rows) + "\n\n" + DIVERGENCE_LEGEND.format(ref="the TP=1 run") + "\n\n"
+            + DRIFT_LEGEND + "\n")
 
 
 def serve_check(opts: argparse.Namespace) -> None:
@@ -999,8 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--batches", type=int, nargs="+", default=[64, 256])
             a.add_argument("--greedy-eager", action=argparse.BooleanOptionalAction, default=True,
                            help="greedy TP comparisons with enforce_eager on both sides")
-            a.add_argument("--bf16-tp1", action="store_true",
-                           help="also compare bf16 TP=N with bf16 TP=1 (TP's own effect)")
+            a.add_argument("--bf16-tp1", action=argparse.BooleanOptionalAction, default=True,
+                           help="also compare bf16 TP=N with bf16 TP=1: TP's own effect, the "
+                           "noise floor of the tkv comparisons")
         if name == "smoke":
             a.add_argument("--out", default="/tmp/e2e/smoke")
             a.add_argument("--bits", nargs="+", default=["8.0", "4.0"],

@@ -84,9 +84,29 @@ def test_tp_table_and_kv_memory_parse(e2e):
     assert "| bf16 tp2 | 1,000 | 1.00 | 50 / 50 | 100 | 200 | 1.00 / 1.00 |" in t
     assert "| tkv@4.0 tp2 | 3,900 | 3.90 | ? | 120 | 240 | 1.20 / 1.20 |" in t
     assert "| tkv@8.0 (goal: 8/8 equal) | 2/2 exact, 100% prefix |" in t
-    assert "| tkv@4.0 (reported) | 1/2 exact, 75% prefix | p1@16 |" in t
-    assert "| tkv@8.0 (goal: 8/8 equal) | 2/2 exact, 100% prefix | none |" in t
-    assert "| tkv@4.0 vs bf16, both TP=2 (CUDA graphs) | 1/2 exact, 75% prefix | p1@16" in t
+    assert "| tkv@4.0 (reported) | 1/2 exact, 75% prefix | - | p1@16 |" in t
+    assert "| tkv@8.0 (goal: 8/8 equal) | 2/2 exact, 100% prefix | - | none |" in t
+    assert "| tkv@4.0 vs bf16, both TP=2 (CUDA graphs) | 1/2 exact, 75% prefix | - | p1@16" in t
+    assert "Same-context drift" in t
+
+
+def test_same_context_drift_stops_after_the_first_divergence(e2e):
+    """|Δ top-1 logprob| over the positions where both runs hold the same context: up to and
+    including each prompt's first diverging token, never after it."""
+    ref = {"greedy": [[5, 6, 7], [1, 2, 3]],
+           "greedy_top2": [[[5, -1.0, 9, -2.0], [6, -1.5, 9, -2.0], [7, -0.5, 9, -2.0]],
+                           [[1, -3.0, 9, -4.0], [2, -3.0, 9, -4.0], [3, -3.0, 9, -4.0]]]}
+    other = {"greedy": [[5, 8, 7], [1, 2, 3]],
+             "greedy_top2": [[[5, -1.25, 9, -2.0], [8, -1.0, 6, -1.6], [7, -9.0, 9, -9.5]],
+                             [[1, -3.0, 9, -4.0], [2, -3.5, 9, -4.0], [3, -3.0, 9, -4.0]]]}
+    d = e2e.same_context_drift(ref, other, n=3)
+    # prompt 0: positions 0 (0.25) and 1 (0.5, the divergence); not 2. prompt 1: 0, 0.5, 0.
+    assert d["positions"] == 5
+    assert d["max"] == 0.5
+    assert abs(d["mean"] - (0.25 + 0.5 + 0 + 0.5 + 0) / 5) < 1e-12
+    assert e2e.drift_cell(ref, other) == "0.250 / 0.500 (5)"
+    assert e2e.same_context_drift({"greedy": ref["greedy"]}, other) is None
+    assert e2e.drift_cell({"greedy": ref["greedy"]}, other) == "-"
 
 
 def test_run_worker_kills_the_engine_process_group(e2e, tmp_path):
@@ -363,3 +383,34 @@ def test_vllm_qwen3_loader_consumes_the_random_checkpoint(e2e, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got == {"missing": [], "qkv": True, "gate_up": True, "lm_head": True}
+
+
+def test_widen_heads_keeps_the_function(e2e, tmp_path):
+    """smollm2-x2 (issue #7, TP=2 on real weights): a checkpoint with every attention head
+    repeated twice computes the same logits as the original (transformers, float32, a tiny
+    random Llama with SmolLM2's GQA group of 3 query heads per KV head, 2 KV heads)."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=6,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # non-trivial attention: larger q/k weights than the init's
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    src = tmp_path / "src"
+    model.save_pretrained(src, safe_serialization=True)
+    dst = e2e.widen_heads(src, tmp_path / "x2", 2)
+    wide_cfg = json.loads((dst / "config.json").read_text())
+    assert (wide_cfg["num_attention_heads"], wide_cfg["num_key_value_heads"],
+            wide_cfg["head_dim"]) == (12, 4, 16)
+    assert e2e.tp_unsupported(dst, 4) is None and e2e.tp_unsupported(src, 4) is not None
+    wide = transformers.LlamaForCausalLM.from_pretrained(dst, torch_dtype=torch.float32).eval()
+    ids = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        a, b = model(ids).logits, wide(ids).logits
+    assert a.abs().max() > 0.1
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert e2e.widen_heads(src, dst, 2) == dst  # written once (marker)
