@@ -32,6 +32,8 @@
 #   wait [SECONDS]       keep the machine busy (it is given back after ~30 s idle, and /tmp
 #                        with it) until every job ends or SECONDS (default 540) pass, then poll
 #   stop                 kill every job's process group and its current engine
+#   stop-job NAME        kill one job's process group, wait until it is gone (e.g. to re-start
+#                        it on another GPU)
 #
 # Exit status: non-zero on any failure, with the log tail printed.
 set -Eeuo pipefail
@@ -257,6 +259,16 @@ do_wait() {
     do_poll
 }
 
+do_stop_job() {  # stop-job NAME: end one job (its process group) and wait until it is gone
+    local job=$JOBS/${1:?usage: stop-job NAME} i
+    [[ -f $job/pid ]] || die "no job $1"
+    kill -TERM -- "-$(cat "$job/pid")" 2>/dev/null || true
+    for i in $(seq 20); do job_running "$job" || break; sleep 0.5; done
+    if job_running "$job"; then kill -KILL -- "-$(cat "$job/pid")" 2>/dev/null || true; sleep 1; fi
+    job_running "$job" && die "job $1 still running"
+    echo "job $1 stopped"
+}
+
 do_stop() {
     local f
     for f in "$JOBS"/*/pid "$JOBS"/*/results/current_worker.pgid; do
@@ -285,6 +297,7 @@ case $mode in
     poll) do_poll ;;
     wait) do_wait "$@" ;;
     stop) do_stop ;;
+    stop-job) do_stop_job "$@" ;;
     go) do_setup; do_smoke
         if [[ $# -gt 0 ]]; then do_start "$@"; else do_start_default; fi
         sleep 10; do_poll ;;
