@@ -124,8 +124,9 @@ def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U, num_rows,
                           UNROTATE: tl.constexpr):
     """LSE merge of the split-K partials of ``BLOCK_R`` (sequence, query head) rows, then
     (UNROTATE) ``out = merged @ U`` as tf32x3 tensor-core passes over KC-row slabs of U (the
-    merged partial is built slab by slab, so no [BLOCK_R, D] operand sits in registers): U is
-    read once per BLOCK_R rows — all heads of several sequences — not once per KV head."""
+    merged row is kept as KC-column slabs, so no [BLOCK_R, D] tf32x3 operand sits in
+    registers): U is read once per BLOCK_R rows — all heads of several sequences — not once
+    per KV head. One pass over the splits (the dependent chain is NUM_SPLITS loads long)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)      # row = seq · HQ + q head
     rmask = r < num_rows
     base = r.to(tl.int64) * NUM_SPLITS
@@ -133,22 +134,30 @@ def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U, num_rows,
     for s in range(NUM_SPLITS):
         m = tl.maximum(m, tl.load(part_lse + base + s, mask=rmask, other=float("-inf")))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
+    # merge: one pass over the splits, each split's row read as D_PAD/KC slabs (all issued
+    # together, as wide as one full-row load); the merged row stays as a tuple of slabs
+    NC: tl.constexpr = D_PAD // KC
+    slabs = ()
+    for c in tl.static_range(NC):
+        slabs = slabs + (tl.zeros([BLOCK_R, KC], tl.float32),)
     den = tl.zeros([BLOCK_R], tl.float32)
     for s in range(NUM_SPLITS):
-        den += tl.exp2(tl.load(part_lse + base + s, mask=rmask, other=float("-inf")) - m_safe)
+        w = tl.exp2(tl.load(part_lse + base + s, mask=rmask, other=float("-inf")) - m_safe)
+        den += w
+        row = part_o + (base + s)[:, None] * D_PAD
+        merged = ()
+        for c in tl.static_range(NC):
+            o = tl.load(row + (c * KC + tl.arange(0, KC))[None, :], mask=rmask[:, None],
+                        other=0.0)
+            merged = merged + (slabs[c] + w[:, None] * o,)
+        slabs = merged
     inv = 1.0 / tl.where(den > 0, den, 1.0)
     optr = Out + (r // HQ).to(tl.int64)[:, None] * so_s + (r % HQ)[:, None] * so_h
     offs_d = tl.arange(0, D_PAD)
     acc = tl.zeros([BLOCK_R, D_PAD], tl.float32)
-    for c in tl.static_range(D_PAD // KC):
+    for c in tl.static_range(NC):
         kc = c * KC + tl.arange(0, KC)
-        a = tl.zeros([BLOCK_R, KC], tl.float32)
-        for s in range(NUM_SPLITS):
-            w = tl.exp2(tl.load(part_lse + base + s, mask=rmask, other=float("-inf")) - m_safe)
-            o = tl.load(part_o + (base + s)[:, None] * D_PAD + kc[None, :],
-                        mask=rmask[:, None], other=0.0)
-            a += w[:, None] * o
-        a = a * inv[:, None]
+        a = slabs[c] * inv[:, None]
         if UNROTATE:
             u = tl.load(U + kc[:, None] * D_PAD + offs_d[None, :])
             acc = tl.dot(a, u, acc, input_precision="tf32x3")
