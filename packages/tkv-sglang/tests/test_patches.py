@@ -151,3 +151,15 @@ def test_tree_inside_a_git_work_tree_is_patched_in_place(sglang_source, tmp_path
     assert not (repo / "sglang").exists()
     revert_series(site)
     assert _snapshot(site) == before
+
+
+def test_series_ships_inside_the_package():
+    """The series lives in ``tkv/sglang/_patches`` (wheels and sdists carry it); the
+    repository's ``patches/sglang-v0.5.11`` is a symlink to the same folder."""
+    import tkv.sglang.patching as patching
+
+    d = series_dir()
+    assert d.parent.name == "_patches" and d.parent.parent == Path(patching.__file__).parent
+    repo_link = Path(patching.__file__).resolve().parents[5] / "patches" / d.name
+    if repo_link.exists():  # source checkout
+        assert repo_link.resolve() == d.resolve()

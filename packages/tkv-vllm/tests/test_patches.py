@@ -133,3 +133,13 @@ def test_unwritable_tree_is_left_unchanged(vllm_tree_copy: Path, monkeypatch):
     monkeypatch.undo()
     assert _snapshot(vllm_tree_copy) == before
     assert cli.main(["patch", "apply", "--root", str(vllm_tree_copy)]) == 0
+
+
+def test_series_ships_inside_the_package():
+    """The series lives in ``tkv/vllm/_patches`` (wheels and sdists carry it); the repository's
+    ``patches/vllm-v0.20.1`` is a symlink to the same folder, so there is one copy."""
+    d = patching.series_dir()
+    assert d.parent.name == "_patches" and d.parent.parent == Path(patching.__file__).parent
+    repo_link = Path(patching.__file__).resolve().parents[5] / "patches" / d.name
+    if repo_link.exists():  # source checkout
+        assert repo_link.resolve() == d.resolve()
