@@ -414,3 +414,45 @@ def test_widen_heads_keeps_the_function(e2e, tmp_path):
     assert a.abs().max() > 0.1
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert e2e.widen_heads(src, dst, 2) == dst  # written once (marker)
+
+
+def test_gpu_session_after_chains_jobs_and_stop_job_ends_one(tmp_path):
+    """`TKV_AFTER=a ... start` starts only once job a has ended; `stop-job NAME` ends a
+    running job's process group and returns once it is gone (fake python, CPU). Job a runs
+    6 s: longer than `start`'s own 3 s exit check, so b is queued while a still runs."""
+    import os
+    import stat
+    import subprocess
+    import time
+
+    mark = tmp_path / "a-done"
+    py = tmp_path / "fakepy"
+    py.write_text("#!/usr/bin/env bash\n"
+                  f'case "$*" in *slow*) sleep 6; touch "{mark}" ;; '
+                  f'*forever*) sleep 60 ;; '
+                  f'*after*) [[ -f "{mark}" ]] && echo AFTER-OK || echo AFTER-TOO-EARLY ;; esac\n')
+    py.chmod(py.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "env.sh").write_text("# test env\n")
+    env = {**os.environ, "TKV_ENV_SH": str(tmp_path / "env.sh"), "TKV_E2E_DIR": str(tmp_path / "e2e"),
+           "TKV_EP_DIR": str(tmp_path / "ep"), "PYTHON": str(py)}
+    script = str(_PATH.parent / "gpu_session.sh")
+
+    def session(*args, **extra):
+        return subprocess.run(["bash", script, *args], env={**env, **extra},
+                              capture_output=True, text=True, timeout=60)
+
+    assert session("start", "serve-check", "slow", TKV_JOB="a").returncode == 0
+    p = session("start", "serve-check", "after", TKV_JOB="b", TKV_AFTER="a")
+    assert p.returncode == 0 and "after job a" in p.stdout, p.stdout + p.stderr
+    jobs = tmp_path / "e2e" / "jobs"
+    deadline = time.time() + 30
+    while time.time() < deadline and not (jobs / "b" / "rc").is_file():
+        time.sleep(0.2)
+    assert (jobs / "b" / "job.log").read_text().strip() == "AFTER-OK"
+
+    assert session("start", "serve-check", "forever", TKV_JOB="c").returncode == 0
+    p = session("stop-job", "c")
+    assert p.returncode == 0 and "job c stopped" in p.stdout, p.stdout + p.stderr
+    pid = int((jobs / "c" / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
