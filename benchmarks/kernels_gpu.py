@@ -33,7 +33,7 @@ from tkv.kernels import BypassLoader, TkvLoader, Workspace, compress_store, deco
 
 DEV = "cuda"
 ROWS: list[dict] = []
-LOOKUPS: tuple[str, ...] = ("gather", "pair", "shuffle", "prmt")  # TkvLoader lookups, side by side
+LOOKUPS: tuple[str, ...] = ("gather", "pair", "shuffle", "prmt", "prmt1")  # TkvLoader lookups
 
 
 TIMING = {"method": None}  # how the last bench() timed: "graph" or "eager" (logged per row)
@@ -542,6 +542,17 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
             log({**base, "impl": name, "lookup": lookup_label(ld),
                  "splits": ws.splits_for(B, hkv), "ms": ms, "GBps": nbytes / ms / 1e6,
                  "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+        # prmt1 (experimental: unary asm + K as the A operand) at 4 and 8 warps, every shape
+        ld1 = TkvLoader(ld.codec, hkv, block, lookup="prmt1")
+        for nw in (4, 8):
+            try:
+                ms = bench(lambda nw=nw: decode(q, cache, bt, sl, ld1, ws, num_warps=nw))
+            except Exception as e:
+                log({**base, "impl": "tkv K4V4 decode prmt1", "num_warps": nw,
+                     "error": str(e)[:160]})
+                continue
+            log({**base, "impl": "tkv K4V4 decode prmt1", "num_warps": nw, "ms": ms,
+                 "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
         sweep = [(sp, bn) for sp in (1, 2, 4, 8) for bn in (64, 128)] if (B, L) == (256, 640) \
             else []
         for sp, bn in sweep:
@@ -580,8 +591,8 @@ def main():
     ap.add_argument("--step", action="store_true",
                     help="per-layer decode step (store + decode) at the e2e shapes, with a "
                          "per-kernel breakdown, before the other rows")
-    ap.add_argument("--lookups", default="gather,pair,shuffle,prmt",
-                    help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt)")
+    ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1",
+                    help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
     global LOOKUPS
     LOOKUPS = tuple(a.lookups.split(","))

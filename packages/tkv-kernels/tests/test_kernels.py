@@ -59,13 +59,13 @@ def _ws(max_seqs=8, heads=32, d=256):
 
 
 def _decode_check(loader, lens, group, seed, window=0, dtype=torch.bfloat16, splits=None,
-                  ws=None):
+                  ws=None, **kw):
     batch, cache = _scenario(loader, lens, seed, dtype)
     hq = loader.num_kv_heads * group
     q = (torch.randn(len(lens), hq, loader.head_dim) * 2).to(DEV, dtype)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
     decode(q, cache, batch.block_table, batch.seq_lens, loader, ws or _ws(), out=out,
-           window=window, num_splits=splits, block_n=16)
+           window=window, num_splits=splits, block_n=16, **kw)
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, loader, window=window)
     assert _rel(out, ref) < _tol(dtype)
     return out, q, cache, batch
@@ -166,6 +166,17 @@ def test_decode_tkv_geometry(head_dim, group, block_size, window, lens):
     _decode_check(ld, lens, group, seed=group + block_size, window=window)
 
 
+@pytest.mark.parametrize("head_dim,kb,vb,group,window,lens", [
+    (64, 4, 4, 4, 0, [37, 1, 20]), (128, 2, 8, 7, 9, [40, 3]), (96, 4, 3, 1, 0, [33, 16])])
+def test_decode_swap_qk_matches_reference(head_dim, kb, vb, group, window, lens):
+    """``swap_qk=True`` (scores as K·q^T, the prmt1 orientation) with a lookup the interpreter
+    runs (float32 gathers: exact, so the oracle's tolerance is the tight one): same attention
+    as the float64 oracle."""
+    codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=head_dim + kb)
+    ld = TkvLoader(codec, 2, 16, lookup="gather")
+    _decode_check(ld, lens, group, seed=kb * 10 + vb, window=window, swap_qk=True)
+
+
 def test_decode_many_rows_partial_row_block():
     """≥ 1024 (sequence, query head) rows: the reduce and query-rotation kernels take 32 rows
     per program; 45 · 24 = 1080 rows leave a partial last block (masked rows)."""
@@ -185,7 +196,10 @@ _GPU_ONLY = pytest.mark.skipif(DEV == "cpu", reason="PTX inline assembly: CUDA o
     ("shuffle", 2, 4, torch.float16), ("shuffle", 4, 8, torch.bfloat16),
     pytest.param("prmt", 4, 4, torch.bfloat16, marks=_GPU_ONLY),
     pytest.param("prmt", 4, 2, torch.float16, marks=_GPU_ONLY),
-    pytest.param("prmt", 3, 4, torch.float16, marks=_GPU_ONLY)])
+    pytest.param("prmt", 3, 4, torch.float16, marks=_GPU_ONLY),
+    pytest.param("prmt1", 4, 4, torch.bfloat16, marks=_GPU_ONLY),
+    pytest.param("prmt1", 4, 2, torch.float16, marks=_GPU_ONLY),
+    pytest.param("prmt1", 3, 4, torch.float16, marks=_GPU_ONLY)])
 def test_decode_lookup_variants(lookup, kb, vb, dtype):
     """Every plane count (NP = 4/2/1 for 2/4/8 bits) with every lookup, fp16 and bf16."""
     codec = TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV, seed=11)

@@ -44,6 +44,8 @@ def _run(asm: str, operands: dict[str, int]) -> dict[str, int]:
 
     ops = {"and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
            "shr.b32": lambda a, b: a >> b}
+    if "mov.b32" in asm:
+        ops["mov.b32"] = lambda a: a
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
@@ -53,7 +55,7 @@ def _run(asm: str, operands: dict[str, int]) -> dict[str, int]:
         if op == "prmt.b32":
             regs[args[0]] = _prmt(val(args[1]), val(args[2]), val(args[3]))
         elif op in ops:
-            regs[args[0]] = ops[op](val(args[1]), val(args[2])) & M32
+            regs[args[0]] = ops[op](*(val(a) for a in args[1:])) & M32
         else:
             raise AssertionError(f"emulator lacks {op}")
     return regs
@@ -84,6 +86,34 @@ def test_prmt_lookup_matches_codebook(half):
             assert hi == [want[c >> 4] for c in b], (b, hi)
 
 
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_prmt1_plane_asm_matches_codebook(half):
+    """``prmt1``: the per-plane unary asm (tables as immediates) built at compile time from the
+    table words packed into the P0 constexpr — emulated on random bytes and codebooks."""
+    from tkv.kernels.loaders import _TABLE_SHIFT, _prmt1_asm
+
+    g = torch.Generator().manual_seed(11)
+    for trial in range(3):
+        table = torch.randn(16, generator=g) * (0.1 + trial)
+        words = [int(w) & M32 for w in _prmt_table(table, half)]
+        want = (table.to(half).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+        p0 = 4 + 16 * 64 + 65536 * 7 + (sum(w << (32 * i) for i, w in enumerate(words))
+                                        << _TABLE_SHIFT)
+        asm = [_prmt1_asm.fn(p0, plane) for plane in (0, 1)]
+        for a in asm:
+            used = set(re.findall(r"^\s*([a-z]+\.[a-z0-9]+)\s", a, re.M))
+            assert used <= {"and.b32", "or.b32", "shr.b32", "prmt.b32", "mov.b32"}, used
+            assert "$3" not in a   # unary: one input operand ($2), two output words
+        codes = torch.randint(0, 256, (64, 4), generator=g).tolist()
+        codes += [[0, 0, 0, 0], [255, 255, 255, 255], [0x0F, 0xF0, 0x88, 0x77]]
+        for b in codes:
+            x = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+            for plane, a in enumerate(asm):
+                r = _run(a, {"$2": x})
+                got = [r["$0"] & 0xFFFF, r["$0"] >> 16, r["$1"] & 0xFFFF, r["$1"] >> 16]
+                assert got == [want[(c >> (4 * plane)) & 15] for c in b], (plane, b, got)
+
+
 def test_lookup_selection_per_width_and_backend(monkeypatch):
     """Which lookup each side gets: prmt for 4-bit sides with 16-bit dots on CUDA (the default),
     pair tables for 2/3-bit sides, float32 gathers for float32 dots (the interpreter) and for
@@ -112,3 +142,29 @@ def test_lookup_selection_per_width_and_backend(monkeypatch):
     assert auto.lookup_name("k", torch.float32) == "gather"
     with pytest.raises(DtypeError):
         L.TkvLoader(codec, 2, 16, lookup="prmt").side_args(cache, "k", torch.bfloat16)
+    with pytest.raises(DtypeError):
+        L.TkvLoader(codec, 2, 16, lookup="prmt1").side_args(cache, "k", torch.bfloat16)
+
+
+def test_prmt1_selection_packs_the_tables_and_swaps_qk(monkeypatch):
+    """prmt1 on a 4-bit side: LOOKUP 6/7 in P0's low bits, the side's 8 byte-table words
+    above bit 24, and decode told to use K as the A operand; a 3-bit side falls back to the
+    pair table (and no swap is asked when K is not prmt1)."""
+    import tkv.kernels.loaders as L
+    from tkv.codec import TurboKVCodec
+
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    codec = TurboKVCodec(128, k_bits=4, v_bits=3, device="cpu", seed=2)
+    ld = L.TkvLoader(codec, 2, 16, lookup="prmt1")
+    cache = ld.layout.allocate(2, "cpu")
+    p0 = ld.side_args(cache, "k", torch.bfloat16)[6]
+    assert (p0 // 65536) % 256 == L.LOOKUP_PRMT1_BF16 and p0 % 16 == 4
+    words = [int(w) & M32 for w in _prmt_table(ld.k_table.cpu(), torch.bfloat16)]
+    assert [(p0 >> (L._TABLE_SHIFT + 32 * i)) & M32 for i in range(8)] == words
+    assert (ld.side_args(cache, "k", torch.float16)[6] // 65536) % 256 == L.LOOKUP_PRMT1_F16
+    assert (ld.side_args(cache, "v", torch.bfloat16)[6] // 65536) % 256 == L.LOOKUP_PAIR_BF16
+    assert ld.lookup_name("k") == "prmt1" and ld.k_operand_a(torch.bfloat16)
+    assert not L.TkvLoader(codec, 2, 16).k_operand_a(torch.bfloat16)
+    swapped = L.TkvLoader(TurboKVCodec(128, k_bits=3, v_bits=4, device="cpu"), 2, 16,
+                          lookup="prmt1")
+    assert not swapped.k_operand_a(torch.bfloat16) and swapped.lookup_name("v") == "prmt1"

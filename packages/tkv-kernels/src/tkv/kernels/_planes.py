@@ -89,6 +89,17 @@ def scores(q, k, NP: tl.constexpr):
 
 
 @triton.jit
+def scores_t(q, k, NP: tl.constexpr):
+    """``Σ_p k_p q_pᵀ``: the transposed scores ``[N, M]`` float32 — K tiles as the A operand
+    (on Hopper, wgmma takes A from registers, so a K tile whose dequant Triton can hoist to
+    the load never goes through shared memory as 16-bit planes)."""
+    s = tl.dot(k[0], tl.trans(q[0]))
+    for p in tl.static_range(1, NP):
+        s = tl.dot(k[p], tl.trans(q[p]), s)
+    return s
+
+
+@triton.jit
 def zero_planes(M: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr):
     """A tuple of ``NP`` float32 zero accumulators ``[M, D_PAD // NP]``."""
     acc = ()

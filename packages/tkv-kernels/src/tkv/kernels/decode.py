@@ -10,7 +10,15 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
-from ._planes import accumulate, fetch_kv, load_planes, scores, store_planes, zero_planes
+from ._planes import (
+    accumulate,
+    fetch_kv,
+    load_planes,
+    scores,
+    scores_t,
+    store_planes,
+    zero_planes,
+)
 from ._util import (
     check_dtype,
     check_int_tensor,
@@ -56,7 +64,7 @@ def _decode_split_kernel(
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         G: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr):
+        DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, SWAP_QK: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -98,7 +106,10 @@ def _decode_split_kernel(
                 k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1,
                 KP2, KP3, KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, BLOCK_N, D_PAD)
         k = DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
-        s = scores(q, k, KNP) * (ks * scale_log2)[None, :]
+        if SWAP_QK:   # K as the A operand (see TkvLoader.k_operand_a)
+            s = tl.trans(scores_t(q, k, KNP)) * (ks * scale_log2)[None, :]
+        else:
+            s = scores(q, k, KNP) * (ks * scale_log2)[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -215,7 +226,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
            sm_scale: float | None = None, window: int = 0, query_rotated: bool = False,
            output_rotated: bool = False, num_splits: int | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int = 1,
-           prefetch: bool = False) -> torch.Tensor:
+           prefetch: bool = False, swap_qk: bool | None = None) -> torch.Tensor:
     """Paged decode attention, one query token per sequence, reading the cache through
     ``loader`` with inline dequant (split-K over the sequence, LSE merge of the splits).
 
@@ -248,6 +259,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             ``preferred_block_n`` (else 64) for head_dim ≤ 128, 32 above) and Triton launch
             options. ``num_stages`` > 1 lets Triton's pipeliner
             stage the codebook gathers through shared memory, which measured slower.
+        swap_qk: compute scores as ``K · q^T`` (K tiles as the tensor-core A operand)
+            instead of ``q · K^T``; default: the loader's ``k_operand_a(dot_dtype)`` if it
+            has one (TkvLoader with ``lookup="prmt1"``), else False. Same result.
         prefetch: fetch tile ``t+1``'s bytes while tile ``t`` is computed (software
             pipeline). Off by default: on the H200 it helped 32-token tiles (0.46 vs 0.49 ms)
             but not the faster 128-token ones (0.44 vs 0.38 ms), K4V4 B=32 L=8K.
@@ -310,6 +324,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     block_n = tile_tokens(block_n, d, loader.min_block_n,
                           small_head=getattr(loader, "preferred_block_n", 64))
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    if swap_qk is None:
+        swap_qk = bool(getattr(loader, "k_operand_a", lambda _: False)(dot_dtype))
     _decode_split_kernel[(ns, hkv, splits)](
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
         block_table.shape[1], num_blocks, *kargs[:6], *vargs[:6], part_o, part_lse,
@@ -318,7 +334,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
         VP3=vargs[9], VNP=vargs[10], G=g, BLOCK_H=block_h, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=loader.block_size,
         BLOCK_N=block_n, NUM_SPLITS=splits, DOT_DTYPE=_TL[dot_dtype],
-        PREFETCH=bool(prefetch),
+        PREFETCH=bool(prefetch), SWAP_QK=bool(swap_qk),
         num_warps=num_warps, num_stages=num_stages)
     unrotate = bool(loader.rotated and not output_rotated)
     u = loader.out_mat if unrotate else part_lse

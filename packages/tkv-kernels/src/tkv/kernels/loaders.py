@@ -109,10 +109,15 @@ class Loader(Protocol):
 # ============================================================================ tkv
 LOOKUP_GATHER, LOOKUP_PAIR_F16, LOOKUP_PAIR_BF16 = 0, 1, 2
 LOOKUP_SHUFFLE, LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16 = 3, 4, 5
+LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16 = 6, 7
 _LOOKUP_NAMES = {LOOKUP_GATHER: "gather", LOOKUP_PAIR_F16: "pair", LOOKUP_PAIR_BF16: "pair",
-                 LOOKUP_SHUFFLE: "shuffle", LOOKUP_PRMT_F16: "prmt", LOOKUP_PRMT_BF16: "prmt"}
+                 LOOKUP_SHUFFLE: "shuffle", LOOKUP_PRMT_F16: "prmt", LOOKUP_PRMT_BF16: "prmt",
+                 LOOKUP_PRMT1_F16: "prmt1", LOOKUP_PRMT1_BF16: "prmt1"}
+# P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP (+ the prmt1 table words from bit _TABLE_SHIFT)
+_TABLE_SHIFT = 24
 
 
+@triton.constexpr_function   # plain Python when called from Python; see _prmt1_asm
 def _prmt_lut8(t0: str, t1: str, t2: str, t3: str, x: str, s: str, dst: str) -> list[str]:
     """PTX: ``dst`` byte n = byte ``code_n`` of the 16-entry byte table in registers
     ``t0..t3`` (entries 0-7 from ``t0:t1``, 8-15 from ``t2:t3``, merged by selector ``s``)."""
@@ -137,6 +142,40 @@ def _prmt_lut16_asm() -> str:
     lines += ["prmt.b32 $0, l0, h0, 0x6240;", "prmt.b32 $1, l1, h1, 0x6240;",
               "prmt.b32 $2, l0, h0, 0x7351;", "prmt.b32 $3, l1, h1, 0x7351;", "}"]
     return "\n".join(lines) + "\n"
+
+
+@triton.constexpr_function   # called by _prmt1_asm at compile time (and by tests)
+def _prmt_plane_asm(words: list[int], plane: int) -> str:
+    """4-bit codes -> 16-bit centroids of ONE plane (``plane`` 0: low nibbles, 1: high
+    nibbles) of 4 code bytes, as *unary* inline assembly: the 8 byte-table words are
+    immediates (``words``: as :func:`_prmt_table`, low-byte words then high-byte words), so
+    the only operand is the code bytes ($2; outputs $0 $1 = 4 centroids). Triton hoists a
+    dot operand's layout conversion only through pure unary inline asm (its
+    ``isPureUnaryInlineAsm``), so with this form the conversion moves onto the uint8 code
+    tile — 4× fewer shared-memory bytes than converting the 16-bit planes. 17 integer
+    instructions per 4 codes (+ 8 immediate moves ptxas can keep in registers)."""
+    regs = ("T0", "T1", "T2", "T3", "U0", "U1", "U2", "U3")
+    lines = ["{", ".reg .b32 t, X, x, s, a, b, lo, hi, " + ", ".join(regs) + ";"]
+    lines += [f"mov.b32 {r}, 0x{w & 0xFFFFFFFF:08x};" for r, w in zip(regs, words, strict=True)]
+    if plane:
+        lines += ["shr.b32 t, $2, 4;", "and.b32 t, t, 0x0F0F0F0F;"]
+    else:
+        lines += ["and.b32 t, $2, 0x0F0F0F0F;"]
+    # the plane's 4 nibbles, one per byte, into the low 16 bits of X (nibble n = code n)
+    lines += ["shr.b32 X, t, 4;", "or.b32 X, X, t;", "prmt.b32 X, X, 0, 0x0020;",
+              "and.b32 x, X, 0x7777;", "shr.b32 s, X, 1;", "and.b32 s, s, 0x4444;",
+              "or.b32 s, s, 0x3210;"]
+    lines += _prmt_lut8("T0", "T1", "T2", "T3", "x", "s", "lo")    # centroid low bytes
+    lines += _prmt_lut8("U0", "U1", "U2", "U3", "x", "s", "hi")    # centroid high bytes
+    lines += ["prmt.b32 $0, lo, hi, 0x5140;", "prmt.b32 $1, lo, hi, 0x7362;", "}"]
+    return "\n".join(lines) + "\n"
+
+
+@triton.constexpr_function
+def _prmt1_asm(p0, plane):
+    """Compile time: the :func:`_prmt_plane_asm` text of the table words packed in ``P0``."""
+    t = int(p0) >> _TABLE_SHIFT
+    return _prmt_plane_asm([(t >> (32 * i)) & 0xFFFFFFFF for i in range(8)], int(plane))
 
 
 _PRMT_LUT16: tl.constexpr = tl.constexpr(_prmt_lut16_asm())
@@ -223,14 +262,23 @@ def tkv_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr
     LOOKUP 0: one gather per code from the float32 centroid table (``table``).
     """
     BITS: tl.constexpr = P0 % 16
-    LOOKUP: tl.constexpr = P0 // 65536
+    LOOKUP: tl.constexpr = (P0 // 65536) % 256
     MASK: tl.constexpr = (1 << BITS) - 1
     if BITS * NP > 32:   # 5/7-bit groups: 40/56-bit words
         w = raw.to(tl.int64)
     else:
         w = raw.to(tl.int32)
     planes = ()
-    if LOOKUP >= 4:   # LOOKUP_PRMT_*, 4 bits: 2 planes from the byte tile, no memory access
+    if LOOKUP >= 6:   # LOOKUP_PRMT1_*: one unary asm per plane, tables as immediates
+        if LOOKUP == 6:
+            HALF: tl.constexpr = tl.float16
+        else:
+            HALF: tl.constexpr = tl.bfloat16
+        for p in tl.static_range(2):
+            c = tl.inline_asm_elementwise(_prmt1_asm(P0, p), "=r,=r,r", [raw],
+                                          dtype=tl.int16, is_pure=True, pack=4)
+            planes = planes + (c.to(HALF, bitcast=True).to(OUT_DTYPE),)
+    elif LOOKUP >= 4:   # LOOKUP_PRMT_*, 4 bits: 2 planes from the byte tile, no memory access
         if LOOKUP == 4:
             HALF: tl.constexpr = tl.float16
         else:
@@ -294,7 +342,7 @@ def _prmt_table(scaled: torch.Tensor, half: torch.dtype) -> torch.Tensor:
     return words.to(torch.int64).where(words < 2**31, words - 2**32).to(torch.int32)
 
 
-_LOOKUPS = ("auto", "pair", "gather", "shuffle", "prmt")
+_LOOKUPS = ("auto", "pair", "gather", "shuffle", "prmt", "prmt1")
 
 
 class TkvLoader:
@@ -317,6 +365,11 @@ class TkvLoader:
             ``"shuffle"``: 3-, 4- and 5-bit sides with planes look codes up in a register copy
             of the codebook (``tl.gather``, warp shuffles): 1.15 vs 1.38 ms at K5V5, slower
             at K4V4 (2-bit tables crashed Triton 3.6's ThreadLocality pass, hence not offered).
+            ``"prmt1"`` (experimental, not yet timed on a GPU): like ``"prmt"`` but one *unary*
+            asm per plane with the byte tables as immediates (one compile per distinct
+            codebook), and decode computes ``K · q^T`` (:meth:`k_operand_a`) so Triton can
+            convert the uint8 code tile instead of the 16-bit planes into the tensor-core
+            operand layout (offline sm_90a: shared memory per CTA 40 KB → 12 KB).
 
     Raises:
         ValueError: unknown ``lookup``. DtypeError: ``codec`` is not a TurboKVCodec.
@@ -365,17 +418,23 @@ class TkvLoader:
         dev = self.device
         self.k_table = codec.k.scaled_centroids.to(dev, torch.float32).contiguous()
         self.v_table = codec.v.scaled_centroids.to(dev, torch.float32).contiguous()
-        self._pairs, self._prmt = {}, {}
+        self._pairs, self._prmt, self._prmt_words = {}, {}, {}
         for side, bits, table in (("k", self.k_bits, self.k_table), ("v", self.v_bits,
                                                                       self.v_table)):
-            if bits in (2, 3, 4) and lookup in ("auto", "pair", "prmt"):
+            if bits in (2, 3, 4) and lookup in ("auto", "pair", "prmt", "prmt1"):
                 for half, code in ((torch.float16, LOOKUP_PAIR_F16),
                                    (torch.bfloat16, LOOKUP_PAIR_BF16)):
                     self._pairs[side, half] = (_pair_table(table, bits, half).to(dev), code)
-            if bits == 4 and lookup in ("auto", "prmt"):
-                for half, code in ((torch.float16, LOOKUP_PRMT_F16),
-                                   (torch.bfloat16, LOOKUP_PRMT_BF16)):
-                    self._prmt[side, half] = (_prmt_table(table, half).to(dev), code)
+            if bits == 4 and lookup in ("auto", "prmt", "prmt1"):
+                one = lookup == "prmt1"
+                for half, code in ((torch.float16, LOOKUP_PRMT1_F16 if one else LOOKUP_PRMT_F16),
+                                   (torch.bfloat16,
+                                    LOOKUP_PRMT1_BF16 if one else LOOKUP_PRMT_BF16)):
+                    words = _prmt_table(table, half)
+                    self._prmt[side, half] = (words.to(dev), code)
+                    if one:  # prmt1: the tables as one constexpr int (no host sync per call)
+                        self._prmt_words[side, half] = sum(
+                            (int(w) & 0xFFFFFFFF) << (32 * i) for i, w in enumerate(words.tolist()))
 
         def bounds(side):
             b = side.boundaries.to(torch.float32).cpu()
@@ -445,9 +504,9 @@ class TkvLoader:
         if self.planes(side) == 1:
             half = None   # one plane: per-code gathers from the float32 table
         interp = interpreting()
-        if self.lookup == "prmt" and interp and (side, half) in self._prmt:
-            raise DtypeError("lookup='prmt' is PTX inline assembly: it needs a CUDA device, not "
-                             "the Triton interpreter (use lookup='pair' there)")
+        if self.lookup in ("prmt", "prmt1") and interp and (side, half) in self._prmt:
+            raise DtypeError(f"lookup={self.lookup!r} is PTX inline assembly: it needs a CUDA "
+                             "device, not the Triton interpreter (use lookup='pair' there)")
         table, code = self.k_table if side == "k" else self.v_table, LOOKUP_GATHER
         if (side, half) in self._prmt and not interp:
             table, code = self._prmt[side, half]
@@ -460,8 +519,15 @@ class TkvLoader:
 
     def lookup_name(self, side: str, dot_dtype: torch.dtype = torch.bfloat16) -> str:
         """The lookup side ``"k"``/``"v"`` really uses with ``dot_dtype`` dots: "prmt",
-        "pair", "shuffle" or "gather" (a requested ``lookup`` falls back per side)."""
+        "prmt1", "pair", "shuffle" or "gather" (a requested ``lookup`` falls back per side)."""
         return _LOOKUP_NAMES[self._lookup(side, dot_dtype)[1]]
+
+    def k_operand_a(self, dot_dtype: torch.dtype) -> bool:
+        """Whether decode should compute scores as ``K · q^T`` (K tiles as the tensor-core A
+        operand, fed from registers on Hopper) rather than ``q · K^T``: True when the K side
+        uses ``prmt1``, whose unary asm lets Triton convert the uint8 code tile — not the
+        16-bit planes — into the operand layout (no ``tl.trans`` between load and dot)."""
+        return self._lookup("k", dot_dtype)[1] in (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16)
 
     def side_args(self, cache: torch.Tensor, side: str,
                   dot_dtype: torch.dtype = torch.float32) -> SideArgs:
@@ -474,6 +540,9 @@ class TkvLoader:
         bits = lay.k_bits if side == "k" else lay.v_bits
         code_bytes = lay.k_code_bytes if side == "k" else lay.v_code_bytes
         p0 = bits + 16 * code_bytes + 65536 * code
+        if code in (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16):  # tables travel in the constexpr
+            half = torch.float16 if code == LOOKUP_PRMT1_F16 else torch.bfloat16
+            p0 += self._prmt_words[side, half] << _TABLE_SHIFT
         if side == "k":
             return (cache, aux, table, lay.page_bytes, st["k_head"], st["k_token"],
                     p0, lay.k_codes_offset, lay.k_norms_offset, st["norm_head"], self.planes("k"))
