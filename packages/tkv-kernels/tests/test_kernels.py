@@ -394,7 +394,8 @@ def test_prefill_tkv(head_dim, group, prefix, qlens, window):
     _prefill_check(ld, prefix, qlens, group, seed=head_dim + group, window=window)
 
 
-@pytest.mark.parametrize("lookup", ["shuffle", pytest.param("prmt", marks=_GPU_ONLY)])
+@pytest.mark.parametrize("lookup", ["shuffle", pytest.param("prmt", marks=_GPU_ONLY),
+                                    pytest.param("prmt1", marks=_GPU_ONLY)])
 def test_prefill_tkv_lookups(lookup):
     """The register lookups in the prefill kernel's compressed-prefix loop (K4V4)."""
     codec = TurboKVCodec(128, k_bits=4, v_bits=4, device=DEV, seed=6)
