@@ -530,45 +530,38 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
              "GBps": bf16_bytes / ms / 1e6, "frac_copy": bf16_bytes / ms / 1e6 / copy_gbs})
         del kp, vp
         ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, block)
+        ld1 = TkvLoader(ld.codec, hkv, block, lookup="prmt1")   # experimental, see loaders
         cache = tkv_cache(ld, nblk)
         nbytes = B * L * ld.layout.bytes_per_token
-        for name, fn in (("tkv K4V4 compress_store", lambda: compress_store(kn, vn, cache, slots,
-                                                                             ld)),
-                         ("tkv K4V4 decode", lambda: decode(q, cache, bt, sl, ld, ws)),
-                         ("tkv K4V4 store + decode", lambda: (compress_store(kn, vn, cache,
-                                                                              slots, ld),
-                                                              decode(q, cache, bt, sl, ld, ws)))):
-            ms = bench(fn)
-            log({**base, "impl": name, "lookup": lookup_label(ld),
-                 "splits": ws.splits_for(B, hkv), "ms": ms, "GBps": nbytes / ms / 1e6,
-                 "frac_copy": nbytes / ms / 1e6 / copy_gbs})
-        # prmt1 (experimental: unary asm + K as the A operand) at 4 and 8 warps, every shape
-        ld1 = TkvLoader(ld.codec, hkv, block, lookup="prmt1")
-        for nw in (4, 8):
+
+        def tkv_step():
+            compress_store(kn, vn, cache, slots, ld)
+            decode(q, cache, bt, sl, ld, ws)
+
+        def timed(impl, fn, **fields):
             try:
-                ms = bench(lambda nw=nw: decode(q, cache, bt, sl, ld1, ws, num_warps=nw))
+                ms = bench(fn)
             except Exception as e:
-                log({**base, "impl": "tkv K4V4 decode prmt1", "num_warps": nw,
-                     "error": str(e)[:160]})
-                continue
-            log({**base, "impl": "tkv K4V4 decode prmt1", "num_warps": nw, "ms": ms,
-                 "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
-        sweep = [(sp, bn) for sp in (1, 2, 4, 8) for bn in (64, 128)] if (B, L) == (256, 640) \
-            else []
-        for sp, bn in sweep:
-            try:
-                ms = bench(lambda sp=sp, bn=bn: decode(q, cache, bt, sl, ld, ws,
-                                                       num_splits=sp, block_n=bn))
-            except Exception as e:
-                log({**base, "impl": "tkv K4V4 decode", "num_splits": sp, "block_n": bn,
-                     "error": str(e)[:160]})
-                continue
-            log({**base, "impl": "tkv K4V4 decode", "num_splits": sp, "block_n": bn,
-                 "auto_splits": ws.splits_for(B, hkv), "ms": ms, "GBps": nbytes / ms / 1e6,
+                log({**base, "impl": impl, **fields, "error": str(e)[:160]})
+                return
+            log({**base, "impl": impl, **fields, "ms": ms, "GBps": nbytes / ms / 1e6,
                  "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+
+        auto = dict(lookup=lookup_label(ld), splits=ws.splits_for(B, hkv))
+        timed("tkv K4V4 compress_store", lambda: compress_store(kn, vn, cache, slots, ld), **auto)
+        timed("tkv K4V4 decode", lambda: decode(q, cache, bt, sl, ld, ws), **auto)
+        timed("tkv K4V4 store + decode", tkv_step, **auto)
+        for nw in (4, 8):   # prmt1 (unary asm + K as the A operand) at 4 and 8 warps
+            timed("tkv K4V4 decode prmt1", lambda nw=nw: decode(q, cache, bt, sl, ld1, ws,
+                                                                num_warps=nw), num_warps=nw)
+        if (B, L) == (256, 640):   # split-K x tile sweep at the throughput runs' shape
+            for sp in (1, 2, 4, 8):
+                for bn in (64, 128):
+                    timed("tkv K4V4 decode", lambda sp=sp, bn=bn: decode(
+                        q, cache, bt, sl, ld, ws, num_splits=sp, block_n=bn),
+                        num_splits=sp, block_n=bn, auto_splits=ws.splits_for(B, hkv))
         try:
-            br = _kernel_breakdown(lambda: (compress_store(kn, vn, cache, slots, ld),
-                                            decode(q, cache, bt, sl, ld, ws)))
+            br = _kernel_breakdown(tkv_step)
             log({**base, "kernel": "decode_step_breakdown", "impl": "tkv K4V4",
                  "us_per_kernel": {k: round(v, 2) for k, v in br.items()}})
         except Exception as e:

@@ -324,20 +324,19 @@ def widen_heads(src: Path, dst: Path, factor: int = 2) -> Path:
     tensors = {}
     for f in files:
         tensors.update(load_file(str(f)))
+    def repeat_groups(t, rows):  # leading dim (hkv, rows) -> (hkv, factor, rows)
+        rest = t.shape[1:]
+        return t.reshape(hkv, 1, rows, *rest).expand(hkv, factor, rows, *rest).reshape(
+            hkv * factor * rows, *rest)
+
     out = {}
     for name, t in tensors.items():
         if ".self_attn.q_proj." in name:       # rows (hkv, g, d) -> (hkv, factor, g, d)
-            rest = t.shape[1:]
-            t = t.reshape(hkv, 1, g * d, *rest).expand(hkv, factor, g * d, *rest)
-            t = t.reshape(hkv * factor * g * d, *rest)
+            t = repeat_groups(t, g * d)
         elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
-            rest = t.shape[1:]
-            t = t.reshape(hkv, 1, d, *rest).expand(hkv, factor, d, *rest)
-            t = t.reshape(hkv * factor * d, *rest)
+            t = repeat_groups(t, d)
         elif ".self_attn.o_proj.weight" in name:  # columns (hkv, g, d), each copy / factor
-            h = t.shape[0]
-            t = (t.reshape(h, hkv, 1, g * d).expand(h, hkv, factor, g * d) / factor)
-            t = t.to(tensors[name].dtype).reshape(h, hkv * factor * g * d)
+            t = repeat_groups(t.T, g * d).T / factor
         out[name] = t.contiguous()
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():

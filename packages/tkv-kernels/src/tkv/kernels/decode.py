@@ -315,9 +315,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         raise ShapeError(f"num_splits must be a power of two in [1, {workspace.max_splits}]")
     part_o, part_lse = workspace.partials(ns, hq, splits, d_pad)
     q = query
+    br = _row_block(ns * hq, d_pad)   # (sequence, head) rows per rotation / reduce program
     if loader.rotated and not query_rotated:
         q = workspace.rotated_queries(ns, hq, d)
-        br = _row_block(ns * hq, d_pad)
         _rotate_rows_kernel[(triton.cdiv(ns * hq, br),)](
             query, query.stride(0), query.stride(1), loader.q_in, q, ns * hq, HQ=hq,
             BLOCK_R=br, HEAD_DIM=d, D_PAD=d_pad, KC=_slab(d_pad), num_warps=8)
@@ -338,7 +338,6 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         num_warps=num_warps, num_stages=num_stages)
     unrotate = bool(loader.rotated and not output_rotated)
     u = loader.out_mat if unrotate else part_lse
-    br = _row_block(ns * hq, d_pad)
     _decode_reduce_kernel[(triton.cdiv(ns * hq, br),)](
         part_o, part_lse, out, out.stride(0), out.stride(1), u, ns * hq,
         HQ=hq, BLOCK_R=br, HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=splits, KC=_slab(d_pad),

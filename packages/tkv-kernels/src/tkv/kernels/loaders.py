@@ -433,7 +433,7 @@ class TkvLoader:
                     words = _prmt_table(table, half)
                     self._prmt[side, half] = (words.to(dev), code)
                     if one:  # prmt1: the tables as one constexpr int (no host sync per call)
-                        self._prmt_words[side, half] = sum(
+                        self._prmt_words[side, code] = sum(
                             (int(w) & 0xFFFFFFFF) << (32 * i) for i, w in enumerate(words.tolist()))
 
         def bounds(side):
@@ -540,9 +540,8 @@ class TkvLoader:
         bits = lay.k_bits if side == "k" else lay.v_bits
         code_bytes = lay.k_code_bytes if side == "k" else lay.v_code_bytes
         p0 = bits + 16 * code_bytes + 65536 * code
-        if code in (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16):  # tables travel in the constexpr
-            half = torch.float16 if code == LOOKUP_PRMT1_F16 else torch.bfloat16
-            p0 += self._prmt_words[side, half] << _TABLE_SHIFT
+        if (side, code) in self._prmt_words:   # prmt1: the tables travel in the constexpr
+            p0 += self._prmt_words[side, code] << _TABLE_SHIFT
         if side == "k":
             return (cache, aux, table, lay.page_bytes, st["k_head"], st["k_token"],
                     p0, lay.k_codes_offset, lay.k_norms_offset, st["norm_head"], self.planes("k"))
