@@ -777,12 +777,12 @@ def run_tp(opts: argparse.Namespace) -> int:
         res = {f"bf16 tp{tp}": go("bf16", None, tp, False, False),
                f"tkv@{opts.bits} tp{tp}": go("tkv", opts.bits, tp, False, False)}
         greedy = {}
-        for bits in ("8.0", opts.bits):
+        for bits in ("8.0", opts.bits) if spec in (opts.greedy_models or [spec]) else ():
             if f"tkv@{bits} tp{tp} g" in greedy:
                 continue
             greedy[f"tkv@{bits} tp{tp} g"] = go("tkv", bits, tp, True, ge)
             greedy[f"tkv@{bits} tp1 g"] = go("tkv", bits, 1, True, ge)
-        if opts.bf16_tp1:  # how much TP alone moves greedy tokens (all-reduce order)
+        if opts.bf16_tp1 and greedy:  # how much TP alone moves greedy tokens (all-reduce order)
             greedy[f"bf16 tp{tp} g"] = go("bf16", None, tp, True, ge)
             greedy["bf16 tp1 g"] = go("bf16", None, 1, True, ge)
         allres = {**res, **greedy}
@@ -837,6 +837,14 @@ def tp_table(name: str, tp: int, bits: str, res: dict, greedy: dict) -> str:
         ex, fr = agreement(b["greedy"], a["greedy"])
         rows.append(f"| {pre} ({note}) | {ex}/{len(a['greedy'])} exact, {100 * fr:.0f}% prefix | "
                     f"{drift_cell(b, a)} | {divergence_cell(b, a)} |")
+    for t in (1, tp):  # the width's own cost at each TP, same (eager) mode on both sides
+        for pre in dict.fromkeys(("tkv@8.0", f"tkv@{bits}")):
+            a, b = greedy.get(f"{pre} tp{t} g"), greedy.get(f"bf16 tp{t} g")
+            if a and b and not (a.get("failed") or b.get("failed")):
+                ex, fr = agreement(b["greedy"], a["greedy"])
+                rows.append(f"| {pre} vs bf16, both TP={t} | {ex}/{len(b['greedy'])} exact, "
+                            f"{100 * fr:.0f}% prefix | {drift_cell(b, a)} | "
+                            f"{divergence_cell(b, a)} (from bf16) |")
     tkv_g = res.get(f"tkv@{bits} tp{tp}", {})
     if base.get("greedy") and tkv_g.get("greedy"):
         ex, fr = agreement(base["greedy"], tkv_g["greedy"])
@@ -1109,6 +1117,9 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--batches", type=int, nargs="+", default=[64, 256])
             a.add_argument("--greedy-eager", action=argparse.BooleanOptionalAction, default=True,
                            help="greedy TP comparisons with enforce_eager on both sides")
+            a.add_argument("--greedy-models", nargs="+", default=None, metavar="SPEC",
+                           help="--model specs whose TP=1/TP=N greedy runs are made (default: "
+                           "all; random-weight logits are near-flat, so greedy there says little)")
             a.add_argument("--bf16-tp1", action=argparse.BooleanOptionalAction, default=True,
                            help="also compare bf16 TP=N with bf16 TP=1: TP's own effect, the "
                            "noise floor of the tkv comparisons")

@@ -88,6 +88,34 @@ def test_tp_table_and_kv_memory_parse(e2e):
     assert "| tkv@8.0 (goal: 8/8 equal) | 2/2 exact, 100% prefix | - | none |" in t
     assert "| tkv@4.0 vs bf16, both TP=2 (CUDA graphs) | 1/2 exact, 75% prefix | - | p1@16" in t
     assert "Same-context drift" in t
+    assert "vs bf16, both TP=1 |" not in t  # no bf16 greedy runs given
+    greedy |= {"bf16 tp2 g": {"greedy": g8}, "bf16 tp1 g": {"greedy": g8}}
+    t = e2e.tp_table("m", 2, "4.0", res, greedy)
+    assert "| tkv@8.0 vs bf16, both TP=1 | 2/2 exact, 100% prefix | - | none (from bf16) |" in t
+    assert "| tkv@4.0 vs bf16, both TP=1 | 2/2 exact, 100% prefix |" in t
+    assert "| tkv@4.0 vs bf16, both TP=2 | 1/2 exact, 75% prefix | - | p1@16 (from bf16) |" in t
+
+
+def test_tp_greedy_models_selects_the_greedy_runs(e2e, tmp_path, monkeypatch):
+    """`tp --greedy-models smollm2-x2`: the other models get only their bf16/tkv TP=N
+    capacity+throughput runs (2 engines), the named one all 8."""
+    calls = []
+
+    def fake_run_mode(model, weights, mode, bits, bundle, out, o, greedy_only=False):
+        calls.append((model.parent.name, mode, bits, o.tp, greedy_only))
+        return {"greedy": [[1] * 32], "kv_tokens_reported": 10, "throughput": {}}
+
+    monkeypatch.setattr(e2e, "run_mode", fake_run_mode)
+    monkeypatch.setattr(e2e, "resolve_model",
+                        lambda spec, work, weights, seed=0: (e2e.make_qwen3_like(
+                            tmp_path / spec), "dummy"))
+    monkeypatch.setattr(e2e, "write_uniform_bundle", lambda model, path: path)
+    rc = e2e.main(["tp", "--model", "a", "b", "--greedy-models", "b",
+                   "--out", str(tmp_path / "out")])
+    assert rc == 0
+    per = {m: [c for c in calls if c[0] == m] for m in ("a", "b")}
+    assert [c[4] for c in per["a"]] == [False, False]
+    assert len(per["b"]) == 8 and sum(c[4] for c in per["b"]) == 6
 
 
 def test_same_context_drift_stops_after_the_first_divergence(e2e):
