@@ -333,7 +333,7 @@ def store_rows(copy_gbs):
             k = torch.randn(T, hkv, d, device=DEV, dtype=torch.bfloat16)
             v = torch.randn_like(k)
             slots = torch.randperm(nblk * 16, device=DEV)[:T]
-            nbytes = 2 * T * hkv * d * 2 + T * ld.layout.ideal_bytes_per_token + T * 8
+            nbytes = store_bytes(T, hkv, d, ld)
             variants = [{}]
             if (d, T, kb) == (128, 16384, 4):  # tile sweep at the main shape
                 variants += [dict(chunk=64), dict(block_t=32), dict(num_warps=8)]
@@ -485,6 +485,12 @@ def _kernel_breakdown(fn, calls=20):
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def store_bytes(T: int, hkv: int, d: int, ld) -> int:
+    """Bytes compress_store moves for T new tokens: bf16 K and V read, packed slots written
+    (codes + norms, ``layout.ideal_bytes_per_token``), int64 slot_mapping read."""
+    return 2 * T * hkv * d * 2 + T * ld.layout.ideal_bytes_per_token + T * 8
+
+
 def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768))):
     """One layer's attention work in a decode step as the engines run it, at the shapes of the
     e2e throughput runs (Qwen3-8B-like geometry; 512-token prompts + 256 generated → ~640
@@ -538,17 +544,19 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
             compress_store(kn, vn, cache, slots, ld)
             decode(q, cache, bt, sl, ld, ws)
 
-        def timed(impl, fn, **fields):
+        def timed(impl, fn, moved=nbytes, **fields):
             try:
                 ms = bench(fn)
             except Exception as e:
                 log({**base, "impl": impl, **fields, "error": str(e)[:160]})
                 return
-            log({**base, "impl": impl, **fields, "ms": ms, "GBps": nbytes / ms / 1e6,
-                 "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+            log({**base, "impl": impl, **fields, "ms": ms, "GBps": moved / ms / 1e6,
+                 "frac_copy": moved / ms / 1e6 / copy_gbs})
 
         auto = dict(lookup=lookup_label(ld), splits=ws.splits_for(B, hkv))
-        timed("tkv K4V4 compress_store", lambda: compress_store(kn, vn, cache, slots, ld), **auto)
+        # the store moves its own bytes (B new tokens), not the cache the decode reads
+        timed("tkv K4V4 compress_store", lambda: compress_store(kn, vn, cache, slots, ld),
+              moved=store_bytes(B, hkv, d, ld), **auto)
         timed("tkv K4V4 decode", lambda: decode(q, cache, bt, sl, ld, ws), **auto)
         timed("tkv K4V4 store + decode", tkv_step, **auto)
         for nw in (4, 8):   # prmt1 (unary asm + K as the A operand) at 4 and 8 warps
