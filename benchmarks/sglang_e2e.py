@@ -67,7 +67,9 @@ from vllm_e2e import (
     PROMPTS,
     agreement,
     random_prompt_ids,
+    ratio_cell,
     resolve_model,
+    throughput_entry,
     tkv_env,
     write_uniform_bundle,
 )
@@ -134,8 +136,14 @@ def worker(a: argparse.Namespace) -> None:
             outs = llm.generate(input_ids=batch, sampling_params=sp)
             dt = time.perf_counter() - t
             toks = sum(len(o["output_ids"]) for o in outs)
-            res["throughput"][str(n)] = {"seconds": round(dt, 3), "output_tokens": toks,
-                                         "output_tok_s": round(toks / dt, 1)}
+            if toks != n * OUTPUT_LEN:
+                raise RuntimeError(f"{toks} output tokens, expected {n} x {OUTPUT_LEN}")
+            # the same shape with one output token (other prompts): the prefill's share
+            t = time.perf_counter()
+            llm.generate(input_ids=random_prompt_ids(rng, n, PROMPT_LEN),
+                         sampling_params={**sp, "max_new_tokens": 1})
+            res["throughput"][str(n)] = throughput_entry(n, OUTPUT_LEN, dt,
+                                                         time.perf_counter() - t)
     Path(a.result).write_text(json.dumps(res, indent=1))
     llm.shutdown()
 
@@ -235,7 +243,7 @@ def table(model: str, res: dict[str, dict]) -> str:
     bt = base.get("throughput", {})
     ks = sorted({k for r in res.values() for k in r.get("throughput", {})}, key=int)
     head = ["run", "KV tokens", "×bf16", "greedy = bf16 (32 tok)",
-            *(f"tok/s @{k}" for k in ks), "tok/s ×bf16", "startup s"]
+            *(f"tok/s @{k}" for k in ks), "tok/s ×bf16", "decode ×bf16", "startup s"]
     rows = [f"### {model}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in res.items():
         if r.get("failed"):
@@ -248,12 +256,13 @@ def table(model: str, res: dict[str, dict]) -> str:
             agree = f"{ex}/{len(base['greedy'])} exact, {100 * fr:.0f}% prefix"
         else:
             agree = "-"
-        tps = [r.get("throughput", {}).get(k, {}).get("output_tok_s") for k in ks]
-        vs = [f"{t / bt[k]['output_tok_s']:.2f}" if t and k in bt else "-"
-              for t, k in zip(tps, ks, strict=True)]
+        tc = [r.get("throughput", {}).get(k) for k in ks]
+        tps = [c.get("output_tok_s") if c else None for c in tc]
+        vs = [ratio_cell(c, bt.get(k), "output_tok_s") for c, k in zip(tc, ks, strict=True)]
+        vd = [ratio_cell(c, bt.get(k), "decode_tok_s") for c, k in zip(tc, ks, strict=True)]
         cells = [name, f"{kv:,}" if kv else "?", ratio, agree,
                  *(f"{t:,.0f}" if t else "-" for t in tps), " / ".join(vs) or "-",
-                 str(r.get("startup_s", "-"))]
+                 " / ".join(vd) or "-", str(r.get("startup_s", "-"))]
         rows.append("| " + " | ".join(cells) + " |")
     texts = [(n, r["greedy_text"][0]) for n, r in res.items() if r.get("greedy_text")]
     if texts:

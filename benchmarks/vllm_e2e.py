@@ -513,6 +513,17 @@ def worker(args: argparse.Namespace) -> None:
         def random_batch(n):
             return [TokensPrompt(prompt_token_ids=ids) for ids in random_prompt_ids(rng, n)]
 
+        def timed(batch, prefill_batch, n):
+            """The full run, then the same shape with 1 output token (throughput_entry)."""
+            t = time.perf_counter()
+            llm.generate(batch, sp, use_tqdm=False)
+            full = time.perf_counter() - t
+            t = time.perf_counter()
+            llm.generate(prefill_batch, SamplingParams(temperature=0.0, max_tokens=1,
+                                                       ignore_eos=True, **detok),
+                         use_tqdm=False)
+            return throughput_entry(n, 256, full, time.perf_counter() - t)
+
         for n in args.batches:
             # Warm-up: a whole batch of the same shape but OTHER prompts (no prefix-cache hits
             # in the timed run), 16 output tokens: every kernel variant the timed run meets —
@@ -522,18 +533,12 @@ def worker(args: argparse.Namespace) -> None:
             # ~2.7 s of compiles: SmolLM2 took 3.59 s for 64 sequences, 2.86 s for 256.)
             llm.generate(random_batch(n), SamplingParams(max_tokens=16, ignore_eos=True, **detok),
                          use_tqdm=False)
-            batch = random_batch(n)
-            t = time.perf_counter()
-            llm.generate(batch, sp, use_tqdm=False)
-            dt = time.perf_counter() - t
-            res["throughput"][str(n)] = {"seconds": dt, "output_tok_s": n * 256 / dt}
+            res["throughput"][str(n)] = timed(random_batch(n), random_batch(n), n)
         if args.long_prompt and args.max_model_len >= args.long_prompt + 256:
-            long = [TokensPrompt(prompt_token_ids=random_prompt_ids(rng, 1, args.long_prompt)[0])]
-            t = time.perf_counter()
-            llm.generate(long, sp, use_tqdm=False)
-            dt = time.perf_counter() - t
-            res["throughput"][f"1x{args.long_prompt}"] = {"seconds": dt,
-                                                         "output_tok_s": 256 / dt}
+            def long():
+                return [TokensPrompt(prompt_token_ids=random_prompt_ids(
+                    rng, 1, args.long_prompt)[0])]
+            res["throughput"][f"1x{args.long_prompt}"] = timed(long(), long(), 1)
     Path(args.result).write_text(json.dumps(res, indent=1))
 
 
@@ -619,6 +624,29 @@ def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Pat
     return res
 
 
+def throughput_entry(n: int, out_len: int, full_s: float, prefill_s: float) -> dict:
+    """One throughput cell: ``n`` sequences, ``out_len`` greedy tokens each.
+
+    ``full_s``: wall seconds of the whole ``generate`` (prefill of the n prompts + decode);
+    ``prefill_s``: wall seconds of the same-shape ``generate`` with ONE output token (other
+    prompts, so no prefix-cache hits). ``output_tok_s = n·out_len / full_s`` (end to end);
+    ``decode_tok_s = n·(out_len − 1) / (full_s − prefill_s)``: the decode steps alone, what
+    the cache format changes most (both runs pay the same prefill and the first token).
+    ``decode_tok_s`` is None when the difference is not positive (noise on a tiny run)."""
+    d = full_s - prefill_s
+    return {"seconds": round(full_s, 4), "prefill_s": round(prefill_s, 4),
+            "output_tok_s": round(n * out_len / full_s, 1),
+            "decode_tok_s": round(n * (out_len - 1) / d, 1) if d > 0 else None}
+
+
+def ratio_cell(cell: dict | None, base: dict | None, key: str) -> str:
+    """``cell[key] / base[key]`` of two throughput cells as text, "-" where either is
+    missing (e.g. ``decode_tok_s`` in results written before it existed)."""
+    if not (cell and base and cell.get(key) and base.get(key)):
+        return "-"
+    return f"{cell[key] / base[key]:.2f}"
+
+
 def random_prompt_ids(rng, n: int, length: int = 512) -> list[list[int]]:
     """``n`` prompts of ``length`` random token ids in [1000, 30000) drawn from ``rng`` (a
     ``random.Random``): the prompts of both e2e scripts for models without a tokenizer and
@@ -657,15 +685,15 @@ def table(model: str, res: dict[str, dict]) -> str:
     rows = [f"### {model}", "",
             "| run | KV tokens | ×bf16 | greedy = bf16 (32 tok) | " + " | ".join(
                 f"tok/s {k}" for k in base.get("throughput", {}))
-            + " | ×bf16 (each) | ×tq4 (each) | first divergences from bf16 |",
-            "|---|---|---|---|" + "---|" * len(base.get("throughput", {})) + "---|---|---|"]
+            + " | ×bf16 (each) | decode ×bf16 (each) | ×tq4 (each) | first divergences from bf16 |",
+            "|---|---|---|---|" + "---|" * len(base.get("throughput", {})) + "---|---|---|---|"]
 
     def kv(r):
         return r.get("kv_tokens_reported") or r.get("kv_tokens_blocks")
 
     for name, r in res.items():
         if r.get("failed"):
-            rows.append(f"| {name} | FAILED | | | | |")
+            rows.append(f"| {name} | FAILED | | | | | |")
             continue
         ratio = f"{kv(r) / kv(base):.2f}" if kv(r) and kv(base) else "?"
         if base.get("greedy") and r.get("greedy"):
@@ -674,17 +702,18 @@ def table(model: str, res: dict[str, dict]) -> str:
             div = divergence_cell(base, r)
         else:
             agree = div = "-"
-        tps = [r.get("throughput", {}).get(k, {}).get("output_tok_s") for k in
-               base.get("throughput", {})]
-        vs_b = [f"{t / base['throughput'][k]['output_tok_s']:.2f}" if t else "-"
-                for t, k in zip(tps, base.get("throughput", {}), strict=True)]
-        vs_t = [f"{t / tq['throughput'][k]['output_tok_s']:.2f}"
-                if t and tq.get("throughput", {}).get(k) else "-"
-                for t, k in zip(tps, base.get("throughput", {}), strict=True)]
+        keys = list(base.get("throughput", {}))
+        cells = [r.get("throughput", {}).get(k) for k in keys]
+        bcells = [base["throughput"][k] for k in keys]
+        tps = [c.get("output_tok_s") if c else None for c in cells]
+        vs_b = [ratio_cell(c, b, "output_tok_s") for c, b in zip(cells, bcells, strict=True)]
+        vs_d = [ratio_cell(c, b, "decode_tok_s") for c, b in zip(cells, bcells, strict=True)]
+        vs_t = [ratio_cell(c, tq.get("throughput", {}).get(k), "output_tok_s")
+                for c, k in zip(cells, keys, strict=True)]
         kv_s = f"{kv(r):,}" if kv(r) else "?"
         rows.append(f"| {name} | {kv_s} | {ratio} | {agree} | "
                     + " | ".join(f"{t:,.0f}" if t else "-" for t in tps)
-                    + f" | {' / '.join(vs_b)} | {' / '.join(vs_t)} | {div} |")
+                    + f" | {' / '.join(vs_b)} | {' / '.join(vs_d)} | {' / '.join(vs_t)} | {div} |")
     return "\n".join(rows) + "\n\n" + DIVERGENCE_LEGEND.format(ref="bf16") + "\n"
 
 
@@ -807,20 +836,25 @@ def tp_table(name: str, tp: int, bits: str, res: dict, greedy: dict) -> str:
     keys = list(base.get("throughput", {}))
     rows = [f"### {name}, TP={tp}", "",
             "| run | KV tokens (each GPU holds all of them, its share of the heads) | ×bf16 | "
-            "KV GiB per GPU | " + " | ".join(f"tok/s {k}" for k in keys) + " | ×bf16 (each) |",
-            "|---|---|---|---|" + "---|" * len(keys) + "---|"]
+            "KV GiB per GPU | " + " | ".join(f"tok/s {k}" for k in keys)
+            + " | ×bf16 (each) | decode ×bf16 (each) |",
+            "|---|---|---|---|" + "---|" * len(keys) + "---|---|"]
     for label, r in res.items():
         if r.get("failed"):
-            rows.append(f"| {label} | FAILED (rc={r.get('rc')}) | | | " + "| " * len(keys) + "|")
+            rows.append(f"| {label} | FAILED (rc={r.get('rc')}) | | | " + "| " * len(keys) + "| |")
             continue
         ratio = f"{kv(r) / kv(base):.2f}" if kv(r) and kv(base) else "?"
         gib = " / ".join(f"{v:g}" for v in r.get("kv_gib_by_process", {}).values()) or "?"
-        tps = [r.get("throughput", {}).get(k, {}).get("output_tok_s") for k in keys]
-        vs = [f"{t / base['throughput'][k]['output_tok_s']:.2f}" if t else "-"
-              for t, k in zip(tps, keys, strict=True)]
+        cells = [r.get("throughput", {}).get(k) for k in keys]
+        tps = [c.get("output_tok_s") if c else None for c in cells]
+        vs = [ratio_cell(c, base["throughput"][k], "output_tok_s")
+              for c, k in zip(cells, keys, strict=True)]
+        vd = [ratio_cell(c, base["throughput"][k], "decode_tok_s")
+              for c, k in zip(cells, keys, strict=True)]
         rows.append(f"| {label} | {kv(r):,} | {ratio} | {gib} | " if kv(r) else
                     f"| {label} | ? | {ratio} | {gib} | ")
-        rows[-1] += " | ".join(f"{t:,.0f}" if t else "-" for t in tps) + f" | {' / '.join(vs)} |"
+        rows[-1] += (" | ".join(f"{t:,.0f}" if t else "-" for t in tps)
+                     + f" | {' / '.join(vs)} | {' / '.join(vd)} |")
     rows += ["", f"| greedy ({GREEDY_TOKENS} tokens, 8 prompts) | TP={tp} vs TP=1 | same-context "
              "\\|Δ top-1 logprob\\| mean / max (positions) | first divergences from TP=1 |",
              "|---|---|---|---|"]

@@ -57,3 +57,17 @@ def test_real_models_load_real_weights_and_generated_ones_are_dummy(e2e, tmp_pat
     readme = (tmp_path / "out" / "README.md").read_text()
     assert "real-model (random weights)" not in readme
     assert "qwen3-8b-like (random weights)" in readme
+
+
+def test_table_reports_end_to_end_and_decode_ratios(e2e):
+    """Throughput cells come from vllm_e2e.throughput_entry (full run + prefill-only run):
+    the table shows the end-to-end ratio and the decode-only ratio side by side."""
+    entry = sys.modules["vllm_e2e"].throughput_entry
+    res = {"bf16": {"kv_tokens": 1000, "greedy": [[1] * 32],
+                    "throughput": {"64": entry(64, 256, 10.0, 2.0)}},
+           "tkv@4.0": {"kv_tokens": 3760, "greedy": [[1] * 32],
+                       "throughput": {"64": entry(64, 256, 9.0, 3.0)}}}
+    t = e2e.table("m", res)
+    assert "| tok/s ×bf16 | decode ×bf16 |" in t
+    # e2e 10/9 = 1.11; decode (10-2)/(9-3) = 1.33
+    assert "| tkv@4.0 | 3,760 | 3.76 | 1/1 exact, 100% prefix | 1,820 | 1.11 | 1.33 |" in t

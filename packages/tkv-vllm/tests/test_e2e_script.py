@@ -44,9 +44,26 @@ def test_agreement_and_table(e2e):
                                       for k, v in tp.items()}},
            "tkv@8.0": {"failed": True}}
     t = e2e.table("m", res)
-    assert "| tkv@4.0 | 3,800 | 3.80 | 1/2 exact, 75% prefix | 1,100 | 2,200 | 1.10 / 1.10 | 2.20 / 2.20 |" in t
-    assert "| 1.10 / 1.10 | 2.20 / 2.20 | p1@16 |" in t  # first divergence, no logprobs
+    # results without decode_tok_s (written before it existed): decode ratios are "-"
+    assert ("| tkv@4.0 | 3,800 | 3.80 | 1/2 exact, 75% prefix | 1,100 | 2,200 | 1.10 / 1.10 | "
+            "- / - | 2.20 / 2.20 |") in t
+    assert "| - / - | 2.20 / 2.20 | p1@16 |" in t  # first divergence, no logprobs
     assert "| tkv@8.0 | FAILED" in t
+    # with the prefill-only timing: bf16 64 seqs 10 s in all, 2 s of it prefill; tkv 11 s / 3 s
+    res["bf16"]["throughput"]["64"] = e2e.throughput_entry(64, 256, 10.0, 2.0)
+    res["tkv@4.0"]["throughput"]["64"] = e2e.throughput_entry(64, 256, 11.0, 3.0)
+    t = e2e.table("m", res)
+    assert "| 1,490 | 2,200 | 0.91 / 1.10 | 1.00 / - | 2.98 / 2.20 |" in t
+
+
+def test_throughput_entry_separates_prefill_from_decode(e2e):
+    c = e2e.throughput_entry(256, 256, full_s=7.0, prefill_s=3.0)
+    assert c["output_tok_s"] == pytest.approx(256 * 256 / 7.0, abs=0.1)
+    assert c["decode_tok_s"] == pytest.approx(256 * 255 / 4.0, abs=0.1)
+    assert e2e.throughput_entry(1, 256, 1.0, 1.5)["decode_tok_s"] is None
+    assert e2e.ratio_cell(c, {"decode_tok_s": c["decode_tok_s"] / 2}, "decode_tok_s") == "2.00"
+    assert e2e.ratio_cell(c, None, "decode_tok_s") == "-"
+    assert e2e.ratio_cell({"decode_tok_s": None}, c, "decode_tok_s") == "-"
 
 
 def test_tp_refusal_follows_vllm_rules(e2e, tmp_path):
@@ -81,8 +98,8 @@ def test_tp_table_and_kv_memory_parse(e2e):
     greedy = {"tkv@8.0 tp2 g": {"greedy": g8}, "tkv@8.0 tp1 g": {"greedy": g8},
               "tkv@4.0 tp2 g": {"greedy": g4}, "tkv@4.0 tp1 g": {"greedy": g8}}
     t = e2e.tp_table("m", 2, "4.0", res, greedy)
-    assert "| bf16 tp2 | 1,000 | 1.00 | 50 / 50 | 100 | 200 | 1.00 / 1.00 |" in t
-    assert "| tkv@4.0 tp2 | 3,900 | 3.90 | ? | 120 | 240 | 1.20 / 1.20 |" in t
+    assert "| bf16 tp2 | 1,000 | 1.00 | 50 / 50 | 100 | 200 | 1.00 / 1.00 | - / - |" in t
+    assert "| tkv@4.0 tp2 | 3,900 | 3.90 | ? | 120 | 240 | 1.20 / 1.20 | - / - |" in t
     assert "| tkv@8.0 (goal: 8/8 equal) | 2/2 exact, 100% prefix |" in t
     assert "| tkv@4.0 (reported) | 1/2 exact, 75% prefix | - | p1@16 |" in t
     assert "| tkv@8.0 (goal: 8/8 equal) | 2/2 exact, 100% prefix | - | none |" in t
