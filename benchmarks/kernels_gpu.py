@@ -562,6 +562,10 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
         for nw in (4, 8):   # prmt1 (unary asm + K as the A operand) at 4 and 8 warps
             timed("tkv K4V4 decode prmt1", lambda nw=nw: decode(q, cache, bt, sl, ld1, ws,
                                                                 num_warps=nw), num_warps=nw)
+        # prmt with K as the A operand (S^T = K q^T): offline sm_90a SASS of the loop has 6 %
+        # fewer instructions than S = q K^T (no per-HMMA shuffles of the q fragments)
+        timed("tkv K4V4 decode", lambda: decode(q, cache, bt, sl, ld, ws, swap_qk=True),
+              swap_qk=True, **auto)
         if (B, L) == (256, 640):   # split-K x tile sweep at the throughput runs' shape
             for sp in (1, 2, 4, 8):
                 for bn in (64, 128):
