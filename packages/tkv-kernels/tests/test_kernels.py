@@ -177,6 +177,21 @@ def test_decode_swap_qk_matches_reference(head_dim, kb, vb, group, window, lens)
     _decode_check(ld, lens, group, seed=kb * 10 + vb, window=window, swap_qk=True)
 
 
+@pytest.mark.skipif(DEV == "cpu", reason="PTX inline assembly: CUDA only")
+@pytest.mark.parametrize("kb,vb,dtype", [(4, 4, torch.bfloat16), (4, 3, torch.float16)])
+def test_decode_prmt_swap_qk_matches_reference(kb, vb, dtype):
+    """The default CUDA lookup (prmt, two planes per asm) with scores as K·q^T — the
+    orientation ``kernels_gpu.py --step`` times against the default q·K^T."""
+    codec = TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV, seed=kb + vb)
+    ld = TkvLoader(codec, 2, 16, lookup="prmt")
+    batch, cache = _scenario(ld, [37, 1, 20, 130], 17)
+    q = torch.randn(4, 8, 64).to(DEV, dtype)
+    out = torch.full(q.shape, float("nan"), device=DEV)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out, swap_qk=True)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    assert _rel(out, ref) < _tol(dtype)
+
+
 def test_decode_many_rows_partial_row_block():
     """≥ 1024 (sequence, query head) rows: the reduce and query-rotation kernels take 32 rows
     per program; 45 · 24 = 1080 rows leave a partial last block (masked rows)."""
