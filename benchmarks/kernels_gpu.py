@@ -33,7 +33,7 @@ from tkv.kernels import BypassLoader, TkvLoader, Workspace, compress_store, deco
 
 DEV = "cuda"
 ROWS: list[dict] = []
-LOOKUPS: tuple[str, ...] = ("gather", "pair", "shuffle", "prmt", "prmt1")  # TkvLoader lookups
+LOOKUPS: tuple[str, ...] = ("gather", "pair", "shuffle", "prmt", "prmt1", "prmti")  # TkvLoader lookups
 
 
 TIMING = {"method": None}  # how the last bench() timed: "graph" or "eager" (logged per row)
@@ -537,6 +537,7 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
         del kp, vp
         ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, block)
         ld1 = TkvLoader(ld.codec, hkv, block, lookup="prmt1")   # experimental, see loaders
+        ldi = TkvLoader(ld.codec, hkv, block, lookup="prmti")   # experimental, see loaders
         cache = tkv_cache(ld, nblk)
         nbytes = B * L * ld.layout.bytes_per_token
 
@@ -566,6 +567,11 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
         # fewer instructions than S = q K^T (no per-HMMA shuffles of the q fragments)
         timed("tkv K4V4 decode", lambda: decode(q, cache, bt, sl, ld, ws, swap_qk=True),
               swap_qk=True, **auto)
+        # prmti: prmt's asm with the tables as immediates (the uint8 tile, not the planes,
+        # goes through shared memory: 12 KB per CTA instead of 40 KB)
+        for nw in (4, 8):
+            timed("tkv K4V4 decode prmti", lambda nw=nw: decode(q, cache, bt, sl, ldi, ws,
+                                                                num_warps=nw), num_warps=nw)
         if (B, L) == (256, 640):   # split-K x tile sweep at the throughput runs' shape
             for sp in (1, 2, 4, 8):
                 for bn in (64, 128):
@@ -596,7 +602,7 @@ def main():
     ap.add_argument("--step", action="store_true",
                     help="per-layer decode step (store + decode) at the e2e shapes, with a "
                          "per-kernel breakdown, before the other rows")
-    ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1",
+    ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
     global LOOKUPS

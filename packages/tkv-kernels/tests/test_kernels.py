@@ -214,7 +214,9 @@ _GPU_ONLY = pytest.mark.skipif(DEV == "cpu", reason="PTX inline assembly: CUDA o
     pytest.param("prmt", 3, 4, torch.float16, marks=_GPU_ONLY),
     pytest.param("prmt1", 4, 4, torch.bfloat16, marks=_GPU_ONLY),
     pytest.param("prmt1", 4, 2, torch.float16, marks=_GPU_ONLY),
-    pytest.param("prmt1", 3, 4, torch.float16, marks=_GPU_ONLY)])
+    pytest.param("prmt1", 3, 4, torch.float16, marks=_GPU_ONLY),
+    pytest.param("prmti", 4, 4, torch.bfloat16, marks=_GPU_ONLY),
+    pytest.param("prmti", 4, 2, torch.float16, marks=_GPU_ONLY)])
 def test_decode_lookup_variants(lookup, kb, vb, dtype):
     """Every plane count (NP = 4/2/1 for 2/4/8 bits) with every lookup, fp16 and bf16."""
     codec = TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV, seed=11)
@@ -410,7 +412,8 @@ def test_prefill_tkv(head_dim, group, prefix, qlens, window):
 
 
 @pytest.mark.parametrize("lookup", ["shuffle", pytest.param("prmt", marks=_GPU_ONLY),
-                                    pytest.param("prmt1", marks=_GPU_ONLY)])
+                                    pytest.param("prmt1", marks=_GPU_ONLY),
+                                    pytest.param("prmti", marks=_GPU_ONLY)])
 def test_prefill_tkv_lookups(lookup):
     """The register lookups in the prefill kernel's compressed-prefix loop (K4V4)."""
     codec = TurboKVCodec(128, k_bits=4, v_bits=4, device=DEV, seed=6)

@@ -114,6 +114,35 @@ def test_prmt1_plane_asm_matches_codebook(half):
                 assert got == [want[(c >> (4 * plane)) & 15] for c in b], (plane, b, got)
 
 
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_prmti_asm_matches_codebook(half):
+    """``prmti``: the two-plane asm of ``prmt`` with the 8 table words as immediates (packed
+    into the P0 constexpr, so the code bytes $4 are the only operand) — emulated on random
+    bytes and codebooks, same results as the codebook."""
+    from tkv.kernels.loaders import _TABLE_SHIFT, _prmti_asm
+
+    g = torch.Generator().manual_seed(13)
+    for trial in range(3):
+        table = torch.randn(16, generator=g) * (0.1 + trial)
+        words = [int(w) & M32 for w in _prmt_table(table, half)]
+        want = (table.to(half).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+        p0 = 4 + 16 * 64 + 65536 * 9 + (sum(w << (32 * i) for i, w in enumerate(words))
+                                        << _TABLE_SHIFT)
+        asm = _prmti_asm.fn(p0)
+        used = set(re.findall(r"^\s*([a-z]+\.[a-z0-9]+)\s", asm, re.M))
+        assert used <= {"and.b32", "or.b32", "shr.b32", "prmt.b32", "mov.b32"}, used
+        assert "$5" not in asm   # the code bytes are the only input operand
+        codes = torch.randint(0, 256, (64, 4), generator=g).tolist()
+        codes += [[0, 0, 0, 0], [255, 255, 255, 255], [0x0F, 0xF0, 0x88, 0x77]]
+        for b in codes:
+            x = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+            r = _run(asm, {"$4": x})
+            lo = [r["$0"] & 0xFFFF, r["$0"] >> 16, r["$1"] & 0xFFFF, r["$1"] >> 16]
+            hi = [r["$2"] & 0xFFFF, r["$2"] >> 16, r["$3"] & 0xFFFF, r["$3"] >> 16]
+            assert lo == [want[c & 15] for c in b], (b, lo)
+            assert hi == [want[c >> 4] for c in b], (b, hi)
+
+
 def test_lookup_selection_per_width_and_backend(monkeypatch):
     """Which lookup each side gets: prmt for 4-bit sides with 16-bit dots on CUDA (the default),
     pair tables for 2/3-bit sides, float32 gathers for float32 dots (the interpreter) and for
@@ -168,3 +197,27 @@ def test_prmt1_selection_packs_the_tables_and_swaps_qk(monkeypatch):
     swapped = L.TkvLoader(TurboKVCodec(128, k_bits=3, v_bits=4, device="cpu"), 2, 16,
                           lookup="prmt1")
     assert not swapped.k_operand_a(torch.bfloat16) and swapped.lookup_name("v") == "prmt1"
+
+
+def test_prmti_selection_packs_the_tables_without_swapping(monkeypatch):
+    """prmti on a 4-bit side: LOOKUP 8/9 in P0, the 8 table words above bit 24 (as prmt1),
+    scores stay q·K^T (no swap asked), a 3-bit side falls back to the pair table, and the
+    interpreter refuses it by name (PTX inline assembly)."""
+    import tkv.kernels.loaders as L
+    from tkv.codec import TurboKVCodec
+    from tkv.codec.errors import DtypeError
+
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    codec = TurboKVCodec(128, k_bits=4, v_bits=3, device="cpu", seed=3)
+    ld = L.TkvLoader(codec, 2, 16, lookup="prmti")
+    cache = ld.layout.allocate(2, "cpu")
+    p0 = ld.side_args(cache, "k", torch.float16)[6]
+    assert (p0 // 65536) % 256 == L.LOOKUP_PRMTI_F16
+    words = [int(w) & M32 for w in _prmt_table(ld.k_table.cpu(), torch.float16)]
+    assert [(p0 >> (L._TABLE_SHIFT + 32 * i)) & M32 for i in range(8)] == words
+    assert (ld.side_args(cache, "k", torch.bfloat16)[6] // 65536) % 256 == L.LOOKUP_PRMTI_BF16
+    assert ld.lookup_name("k") == "prmti" and ld.lookup_name("v") == "pair"
+    assert not ld.k_operand_a(torch.bfloat16)
+    monkeypatch.setattr(L, "interpreting", lambda: True)
+    with pytest.raises(DtypeError, match="prmti"):
+        ld.side_args(cache, "k", torch.bfloat16)

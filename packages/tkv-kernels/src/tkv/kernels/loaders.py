@@ -110,9 +110,13 @@ class Loader(Protocol):
 LOOKUP_GATHER, LOOKUP_PAIR_F16, LOOKUP_PAIR_BF16 = 0, 1, 2
 LOOKUP_SHUFFLE, LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16 = 3, 4, 5
 LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16 = 6, 7
+LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16 = 8, 9
 _LOOKUP_NAMES = {LOOKUP_GATHER: "gather", LOOKUP_PAIR_F16: "pair", LOOKUP_PAIR_BF16: "pair",
                  LOOKUP_SHUFFLE: "shuffle", LOOKUP_PRMT_F16: "prmt", LOOKUP_PRMT_BF16: "prmt",
-                 LOOKUP_PRMT1_F16: "prmt1", LOOKUP_PRMT1_BF16: "prmt1"}
+                 LOOKUP_PRMT1_F16: "prmt1", LOOKUP_PRMT1_BF16: "prmt1",
+                 LOOKUP_PRMTI_F16: "prmti", LOOKUP_PRMTI_BF16: "prmti"}
+# lookups whose byte tables travel as immediates in the asm text (packed into P0)
+_IMMEDIATE_TABLES = (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16, LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16)
 # P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP (+ the prmt1 table words from bit _TABLE_SHIFT)
 _TABLE_SHIFT = 24
 
@@ -125,20 +129,30 @@ def _prmt_lut8(t0: str, t1: str, t2: str, t3: str, x: str, s: str, dst: str) -> 
             f"prmt.b32 {dst}, a, b, {s};"]
 
 
-def _prmt_lut16_asm() -> str:
+@triton.constexpr_function   # plain Python from Python; _prmti_asm calls it at compile time
+def _prmt_lut16_asm(words=None) -> str:
     """4-bit codes -> 16-bit centroids with byte permutes, 4 code bytes (8 codes) per call: PTX
     ``prmt`` picks 4 of 8 source bytes by 3-bit selectors, so the 16-entry tables of the
     centroids' low bytes ($5 $9 $13 $17) and high bytes ($21 $25 $29 $33) are looked up as
     entries 0-7 / 8-15 and merged on bit 3 of each code (the selector 0x3210 | bit3 << 2);
     the last four prmt pair each code's low and high byte into a 16-bit float. Outputs: $0 $1
     the low-nibble codes (plane 0) of bytes 0-1 / 2-3, $2 $3 the high-nibble codes (plane 1).
-    22 integer instructions per 4 bytes, no memory access, any register layout."""
+    22 integer instructions per 4 bytes, no memory access, any register layout.
+
+    ``words`` (8 ints, as :func:`_prmt_table`): the tables as immediates in the text instead
+    of operands (``lookup="prmti"``; the only operand is then $4, the code bytes)."""
     lines = ["{", ".reg .b32 x, s, xs, ss, a, b, l0, l1, h0, h1;",
              "and.b32 x, $4, 0x77777777;", "shr.b32 s, $4, 1;", "and.b32 s, s, 0x44444444;",
              "or.b32 s, s, 0x32103210;", "shr.b32 xs, x, 16;", "shr.b32 ss, s, 16;"]
+    lo_t, hi_t = ("$5", "$9", "$13", "$17"), ("$21", "$25", "$29", "$33")
+    if words is not None:
+        lo_t, hi_t = ("T0", "T1", "T2", "T3"), ("U0", "U1", "U2", "U3")
+        lines.insert(1, ".reg .b32 " + ", ".join(lo_t + hi_t) + ";")
+        lines[2:2] = [f"mov.b32 {r}, 0x{int(w) & 0xFFFFFFFF:08x};"
+                      for r, w in zip(lo_t + hi_t, words, strict=True)]
     for x, sel, lo, hi in (("x", "s", "l0", "h0"), ("xs", "ss", "l1", "h1")):  # bytes 0-1, 2-3
-        lines += _prmt_lut8("$5", "$9", "$13", "$17", x, sel, lo)     # centroid low bytes
-        lines += _prmt_lut8("$21", "$25", "$29", "$33", x, sel, hi)   # centroid high bytes
+        lines += _prmt_lut8(*lo_t, x, sel, lo)     # centroid low bytes
+        lines += _prmt_lut8(*hi_t, x, sel, hi)     # centroid high bytes
     lines += ["prmt.b32 $0, l0, h0, 0x6240;", "prmt.b32 $1, l1, h1, 0x6240;",
               "prmt.b32 $2, l0, h0, 0x7351;", "prmt.b32 $3, l1, h1, 0x7351;", "}"]
     return "\n".join(lines) + "\n"
@@ -179,6 +193,14 @@ def _prmt1_asm(p0, plane):
 
 
 _PRMT_LUT16: tl.constexpr = tl.constexpr(_prmt_lut16_asm())
+
+
+@triton.constexpr_function
+def _prmti_asm(p0):
+    """Compile time: :func:`_prmt_lut16_asm` with the table words packed in ``P0`` as
+    immediates (``lookup="prmti"``)."""
+    t = int(p0) >> _TABLE_SHIFT
+    return _prmt_lut16_asm([(t >> (32 * i)) & 0xFFFFFFFF for i in range(8)])
 # outputs: 2 planes x 4 16-bit values (2 regs each); inputs: 4 code bytes (1 reg), then the 8
 # table words, each an int32 tensor (pack=4: 4 regs each, all equal; the asm reads the first)
 _PRMT_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 32)
@@ -269,7 +291,16 @@ def tkv_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr
     else:
         w = raw.to(tl.int32)
     planes = ()
-    if LOOKUP >= 6:   # LOOKUP_PRMT1_*: one unary asm per plane, tables as immediates
+    if LOOKUP >= 8:   # LOOKUP_PRMTI_*: the two-plane asm of prmt, tables as immediates
+        if LOOKUP == 8:
+            HALF: tl.constexpr = tl.float16
+        else:
+            HALF: tl.constexpr = tl.bfloat16
+        lo, hi = tl.inline_asm_elementwise(_prmti_asm(P0), "=r,=r,=r,=r,r", [raw.to(tl.uint8)],
+                                           dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
+        planes = (lo.to(HALF, bitcast=True).to(OUT_DTYPE),
+                  hi.to(HALF, bitcast=True).to(OUT_DTYPE))
+    elif LOOKUP >= 6:   # LOOKUP_PRMT1_*: one unary asm per plane, tables as immediates
         if LOOKUP == 6:
             HALF: tl.constexpr = tl.float16
         else:
@@ -342,7 +373,7 @@ def _prmt_table(scaled: torch.Tensor, half: torch.dtype) -> torch.Tensor:
     return words.to(torch.int64).where(words < 2**31, words - 2**32).to(torch.int32)
 
 
-_LOOKUPS = ("auto", "pair", "gather", "shuffle", "prmt", "prmt1")
+_LOOKUPS = ("auto", "pair", "gather", "shuffle", "prmt", "prmt1", "prmti")
 
 
 class TkvLoader:
@@ -365,11 +396,18 @@ class TkvLoader:
             ``"shuffle"``: 3-, 4- and 5-bit sides with planes look codes up in a register copy
             of the codebook (``tl.gather``, warp shuffles): 1.15 vs 1.38 ms at K5V5, slower
             at K4V4 (2-bit tables crashed Triton 3.6's ThreadLocality pass, hence not offered).
-            ``"prmt1"`` (experimental, not yet timed on a GPU): like ``"prmt"`` but one *unary*
+            ``"prmt1"`` (experimental): like ``"prmt"`` but one *unary*
             asm per plane with the byte tables as immediates (one compile per distinct
             codebook), and decode computes ``K · q^T`` (:meth:`k_operand_a`) so Triton can
             convert the uint8 code tile instead of the 16-bit planes into the tensor-core
-            operand layout (offline sm_90a: shared memory per CTA 40 KB → 12 KB).
+            operand layout (offline sm_90a: shared memory per CTA 40 KB → 12 KB); measured
+            slower than ``"prmt"`` on the H200 (decode B=256, L=640: 236 vs 205 µs).
+            ``"prmti"`` (experimental, not yet timed on a GPU): ``"prmt"``'s two-plane asm with
+            the byte tables as immediates (one compile per distinct codebook), so the code
+            bytes are its only operand: offline sm_90a, Triton then converts the uint8 code
+            tile rather than the 16-bit planes (shared memory per CTA 40,960 → 12,288 B) and
+            ptxas takes one table word of each byte permute as an immediate (3.5 % fewer
+            instructions in the decode loop), with q·K^T kept.
 
     Raises:
         ValueError: unknown ``lookup``. DtypeError: ``codec`` is not a TurboKVCodec.
@@ -421,18 +459,18 @@ class TkvLoader:
         self._pairs, self._prmt, self._prmt_words = {}, {}, {}
         for side, bits, table in (("k", self.k_bits, self.k_table), ("v", self.v_bits,
                                                                       self.v_table)):
-            if bits in (2, 3, 4) and lookup in ("auto", "pair", "prmt", "prmt1"):
+            if bits in (2, 3, 4) and lookup in ("auto", "pair", "prmt", "prmt1", "prmti"):
                 for half, code in ((torch.float16, LOOKUP_PAIR_F16),
                                    (torch.bfloat16, LOOKUP_PAIR_BF16)):
                     self._pairs[side, half] = (_pair_table(table, bits, half).to(dev), code)
-            if bits == 4 and lookup in ("auto", "prmt", "prmt1"):
-                one = lookup == "prmt1"
-                for half, code in ((torch.float16, LOOKUP_PRMT1_F16 if one else LOOKUP_PRMT_F16),
-                                   (torch.bfloat16,
-                                    LOOKUP_PRMT1_BF16 if one else LOOKUP_PRMT_BF16)):
+            if bits == 4 and lookup in ("auto", "prmt", "prmt1", "prmti"):
+                codes = {"prmt1": (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16),
+                         "prmti": (LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16)}.get(
+                             lookup, (LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16))
+                for half, code in zip((torch.float16, torch.bfloat16), codes, strict=True):
                     words = _prmt_table(table, half)
                     self._prmt[side, half] = (words.to(dev), code)
-                    if one:  # prmt1: the tables as one constexpr int (no host sync per call)
+                    if code in _IMMEDIATE_TABLES:  # one constexpr int (no host sync per call)
                         self._prmt_words[side, code] = sum(
                             (int(w) & 0xFFFFFFFF) << (32 * i) for i, w in enumerate(words.tolist()))
 
@@ -504,7 +542,7 @@ class TkvLoader:
         if self.planes(side) == 1:
             half = None   # one plane: per-code gathers from the float32 table
         interp = interpreting()
-        if self.lookup in ("prmt", "prmt1") and interp and (side, half) in self._prmt:
+        if self.lookup in ("prmt", "prmt1", "prmti") and interp and (side, half) in self._prmt:
             raise DtypeError(f"lookup={self.lookup!r} is PTX inline assembly: it needs a CUDA "
                              "device, not the Triton interpreter (use lookup='pair' there)")
         table, code = self.k_table if side == "k" else self.v_table, LOOKUP_GATHER
@@ -519,7 +557,8 @@ class TkvLoader:
 
     def lookup_name(self, side: str, dot_dtype: torch.dtype = torch.bfloat16) -> str:
         """The lookup side ``"k"``/``"v"`` really uses with ``dot_dtype`` dots: "prmt",
-        "prmt1", "pair", "shuffle" or "gather" (a requested ``lookup`` falls back per side)."""
+        "prmt1", "prmti", "pair", "shuffle" or "gather" (a requested ``lookup`` falls back per
+        side)."""
         return _LOOKUP_NAMES[self._lookup(side, dot_dtype)[1]]
 
     def k_operand_a(self, dot_dtype: torch.dtype) -> bool:
@@ -540,7 +579,7 @@ class TkvLoader:
         bits = lay.k_bits if side == "k" else lay.v_bits
         code_bytes = lay.k_code_bytes if side == "k" else lay.v_code_bytes
         p0 = bits + 16 * code_bytes + 65536 * code
-        if (side, code) in self._prmt_words:   # prmt1: the tables travel in the constexpr
+        if (side, code) in self._prmt_words:   # prmt1/prmti: the tables travel in the constexpr
             p0 += self._prmt_words[side, code] << _TABLE_SHIFT
         if side == "k":
             return (cache, aux, table, lay.page_bytes, st["k_head"], st["k_token"],
