@@ -29,7 +29,15 @@ import torch
 import triton
 
 from tkv.codec import TurboKVCodec
-from tkv.kernels import BypassLoader, TkvLoader, Workspace, compress_store, decode, prefill
+from tkv.kernels import (
+    BypassLoader,
+    TkvLoader,
+    Workspace,
+    compress_store,
+    decode,
+    dense_prefix_bytes,
+    prefill,
+)
 
 DEV = "cuda"
 ROWS: list[dict] = []
@@ -398,6 +406,19 @@ def prefill_rows():
         if prefix == 0:  # first chunk: the engines' prefill bypass (no rotation)
             ms = bench(lambda: prefill(q, k, v, cu, sl, ql, cache, bt, ld, no_prefix=True))
             log({**base, "impl": "tkv_K4V4_no_prefix", "ms": ms, "TFLOPs": flops / ms / 1e9})
+        if prefix:  # decompress-once: the prefix dequantized into scratch, then 16-bit rows
+            scratch = torch.empty(dense_prefix_bytes(1, prefix, hkv, d), dtype=torch.uint8,
+                                  device=DEV)
+            for lk in ("prmt", "prmti"):
+                ldl = ld if lk == "prmt" else TkvLoader(codec, hkv, block, lookup=lk)
+                try:
+                    ms = bench(lambda ldl=ldl: prefill(q, k, v, cu, sl, ql, cache, bt, ldl,
+                                                       max_prefix_len=prefix, scratch=scratch))
+                    log({**base, "impl": "tkv_K4V4 decompress-once", "lookup": lk, "ms": ms,
+                         "TFLOPs": flops / ms / 1e9})
+                except Exception as e:
+                    log({**base, "impl": "tkv_K4V4 decompress-once", "error": str(e)[:160]})
+            del scratch
         for bm, bn, nw, st in ((128, 64, 8, 1), (128, 64, 8, 2), (128, 32, 8, 1),
                                (64, 64, 4, 1), (128, 128, 8, 1)):
             try:
@@ -599,6 +620,9 @@ def main():
     ap.add_argument("--vllm-only", action="store_true",
                     help="decode at the main shapes only (K4V4 + baselines + vLLM TurboQuant); "
                          "no D=64/256, other widths, compress_store or prefill")
+    ap.add_argument("--prefill", action="store_true",
+                    help="the prefill rows (SDPA, bf16 bypass, tkv inline and decompress-once "
+                         "at prefix 0 / 8K / 32K) also with --vllm-only")
     ap.add_argument("--step", action="store_true",
                     help="per-layer decode step (store + decode) at the e2e shapes, with a "
                          "per-kernel breakdown, before the other rows")
@@ -634,6 +658,7 @@ def main():
         decode_rows([(32, 8192, 32, 8, 128)], [(2, 2), (3, 3), (5, 5), (6, 6), (7, 7), (8, 8),
                                                (4, 2), (5, 3)], copy_gbs, tune=False)
         store_rows(copy_gbs)
+    if a.prefill or not a.vllm_only:
         prefill_rows()
     tag = f"_{a.tag}" if a.tag else ""
     table(copy_gbs, out / f"kernels_gpu{tag}.md")

@@ -382,6 +382,52 @@ def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.flo
     assert _rel(out, ref) < _tol(dtype)
 
 
+@pytest.mark.parametrize("head_dim,kb,vb,group,prefix,qlens,window", [
+    (64, 4, 3, 4, [40, 0, 17], [19, 12, 33], 0),
+    (128, 2, 4, 7, [33, 5], [20, 9], 11),
+    (96, 4, 4, 1, [48, 16], [40, 1], 0),
+])
+def test_prefill_dense_prefix_matches_reference(head_dim, kb, vb, group, prefix, qlens, window):
+    """The decompress-once path (prefix dequantized into scratch, then read as 16-bit rows):
+    same attention as the float64 oracle, with K and V of different plane counts, GQA 1/4/7,
+    a sliding window, and sequences without a prefix in the batch; the scratch was really
+    written (it starts NaN-filled)."""
+    codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=head_dim + kb)
+    ld = TkvLoader(codec, 2, 16)
+    scratch = torch.full((1 << 20,), float("nan"), device=DEV)
+    _prefill_check(ld, prefix, qlens, group, seed=kb + vb + group, window=window,
+                   max_prefix_len=max(prefix) + 3, scratch=scratch)
+    assert torch.isfinite(scratch[:64]).all()
+
+
+def test_prefill_dense_prefix_limits():
+    """A scratch too small for the batch → the inline path (same result, scratch untouched);
+    a prefix longer than ``max_prefix_len`` → NaN rows for that sequence only (a broken
+    promise is loud); a malformed ``max_prefix_len`` is a named error."""
+    codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=8)
+    ld = TkvLoader(codec, 2, 16)
+    small = torch.full((64,), float("nan"), device=DEV)
+    _prefill_check(ld, [30, 20], [17, 25], 4, seed=40, max_prefix_len=30, scratch=small)
+    assert torch.isnan(small).all()
+    g = _gen(41)
+    batch = make_paged_batch([40 + 20, 8 + 20], 16, DEV, generator=g)
+    cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
+    for i, n in enumerate((60, 28)):   # real compressed K/V in every slot the batch reads
+        kv = torch.randn(2, n, 2, 64, generator=g).to(DEV, torch.float16)
+        fill_cache(ld, cache, kv[0], kv[1], batch.slots(i))
+    q = torch.randn(40, 8, 64, generator=g).to(DEV, torch.float16)
+    k = torch.randn(40, 2, 64, generator=g).to(DEV, torch.float16)
+    cu = torch.tensor([0, 20, 40], dtype=torch.int32, device=DEV)
+    scratch = torch.empty(1 << 18, device=DEV)
+    out = prefill(q, k, k, cu, batch.seq_lens, 20, cache, batch.block_table, ld,
+                  block_m=32, max_prefix_len=8, scratch=scratch)
+    assert torch.isnan(out[:20]).all()       # sequence 0 has a 40-token prefix > 16 (2 pages)
+    assert torch.isfinite(out[20:]).all()
+    with pytest.raises(ShapeError, match="max_prefix_len"):
+        prefill(q, k, k, cu, batch.seq_lens, 20, cache, batch.block_table, ld,
+                max_prefix_len=-1, scratch=scratch)
+
+
 def test_prefill_no_prefix_bypass_and_broken_promise():
     """no_prefix=True: first chunks run as plain attention (no rotation, cache untouched) and
     equal the oracle; a sequence that has a prefix after all gets NaN rows, never garbage."""

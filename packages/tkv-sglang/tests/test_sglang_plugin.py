@@ -453,6 +453,7 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
         assert torch.allclose(o.view(-1, 4, 64).double(), exp, atol=3e-2, rtol=3e-2)
         # the first chunks take the bypass and compile the prefix-reading variant right away
         assert w.backend.forward_metadata.no_prefix == (prev == [0, 0])
+        assert w.backend.forward_metadata.max_prefix_len == max(prev)  # decompress-once bound
         assert w.layer.layer_id in w.backend._prefix_variant_warm
 
 

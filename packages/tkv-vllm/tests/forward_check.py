@@ -133,11 +133,14 @@ def run(spec_k: int) -> float:
             query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=3,
             num_actual_tokens=n, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-            block_table_tensor=bt, slot_mapping=sm)
+            block_table_tensor=bt, slot_mapping=sm,
+            seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32))
         builder = B.TurboAttnMetadataBuilder(spec, [name], vc, torch.device("cpu"))
         md = builder.build(0, cam)
         assert (md.num_decodes, md.decode_query_len, md.num_prefills,
                 md.num_prefill_tokens) == (1, 1 + spec_k, 2, 16), md
+        # the continuation row's 13 cached tokens: the decompress-once bound
+        assert md.max_prefill_prefix_len == 13 and not md.prefill_no_prefix, md
         out = torch.full((n, hq, hd), float("nan"), dtype=torch.bfloat16)
         impl.forward(layer, q, k, v, cache, md, output=out)
         loader = impl._tkv_state.loader(bs)

@@ -405,21 +405,41 @@ def test_model_runners_view_each_layer_with_its_own_page(patched_vllm, tmp_path,
             lay.views(kv)  # the codec's own typed views accept it
 
 
-def test_prefill_bypass_flag_from_host_metadata():
-    """The metadata builder marks a batch's prefill rows as first chunks only from vLLM's CPU
-    sequence lengths (seq_len == query_len for every prefill row); a row with cached tokens,
-    or no CPU lengths at all, keeps the general (rotated, cache-reading) path."""
+def test_prefill_prefix_facts_from_host_metadata():
+    """The metadata builder takes the longest cached prefix of a batch's prefill rows from
+    vLLM's CPU sequence lengths: 0 = first chunks only (the prefill bypass), > 0 sizes the
+    kernels' decompress-once path; no CPU lengths at all → None (the general inline path)."""
     pytest.importorskip("vllm", reason="vllm not installed (nox -s vllm installs it)")
     from types import SimpleNamespace
 
-    from tkv.vllm.backend import _no_cached_prefix
+    from tkv.vllm.backend import _max_cached_prefix
 
     qsl = torch.tensor([0, 1, 2, 7, 19], dtype=torch.int32)   # 2 decodes, prefills 5 and 12
     p_cpu = qsl[2:]
     first = SimpleNamespace(seq_lens_cpu_upper_bound=torch.tensor([30, 9, 5, 12]))
-    assert _no_cached_prefix(first, 2, 4, p_cpu)
+    assert _max_cached_prefix(first, 2, 4, p_cpu) == 0
     cont = SimpleNamespace(seq_lens_cpu_upper_bound=torch.tensor([30, 9, 5, 40]))
-    assert not _no_cached_prefix(cont, 2, 4, p_cpu)
+    assert _max_cached_prefix(cont, 2, 4, p_cpu) == 28
     legacy = SimpleNamespace(seq_lens_cpu_upper_bound=None, _seq_lens_cpu=torch.tensor([3, 4, 5, 12]))
-    assert _no_cached_prefix(legacy, 2, 4, p_cpu)
-    assert not _no_cached_prefix(SimpleNamespace(), 2, 4, p_cpu)
+    assert _max_cached_prefix(legacy, 2, 4, p_cpu) == 0
+    assert _max_cached_prefix(SimpleNamespace(), 2, 4, p_cpu) is None
+
+
+def test_prefill_scratch_sized_from_max_model_len_and_capped():
+    """One process-wide prefill scratch per device: a whole max_model_len prefix of K and V
+    rows (16-bit, head_dim padded to a power of two), grown only, capped."""
+    from tkv.kernels import DENSE_PREFIX_CAP, dense_prefix_bytes
+    from tkv.vllm import workspace as W
+
+    W._PREFILL_SCRATCH.clear()
+    try:
+        assert W.shared_prefill_scratch("cpu") is None
+        a = W.shared_prefill_scratch("cpu", 4096, 8, 96)
+        assert a.numel() == dense_prefix_bytes(1, 4096, 8, 128) == dense_prefix_bytes(1, 4096, 8, 96)
+        assert a.numel() % (2 * 4096 * 8 * 128 * 2) == 0    # K and V rows, head_dim padded to 128
+        assert W.shared_prefill_scratch("cpu", 1024, 8, 96) is a      # smaller: kept
+        assert W.shared_prefill_scratch("cpu") is a
+        big = W.shared_prefill_scratch("cpu", 10**7, 64, 256)
+        assert big.numel() == DENSE_PREFIX_CAP
+    finally:
+        W._PREFILL_SCRATCH.clear()

@@ -2,7 +2,8 @@
 
 Public API: :class:`TkvLoader` (per-layer tkv format), :class:`BypassLoader`,
 :class:`Fp8Loader`, the :class:`Loader` protocol, :class:`Workspace` (shared scratch),
-:func:`compress_store`, :func:`decode`, :func:`prefill` (+ :func:`warm_prefix_variant`);
+:func:`compress_store`, :func:`decode`, :func:`prefill` (+ :func:`warm_prefix_variant`,
+:func:`dense_prefix_bytes`);
 :mod:`tkv.kernels.reference` is the
 float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
 """
@@ -10,7 +11,7 @@ float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
 from . import _interpreter_compat
 from .decode import decode
 from .loaders import BypassLoader, Fp8Loader, Loader, TkvLoader
-from .prefill import prefill, warm_prefix_variant
+from .prefill import DENSE_PREFIX_CAP, dense_prefix_bytes, prefill, warm_prefix_variant
 from .store import compress_store
 from .validate import MetadataError, check_metadata
 from .workspace import Workspace, WorkspaceTooSmallError
@@ -21,6 +22,7 @@ _interpreter_compat.apply()
 
 __version__ = "0.1.0"
 
-__all__ = ["BypassLoader", "Fp8Loader", "Loader", "MetadataError", "TkvLoader", "Workspace",
-           "WorkspaceTooSmallError", "check_metadata", "compress_store", "decode", "prefill",
+__all__ = ["DENSE_PREFIX_CAP", "BypassLoader", "Fp8Loader", "Loader", "MetadataError", "TkvLoader", "Workspace",
+           "WorkspaceTooSmallError", "check_metadata", "compress_store", "decode",
+           "dense_prefix_bytes", "prefill",
            "warm_prefix_variant"]

@@ -25,7 +25,11 @@ from ._util import (
 )
 from .loaders import Loader, bypass_fetch, identity_dequant
 
-__all__ = ["prefill"]
+__all__ = ["DENSE_PREFIX_CAP", "dense_prefix_bytes", "prefill"]
+
+# Engines' bound on the decompress-once scratch (bytes, one buffer per device shared by all
+# layers): batches whose prefixes need more read them inline.
+DENSE_PREFIX_CAP = 512 << 20
 
 _LOG2E = 1.4426950408889634
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -39,6 +43,68 @@ def _online_update(s, m_i, l_i):
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return p, m_new, l_i, alpha
+
+
+@triton.jit
+def _dense_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_head,
+                 stride_tok, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                 P3: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr):
+    """A tile of the dense prefix scratch (:func:`_dequant_prefix_kernel`): rows already
+    dequantized, norm applied, in the planar layout — returned as its ``NP`` planes (the
+    "raw" value of this fetch), row_scale 1 (0 when masked)."""
+    row = blk.to(tl.int64) * stride_block + off.to(tl.int64) * stride_tok + head * stride_head
+    j = tl.arange(0, D_PAD // NP)
+    planes = ()
+    for p in tl.static_range(NP):
+        planes = planes + (tl.load(base + row[:, None] + (p * (D_PAD // NP) + j)[None, :],
+                                   mask=mask_n[:, None], other=0.0),)
+    return planes, tl.where(mask_n, 1.0, 0.0)
+
+
+@triton.jit
+def _dense_planes(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                  P3: tl.constexpr, NP: tl.constexpr, D_PAD: tl.constexpr,
+                  OUT_DTYPE: tl.constexpr):
+    """The planes :func:`_dense_fetch` loaded, in the dot dtype."""
+    out = ()
+    for p in tl.static_range(NP):
+        out = out + (raw[p].to(OUT_DTYPE),)
+    return out
+
+
+@triton.jit
+def _dequant_prefix_kernel(
+        cu_q, seq_lens, block_table, s_bt, max_blocks, num_blocks,
+        k_base, k_aux, k_table, k_sb, k_sh, k_st,
+        v_base, v_aux, v_table, v_sb, v_sh, v_st,
+        PK, PV, max_prefix,
+        FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
+        KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
+        VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
+        HKV: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Decompress the prefix of sequence ``program_id(1)``, KV head ``program_id(2)``, tokens
+    ``[t·BLOCK_N, (t+1)·BLOCK_N)`` into the dense scratch ``PK``/``PV`` (rows
+    ``(seq·max_prefix + pos)·HKV + head`` of ``D_PAD`` elements, the loader's planar layout,
+    norms applied — what the prefix loop of :func:`_prefill_kernel` would compute per tile)."""
+    t = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_len = tl.load(cu_q + seq + 1) - tl.load(cu_q + seq)
+    prefix = tl.minimum(tl.load(seq_lens + seq) - q_len, max_prefix)
+    if t * BLOCK_N >= prefix:
+        return
+    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n, rk, ks, rv, vs = fetch_kv(
+        pos, (pos < prefix) & (pos < max_blocks * BLOCK_SIZE),
+        block_table + seq.to(tl.int64) * s_bt, num_blocks, kvh, k_base, k_aux, k_table,
+        k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1, KP2,
+        KP3, KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, D_PAD)
+    rows = ((seq.to(tl.int64) * max_prefix + pos) * HKV + kvh) * D_PAD
+    store_planes(PK, rows, mask_n, DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, tl.float32),
+                 ks, KNP, D_PAD, HEAD_DIM, True)
+    store_planes(PV, rows, mask_n, DEQUANT(rv, v_table, VP0, VP1, VP2, VP3, VNP, D_PAD, tl.float32),
+                 vs, VNP, D_PAD, HEAD_DIM, True)
 
 
 # Engines pass slices of their per-step metadata (e.g. vLLM's seq_lens[num_decodes:]), whose
@@ -57,7 +123,8 @@ def _prefill_kernel(
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_MT: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, PLANAR: tl.constexpr, NO_PREFIX: tl.constexpr):
+        DOT_DTYPE: tl.constexpr, PLANAR: tl.constexpr, NO_PREFIX: tl.constexpr,
+        DENSE: tl.constexpr = False):
     """One (query tile, sequence, KV head). Q/KN/VN/Out live in the loader's space (the wrapper
     rotates them for rotated loaders, in the planar layout: ``PLANAR``); every K/V operand,
     cached or new, is handled as the loader's planes so prefix and chunk share one
@@ -74,6 +141,8 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr = BLOCK_MT * G_PAD
     if NO_PREFIX:  # the caller promised first chunks only: fail loudly, never guess
         prefix = tl.where(prefix != 0, -1, prefix)
+    if DENSE:  # the scratch holds max_blocks·BLOCK_SIZE prefix tokens: a longer one is NaN
+        prefix = tl.where(prefix > max_blocks * BLOCK_SIZE, -1, prefix)
     rows = tl.arange(0, BLOCK_M)
     tok = tile * BLOCK_MT + rows // G_PAD          # chunk-relative query index
     hh = rows % G_PAD
@@ -129,7 +198,7 @@ def _prefill_kernel(
                         PLANAR)
         acc = accumulate(acc, alpha, p.to(DOT_DTYPE), v, VNP)
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-    if NO_PREFIX:
+    if NO_PREFIX or DENSE:
         inv = tl.where(prefix < 0, float("nan"), inv)
     store_planes(Out, (q0 + tok).to(tl.int64) * so_t + qh * so_h, rmask, acc, inv, VNP, D_PAD,
                  HEAD_DIM, PLANAR)
@@ -140,7 +209,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             cache, block_table: torch.Tensor, loader: Loader, *,
             out: torch.Tensor | None = None, sm_scale: float | None = None, window: int = 0,
             block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-            num_stages: int | None = None, no_prefix: bool = False) -> torch.Tensor:
+            num_stages: int | None = None, no_prefix: bool = False,
+            max_prefix_len: int | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen causal attention for (chunked) prefill, flash-attention tiling with tl.dot.
 
     Sequence ``i`` has ``q_len = cu_seqlens_q[i+1] − cu_seqlens_q[i]`` new tokens at absolute
@@ -166,6 +236,15 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             chunks only; engines know it from host-side metadata): the prefill bypass — plain
             attention over the new K/V in model space, no rotation, the cache untouched. A
             sequence that does have a prefix gets NaN output rows (loud, never silent).
+        max_prefix_len, scratch: the *decompress-once* path for rotated (tkv) loaders. With a
+            host int ``max_prefix_len`` ≥ every sequence's prefix (engines know it from host
+            metadata) and a ``scratch`` buffer (any dtype, contiguous) of at least
+            :func:`dense_prefix_bytes` bytes, every prefix token is dequantized ONCE into
+            ``scratch`` (planar rotated rows, norms applied), and the attention loop reads those
+            16-bit rows instead of re-dequantizing each prefix tile for every query tile. Used
+            when a sequence spans more than one query tile (``max_query_len`` > the M tile's
+            tokens) and the scratch fits; otherwise the inline path runs. A prefix longer than
+            ``max_prefix_len`` gets NaN output rows (loud, never silent).
 
     Rotated loaders (tkv): the wrapper rotates the query and the chunk's K/V into the cache's
     rotated space with three small float32 matmuls (no D×D tile inside the kernel, so head_dim
@@ -176,6 +255,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Returns:
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError on malformed inputs.
     """
+    if max_prefix_len is not None and (isinstance(max_prefix_len, bool) or not isinstance(
+            max_prefix_len, int) or max_prefix_len < 0):
+        raise ShapeError(f"max_prefix_len must be a host int ≥ 0 or None, got {max_prefix_len!r}")
     check_tensor(query, "query", 3)
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     tq, hq, d = query.shape
@@ -257,21 +339,62 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              rot(value, loader.v_in_planar, hkv))
         final, out = out, torch.empty(tq, hq, d_pad, dtype=torch.float32, device=dev)
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    dense = (planar and scratch is not None and max_prefix_len is not None
+             and max_prefix_len > 0 and max_query_len > block_mt)
+    bt, nblk, maxb, bs = block_table, num_blocks, block_table.shape[1], loader.block_size
+    if dense:
+        maxp = -(-max_prefix_len // bs) * bs          # whole pages of prefix per sequence
+        need = dense_prefix_bytes(ns, maxp, hkv, d, query.dtype)
+        check_same_device(dev, scratch=scratch)
+        dense = scratch.is_contiguous() and scratch.numel() * scratch.element_size() >= need
+    if dense:
+        flat = scratch.view(-1).view(torch.uint8)[:need].view(dot_dtype)
+        pk, pv = flat.view(2, ns * maxp * hkv * d_pad)
+        tb = 64
+        _dequant_prefix_kernel[(triton.cdiv(maxp, tb), ns, hkv)](
+            cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
+            num_blocks, *kargs[:6], *vargs[:6], pk, pv, maxp,
+            FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
+            KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
+            VP3=vargs[9], VNP=vargs[10], HKV=hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=bs,
+            BLOCK_N=tb, DOT_DTYPE=_TL[dot_dtype], num_warps=4)
+        # the scratch as a paged cache with an identity block table: page i·(maxp/bs) + j
+        # is page j of sequence i's prefix
+        maxb = maxp // bs
+        nblk = ns * maxb
+        bt = torch.arange(nblk, dtype=torch.int32, device=dev).view(ns, maxb)
+        page, tok = bs * hkv * d_pad, hkv * d_pad
+        kargs = (pk, pk, pk, page, d_pad, tok, d_pad, 0, 0, 0, kargs[10])
+        vargs = (pv, pv, pv, page, d_pad, tok, d_pad, 0, 0, 0, vargs[10])
+        fetch, dequant, num_stages = _dense_fetch, _dense_planes, 2
     grid = (triton.cdiv(max_query_len, block_mt), ns, hkv)
     _prefill_kernel[grid](
         query, query.stride(0), query.stride(1), key, key.stride(0), key.stride(1),
         value, value.stride(0), value.stride(1), out, out.stride(0), out.stride(1),
-        cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
-        num_blocks, *kargs[:6], *vargs[:6], scale * _LOG2E, window,
+        cu_seqlens_q, seq_lens, bt, bt.stride(0), maxb,
+        nblk, *kargs[:6], *vargs[:6], scale * _LOG2E, window,
         FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
         VP3=vargs[9], VNP=vargs[10], G=g, G_PAD=g_pad, BLOCK_MT=block_mt, BLOCK_N=block_n,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=loader.block_size, DOT_DTYPE=_TL[dot_dtype],
-        PLANAR=planar, NO_PREFIX=bool(no_prefix), num_warps=num_warps, num_stages=num_stages)
+        PLANAR=planar, NO_PREFIX=bool(no_prefix), DENSE=bool(dense), num_warps=num_warps,
+        num_stages=num_stages)
     if final is not None:
         final.copy_((out.view(-1, d_pad) @ loader.out_planar).view(tq, hq, d))
         out = final
     return out
+
+
+def dense_prefix_bytes(num_seqs: int, max_prefix_len: int, num_kv_heads: int, head_dim: int,
+                       query_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of scratch :func:`prefill`'s decompress-once path needs: K and V rows of
+    ``num_seqs × max_prefix_len`` tokens (:func:`prefill` rounds ``max_prefix_len`` up to
+    whole pages first), ``num_kv_heads`` heads of ``max(16, next_pow2(head_dim))`` elements
+    of the dot dtype for ``query_dtype`` (the query's 16-bit type on CUDA, float32 under the
+    Triton interpreter)."""
+    d_pad = max(16, next_pow2(head_dim))
+    return 2 * num_seqs * max_prefix_len * num_kv_heads * d_pad * torch.empty(
+        0, dtype=dot_dtype_for(query_dtype)).element_size()
 
 
 def warm_prefix_variant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache,

@@ -55,6 +55,8 @@ class TurboAttnMetadata:
         max_seq_len_q: longest query chunk (tokens; 1 for decode).
         no_prefix: extend where no request has cached tokens (host-side
             ``extend_prefix_lens_cpu`` all 0): the kernels' prefill bypass.
+        max_prefix_len: the longest cached prefix of an extend request (host int; None when
+            SGLang gives no CPU prefix lengths): sizes the kernels' decompress-once path.
     """
 
     block_table: torch.Tensor
@@ -62,6 +64,7 @@ class TurboAttnMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     max_seq_len_q: int = 1
     no_prefix: bool = False
+    max_prefix_len: int | None = None
 
 
 def _window(layer) -> int:
@@ -155,6 +158,7 @@ class TurboAttnBackend(AttentionBackend):
         self.max_num_seqs = max(1, int(model_runner.max_running_requests or 1))
         self.workspace = None
         self._retired_workspaces: list = []
+        self._prefill_scratch: torch.Tensor | None = None
         self.forward_metadata: TurboAttnMetadata | None = None
         self._cuda_graph_block_table = None
         self._cuda_graph_seq_lens = None
@@ -182,6 +186,23 @@ class TurboAttnBackend(AttentionBackend):
             self.workspace = Workspace(max(num_seqs, self.max_num_seqs), self.num_q_heads,
                                        self.head_dim, self.device)
         return self.workspace
+
+    def _scratch_for(self, num_seqs: int, max_prefix_len: int | None, num_kv_heads: int,
+                     dtype: torch.dtype) -> torch.Tensor | None:
+        """The decompress-once prefill scratch for this extend (grown on demand — extend
+        runs eagerly, never inside a captured graph — up to DENSE_PREFIX_CAP bytes); None
+        when the batch's prefixes need more (the kernels then read the prefix inline)."""
+        from tkv.kernels import DENSE_PREFIX_CAP, dense_prefix_bytes
+
+        if not max_prefix_len:
+            return None
+        maxp = math.ceil(max_prefix_len / self.page_size) * self.page_size
+        need = dense_prefix_bytes(num_seqs, maxp, num_kv_heads, self.head_dim, dtype)
+        if need > DENSE_PREFIX_CAP:
+            return None
+        if self._prefill_scratch is None or self._prefill_scratch.numel() < need:
+            self._prefill_scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
+        return self._prefill_scratch
 
     # ---------------------------------------------------------------- metadata
     def _block_table(self, req_pool_indices: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -211,9 +232,10 @@ class TurboAttnBackend(AttentionBackend):
         cu = torch.nn.functional.pad(torch.cumsum(ext, dim=0, dtype=torch.int32), (1, 0))
         ext_cpu = [int(x) for x in forward_batch.extend_seq_lens_cpu]   # list or CPU tensor
         pre_cpu = getattr(forward_batch, "extend_prefix_lens_cpu", None)
-        no_prefix = pre_cpu is not None and all(int(x) == 0 for x in pre_cpu)
+        max_prefix = None if pre_cpu is None else max((int(x) for x in pre_cpu), default=0)
         self.forward_metadata = TurboAttnMetadata(block_table, seq_lens, cu,
-                                                  max(ext_cpu, default=0), no_prefix)
+                                                  max(ext_cpu, default=0), max_prefix == 0,
+                                                  max_prefix)
 
     # ---------------------------------------------------------------- CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -318,7 +340,10 @@ class TurboAttnBackend(AttentionBackend):
             cache, loader = self.pool.get_key_buffer(lid), self.pool.loader(lid)
             prefill(q3, k3, v3, md.cu_seqlens_q, md.seq_lens, md.max_seq_len_q, cache,
                     md.block_table, loader, out=out.view(-1, hq, d),
-                    sm_scale=layer.scaling, window=_window(layer), no_prefix=md.no_prefix)
+                    sm_scale=layer.scaling, window=_window(layer), no_prefix=md.no_prefix,
+                    max_prefix_len=md.max_prefix_len,
+                    scratch=self._scratch_for(md.seq_lens.shape[0], md.max_prefix_len, hkv,
+                                              q3.dtype))
             if md.no_prefix and lid not in self._prefix_variant_warm:
                 # compile the prefix-reading variant now, not at the first continuation chunk
                 self._prefix_variant_warm.add(lid)

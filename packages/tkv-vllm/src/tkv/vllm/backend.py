@@ -53,7 +53,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from .errors import PatchesNotAppliedError, UnsupportedModelError
 from .spec import TKV_DTYPE, kv_cache_spec_for_layer, page_plan
 from .startup import layer_codec, layer_index, tkv_config, tp_shard
-from .workspace import shared_workspace
+from .workspace import shared_prefill_scratch, shared_workspace
 
 __all__ = ["TurboAttnBackend", "TurboAttnImpl", "TurboAttnMetadata", "TurboAttnMetadataBuilder"]
 
@@ -138,6 +138,8 @@ class TurboAttnMetadata(AttentionMetadata):
     prefill_cu_seqlens int32 (num_prefills + 1,): the prefill rows' offsets rebased to 0.
     prefill_no_prefix (host bool): no prefill row has cached tokens (all first chunks), so
     the kernels' prefill bypass applies (plain attention, no rotation).
+    max_prefill_prefix_len (host int or None): the longest cached prefix of a prefill row,
+    for the kernels' decompress-once prefill path (None: unknown, inline path).
     """
 
     num_actual_tokens: int
@@ -155,6 +157,7 @@ class TurboAttnMetadata(AttentionMetadata):
     max_prefill_query_len: int = 0
     prefill_cu_seqlens: torch.Tensor | None = None
     prefill_no_prefix: bool = False
+    max_prefill_prefix_len: int | None = None
 
 
 class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
@@ -198,23 +201,25 @@ class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
             md.max_prefill_query_len = int((p_cpu[1:] - p_cpu[:-1]).max())
             qsl = cam.query_start_loc[num_decodes:cam.num_reqs + 1]
             md.prefill_cu_seqlens = (qsl - num_decode_tokens).to(torch.int32)
-            md.prefill_no_prefix = _no_cached_prefix(cam, num_decodes, cam.num_reqs, p_cpu)
+            mp = _max_cached_prefix(cam, num_decodes, cam.num_reqs, p_cpu)
+            md.prefill_no_prefix = mp == 0
+            md.max_prefill_prefix_len = mp
         return md
 
 
-def _no_cached_prefix(cam: CommonAttentionMetadata, lo: int, hi: int,
-                      qsl_cpu: torch.Tensor) -> bool:
-    """Host-side: rows ``lo:hi`` are all first chunks (``seq_len == query_len``). Uses
-    vLLM's CPU sequence lengths (``seq_lens_cpu_upper_bound``, exact for prefill rows, or the
-    runner's ``_seq_lens_cpu``); False when neither is there (the general path is always
-    right)."""
+def _max_cached_prefix(cam: CommonAttentionMetadata, lo: int, hi: int,
+                       qsl_cpu: torch.Tensor) -> int | None:
+    """Host-side: the longest cached prefix (``seq_len − query_len``) among rows ``lo:hi``
+    — 0 means all first chunks. Uses vLLM's CPU sequence lengths
+    (``seq_lens_cpu_upper_bound``, exact for prefill rows, or the runner's
+    ``_seq_lens_cpu``); None when neither is there (the general path is always right)."""
     sl = getattr(cam, "seq_lens_cpu_upper_bound", None)
     if sl is None:
         sl = getattr(cam, "_seq_lens_cpu", None)
     if sl is None or hi <= lo:
-        return False
+        return None
     q = qsl_cpu[1:] - qsl_cpu[:-1]
-    return bool(torch.equal(sl[lo:hi].to(q.dtype), q[: hi - lo]))
+    return int((sl[lo:hi].to(q.dtype) - q[: hi - lo]).max())
 
 
 # ----------------------------------------------------------------------------- per-layer state
@@ -279,6 +284,8 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
     state.loader(block)
     sc = vllm_config.scheduler_config
     shared_workspace(dev, int(sc.max_num_seqs), int(impl.num_heads), int(impl.head_size))
+    shared_prefill_scratch(dev, int(vllm_config.model_config.max_model_len),
+                           int(impl.num_kv_heads), int(impl.head_size))
     impl._tkv_state = state
     return state
 
@@ -382,7 +389,9 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
             kernels.prefill(q[ndt:n], k[ndt:n], v[ndt:n], md.prefill_cu_seqlens,
                             md.seq_lens[nd:r1], md.max_prefill_query_len, kv_cache,
                             md.block_table[nd:r1], loader, out=out[ndt:n], sm_scale=self.scale,
-                            window=self._window, no_prefix=md.prefill_no_prefix)
+                            window=self._window, no_prefix=md.prefill_no_prefix,
+                            max_prefix_len=md.max_prefill_prefix_len,
+                            scratch=shared_prefill_scratch(query.device))
             if md.prefill_no_prefix and not self._prefix_variant_warm:
                 # compile the prefix-reading variant now, not at the first continuation chunk
                 self._prefix_variant_warm = True
