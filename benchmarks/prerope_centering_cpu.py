@@ -23,19 +23,19 @@ the repository root::
 
 from __future__ import annotations
 
-import argparse
-import time
+import sys
 from pathlib import Path
 
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from tkv.calibrate.data import default_calib_text, tokenize_windows
-from tkv.calibrate.evaluate import Arm, evaluate_arms
-from tkv.calibrate.model import load_model
+from tkv.calibrate.evaluate import Arm
 from tkv.calibrate.pipeline import tkv_arm
 from tkv.calibrate.quantizers import TkvQuantizer
-from tkv.codec import CalibrationBundle
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from design_study import TABLE_HEAD, arm_rows, finish, parse_and_load
 
 
 def pre_rope_keys(model, windows: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -81,19 +81,10 @@ class PreRopeCentered:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bundle",
-                    default="benchmarks/results/calibrate_smollm2_full_2026-11-30/tkv_bundle.json")
-    ap.add_argument("--budgets", default="4.0,3.0")
-    ap.add_argument("--windows", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/prerope_centering_cpu.md")
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    t0 = time.perf_counter()
-    lm = load_model(None)
+    a, lm, bundle, t0 = parse_and_load(
+        __doc__, "benchmarks/results/calibrate_smollm2_full_2026-11-30/tkv_bundle.json", 3,
+        "benchmarks/results/prerope_centering_cpu.md")
     m = lm.model
-    bundle = CalibrationBundle.load(a.bundle)
     text = tokenize_windows(lm.tokenizer, default_calib_text(), 1024, 6 + a.windows)
     held, fit = text.subset(6, a.windows), text.subset(0, 4)
     hkv, d = m.config.num_key_value_heads, m.config.head_dim
@@ -121,7 +112,7 @@ def main() -> None:
                  f"{sum(e[2] for e in energy) / len(energy):.3f} |")
     lines += ["", f"## Fidelity (held-out: {a.windows} windows × 1,024 tokens of WikiText-2 valid, "
               "teacher-forced, every attention reads the quantize-dequantized cache)", "",
-              "| budget | arm | mean KL | KL ÷ shipped | ΔPPL | top-1 |", "|---|---|---:|---:|---:|---:|"]
+              *TABLE_HEAD]
     for b in a.budgets.split(","):
         def arm(b=b):
             return tkv_arm(bundle, bundle.allocation(b), f"TKV@{b}", "tkv")
@@ -133,16 +124,9 @@ def main() -> None:
                 Arm(f"TKV@{b}, pre-RoPE centering, no K scales",
                     [PreRopeCentered(q, mu_pre[i], m, k_scales=False)
                      for i, q in enumerate(arm().quantizers)], base.bytes_per_token_head)]
-        res = evaluate_arms(m, held, arms, decode=False, show_progress=True, desc=f"TKV@{b}")
-        kl0 = res.arms[0].tf.mean_kl
-        for r in res.arms:
-            lines.append(f"| {b} | {r.name} | {r.tf.mean_kl:.4f} | {r.tf.mean_kl / kl0:.2f} | "
-                         f"{100 * (r.tf.ppl / res.base.ppl - 1):+.2f} % | {100 * r.tf.top1_agree:.1f} % |")
-    lines += ["", f"Command: `python benchmarks/prerope_centering_cpu.py --budgets {a.budgets} "
-              f"--windows {a.windows}`; wall time {time.perf_counter() - t0:.0f} s (2-core CPU)."]
-    out = "\n".join(lines) + "\n"
-    print(out)
-    Path(a.out).write_text(out)
+        lines += arm_rows(m, held, arms, b)
+    finish(lines, f"python benchmarks/prerope_centering_cpu.py --budgets {a.budgets} "
+           f"--windows {a.windows}", t0, a.out)
 
 
 if __name__ == "__main__":

@@ -22,18 +22,18 @@ Prints a markdown table (KL ratios vs the baseline row) and writes it to ``--out
 
 from __future__ import annotations
 
-import argparse
-import time
+import sys
 from pathlib import Path
 
 import torch
 
 from tkv.calibrate.data import default_calib_text, tokenize_windows
-from tkv.calibrate.evaluate import Arm, evaluate_arms
-from tkv.calibrate.model import load_model
+from tkv.calibrate.evaluate import Arm
 from tkv.calibrate.pipeline import tkv_arm
 from tkv.calibrate.quantizers import TkvQuantizer
-from tkv.codec import CalibrationBundle
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from design_study import TABLE_HEAD, arm_rows, finish, parse_and_load
 
 
 class SinkQuantizer:
@@ -67,17 +67,8 @@ MODES = (("kv", "first token exact (K and V)"), ("k", "first token: K exact"),
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bundle", default="benchmarks/results/calibrate_smollm2_bundle.json")
-    ap.add_argument("--budgets", default="4.0,3.0")
-    ap.add_argument("--windows", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/sink_tokens_cpu.md")
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    t0 = time.perf_counter()
-    lm = load_model(None)
-    bundle = CalibrationBundle.load(a.bundle)
+    a, lm, bundle, t0 = parse_and_load(__doc__, "benchmarks/results/calibrate_smollm2_bundle.json",
+                                       4, "benchmarks/results/sink_tokens_cpu.md")
     held = tokenize_windows(lm.tokenizer, default_calib_text(), 1024, 6 + a.windows).subset(6, a.windows)
     n = bundle.geometry.num_layers
     q8 = [TkvQuantizer(bundle.codec(i, 8, 8, check_finite=False)) for i in range(n)]
@@ -85,21 +76,14 @@ def main() -> None:
              f"Held-out: {a.windows} windows × 1,024 tokens of WikiText-2 *valid* (windows 6.., not "
              "used for calibration; never the test split). Teacher-forced, every attention reads the "
              "quantize-dequantized cache. Baseline named in every ratio: the bundle's row.", "",
-             "| budget | arm | mean KL | KL ÷ baseline | ΔPPL | top-1 |", "|---|---|---:|---:|---:|---:|"]
+             *TABLE_HEAD]
     for b in a.budgets.split(","):
         base = tkv_arm(bundle, bundle.allocation(b), f"TKV@{b} (bundle row)", "tkv")
         arms = [base] + [Arm(label, [SinkQuantizer(q, m, q8[i]) for i, q in enumerate(base.quantizers)],
                              base.bytes_per_token_head) for m, label in MODES]
-        res = evaluate_arms(lm.model, held, arms, decode=False, show_progress=True, desc=f"TKV@{b}")
-        kl0 = res.arms[0].tf.mean_kl
-        for r in res.arms:
-            lines.append(f"| {b} | {r.name} | {r.tf.mean_kl:.4f} | {r.tf.mean_kl / kl0:.2f} | "
-                         f"{100 * (r.tf.ppl / res.base.ppl - 1):+.2f} % | {100 * r.tf.top1_agree:.1f} % |")
-    lines += ["", f"Command: `python benchmarks/sink_tokens_cpu.py --budgets {a.budgets} --windows "
-              f"{a.windows}`; wall time {time.perf_counter() - t0:.0f} s (2-core CPU)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(a.out).write_text(text)
+        lines += arm_rows(lm.model, held, arms, b)
+    finish(lines, f"python benchmarks/sink_tokens_cpu.py --budgets {a.budgets} --windows "
+           f"{a.windows}", t0, a.out)
 
 
 if __name__ == "__main__":

@@ -86,19 +86,29 @@ def test_prmt_lookup_matches_codebook(half):
             assert hi == [want[c >> 4] for c in b], (b, hi)
 
 
+def _packed_codebook(g: torch.Generator, trial: int, half: torch.dtype, lookup: int):
+    """A random 16-entry codebook (scale 0.1 + trial): its centroids' 16-bit patterns, and the
+    P0 constexpr of a 4-bit side (64 code bytes, LOOKUP ``lookup``) carrying its 8 byte-table
+    words above bit 24, as ``TkvLoader.side_args`` packs them for prmt1/prmti."""
+    from tkv.kernels.loaders import _TABLE_SHIFT
+
+    table = torch.randn(16, generator=g) * (0.1 + trial)
+    words = [int(w) & M32 for w in _prmt_table(table, half)]
+    want = (table.to(half).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+    p0 = 4 + 16 * 64 + 65536 * lookup + (sum(w << (32 * i) for i, w in enumerate(words))
+                                         << _TABLE_SHIFT)
+    return want, p0
+
+
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
 def test_prmt1_plane_asm_matches_codebook(half):
     """``prmt1``: the per-plane unary asm (tables as immediates) built at compile time from the
     table words packed into the P0 constexpr — emulated on random bytes and codebooks."""
-    from tkv.kernels.loaders import _TABLE_SHIFT, _prmt1_asm
+    from tkv.kernels.loaders import _prmt1_asm
 
     g = torch.Generator().manual_seed(11)
     for trial in range(3):
-        table = torch.randn(16, generator=g) * (0.1 + trial)
-        words = [int(w) & M32 for w in _prmt_table(table, half)]
-        want = (table.to(half).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
-        p0 = 4 + 16 * 64 + 65536 * 7 + (sum(w << (32 * i) for i, w in enumerate(words))
-                                        << _TABLE_SHIFT)
+        want, p0 = _packed_codebook(g, trial, half, 7)
         asm = [_prmt1_asm.fn(p0, plane) for plane in (0, 1)]
         for a in asm:
             used = set(re.findall(r"^\s*([a-z]+\.[a-z0-9]+)\s", a, re.M))
@@ -119,15 +129,11 @@ def test_prmti_asm_matches_codebook(half):
     """``prmti``: the two-plane asm of ``prmt`` with the 8 table words as immediates (packed
     into the P0 constexpr, so the code bytes $4 are the only operand) — emulated on random
     bytes and codebooks, same results as the codebook."""
-    from tkv.kernels.loaders import _TABLE_SHIFT, _prmti_asm
+    from tkv.kernels.loaders import _prmti_asm
 
     g = torch.Generator().manual_seed(13)
     for trial in range(3):
-        table = torch.randn(16, generator=g) * (0.1 + trial)
-        words = [int(w) & M32 for w in _prmt_table(table, half)]
-        want = (table.to(half).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
-        p0 = 4 + 16 * 64 + 65536 * 9 + (sum(w << (32 * i) for i, w in enumerate(words))
-                                        << _TABLE_SHIFT)
+        want, p0 = _packed_codebook(g, trial, half, 9)
         asm = _prmti_asm.fn(p0)
         used = set(re.findall(r"^\s*([a-z]+\.[a-z0-9]+)\s", asm, re.M))
         assert used <= {"and.b32", "or.b32", "shr.b32", "prmt.b32", "mov.b32"}, used

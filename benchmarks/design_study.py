@@ -1,0 +1,55 @@
+"""Shared parts of the CPU design studies (``sink_tokens_cpu.py``, ``prerope_centering_cpu.py``):
+evaluate arms of one budget teacher-forced on held-out windows and print/write the report."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tkv.calibrate.evaluate import evaluate_arms
+
+TABLE_HEAD = ["| budget | arm | mean KL | KL ÷ baseline | ΔPPL | top-1 |",
+              "|---|---|---:|---:|---:|---:|"]
+
+
+def arm_rows(model, held, arms, budget: str) -> list[str]:
+    """Markdown rows of ``arms`` (the first is the baseline every ratio names) at ``budget``:
+    mean KL vs the uncompressed model, KL ratio, ΔPPL, top-1 agreement — teacher-forced on
+    ``held`` (int64 ``(windows, tokens)``), every attention reading the arm's cache."""
+    res = evaluate_arms(model, held, arms, decode=False, show_progress=True, desc=f"TKV@{budget}")
+    kl0 = res.arms[0].tf.mean_kl
+    return [f"| {budget} | {r.name} | {r.tf.mean_kl:.4f} | {r.tf.mean_kl / kl0:.2f} | "
+            f"{100 * (r.tf.ppl / res.base.ppl - 1):+.2f} % | {100 * r.tf.top1_agree:.1f} % |"
+            for r in res.arms]
+
+
+def finish(lines: list[str], command: str, t0: float, out: str | Path) -> None:
+    """Append the command and wall time, print the report and write it to ``out``."""
+    lines += ["", f"Command: `{command}`; wall time {time.perf_counter() - t0:.0f} s "
+              "(2-core CPU)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(out).write_text(text)
+
+
+def parse_and_load(doc: str, bundle: str, windows: int, out: str):
+    """The studies' common command line (``--bundle --budgets --windows --threads --out``),
+    then torch threads set, the model (SmolLM2 default) and the bundle loaded. Returns
+    ``(args, loaded_model, bundle, t0)``."""
+    import argparse
+
+    import torch
+
+    from tkv.calibrate.model import load_model
+    from tkv.codec import CalibrationBundle
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--bundle", default=bundle)
+    ap.add_argument("--budgets", default="4.0,3.0")
+    ap.add_argument("--windows", type=int, default=windows)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=out)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
+    return a, load_model(None), CalibrationBundle.load(a.bundle), t0
