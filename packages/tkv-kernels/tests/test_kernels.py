@@ -487,6 +487,17 @@ def test_warm_prefix_variant_reads_token_0_and_writes_nothing():
     ref = prefill_reference(q[:1], k[:1], v[:1], cu, sl, cache, batch.block_table[:1], ld)
     assert _rel(out, ref) < max(_tol(torch.bfloat16), 8e-3)   # bf16 output rounding (2^-9)
     assert warm_prefix_variant(q[:0], k[:0], v[:0], cache, batch.block_table, ld) is None
+    # with the engine's scratch and a batch of ≥ 129 tokens: the decompress-once variant too
+    # (it writes the 1-token prefix into the scratch; the cache stays untouched)
+    q2 = torch.randn(130, 8, 64, generator=g).to(DEV, torch.bfloat16)
+    k2 = torch.randn(130, 2, 64, generator=g).to(DEV, torch.bfloat16)
+    scratch = torch.full((1 << 16,), float("nan"), device=DEV)
+    out2 = warm_prefix_variant(q2, k2, k2, cache, batch.block_table, ld, scratch=scratch)
+    assert torch.isfinite(scratch[:64]).all() and torch.equal(cache, before)
+    assert torch.isfinite(out2.float()).all()
+    small = torch.full((1 << 16,), float("nan"), device=DEV)
+    warm_prefix_variant(q2[:100], k2[:100], k2[:100], cache, batch.block_table, ld, scratch=small)
+    assert torch.isnan(small).all()          # too few tokens for the dense path: not run
 
 
 def test_prefill_tkv_fused_rotation_and_head_dim_256():

@@ -385,6 +385,11 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
+# query tokens of the warm-up's decompress-once call: more than any M tile's tokens (block_m
+# ≤ 128 rows), so prefill takes that path
+_WARM_DENSE_TOKENS = 129
+
+
 def dense_prefix_bytes(num_seqs: int, max_prefix_len: int, num_kv_heads: int, head_dim: int,
                        query_dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of scratch :func:`prefill`'s decompress-once path needs: K and V rows of
@@ -399,7 +404,8 @@ def dense_prefix_bytes(num_seqs: int, max_prefix_len: int, num_kv_heads: int, he
 
 def warm_prefix_variant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache,
                         block_table: torch.Tensor, loader: Loader, *,
-                        sm_scale: float | None = None, window: int = 0) -> torch.Tensor | None:
+                        sm_scale: float | None = None, window: int = 0,
+                        scratch: torch.Tensor | None = None) -> torch.Tensor | None:
     """Compile the prefill variant that reads a compressed prefix, by running it once on a
     1-token chunk over a 1-token prefix into scratch; returns the scratch output (None when
     skipped). Engines call it right after their first ``prefill(..., no_prefix=True)``.
@@ -413,6 +419,11 @@ def warm_prefix_variant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     first sequence's token 0 (stored by this step) and writes nothing but the scratch output.
     Skipped while a CUDA graph is being captured.
 
+    With ``scratch`` (the engine's prefill scratch) and a batch of more than
+    ``_WARM_DENSE_TOKENS`` tokens, the decompress-once variant is compiled too: a chunk of
+    that many of the batch's query rows over the same 1-token prefix (both variants' outputs
+    land in throwaway buffers; the returned one is the 1-token call's).
+
     Args: as :func:`prefill` (``query`` ``(≥1, num_q_heads, head_dim)``, ``block_table`` int32
     ``(≥1, max_blocks_per_seq)``; only row 0 and token 0 are used).
     """
@@ -423,5 +434,13 @@ def warm_prefix_variant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     dev = query.device
     cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
     seq_lens = torch.tensor([2], dtype=torch.int32, device=dev)
-    return prefill(query[:1], key[:1], value[:1], cu, seq_lens, 1, cache, block_table[:1],
-                   loader, out=torch.empty_like(query[:1]), sm_scale=sm_scale, window=window)
+    out = prefill(query[:1], key[:1], value[:1], cu, seq_lens, 1, cache, block_table[:1],
+                  loader, out=torch.empty_like(query[:1]), sm_scale=sm_scale, window=window)
+    n = _WARM_DENSE_TOKENS
+    if scratch is not None and query.shape[0] >= n:
+        cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+        seq_lens = torch.tensor([n + 1], dtype=torch.int32, device=dev)
+        prefill(query[:n], key[:n], value[:n], cu, seq_lens, n, cache, block_table[:1], loader,
+                out=torch.empty_like(query[:n]), sm_scale=sm_scale, window=window,
+                max_prefix_len=1, scratch=scratch)
+    return out

@@ -348,7 +348,8 @@ class TurboAttnBackend(AttentionBackend):
                 # compile the prefix-reading variant now, not at the first continuation chunk
                 self._prefix_variant_warm.add(lid)
                 warm_prefix_variant(q3, k3, v3, cache, md.block_table, loader,
-                                    sm_scale=layer.scaling, window=_window(layer))
+                                    sm_scale=layer.scaling, window=_window(layer),
+                                    scratch=self._scratch_for(1, self.page_size, hkv, q3.dtype))
         else:
             out.view(-1, hq, d).copy_(reference_attention(
                 self.pool, layer.layer_id, q3, k3, v3, self._token_locs(forward_batch),

@@ -397,5 +397,6 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
                 self._prefix_variant_warm = True
                 kernels.warm_prefix_variant(q[ndt:n], k[ndt:n], v[ndt:n], kv_cache,
                                             md.block_table[nd:r1], loader, sm_scale=self.scale,
-                                            window=self._window)
+                                            window=self._window,
+                                            scratch=shared_prefill_scratch(query.device))
         return output
