@@ -64,8 +64,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # shared with the vLLM benchmark: same prompts, models, bundle and agreement metric
 from vllm_e2e import (
     GREEDY_TOKENS,
+    PREFIX_PROMPT_TOKENS,
     PROMPTS,
     agreement,
+    prefix_cache_cell,
     random_prompt_ids,
     ratio_cell,
     resolve_model,
@@ -121,6 +123,7 @@ def worker(a: argparse.Namespace) -> None:
         outs = llm.generate(prompt=PROMPTS, sampling_params=greedy)
         res["greedy_text"] = [o.get("text") for o in outs]
     res["greedy"] = [list(o["output_ids"]) for o in outs]
+    res["prefix_cache"] = radix_check(llm, greedy)
 
     if not a.greedy_only:
         rng = random.Random(0)
@@ -146,6 +149,25 @@ def worker(a: argparse.Namespace) -> None:
                                                          time.perf_counter() - t)
     Path(a.result).write_text(json.dumps(res, indent=1))
     llm.shutdown()
+
+
+def radix_check(llm, greedy: dict) -> dict:
+    """Radix cache (prefix sharing) on the engine's pages: one random prompt of
+    ``PREFIX_PROMPT_TOKENS`` tokens generated twice; the second request's prefix comes from
+    the radix cache (for tkv: compressed pages read back by the prefill kernels). Records
+    both requests' ``meta_info["cached_tokens"]`` and whether the greedy tokens agree (the
+    vLLM check's fields, no logprobs); an engine error is recorded, never raised."""
+    import random
+
+    ids = random_prompt_ids(random.Random(7), 1, PREFIX_PROMPT_TOKENS)[0]
+    try:
+        a, b = (llm.generate(input_ids=[ids], sampling_params=greedy)[0] for _ in range(2))
+    except Exception as e:  # a failed check must not cost the run
+        return {"error": repr(e)[:300]}
+    return {"prompt_tokens": len(ids),
+            "cached_first": int(a.get("meta_info", {}).get("cached_tokens") or 0),
+            "cached_second": int(b.get("meta_info", {}).get("cached_tokens") or 0),
+            "equal": list(a["output_ids"]) == list(b["output_ids"]), "drift": None}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -243,7 +265,8 @@ def table(model: str, res: dict[str, dict]) -> str:
     bt = base.get("throughput", {})
     ks = sorted({k for r in res.values() for k in r.get("throughput", {})}, key=int)
     head = ["run", "KV tokens", "×bf16", "greedy = bf16 (32 tok)",
-            *(f"tok/s @{k}" for k in ks), "tok/s ×bf16", "decode ×bf16", "startup s"]
+            *(f"tok/s @{k}" for k in ks), "tok/s ×bf16", "decode ×bf16",
+            "radix-cache hit (2nd request)", "startup s"]
     rows = [f"### {model}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in res.items():
         if r.get("failed"):
@@ -262,7 +285,7 @@ def table(model: str, res: dict[str, dict]) -> str:
         vd = [ratio_cell(c, bt.get(k), "decode_tok_s") for c, k in zip(tc, ks, strict=True)]
         cells = [name, f"{kv:,}" if kv else "?", ratio, agree,
                  *(f"{t:,.0f}" if t else "-" for t in tps), " / ".join(vs) or "-",
-                 " / ".join(vd) or "-", str(r.get("startup_s", "-"))]
+                 " / ".join(vd) or "-", prefix_cache_cell(r), str(r.get("startup_s", "-"))]
         rows.append("| " + " | ".join(cells) + " |")
     texts = [(n, r["greedy_text"][0]) for n, r in res.items() if r.get("greedy_text")]
     if texts:

@@ -502,6 +502,8 @@ def worker(args: argparse.Namespace) -> None:
                           for o in outs]
     if not no_tok:
         res["greedy_text"] = [o.outputs[0].text for o in outs]
+    res["prefix_cache"] = prefix_cache_check(
+        lambda ids: llm.generate([TokensPrompt(prompt_token_ids=ids)], greedy, use_tqdm=False)[0])
 
     if not args.greedy_only:
         import random
@@ -647,6 +649,46 @@ def ratio_cell(cell: dict | None, base: dict | None, key: str) -> str:
     return f"{cell[key] / base[key]:.2f}"
 
 
+PREFIX_PROMPT_TOKENS = 333   # 20 whole 16-token blocks + a partial one
+
+
+def prefix_cache_check(run) -> dict:
+    """Prefix caching on the engine's cache format: one random prompt of
+    ``PREFIX_PROMPT_TOKENS`` tokens generated twice, greedily. The second request finds the
+    first one's full blocks in the prefix cache, so its prefill reads them back from the
+    cache (for tkv: compressed, through the prefix-reading path) while the first computed
+    them from the raw K/V. ``run(ids)`` returns one vLLM ``RequestOutput`` (``logprobs=2``).
+    Returns cached tokens of both requests, whether the greedy tokens agree, and the
+    same-context drift of the second vs the first (nats); an engine error is recorded,
+    never raised."""
+    import random
+
+    ids = random_prompt_ids(random.Random(7), 1, PREFIX_PROMPT_TOKENS)[0]
+    try:
+        a, b = run(ids), run(ids)
+    except Exception as e:  # a failed check must not cost the run
+        return {"error": repr(e)[:300]}
+    ra, rb = ({"greedy": [list(o.outputs[0].token_ids)],
+               "greedy_top2": [[top2_of(p) for p in (o.outputs[0].logprobs or [])]]}
+              for o in (a, b))
+    return {"prompt_tokens": len(ids), "cached_first": int(a.num_cached_tokens or 0),
+            "cached_second": int(b.num_cached_tokens or 0),
+            "equal": ra["greedy"] == rb["greedy"], "drift": same_context_drift(ra, rb)}
+
+
+def prefix_cache_cell(r: dict) -> str:
+    """``cached/prompt tokens, equal|differs, drift`` of :func:`prefix_cache_check`."""
+    pc = r.get("prefix_cache")
+    if not pc:
+        return "-"
+    if "error" in pc:
+        return "ERROR"
+    d = pc.get("drift")
+    return (f"{pc['cached_second']}/{pc['prompt_tokens']} cached, "
+            f"{'same tokens' if pc['equal'] else 'tokens differ'}"
+            + (f", drift {d['mean']:.3f}/{d['max']:.3f}" if d else ""))
+
+
 def random_prompt_ids(rng, n: int, length: int = 512) -> list[list[int]]:
     """``n`` prompts of ``length`` random token ids in [1000, 30000) drawn from ``rng`` (a
     ``random.Random``): the prompts of both e2e scripts for models without a tokenizer and
@@ -685,15 +727,16 @@ def table(model: str, res: dict[str, dict]) -> str:
     rows = [f"### {model}", "",
             "| run | KV tokens | ×bf16 | greedy = bf16 (32 tok) | " + " | ".join(
                 f"tok/s {k}" for k in base.get("throughput", {}))
-            + " | ×bf16 (each) | decode ×bf16 (each) | ×tq4 (each) | first divergences from bf16 |",
-            "|---|---|---|---|" + "---|" * len(base.get("throughput", {})) + "---|---|---|---|"]
+            + " | ×bf16 (each) | decode ×bf16 (each) | ×tq4 (each) | first divergences from bf16 "
+            "| prefix-cache hit (2nd request) |",
+            "|---|---|---|---|" + "---|" * len(base.get("throughput", {})) + "---|---|---|---|---|"]
 
     def kv(r):
         return r.get("kv_tokens_reported") or r.get("kv_tokens_blocks")
 
     for name, r in res.items():
         if r.get("failed"):
-            rows.append(f"| {name} | FAILED | | | | | |")
+            rows.append(f"| {name} | FAILED | | | | | | |")
             continue
         ratio = f"{kv(r) / kv(base):.2f}" if kv(r) and kv(base) else "?"
         if base.get("greedy") and r.get("greedy"):
@@ -713,7 +756,8 @@ def table(model: str, res: dict[str, dict]) -> str:
         kv_s = f"{kv(r):,}" if kv(r) else "?"
         rows.append(f"| {name} | {kv_s} | {ratio} | {agree} | "
                     + " | ".join(f"{t:,.0f}" if t else "-" for t in tps)
-                    + f" | {' / '.join(vs_b)} | {' / '.join(vs_d)} | {' / '.join(vs_t)} | {div} |")
+                    + f" | {' / '.join(vs_b)} | {' / '.join(vs_d)} | {' / '.join(vs_t)} | {div} "
+                    f"| {prefix_cache_cell(r)} |")
     return "\n".join(rows) + "\n\n" + DIVERGENCE_LEGEND.format(ref="bf16") + "\n"
 
 

@@ -68,6 +68,31 @@ def test_table_reports_end_to_end_and_decode_ratios(e2e):
            "tkv@4.0": {"kv_tokens": 3760, "greedy": [[1] * 32],
                        "throughput": {"64": entry(64, 256, 9.0, 3.0)}}}
     t = e2e.table("m", res)
-    assert "| tok/s ×bf16 | decode ×bf16 |" in t
+    assert "| tok/s ×bf16 | decode ×bf16 | radix-cache hit (2nd request) |" in t
     # e2e 10/9 = 1.11; decode (10-2)/(9-3) = 1.33
-    assert "| tkv@4.0 | 3,760 | 3.76 | 1/1 exact, 100% prefix | 1,820 | 1.11 | 1.33 |" in t
+    assert "| tkv@4.0 | 3,760 | 3.76 | 1/1 exact, 100% prefix | 1,820 | 1.11 | 1.33 | - |" in t
+
+
+def test_radix_check_reads_cached_tokens_from_meta_info(e2e):
+    """Two identical requests: the second one's meta_info cached_tokens and token agreement;
+    an engine error is recorded, not raised."""
+    class Engine:
+        def __init__(self):
+            self.n = 0
+
+        def generate(self, input_ids, sampling_params):
+            self.n += 1
+            assert len(input_ids) == 1 and len(input_ids[0]) == e2e.PREFIX_PROMPT_TOKENS
+            return [{"output_ids": [1, 2, 3], "meta_info": {"cached_tokens": 0 if self.n == 1
+                                                            else 320}}]
+
+    pc = e2e.radix_check(Engine(), {})
+    assert (pc["cached_first"], pc["cached_second"], pc["equal"]) == (0, 320, True)
+    assert sys.modules["vllm_e2e"].prefix_cache_cell({"prefix_cache": pc}) == (
+        "320/333 cached, same tokens")
+
+    class Broken:
+        def generate(self, **kw):
+            raise RuntimeError("no engine")
+
+    assert "no engine" in e2e.radix_check(Broken(), {})["error"]

@@ -501,3 +501,29 @@ def test_gpu_session_after_chains_jobs_and_stop_job_ends_one(tmp_path):
     pid = int((jobs / "c" / "pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_prefix_cache_check_reports_hits_agreement_and_drift(e2e):
+    """The second identical request's prefill reads cached blocks: the check records both
+    requests' cached tokens, token agreement and the same-context logprob drift; an engine
+    error is recorded, not raised."""
+    from types import SimpleNamespace as NS
+
+    def out(tokens, lps, cached):
+        return NS(num_cached_tokens=cached, outputs=[NS(token_ids=tokens, logprobs=[
+            {t: NS(logprob=lp), 99: NS(logprob=lp - 1.0)} for t, lp in zip(tokens, lps, strict=True)])])
+
+    calls = iter([out([5, 6, 7], [-0.5, -0.2, -0.1], 0), out([5, 6, 8], [-0.6, -0.2, -0.3], 320)])
+    pc = e2e.prefix_cache_check(lambda ids: next(calls))
+    assert pc["prompt_tokens"] == e2e.PREFIX_PROMPT_TOKENS
+    assert (pc["cached_first"], pc["cached_second"], pc["equal"]) == (0, 320, False)
+    assert pc["drift"]["positions"] == 3 and abs(pc["drift"]["max"] - 0.2) < 1e-9
+    assert e2e.prefix_cache_cell({"prefix_cache": pc}) == (
+        "320/333 cached, tokens differ, drift 0.100/0.200")
+
+    def broken(ids):
+        raise RuntimeError("engine down")
+
+    assert "engine down" in e2e.prefix_cache_check(broken)["error"]
+    assert e2e.prefix_cache_cell({"prefix_cache": {"error": "x"}}) == "ERROR"
+    assert e2e.prefix_cache_cell({}) == "-"
