@@ -426,6 +426,43 @@ def test_prefill_dense_prefix_limits():
     with pytest.raises(ShapeError, match="max_prefix_len"):
         prefill(q, k, k, cu, batch.seq_lens, 20, cache, batch.block_table, ld,
                 max_prefix_len=-1, scratch=scratch)
+    with pytest.raises(DtypeError, match="scratch"):
+        prefill(q, k, k, cu, batch.seq_lens, 20, cache, batch.block_table, ld,
+                max_prefix_len=8, scratch=[0.0] * 1024)
+    # an unaligned (but contiguous) scratch → inline path, correct, scratch untouched
+    raw = torch.full((1 << 18,), float("nan"), device=DEV)
+    inline = prefill(q, k, k, cu, batch.seq_lens, 20, cache, batch.block_table, ld, block_m=32)
+    odd = prefill(q, k, k, cu, batch.seq_lens, 20, cache, batch.block_table, ld, block_m=32,
+                  max_prefix_len=40, scratch=raw.view(torch.uint8)[1:])
+    assert torch.isnan(raw).all() and torch.allclose(odd.float(), inline.float())
+
+
+def test_prefill_dense_prefix_masks_invalid_pages_like_inline():
+    """Block-table entries that are −1 / out of range, or a table narrower than the prefix:
+    the decompress-once path masks those tokens exactly as the inline path does, whatever the
+    scratch held before (NaN here)."""
+    codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=9)
+    ld = TkvLoader(codec, 2, 16)
+    g = _gen(43)
+    batch = make_paged_batch([40 + 20, 33 + 20], 16, DEV, generator=g)
+    cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
+    for i, n in enumerate((60, 53)):
+        kv = torch.randn(2, n, 2, 64, generator=g).to(DEV, torch.float16)
+        fill_cache(ld, cache, kv[0], kv[1], batch.slots(i))
+    q = torch.randn(40, 8, 64, generator=g).to(DEV, torch.float16)
+    k = torch.randn(40, 2, 64, generator=g).to(DEV, torch.float16)
+    cu = torch.tensor([0, 20, 40], dtype=torch.int32, device=DEV)
+    bt = batch.block_table.clone()
+    bt[0, 1] = -1                       # a hole in sequence 0's prefix
+    bt[1, 0] = batch.num_blocks + 5     # an out-of-range page in sequence 1's
+    for table in (bt, bt[:, :2]):       # and a table narrower than the prefix
+        inline = prefill(q, k, k, cu, batch.seq_lens, 20, cache, table, ld, block_m=32)
+        scr = torch.full((1 << 18,), float("nan"), device=DEV)
+        dense = prefill(q, k, k, cu, batch.seq_lens, 20, cache, table, ld, block_m=32,
+                        max_prefix_len=40, scratch=scr)
+        assert not torch.isnan(scr).all()        # the dense path ran
+        assert torch.isfinite(dense.float()).all()
+        assert torch.allclose(dense.float(), inline.float(), atol=2e-3, rtol=2e-3)
 
 
 def test_prefill_no_prefix_bypass_and_broken_promise():

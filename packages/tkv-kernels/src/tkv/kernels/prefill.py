@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tkv.codec.errors import ShapeError
+from tkv.codec.errors import DtypeError, ShapeError
 
 from ._planes import accumulate, fetch_kv, load_planes, scores, store_planes, zero_planes
 from ._util import (
@@ -238,13 +238,17 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             sequence that does have a prefix gets NaN output rows (loud, never silent).
         max_prefix_len, scratch: the *decompress-once* path for rotated (tkv) loaders. With a
             host int ``max_prefix_len`` ≥ every sequence's prefix (engines know it from host
-            metadata) and a ``scratch`` buffer (any dtype, contiguous) of at least
-            :func:`dense_prefix_bytes` bytes, every prefix token is dequantized ONCE into
-            ``scratch`` (planar rotated rows, norms applied), and the attention loop reads those
-            16-bit rows instead of re-dequantizing each prefix tile for every query tile. Used
-            when a sequence spans more than one query tile (``max_query_len`` > the M tile's
-            tokens) and the scratch fits; otherwise the inline path runs. A prefix longer than
-            ``max_prefix_len`` gets NaN output rows (loud, never silent).
+            metadata) and a ``scratch`` tensor (any dtype, contiguous, 16-byte aligned) of at
+            least :func:`dense_prefix_bytes` bytes for ``max_prefix_len`` rounded up to whole
+            pages, every prefix token is dequantized ONCE into ``scratch`` (planar rotated
+            rows, norms applied), and the attention loop reads those 16-bit rows instead of
+            re-dequantizing each prefix tile for every query tile. Used when a sequence spans
+            more than one query tile (``max_query_len`` > the M tile's tokens) and the
+            scratch fits; otherwise the inline path runs (it needs no bound). ``max_prefix_len``
+            only sizes the scratch: on the dense path a sequence whose prefix exceeds the
+            page-rounded bound gets NaN output rows (loud, never wrong numbers); block-table
+            entries that are −1 or out of range mask their tokens exactly as the inline path
+            does.
 
     Rotated loaders (tkv): the wrapper rotates the query and the chunk's K/V into the cache's
     rotated space with three small float32 matmuls (no D×D tile inside the kernel, so head_dim
@@ -258,6 +262,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if max_prefix_len is not None and (isinstance(max_prefix_len, bool) or not isinstance(
             max_prefix_len, int) or max_prefix_len < 0):
         raise ShapeError(f"max_prefix_len must be a host int ≥ 0 or None, got {max_prefix_len!r}")
+    if scratch is not None and not isinstance(scratch, torch.Tensor):
+        raise DtypeError(f"scratch must be a torch.Tensor or None, got {type(scratch).__name__}")
     check_tensor(query, "query", 3)
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     tq, hq, d = query.shape
@@ -346,7 +352,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         maxp = -(-max_prefix_len // bs) * bs          # whole pages of prefix per sequence
         need = dense_prefix_bytes(ns, maxp, hkv, d, query.dtype)
         check_same_device(dev, scratch=scratch)
-        dense = scratch.is_contiguous() and scratch.numel() * scratch.element_size() >= need
+        dense = (scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
+                 and scratch.numel() * scratch.element_size() >= need)
     if dense:
         flat = scratch.view(-1).view(torch.uint8)[:need].view(dot_dtype)
         pk, pv = flat.view(2, ns * maxp * hkv * d_pad)
@@ -359,10 +366,15 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             VP3=vargs[9], VNP=vargs[10], HKV=hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=bs,
             BLOCK_N=tb, DOT_DTYPE=_TL[dot_dtype], num_warps=4)
         # the scratch as a paged cache with an identity block table: page i·(maxp/bs) + j
-        # is page j of sequence i's prefix
+        # is page j of sequence i's prefix; −1 where the real table has no valid page there
+        # (beyond its width, −1 or out of range), so those tokens stay masked as inline
         maxb = maxp // bs
         nblk = ns * maxb
         bt = torch.arange(nblk, dtype=torch.int32, device=dev).view(ns, maxb)
+        real = torch.full((ns, maxb), -1, dtype=torch.int32, device=dev)
+        w = min(maxb, block_table.shape[1])
+        real[:, :w] = block_table[:, :w]
+        bt = torch.where((real >= 0) & (real < num_blocks), bt, -1)
         page, tok = bs * hkv * d_pad, hkv * d_pad
         kargs = (pk, pk, pk, page, d_pad, tok, d_pad, 0, 0, 0, kargs[10])
         vargs = (pv, pv, pv, page, d_pad, tok, d_pad, 0, 0, 0, vargs[10])
