@@ -105,7 +105,8 @@ def worker(a: argparse.Namespace) -> None:
     kw = engine_kwargs(a)
     t0 = time.perf_counter()
     llm = sgl.Engine(**kw)
-    res: dict = {"mode": a.mode, "tkv_bits": os.environ.get("TKV_BITS"), "engine_kwargs": kw,
+    res: dict = {"mode": a.mode, "tkv_bits": os.environ.get("TKV_BITS"),
+                 "tkv_lookup": os.environ.get("TKV_LOOKUP", "auto"), "engine_kwargs": kw,
                  "startup_s": round(time.perf_counter() - t0, 1)}
     try:
         info = llm.get_server_info()

@@ -227,3 +227,16 @@ def test_prmti_selection_packs_the_tables_without_swapping(monkeypatch):
     monkeypatch.setattr(L, "interpreting", lambda: True)
     with pytest.raises(DtypeError, match="prmti"):
         ld.side_args(cache, "k", torch.bfloat16)
+
+
+def test_lookup_from_env_validates_tkv_lookup():
+    """TKV_LOOKUP: unset/blank → "auto", any TkvLoader lookup name passes through, anything
+    else is a LookupConfigError naming the variable and the choices."""
+    from tkv.kernels import ENV_LOOKUP, LookupConfigError, lookup_from_env
+
+    assert lookup_from_env({}) == "auto"
+    assert lookup_from_env({ENV_LOOKUP: "  "}) == "auto"
+    for name in ("auto", "pair", "gather", "shuffle", "prmt", "prmt1", "prmti"):
+        assert lookup_from_env({ENV_LOOKUP: name}) == name
+    with pytest.raises(LookupConfigError, match=r"TKV_LOOKUP='prmt2'.*prmti"):
+        lookup_from_env({ENV_LOOKUP: "prmt2"})

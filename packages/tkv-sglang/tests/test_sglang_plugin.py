@@ -432,7 +432,9 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
         pytest.skip("tkv.kernels lacks prefill")
     tkv_env("4.5", bundle_file)
     monkeypatch.setenv("TKV_SGLANG_IMPL", "triton")
+    monkeypatch.setenv("TKV_LOOKUP", "gather")   # reaches the pool's loaders (exact here)
     w = World(sgl, fakes, monkeypatch)
+    assert w.pool.loader(w.layer.layer_id).lookup == "gather"
     FM = sgl.ForwardMode
     bf = torch.bfloat16
     for row, pages in ((1, [6, 1]), (2, [2, 9])):

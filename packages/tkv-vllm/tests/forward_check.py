@@ -112,6 +112,8 @@ def run(spec_k: int) -> float:
         vc.compilation_config.static_forward_context[name] = layer
         spec = B.TurboAttnBackend.get_kv_cache_spec(layer, vc)
         assert (spec.tkv_k_bits, spec.tkv_v_bits) == (alloc.k_bits[li], alloc.v_bits[li])
+        want = os.environ.get("TKV_LOOKUP", "auto")
+        assert impl._tkv_state.loader(bs).lookup == want, (impl._tkv_state.lookup, want)
         shape = B.TurboAttnBackend.get_kv_cache_shape_for_spec(num_blocks, bs, spec)
         cache = torch.zeros(shape, dtype=torch.uint8)
         # cached context, stored the way vLLM stores it

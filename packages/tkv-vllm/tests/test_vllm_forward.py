@@ -13,7 +13,9 @@ import pytest
 
 def test_mixed_batch_forward_matches_float64_reference(patched_vllm):
     script = Path(__file__).with_name("forward_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    # TKV_LOOKUP reaches every layer's loader (gather: exact, as auto is under the interpreter)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "TKV_LOOKUP": "gather"}
     env.pop("TKV_BITS", None)
     env.pop("TKV_CALIBRATION_FILE", None)
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,

@@ -10,7 +10,15 @@ float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
 
 from . import _interpreter_compat
 from .decode import decode
-from .loaders import BypassLoader, Fp8Loader, Loader, TkvLoader
+from .loaders import (
+    ENV_LOOKUP,
+    BypassLoader,
+    Fp8Loader,
+    Loader,
+    LookupConfigError,
+    TkvLoader,
+    lookup_from_env,
+)
 from .prefill import DENSE_PREFIX_CAP, dense_prefix_bytes, prefill, warm_prefix_variant
 from .store import compress_store
 from .validate import MetadataError, check_metadata
@@ -22,7 +30,22 @@ _interpreter_compat.apply()
 
 __version__ = "0.1.0"
 
-__all__ = ["DENSE_PREFIX_CAP", "BypassLoader", "Fp8Loader", "Loader", "MetadataError", "TkvLoader", "Workspace",
-           "WorkspaceTooSmallError", "check_metadata", "compress_store", "decode",
-           "dense_prefix_bytes", "prefill",
-           "warm_prefix_variant"]
+__all__ = [
+    "DENSE_PREFIX_CAP",
+    "ENV_LOOKUP",
+    "BypassLoader",
+    "Fp8Loader",
+    "Loader",
+    "LookupConfigError",
+    "MetadataError",
+    "TkvLoader",
+    "Workspace",
+    "WorkspaceTooSmallError",
+    "check_metadata",
+    "compress_store",
+    "decode",
+    "dense_prefix_bytes",
+    "lookup_from_env",
+    "prefill",
+    "warm_prefix_variant",
+]

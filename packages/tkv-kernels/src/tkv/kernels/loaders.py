@@ -42,6 +42,7 @@ Formats here:
 from __future__ import annotations
 
 import math
+import os
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -374,6 +375,27 @@ def _prmt_table(scaled: torch.Tensor, half: torch.dtype) -> torch.Tensor:
 
 
 _LOOKUPS = ("auto", "pair", "gather", "shuffle", "prmt", "prmt1", "prmti")
+ENV_LOOKUP = "TKV_LOOKUP"
+
+
+class LookupConfigError(ValueError):
+    """``TKV_LOOKUP`` names no codebook lookup of :class:`TkvLoader`."""
+
+
+def lookup_from_env(environ=None) -> str:
+    """The codebook lookup an operator picks for the engines' loaders with ``TKV_LOOKUP``
+    (default ``"auto"``; the choices are :class:`TkvLoader`'s ``lookup`` values — an
+    experimental lookup can be served end to end without code changes).
+
+    Raises:
+        LookupConfigError: an unknown name (the message lists the choices).
+    """
+    env = os.environ if environ is None else environ
+    name = env.get(ENV_LOOKUP, "auto").strip() or "auto"
+    if name not in _LOOKUPS:
+        raise LookupConfigError(f"{ENV_LOOKUP}={name!r} is not a tkv codebook lookup; choose "
+                                f"one of {', '.join(_LOOKUPS)} (default auto)")
+    return name
 
 
 class TkvLoader:

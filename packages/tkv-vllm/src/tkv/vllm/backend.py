@@ -235,11 +235,12 @@ class LayerState:
     codec: Any
     loaders: dict[int, Any]
     default_block_size: int
+    lookup: str = "auto"
 
     def loader(self, block_size: int) -> Any:
         ld = self.loaders.get(block_size)
         if ld is None:  # only if vLLM changed the kernel block size after binding
-            ld = kernels.TkvLoader(self.codec, self.num_kv_heads, block_size)
+            ld = kernels.TkvLoader(self.codec, self.num_kv_heads, block_size, lookup=self.lookup)
             self.loaders[block_size] = ld
         return ld
 
@@ -280,7 +281,8 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
                 f"the TP shard {shard.num_local_heads} (heads {list(shard.heads)}): the "
                 "bundle's per-head key offset cannot be sliced to this rank")
     codec = layer_codec(cfg, idx, k_bits, v_bits, dev, shard)
-    state = LayerState(idx, k_bits, v_bits, int(impl.num_kv_heads), codec, {}, block)
+    state = LayerState(idx, k_bits, v_bits, int(impl.num_kv_heads), codec, {}, block,
+                       kernels.lookup_from_env())   # TKV_LOOKUP, validated here (startup)
     state.loader(block)
     sc = vllm_config.scheduler_config
     shared_workspace(dev, int(sc.max_num_seqs), int(impl.num_heads), int(impl.head_size))
