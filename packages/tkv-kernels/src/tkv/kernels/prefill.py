@@ -82,7 +82,7 @@ def _dequant_prefix_kernel(
         KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         HKV: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Decompress the prefix of sequence ``program_id(1)``, KV head ``program_id(2)``, tokens
     ``[t·BLOCK_N, (t+1)·BLOCK_N)`` into the dense scratch ``PK``/``PV`` (rows
     ``(seq·max_prefix + pos)·HKV + head`` of ``D_PAD`` elements, the loader's planar layout,
@@ -364,7 +364,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
             KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
             VP3=vargs[9], VNP=vargs[10], HKV=hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=bs,
-            BLOCK_N=tb, DOT_DTYPE=_TL[dot_dtype], num_warps=4)
+            BLOCK_N=tb, num_warps=4)
         # the scratch as a paged cache with an identity block table: page i·(maxp/bs) + j
         # is page j of sequence i's prefix; −1 where the real table has no valid page there
         # (beyond its width, −1 or out of range), so those tokens stay masked as inline
