@@ -593,6 +593,9 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
         for nw in (4, 8):
             timed("tkv K4V4 decode prmti", lambda nw=nw: decode(q, cache, bt, sl, ldi, ws,
                                                                 num_warps=nw), num_warps=nw)
+        # occupancy: prmti at 4 warps capped at 128 registers (3 -> 4 CTAs per SM, small spills)
+        timed("tkv K4V4 decode prmti", lambda: decode(q, cache, bt, sl, ldi, ws, maxnreg=128),
+              num_warps=4, maxnreg=128)
         if (B, L) == (256, 640):   # split-K x tile sweep at the throughput runs' shape
             for sp in (1, 2, 4, 8):
                 for bn in (64, 128):

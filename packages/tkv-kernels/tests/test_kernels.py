@@ -177,6 +177,18 @@ def test_decode_swap_qk_matches_reference(head_dim, kb, vb, group, window, lens)
     _decode_check(ld, lens, group, seed=kb * 10 + vb, window=window, swap_qk=True)
 
 
+_GPU_ONLY = pytest.mark.skipif(DEV == "cpu", reason="PTX inline assembly: CUDA only")
+
+
+@pytest.mark.parametrize("lookup", ["auto", pytest.param("prmti", marks=_GPU_ONLY)])
+def test_decode_maxnreg_knob_matches_reference(lookup):
+    """``maxnreg`` (a register cap for the split kernel; on the GPU with spills) changes the
+    schedule, not the result; on the interpreter it is accepted and ignored."""
+    codec = TurboKVCodec(128, k_bits=4, v_bits=4, device=DEV, seed=15)
+    ld = TkvLoader(codec, 2, 16, lookup=lookup)
+    _decode_check(ld, [37, 1, 200], 4, seed=15, maxnreg=128)
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="PTX inline assembly: CUDA only")
 @pytest.mark.parametrize("kb,vb,dtype", [(4, 4, torch.bfloat16), (4, 3, torch.float16)])
 def test_decode_prmt_swap_qk_matches_reference(kb, vb, dtype):
@@ -199,9 +211,6 @@ def test_decode_many_rows_partial_row_block():
     ld = TkvLoader(codec, 2, 16)
     lens = [(i * 7) % 19 + 1 for i in range(45)]
     _decode_check(ld, lens, 12, seed=21, ws=_ws(max_seqs=45, heads=24, d=64))
-
-
-_GPU_ONLY = pytest.mark.skipif(DEV == "cpu", reason="PTX inline assembly: CUDA only")
 
 
 @pytest.mark.parametrize("lookup,kb,vb,dtype", [

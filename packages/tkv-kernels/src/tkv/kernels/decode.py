@@ -226,7 +226,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
            sm_scale: float | None = None, window: int = 0, query_rotated: bool = False,
            output_rotated: bool = False, num_splits: int | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int = 1,
-           prefetch: bool = False, swap_qk: bool | None = None) -> torch.Tensor:
+           prefetch: bool = False, swap_qk: bool | None = None,
+           maxnreg: int | None = None) -> torch.Tensor:
     """Paged decode attention, one query token per sequence, reading the cache through
     ``loader`` with inline dequant (split-K over the sequence, LSE merge of the splits).
 
@@ -259,6 +260,10 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             ``preferred_block_n`` (else 64) for head_dim ≤ 128, 32 above) and Triton launch
             options. ``num_stages`` > 1 lets Triton's pipeliner
             stage the codebook gathers through shared memory, which measured slower.
+        maxnreg: cap on the split kernel's registers per thread (Triton's ``maxnreg``; None:
+            the compiler's choice). A tuning knob: fewer registers, more CTAs per SM, possibly
+            spills (prmti at 4 warps: 168 → 128 registers = 3 → 4 CTAs per SM with 76 B of
+            spills, offline sm_90a).
         swap_qk: compute scores as ``K · q^T`` (K tiles as the tensor-core A operand)
             instead of ``q · K^T``; default: the loader's ``k_operand_a(dot_dtype)`` if it
             has one (TkvLoader with ``lookup="prmt1"``), else False. Same result.
@@ -335,7 +340,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         VP3=vargs[9], VNP=vargs[10], G=g, BLOCK_H=block_h, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=loader.block_size,
         BLOCK_N=block_n, NUM_SPLITS=splits, DOT_DTYPE=_TL[dot_dtype],
         PREFETCH=bool(prefetch), SWAP_QK=bool(swap_qk),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages,
+        **({"maxnreg": int(maxnreg)} if maxnreg else {}))
     unrotate = bool(loader.rotated and not output_rotated)
     u = loader.out_mat if unrotate else part_lse
     _decode_reduce_kernel[(triton.cdiv(ns * hq, br),)](
