@@ -130,6 +130,12 @@ def _prmt_lut8(t0: str, t1: str, t2: str, t3: str, x: str, s: str, dst: str) -> 
             f"prmt.b32 {dst}, a, b, {s};"]
 
 
+@triton.constexpr_function
+def _mov_immediates(regs, words) -> list[str]:
+    """PTX ``mov.b32`` of each table word into its register (prmt1 / prmti asm text)."""
+    return [f"mov.b32 {r}, 0x{int(w) & 0xFFFFFFFF:08x};" for r, w in zip(regs, words, strict=True)]
+
+
 @triton.constexpr_function   # plain Python from Python; _prmti_asm calls it at compile time
 def _prmt_lut16_asm(words=None) -> str:
     """4-bit codes -> 16-bit centroids with byte permutes, 4 code bytes (8 codes) per call: PTX
@@ -149,8 +155,7 @@ def _prmt_lut16_asm(words=None) -> str:
     if words is not None:
         lo_t, hi_t = ("T0", "T1", "T2", "T3"), ("U0", "U1", "U2", "U3")
         lines.insert(1, ".reg .b32 " + ", ".join(lo_t + hi_t) + ";")
-        lines[2:2] = [f"mov.b32 {r}, 0x{int(w) & 0xFFFFFFFF:08x};"
-                      for r, w in zip(lo_t + hi_t, words, strict=True)]
+        lines[2:2] = _mov_immediates(lo_t + hi_t, words)
     for x, sel, lo, hi in (("x", "s", "l0", "h0"), ("xs", "ss", "l1", "h1")):  # bytes 0-1, 2-3
         lines += _prmt_lut8(*lo_t, x, sel, lo)     # centroid low bytes
         lines += _prmt_lut8(*hi_t, x, sel, hi)     # centroid high bytes
@@ -171,7 +176,7 @@ def _prmt_plane_asm(words: list[int], plane: int) -> str:
     instructions per 4 codes (+ 8 immediate moves ptxas can keep in registers)."""
     regs = ("T0", "T1", "T2", "T3", "U0", "U1", "U2", "U3")
     lines = ["{", ".reg .b32 t, X, x, s, a, b, lo, hi, " + ", ".join(regs) + ";"]
-    lines += [f"mov.b32 {r}, 0x{w & 0xFFFFFFFF:08x};" for r, w in zip(regs, words, strict=True)]
+    lines += _mov_immediates(regs, words)
     if plane:
         lines += ["shr.b32 t, $2, 4;", "and.b32 t, t, 0x0F0F0F0F;"]
     else:
@@ -187,10 +192,17 @@ def _prmt_plane_asm(words: list[int], plane: int) -> str:
 
 
 @triton.constexpr_function
+def _table_words(p0) -> list[int]:
+    """The 8 byte-table words packed into ``P0`` above bit ``_TABLE_SHIFT`` (prmt1 / prmti;
+    the inverse of ``TkvLoader``'s packing)."""
+    t = int(p0) >> _TABLE_SHIFT
+    return [(t >> (32 * i)) & 0xFFFFFFFF for i in range(8)]
+
+
+@triton.constexpr_function
 def _prmt1_asm(p0, plane):
     """Compile time: the :func:`_prmt_plane_asm` text of the table words packed in ``P0``."""
-    t = int(p0) >> _TABLE_SHIFT
-    return _prmt_plane_asm([(t >> (32 * i)) & 0xFFFFFFFF for i in range(8)], int(plane))
+    return _prmt_plane_asm(_table_words(p0), int(plane))
 
 
 _PRMT_LUT16: tl.constexpr = tl.constexpr(_prmt_lut16_asm())
@@ -200,8 +212,7 @@ _PRMT_LUT16: tl.constexpr = tl.constexpr(_prmt_lut16_asm())
 def _prmti_asm(p0):
     """Compile time: :func:`_prmt_lut16_asm` with the table words packed in ``P0`` as
     immediates (``lookup="prmti"``)."""
-    t = int(p0) >> _TABLE_SHIFT
-    return _prmt_lut16_asm([(t >> (32 * i)) & 0xFFFFFFFF for i in range(8)])
+    return _prmt_lut16_asm(_table_words(p0))
 # outputs: 2 planes x 4 16-bit values (2 regs each); inputs: 4 code bytes (1 reg), then the 8
 # table words, each an int32 tensor (pack=4: 4 regs each, all equal; the asm reads the first)
 _PRMT_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 32)
@@ -292,38 +303,30 @@ def tkv_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr
     else:
         w = raw.to(tl.int32)
     planes = ()
-    if LOOKUP >= 8:   # LOOKUP_PRMTI_*: the two-plane asm of prmt, tables as immediates
-        if LOOKUP == 8:
+    if LOOKUP >= 4:   # the prmt family, 4 bits: 2 planes from the byte tile, no memory access
+        if LOOKUP % 2 == 0:   # LOOKUP_PRMT*_F16 are even, *_BF16 odd
             HALF: tl.constexpr = tl.float16
         else:
             HALF: tl.constexpr = tl.bfloat16
-        lo, hi = tl.inline_asm_elementwise(_prmti_asm(P0), "=r,=r,=r,=r,r", [raw.to(tl.uint8)],
-                                           dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
-        planes = (lo.to(HALF, bitcast=True).to(OUT_DTYPE),
-                  hi.to(HALF, bitcast=True).to(OUT_DTYPE))
-    elif LOOKUP >= 6:   # LOOKUP_PRMT1_*: one unary asm per plane, tables as immediates
-        if LOOKUP == 6:
-            HALF: tl.constexpr = tl.float16
-        else:
-            HALF: tl.constexpr = tl.bfloat16
+        if LOOKUP >= 8:   # LOOKUP_PRMTI_*: the two-plane asm of prmt, tables as immediates
+            bits16 = tl.inline_asm_elementwise(
+                _prmti_asm(P0), "=r,=r,=r,=r,r", [raw.to(tl.uint8)],
+                dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
+        elif LOOKUP >= 6:   # LOOKUP_PRMT1_*: one unary asm per plane, tables as immediates
+            bits16 = ()
+            for p in tl.static_range(2):
+                bits16 = bits16 + (tl.inline_asm_elementwise(
+                    _prmt1_asm(P0, p), "=r,=r,r", [raw], dtype=tl.int16, is_pure=True, pack=4),)
+        else:   # LOOKUP_PRMT_*: the table words as operands
+            t = ()
+            for i in tl.static_range(8):
+                t = t + (tl.load(table + i),)
+            bits16 = tl.inline_asm_elementwise(
+                _PRMT_LUT16, _PRMT_CONSTRAINTS,
+                [raw.to(tl.uint8), t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]],
+                dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
         for p in tl.static_range(2):
-            c = tl.inline_asm_elementwise(_prmt1_asm(P0, p), "=r,=r,r", [raw],
-                                          dtype=tl.int16, is_pure=True, pack=4)
-            planes = planes + (c.to(HALF, bitcast=True).to(OUT_DTYPE),)
-    elif LOOKUP >= 4:   # LOOKUP_PRMT_*, 4 bits: 2 planes from the byte tile, no memory access
-        if LOOKUP == 4:
-            HALF: tl.constexpr = tl.float16
-        else:
-            HALF: tl.constexpr = tl.bfloat16
-        t = ()
-        for i in tl.static_range(8):
-            t = t + (tl.load(table + i),)
-        lo, hi = tl.inline_asm_elementwise(
-            _PRMT_LUT16, _PRMT_CONSTRAINTS,
-            [raw.to(tl.uint8), t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]],
-            dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
-        planes = (lo.to(HALF, bitcast=True).to(OUT_DTYPE),
-                  hi.to(HALF, bitcast=True).to(OUT_DTYPE))
+            planes = planes + (bits16[p].to(HALF, bitcast=True).to(OUT_DTYPE),)
     elif LOOKUP == 3:   # LOOKUP_SHUFFLE, ≤ 5 bits: per-code tl.gather from a register table
         NE: tl.constexpr = 1 << BITS
         tab = tl.load(table + tl.arange(0, NE)[:, None]
