@@ -53,11 +53,7 @@ def _dense_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_
     dequantized, norm applied, in the planar layout — returned as its ``NP`` planes (the
     "raw" value of this fetch), row_scale 1 (0 when masked)."""
     row = blk.to(tl.int64) * stride_block + off.to(tl.int64) * stride_tok + head * stride_head
-    j = tl.arange(0, D_PAD // NP)
-    planes = ()
-    for p in tl.static_range(NP):
-        planes = planes + (tl.load(base + row[:, None] + (p * (D_PAD // NP) + j)[None, :],
-                                   mask=mask_n[:, None], other=0.0),)
+    planes = load_planes(base, row, mask_n, NP, D_PAD, D_PAD, base.dtype.element_ty, True)
     return planes, tl.where(mask_n, 1.0, 0.0)
 
 
@@ -349,7 +345,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              and max_prefix_len > 0 and max_query_len > block_mt)
     bt, nblk, maxb, bs = block_table, num_blocks, block_table.shape[1], loader.block_size
     if dense:
-        maxp = -(-max_prefix_len // bs) * bs          # whole pages of prefix per sequence
+        maxp = _whole_pages(max_prefix_len, bs)       # whole pages of prefix per sequence
         need = dense_prefix_bytes(ns, maxp, hkv, d, query.dtype)
         check_same_device(dev, scratch=scratch)
         dense = (scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
@@ -402,16 +398,21 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 _WARM_DENSE_TOKENS = 129
 
 
+def _whole_pages(tokens: int, block_size: int) -> int:
+    """``tokens`` rounded up to a multiple of ``block_size``."""
+    return -(-tokens // block_size) * block_size
+
+
 def dense_prefix_bytes(num_seqs: int, max_prefix_len: int, num_kv_heads: int, head_dim: int,
-                       query_dtype: torch.dtype = torch.bfloat16) -> int:
+                       query_dtype: torch.dtype = torch.bfloat16, block_size: int = 1) -> int:
     """Bytes of scratch :func:`prefill`'s decompress-once path needs: K and V rows of
-    ``num_seqs × max_prefix_len`` tokens (:func:`prefill` rounds ``max_prefix_len`` up to
-    whole pages first), ``num_kv_heads`` heads of ``max(16, next_pow2(head_dim))`` elements
-    of the dot dtype for ``query_dtype`` (the query's 16-bit type on CUDA, float32 under the
-    Triton interpreter)."""
+    ``num_seqs × max_prefix_len`` tokens, ``max_prefix_len`` rounded up to whole pages of
+    ``block_size`` tokens (the loader's, as :func:`prefill` lays the scratch out),
+    ``num_kv_heads`` heads of ``max(16, next_pow2(head_dim))`` elements of the dot dtype for
+    ``query_dtype`` (the query's 16-bit type on CUDA, float32 under the Triton interpreter)."""
     d_pad = max(16, next_pow2(head_dim))
-    return 2 * num_seqs * max_prefix_len * num_kv_heads * d_pad * torch.empty(
-        0, dtype=dot_dtype_for(query_dtype)).element_size()
+    return 2 * num_seqs * _whole_pages(max_prefix_len, block_size) * num_kv_heads * d_pad * (
+        torch.empty(0, dtype=dot_dtype_for(query_dtype)).element_size())
 
 
 def warm_prefix_variant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache,

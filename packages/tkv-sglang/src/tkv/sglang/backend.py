@@ -196,8 +196,8 @@ class TurboAttnBackend(AttentionBackend):
 
         if not max_prefix_len:
             return None
-        maxp = math.ceil(max_prefix_len / self.page_size) * self.page_size
-        need = dense_prefix_bytes(num_seqs, maxp, num_kv_heads, self.head_dim, dtype)
+        need = dense_prefix_bytes(num_seqs, max_prefix_len, num_kv_heads, self.head_dim, dtype,
+                                  block_size=self.page_size)
         if need > DENSE_PREFIX_CAP:
             return None
         if self._prefill_scratch is None or self._prefill_scratch.numel() < need:

@@ -287,7 +287,7 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
     sc = vllm_config.scheduler_config
     shared_workspace(dev, int(sc.max_num_seqs), int(impl.num_heads), int(impl.head_size))
     shared_prefill_scratch(dev, int(vllm_config.model_config.max_model_len),
-                           int(impl.num_kv_heads), int(impl.head_size))
+                           int(impl.num_kv_heads), int(impl.head_size), block)
     impl._tkv_state = state
     return state
 
@@ -388,17 +388,16 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
                             window=self._window)
         if md.num_prefills:
             r1 = md.num_reqs
+            scratch = shared_prefill_scratch(query.device)
             kernels.prefill(q[ndt:n], k[ndt:n], v[ndt:n], md.prefill_cu_seqlens,
                             md.seq_lens[nd:r1], md.max_prefill_query_len, kv_cache,
                             md.block_table[nd:r1], loader, out=out[ndt:n], sm_scale=self.scale,
                             window=self._window, no_prefix=md.prefill_no_prefix,
-                            max_prefix_len=md.max_prefill_prefix_len,
-                            scratch=shared_prefill_scratch(query.device))
+                            max_prefix_len=md.max_prefill_prefix_len, scratch=scratch)
             if md.prefill_no_prefix and not self._prefix_variant_warm:
                 # compile the prefix-reading variant now, not at the first continuation chunk
                 self._prefix_variant_warm = True
                 kernels.warm_prefix_variant(q[ndt:n], k[ndt:n], v[ndt:n], kv_cache,
                                             md.block_table[nd:r1], loader, sm_scale=self.scale,
-                                            window=self._window,
-                                            scratch=shared_prefill_scratch(query.device))
+                                            window=self._window, scratch=scratch)
         return output

@@ -59,13 +59,14 @@ def shared_workspace(device: torch.device | str, max_num_seqs: int | None = None
 
 
 def shared_prefill_scratch(device: torch.device | str, max_model_len: int | None = None,
-                           num_kv_heads: int | None = None, head_dim: int | None = None
-                           ) -> torch.Tensor | None:
+                           num_kv_heads: int | None = None, head_dim: int | None = None,
+                           block_size: int = 1) -> torch.Tensor | None:
     """The process-wide scratch of :func:`tkv.kernels.prefill`'s decompress-once path
     (uint8, one per device, shared by every layer).
 
     With sizes (at bind time, before memory profiling so vLLM budgets it): create or grow it
-    to hold one sequence's prefix of ``max_model_len`` tokens (K and V, 16-bit rows of
+    to hold one sequence's prefix of ``max_model_len`` tokens in whole pages of ``block_size``
+    (K and V, 16-bit rows of
     ``num_kv_heads`` heads — :func:`tkv.kernels.dense_prefix_bytes`), capped at
     :data:`tkv.kernels.DENSE_PREFIX_CAP` bytes; batches whose prefixes do not fit take the inline
     path. Without sizes: the existing buffer, or None."""
@@ -74,7 +75,7 @@ def shared_prefill_scratch(device: torch.device | str, max_model_len: int | None
     if max_model_len is None:
         return buf
     need = min(DENSE_PREFIX_CAP, dense_prefix_bytes(1, int(max_model_len), int(num_kv_heads),
-                                                       int(head_dim)))
+                                                       int(head_dim), block_size=int(block_size)))
     if buf is None or buf.numel() < need:
         buf = torch.empty(need, dtype=torch.uint8, device=key)
         _PREFILL_SCRATCH[key] = buf
