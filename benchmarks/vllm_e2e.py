@@ -389,6 +389,14 @@ def top2_of(position_logprobs) -> list:
     return out + [None, None] * (2 - len(best))
 
 
+def greedy_record(outs) -> dict:
+    """``{"greedy", "greedy_top2"}`` of vLLM ``RequestOutput``s (one per prompt): the
+    generated token ids, and :func:`top2_of` at every position (``logprobs=2``)."""
+    return {"greedy": [list(o.outputs[0].token_ids) for o in outs],
+            "greedy_top2": [[top2_of(pos) for pos in (o.outputs[0].logprobs or [])]
+                            for o in outs]}
+
+
 def same_context_drift(ref: dict, other: dict, n: int = GREEDY_TOKENS) -> dict | None:
     """Numerical drift between two greedy runs where their contexts are still identical.
 
@@ -498,9 +506,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         prompts = PROMPTS
     outs = llm.generate(prompts, greedy, use_tqdm=False)
-    res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
-    res["greedy_top2"] = [[top2_of(pos) for pos in (o.outputs[0].logprobs or [])]
-                          for o in outs]
+    res.update(greedy_record(outs))
     if not no_tok:
         res["greedy_text"] = [o.outputs[0].text for o in outs]
     res["prefix_cache"] = prefix_cache_check(
@@ -669,9 +675,7 @@ def prefix_cache_check(run) -> dict:
         a, b = run(ids), run(ids)
     except Exception as e:  # a failed check must not cost the run
         return {"error": repr(e)[:300]}
-    ra, rb = ({"greedy": [list(o.outputs[0].token_ids)],
-               "greedy_top2": [[top2_of(p) for p in (o.outputs[0].logprobs or [])]]}
-              for o in (a, b))
+    ra, rb = greedy_record([a]), greedy_record([b])
     return {"prompt_tokens": len(ids), "cached_first": int(a.num_cached_tokens or 0),
             "cached_second": int(b.num_cached_tokens or 0),
             "equal": ra["greedy"] == rb["greedy"], "drift": same_context_drift(ra, rb)}
