@@ -289,15 +289,20 @@ def test_planes_follow_widths():
 def test_decode_splits_and_rotated_io():
     codec = TurboKVCodec(64, 4, device=DEV)
     ld = TkvLoader(codec, 2, 16)
-    batch, cache = _scenario(ld, [45, 12], 5)
+    batch, cache = _scenario(ld, [300, 12], 5)
     q = torch.randn(2, 8, 64).to(DEV, torch.float16)
     ws = _ws()
     outs = []
-    for sp in (1, 4):
+    # 16 splits: the reduce merges them in two unrolled groups of 8 (block_n=16: 19 tiles of
+    # the 300-token sequence, 2 per split, the last splits one or none; 1 tile for 12)
+    for sp, w in ((1, ws), (4, ws), (16, Workspace(2, 8, 64, DEV, max_splits=16, target_programs=512))):
         o = torch.full(q.shape, float("nan"), device=DEV)
-        outs.append(decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=o,
-                           num_splits=sp))
+        outs.append(decode(q, cache, batch.block_table, batch.seq_lens, ld, w, out=o,
+                           num_splits=sp, block_n=16))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(outs[0], outs[2], rtol=1e-3, atol=1e-3)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    assert _rel(outs[2].float(), ref) < _tol(torch.float16)
     # rotated in / rotated out round trip through the codec's own rotation
     qr = codec.rotate_query(q.float())
     o_rot = torch.full(q.shape, float("nan"), device=DEV)

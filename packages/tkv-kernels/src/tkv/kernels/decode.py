@@ -132,36 +132,40 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U, num_rows,
                           HQ: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
                           D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, KC: tl.constexpr,
-                          UNROTATE: tl.constexpr):
+                          SPLIT_UNROLL: tl.constexpr, UNROTATE: tl.constexpr):
     """LSE merge of the split-K partials of ``BLOCK_R`` (sequence, query head) rows, then
     (UNROTATE) ``out = merged @ U`` as tf32x3 tensor-core passes over KC-row slabs of U (the
     merged row is kept as KC-column slabs, so no [BLOCK_R, D] tf32x3 operand sits in
     registers): U is read once per BLOCK_R rows — all heads of several sequences — not once
-    per KV head. One pass over the splits (the dependent chain is NUM_SPLITS loads long)."""
+    per KV head. The LSEs of all splits are one [BLOCK_R, NUM_SPLITS] load; the partial rows
+    are read ``SPLIT_UNROLL`` splits at a time (an unrolled group, all its loads in flight
+    together), so the dependent chain is NUM_SPLITS / SPLIT_UNROLL loads long — at one
+    sequence and 32 splits the chain, not the bytes, is what the merge costs."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)      # row = seq · HQ + q head
     rmask = r < num_rows
     base = r.to(tl.int64) * NUM_SPLITS
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(part_lse + base + s, mask=rmask, other=float("-inf")))
+    lse = tl.load(part_lse + base[:, None] + tl.arange(0, NUM_SPLITS)[None, :],
+                  mask=rmask[:, None], other=float("-inf"))
+    m = tl.max(lse, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    # merge: one pass over the splits, each split's row read as D_PAD/KC slabs (all issued
-    # together, as wide as one full-row load); the merged row stays as a tuple of slabs
+    den = tl.sum(tl.exp2(lse - m_safe[:, None]), axis=1)
+    # merge: SPLIT_UNROLL splits per step, each split's row read as D_PAD/KC slabs; the
+    # merged row stays as a tuple of slabs
     NC: tl.constexpr = D_PAD // KC
     slabs = ()
     for c in tl.static_range(NC):
         slabs = slabs + (tl.zeros([BLOCK_R, KC], tl.float32),)
-    den = tl.zeros([BLOCK_R], tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(part_lse + base + s, mask=rmask, other=float("-inf")) - m_safe)
-        den += w
-        row = part_o + (base + s)[:, None] * D_PAD
-        merged = ()
-        for c in tl.static_range(NC):
-            o = tl.load(row + (c * KC + tl.arange(0, KC))[None, :], mask=rmask[:, None],
-                        other=0.0)
-            merged = merged + (slabs[c] + w[:, None] * o,)
-        slabs = merged
+    for s0 in range(0, NUM_SPLITS, SPLIT_UNROLL):
+        for u in tl.static_range(SPLIT_UNROLL):
+            s = s0 + u
+            w = tl.exp2(tl.load(part_lse + base + s, mask=rmask, other=float("-inf")) - m_safe)
+            row = part_o + (base + s)[:, None] * D_PAD
+            merged = ()
+            for c in tl.static_range(NC):
+                o = tl.load(row + (c * KC + tl.arange(0, KC))[None, :], mask=rmask[:, None],
+                            other=0.0)
+                merged = merged + (slabs[c] + w[:, None] * o,)
+            slabs = merged
     inv = 1.0 / tl.where(den > 0, den, 1.0)
     optr = Out + (r // HQ).to(tl.int64)[:, None] * so_s + (r % HQ)[:, None] * so_h
     offs_d = tl.arange(0, D_PAD)
@@ -217,6 +221,12 @@ def _slab(d_pad: int) -> int:
     256."""
     return min(32, d_pad) if d_pad <= 128 else 16
 
+
+def _split_unroll(splits: int, d_pad: int) -> int:
+    """Splits merged per unrolled step of the reduce kernel (their loads in flight together):
+    8 partial rows of 16 × 128 float32 = 64 registers per thread at 8 warps; 4 at head_dim
+    256."""
+    return min(splits, 8 if d_pad <= 128 else 4)
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -347,5 +357,5 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     _decode_reduce_kernel[(triton.cdiv(ns * hq, br),)](
         part_o, part_lse, out, out.stride(0), out.stride(1), u, ns * hq,
         HQ=hq, BLOCK_R=br, HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=splits, KC=_slab(d_pad),
-        UNROTATE=unrotate, num_warps=8)
+        SPLIT_UNROLL=_split_unroll(splits, d_pad), UNROTATE=unrotate, num_warps=8)
     return out
