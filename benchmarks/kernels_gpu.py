@@ -441,9 +441,11 @@ def table(copy_gbs, path):
     for r in ROWS:
         shape = ", ".join(f"{k}={r[k]}" for k in ("B", "L", "T", "q_len", "prefix", "Hq", "Hkv", "D")
                           if k in r)
-        opts = ", ".join(f"{k}={r[k]}" for k in ("block_n", "num_warps", "num_stages", "prefetch",
+        opts = ", ".join(f"{k}={r[k]}" for k in ("lookup", "swap_qk", "maxnreg", "block_n",
+                                                  "num_warps", "num_stages", "prefetch",
                                                   "num_splits", "auto_splits", "block_m",
-                                                  "block_t", "chunk") if k in r)
+                                                  "block_t", "chunk", "x_default") if k in r
+                         and (r["kernel"].endswith("_variant") or k not in ("lookup", "swap_qk")))
         if "error" in r:
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {opts} | error: "
                          f"{r['error'][:60]} | | | |")
@@ -613,6 +615,67 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
         torch.cuda.empty_cache()
 
 
+def variant_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768))):
+    """Tuning sweep at the decode-step shapes (Qwen3-8B-like, K4V4): split-K decode over
+    lookup (prmt / prmti) × K as the A operand (swap_qk) × a register cap (maxnreg: more
+    CTAs per SM against spills), and compress_store over tokens per program × warps ×
+    rotation chunk. Every row carries ``x_default`` = the default configuration's time
+    (``decode(...)`` / ``compress_store(...)`` with no options, timed in the same loop) over
+    the variant's: > 1 means the variant is faster."""
+    hq, hkv, d, block = 32, 8, 128, 16
+    ws = Workspace(256, 64, 256, DEV)
+    codec = TurboKVCodec(d, 4, device=DEV)
+    loaders = {lk: TkvLoader(codec, hkv, block, lookup=lk) for lk in ("auto", "prmt", "prmti")}
+    for B, L in shapes:
+        bt, sl, nblk = paged(B, L, block)
+        slots = (bt[:, (L - 1) // block].long() * block + (L - 1) % block)
+        q = torch.randn(B, hq, d, device=DEV, dtype=torch.bfloat16)
+        kn = torch.randn(B, hkv, d, device=DEV, dtype=torch.bfloat16)
+        vn = torch.randn_like(kn)
+        cache = tkv_cache(loaders["auto"], nblk)
+        nbytes = B * L * loaders["auto"].layout.bytes_per_token
+        base = dict(kernel="decode_variant", B=B, L=L, Hq=hq, Hkv=hkv, D=d,
+                    splits=ws.splits_for(B, hkv))
+        ref = bench(lambda: decode(q, cache, bt, sl, loaders["auto"], ws))
+        log({**base, "impl": "tkv K4V4 decode (default)", "lookup": lookup_label(loaders["auto"]),
+             "ms": ref, "GBps": nbytes / ref / 1e6, "frac_copy": nbytes / ref / 1e6 / copy_gbs,
+             "x_default": 1.0})
+        for lk in ("prmt", "prmti"):
+            for swap in (False, True):
+                for nreg in (None, 128, 112):
+                    opts = dict(swap_qk=swap, maxnreg=nreg)
+                    try:
+                        ms = bench(lambda o=opts, lk=lk: decode(q, cache, bt, sl, loaders[lk],
+                                                                 ws, **o))
+                    except Exception as e:
+                        log({**base, "impl": "tkv K4V4 decode", "lookup": lk, **opts,
+                             "error": str(e)[:160]})
+                        continue
+                    log({**base, "impl": "tkv K4V4 decode", "lookup": lk, **opts, "ms": ms,
+                         "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs,
+                         "x_default": round(ref / ms, 3)})
+        ld = loaders["auto"]
+        moved = store_bytes(B, hkv, d, ld)
+        sbase = {**base, "kernel": "store_variant"}
+        sref = bench(lambda: compress_store(kn, vn, cache, slots, ld))
+        log({**sbase, "impl": "tkv K4V4 compress_store (default)", "ms": sref,
+             "GBps": moved / sref / 1e6, "x_default": 1.0})
+        for bt_ in (8, 16, 32):
+            for nw in (2, 4, 8):
+                for ch in (32, 64):
+                    opts = dict(block_t=bt_, num_warps=nw, chunk=ch)
+                    try:
+                        ms = bench(lambda o=opts: compress_store(kn, vn, cache, slots, ld, **o))
+                    except Exception as e:
+                        log({**sbase, "impl": "tkv K4V4 compress_store", **opts,
+                             "error": str(e)[:160]})
+                        continue
+                    log({**sbase, "impl": "tkv K4V4 compress_store", **opts, "ms": ms,
+                         "GBps": moved / ms / 1e6, "x_default": round(sref / ms, 3)})
+        del cache
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -629,6 +692,8 @@ def main():
     ap.add_argument("--step", action="store_true",
                     help="per-layer decode step (store + decode) at the e2e shapes, with a "
                          "per-kernel breakdown, before the other rows")
+    ap.add_argument("--variants", action="store_true",
+                    help="only the tuning sweep at the decode-step shapes (variant_rows)")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
@@ -639,6 +704,12 @@ def main():
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     log({"kernel": "copy", "impl": "torch copy_", "GBps": copy_gbs, "ms": 0.0})
+    tag = f"_{a.tag}" if a.tag else ""
+    if a.variants:
+        variant_rows(copy_gbs)
+        table(copy_gbs, out / f"kernels_gpu{tag}.md")
+        (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+        return
     if a.step:
         try:
             step_rows(copy_gbs)
@@ -663,7 +734,6 @@ def main():
         store_rows(copy_gbs)
     if a.prefill or not a.vllm_only:
         prefill_rows()
-    tag = f"_{a.tag}" if a.tag else ""
     table(copy_gbs, out / f"kernels_gpu{tag}.md")
     (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
 

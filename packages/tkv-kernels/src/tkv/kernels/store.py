@@ -24,10 +24,6 @@ from .loaders import TkvLoader
 __all__ = ["compress_store"]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
-# widths up to this quantize by comparing against all 2**BITS - 1 boundaries (≤ 31 compares
-# per coordinate, no memory access in the chain) instead of a BITS-step binary search whose
-# every step is a dependent gather: the store runs at a few hundred tokens, latency-bound
-LINEAR_MAX_BITS: tl.constexpr = tl.constexpr(5)
 
 
 @triton.jit
@@ -40,57 +36,25 @@ def _bf16_rne(x):
 
 
 @triton.jit
-def _linear_consts(bounds, table, BITS: tl.constexpr, NORM_CORR: tl.constexpr):
-    """The scalars _quant_pack's linear count needs (``BITS <= LINEAR_MAX_BITS``): the
-    2**BITS - 1 boundaries, then (NORM_CORR) the 2**BITS centroids; an empty tuple above.
-    Loaded once per program, before any cache store (which the compiler cannot prove does
-    not alias them)."""
-    consts = ()
-    if BITS <= LINEAR_MAX_BITS:
-        for j in tl.static_range((1 << BITS) - 1):
-            consts = consts + (tl.load(bounds + j),)
-        if NORM_CORR:
-            for j in tl.static_range(1 << BITS):
-                consts = consts + (tl.load(table + j),)
-    return consts
-
-
-@triton.jit
-def _quant_pack(y, inv, cols, valid, cache, row, bounds, table, consts, HEAD_DIM: tl.constexpr,
+def _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM: tl.constexpr,
                 BITS: tl.constexpr, CODE_BYTES: tl.constexpr, NORM_CORR: tl.constexpr,
                 GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
                 CH: tl.constexpr, C0: tl.constexpr):
     """Quantize rotated coordinates ``y`` [T, CH] (columns C0..C0+CH) and store their packed
-    bytes (byte offset C0*BITS/8; CH*BITS is a multiple of 8). Returns sum of c[code]^2.
-    ``consts``: :func:`_linear_consts`."""
+    bytes (byte offset C0*BITS/8; CH*BITS is a multiple of 8). Returns sum of c[code]^2."""
     cmask = cols < HEAD_DIM
     z = y * inv[:, None]
-    # code = #{b_j < z} over the 2**BITS - 1 sorted boundaries
+    # branch-free lower bound over the 2**BITS - 1 sorted boundaries: code = #{b_j < z}
     code = tl.zeros([BLOCK_T, CH], dtype=tl.int32)
-    if BITS <= LINEAR_MAX_BITS:
-        # count against every boundary (``consts``: the boundaries then the centroids, loaded
-        # once per program by _linear_consts): no memory access in the dependent chain; the
-        # centroid c[code] picked along (the last b_j < z wins)
-        NB: tl.constexpr = (1 << BITS) - 1
-        if NORM_CORR:
-            c = tl.zeros([BLOCK_T, CH], dtype=tl.float32) + consts[NB]
-        for j in tl.static_range(NB):
-            gt = consts[j] < z
-            code += gt.to(tl.int32)
-            if NORM_CORR:
-                c = tl.where(gt, consts[NB + j + 1], c)
-    else:
-        # branch-free lower bound: BITS dependent gathers of the boundaries
-        for step in tl.static_range(BITS):
-            half = 1 << (BITS - 1 - step)
-            cand = code + half
-            bnd = tl.load(bounds + cand - 1)
-            code = tl.where(bnd < z, cand, code)
-        if NORM_CORR:
-            c = tl.load(table + code)
+    for step in tl.static_range(BITS):
+        half = 1 << (BITS - 1 - step)
+        cand = code + half
+        bnd = tl.load(bounds + cand - 1)
+        code = tl.where(bnd < z, cand, code)
     code = tl.where(cmask[None, :], code, 0)
     usq = tl.zeros([BLOCK_T], tl.float32)
     if NORM_CORR:
+        c = tl.load(table + code)
         c = tl.where(cmask[None, :], c, 0.0)
         usq = tl.sum(c * c, axis=1)
     if BITS == 8:
@@ -144,10 +108,9 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
     n = tl.sqrt_rn(ss)
     inv = tl.where(n > 0, tl.div_rn(sqrt_d, tl.where(n > 0, n, 1.0)), 0.0)
     usq = tl.zeros([BLOCK_T], tl.float32)
-    consts = _linear_consts(bounds, table, BITS, NORM_CORR)
     for c in tl.static_range(D_PAD // CH):
         cols = c * CH + tl.arange(0, CH)
-        usq += _quant_pack(ys[c], inv, cols, valid, cache, row, bounds, table, consts, HEAD_DIM, BITS,
+        usq += _quant_pack(ys[c], inv, cols, valid, cache, row, bounds, table, HEAD_DIM, BITS,
                            CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T, CH, c * CH)
     if NORM_CORR:  # store n / ||c[code]/sqrt(d)|| so that ||x_hat|| = ||x|| (codec, K side)
         n = tl.div_rn(n, tl.maximum(tl.sqrt_rn(usq), 1e-12))
