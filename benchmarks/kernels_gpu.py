@@ -410,7 +410,7 @@ def prefill_rows():
             scratch = torch.empty(dense_prefix_bytes(1, prefix, hkv, d), dtype=torch.uint8,
                                   device=DEV)
             for lk in ("prmt", "prmti"):
-                ldl = ld if lk == "prmt" else TkvLoader(codec, hkv, block, lookup=lk)
+                ldl = TkvLoader(codec, hkv, block, lookup=lk)
                 try:
                     ms = bench(lambda ldl=ldl: prefill(q, k, v, cu, sl, ql, cache, bt, ldl,
                                                        max_prefix_len=prefix, scratch=scratch))
@@ -559,8 +559,7 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
              "GBps": bf16_bytes / ms / 1e6, "frac_copy": bf16_bytes / ms / 1e6 / copy_gbs})
         del kp, vp
         ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, block)
-        ld1 = TkvLoader(ld.codec, hkv, block, lookup="prmt1")   # experimental, see loaders
-        ldi = TkvLoader(ld.codec, hkv, block, lookup="prmti")   # experimental, see loaders
+        ldp = TkvLoader(ld.codec, hkv, block, lookup="prmt")
         cache = tkv_cache(ld, nblk)
         nbytes = B * L * ld.layout.bytes_per_token
 
@@ -583,21 +582,10 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
               moved=store_bytes(B, hkv, d, ld), **auto)
         timed("tkv K4V4 decode", lambda: decode(q, cache, bt, sl, ld, ws), **auto)
         timed("tkv K4V4 store + decode", tkv_step, **auto)
-        for nw in (4, 8):   # prmt1 (unary asm + K as the A operand) at 4 and 8 warps
-            timed("tkv K4V4 decode prmt1", lambda nw=nw: decode(q, cache, bt, sl, ld1, ws,
-                                                                num_warps=nw), num_warps=nw)
-        # prmt with K as the A operand (S^T = K q^T): offline sm_90a SASS of the loop has 6 %
-        # fewer instructions than S = q K^T (no per-HMMA shuffles of the q fragments)
-        timed("tkv K4V4 decode", lambda: decode(q, cache, bt, sl, ld, ws, swap_qk=True),
-              swap_qk=True, **auto)
-        # prmti: prmt's asm with the tables as immediates (the uint8 tile, not the planes,
-        # goes through shared memory: 12 KB per CTA instead of 40 KB)
-        for nw in (4, 8):
-            timed("tkv K4V4 decode prmti", lambda nw=nw: decode(q, cache, bt, sl, ldi, ws,
-                                                                num_warps=nw), num_warps=nw)
-        # occupancy: prmti at 4 warps capped at 128 registers (3 -> 4 CTAs per SM, small spills)
-        timed("tkv K4V4 decode prmti", lambda: decode(q, cache, bt, sl, ldi, ws, maxnreg=128),
-              num_warps=4, maxnreg=128)
+        # the session-5 default for comparison: prmt (table words as operands), no register
+        # cap (the variants sweep, --variants, has the full grid)
+        timed("tkv K4V4 decode prmt", lambda: decode(q, cache, bt, sl, ldp, ws, maxnreg=0),
+              lookup="prmt")
         if (B, L) == (256, 640):   # split-K x tile sweep at the throughput runs' shape
             for sp in (1, 2, 4, 8):
                 for bn in (64, 128):

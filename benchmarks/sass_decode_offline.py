@@ -40,7 +40,7 @@ PTRS = {"Q": "*fp32", "block_table": "*i32", "seq_lens": "*i32", "k_base": "*u8"
         "v_table": "*i32", "part_o": "*fp32", "part_lse": "*fp32"}
 ALIGNED = set(PTRS) | {"k_sb", "v_sb", "sq_s", "s_bt", "k_sh", "k_st", "v_sh", "v_st", "sq_h"}
 # (label, lookup, num_warps, BLOCK_N, swap_qk or None = the loader's choice, maxnreg)
-VARIANTS = [("prmt (default)", "prmt", 4, 128, None, None),
+VARIANTS = [("prmt (default to session 5)", "prmt", 4, 128, None, None),
             ("prmt, 8 warps", "prmt", 8, 128, None, None),
             ("prmt, 64-token tiles", "prmt", 4, 64, None, None),
             ("prmt, swap_qk", "prmt", 4, 128, True, None),
@@ -48,7 +48,7 @@ VARIANTS = [("prmt (default)", "prmt", 4, 128, None, None),
             ("prmt1, 8 warps", "prmt1", 8, 128, None, None),
             ("prmti, 4 warps", "prmti", 4, 128, None, None),
             ("prmti, 8 warps", "prmti", 8, 128, None, None),
-            ("prmti, maxnreg 128", "prmti", 4, 128, None, 128)]
+            ("prmti, maxnreg 128 (default, large grids)", "prmti", 4, 128, None, 128)]
 
 
 def compile_variant(lookup, warps, block_n, swap, maxnreg, tmp: Path):

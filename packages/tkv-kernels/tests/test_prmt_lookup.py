@@ -150,25 +150,36 @@ def test_prmti_asm_matches_codebook(half):
 
 
 def test_lookup_selection_per_width_and_backend(monkeypatch):
-    """Which lookup each side gets: prmt for 4-bit sides with 16-bit dots on CUDA (the default),
-    pair tables for 2/3-bit sides, float32 gathers for float32 dots (the interpreter) and for
-    one-plane sides; an explicit prmt under the interpreter is a named error."""
+    """Which lookup each side gets: on CUDA with 16-bit dots (the default ``auto``) prmti for a
+    4-bit side with the shared default codebook, prmt for one with its own codebook (prmti
+    would compile per codebook), pair tables for 2/3-bit sides; float32 gathers for float32
+    dots (the interpreter) and for one-plane sides; an explicit prmt under the interpreter is
+    a named error. decode's register cap: 128 with prmti on a full grid only."""
     import tkv.kernels.loaders as L
     from tkv.codec import TurboKVCodec
+    from tkv.codec.codebooks import default_codebook
     from tkv.codec.errors import DtypeError
 
     codec = TurboKVCodec(128, k_bits=4, v_bits=3, device="cpu", seed=1)
     cache = L.TkvLoader(codec, 2, 16).layout.allocate(2, "cpu")
 
     def code(ld, side, dot):
-        return ld.side_args(cache, side, dot)[6] // 65536
+        return (ld.side_args(cache, side, dot)[6] // 65536) % 256
 
     monkeypatch.setattr(L, "interpreting", lambda: False)
     auto = L.TkvLoader(codec, 2, 16)
-    assert code(auto, "k", torch.bfloat16) == L.LOOKUP_PRMT_BF16
-    assert code(auto, "k", torch.float16) == L.LOOKUP_PRMT_F16
+    assert code(auto, "k", torch.bfloat16) == L.LOOKUP_PRMTI_BF16
+    assert code(auto, "k", torch.float16) == L.LOOKUP_PRMTI_F16
     assert code(auto, "v", torch.bfloat16) == L.LOOKUP_PAIR_BF16      # 3 bits: pair table
-    assert (auto.lookup_name("k"), auto.lookup_name("v")) == ("prmt", "pair")
+    assert (auto.lookup_name("k"), auto.lookup_name("v")) == ("prmti", "pair")
+    assert auto.decode_maxnreg(1024, 528) == L.PRMTI_MAXNREG
+    assert auto.decode_maxnreg(256, 528) is None                      # too few CTAs
+    fitted = TurboKVCodec(128, k_bits=4, v_bits=3, device="cpu", seed=1,
+                          k_codebook=default_codebook(4, 128).centroids * 1.01)
+    own = L.TkvLoader(fitted, 2, 16)
+    assert code(own, "k", torch.bfloat16) == L.LOOKUP_PRMT_BF16
+    assert own.decode_maxnreg(4096, 528) is None
+    assert code(L.TkvLoader(codec, 2, 16, lookup="prmt"), "k", torch.bfloat16) == L.LOOKUP_PRMT_BF16
     assert code(L.TkvLoader(codec, 2, 16, lookup="pair"), "k", torch.bfloat16) == L.LOOKUP_PAIR_BF16
     assert code(L.TkvLoader(codec, 2, 16, lookup="shuffle"), "v", torch.float16) == L.LOOKUP_SHUFFLE
     assert code(L.TkvLoader(codec, 2, 16, lookup="gather"), "k", torch.bfloat16) == L.LOOKUP_GATHER

@@ -27,6 +27,7 @@ from ._util import (
     check_same_device,
     check_tensor,
     dot_dtype_for,
+    interpreting,
     next_pow2,
     tile_tokens,
 )
@@ -270,10 +271,12 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             ``preferred_block_n`` (else 64) for head_dim ≤ 128, 32 above) and Triton launch
             options. ``num_stages`` > 1 lets Triton's pipeliner
             stage the codebook gathers through shared memory, which measured slower.
-        maxnreg: cap on the split kernel's registers per thread (Triton's ``maxnreg``; None:
-            the compiler's choice). A tuning knob: fewer registers, more CTAs per SM, possibly
-            spills (prmti at 4 warps: 168 → 128 registers = 3 → 4 CTAs per SM with 76 B of
-            spills, offline sm_90a).
+        maxnreg: cap on the split kernel's registers per thread (Triton's ``maxnreg``):
+            fewer registers, more CTAs per SM, possibly spills (prmti at 4 warps: 168 → 128
+            registers = 3 → 4 CTAs per SM with 76 B of spills, offline sm_90a). None (default):
+            the loader's ``decode_maxnreg`` for this grid if it has one (TkvLoader: 128 with
+            prmti on grids of ≥ ``workspace.target_programs`` CTAs), else the compiler's
+            choice; 0: the compiler's choice.
         swap_qk: compute scores as ``K · q^T`` (K tiles as the tensor-core A operand)
             instead of ``q · K^T``; default: the loader's ``k_operand_a(dot_dtype)`` if it
             has one (TkvLoader with ``lookup="prmt1"``), else False. Same result.
@@ -341,6 +344,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     if swap_qk is None:
         swap_qk = bool(getattr(loader, "k_operand_a", lambda _: False)(dot_dtype))
+    if maxnreg is None and not interpreting():
+        maxnreg = getattr(loader, "decode_maxnreg", lambda *_: None)(
+            ns * hkv * splits, workspace.target_programs, dot_dtype)
     _decode_split_kernel[(ns, hkv, splits)](
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
         block_table.shape[1], num_blocks, *kargs[:6], *vargs[:6], part_o, part_lse,

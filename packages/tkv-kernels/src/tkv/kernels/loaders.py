@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from tkv.codec import TurboKVCodec
+from tkv.codec.codebooks import default_codebook
 from tkv.codec.errors import DtypeError, ShapeError
 from tkv.codec.layout import SlotLayout
 from tkv.codec.packing import code_group
@@ -401,6 +402,20 @@ def lookup_from_env(environ=None) -> str:
     return name
 
 
+def _is_default_codebook(codec: TurboKVCodec, side: str) -> bool:
+    """Whether a side's codebook is the shared default (Gaussian Lloyd-Max) one for its width
+    and head_dim — the same table in every layer, hence one compile of an immediate-table
+    lookup for all of them."""
+    sc = codec.k if side == "k" else codec.v
+    ref = default_codebook(sc.bits, codec.head_dim).centroids
+    got = sc.codebook.centroids
+    return got.shape == ref.shape and torch.equal(got.detach().cpu().to(ref.dtype), ref.cpu())
+
+
+# decode's register cap with prmti (see TkvLoader.decode_maxnreg)
+PRMTI_MAXNREG = 128
+
+
 class TkvLoader:
     """Per-layer tkv format: the codec's tables as device tensors + the layer's SlotLayout.
 
@@ -414,10 +429,13 @@ class TkvLoader:
             dots (the interpreter) it uses float16 pairs. ``"prmt"``: 4-bit sides with planes
             and 16-bit dots decode 8 codes with 22 integer instructions and no memory access
             (PTX byte permutes over 16-entry byte tables; CUDA only, DtypeError under the
-            interpreter); other sides as ``"pair"``. ``"auto"`` (default): ``"prmt"`` on CUDA
-            (K4V4 decode on the H200: 0.300 ms vs 0.378 ms with pairs,
-            ``benchmarks/results/kernels_gpu_2026-11-30_lookups.md``), float32 gathers under
-            the interpreter. ``"gather"``: one float32 gather per code for every width.
+            interpreter); other sides as ``"pair"``. ``"auto"`` (default): on CUDA, a 4-bit
+            side with the shared default codebook uses ``"prmti"`` (below), one with its own
+            (fitted) codebook ``"prmt"`` — ``"prmti"`` compiles one kernel per distinct
+            codebook, so per-layer codebooks would compile once per layer and split count;
+            2/3-bit sides ``"pair"`` (K4V4 decode on the H200: prmt 0.300 ms vs 0.378 ms with
+            pairs, ``benchmarks/results/kernels_gpu_2026-11-30_lookups.md``); float32 gathers
+            under the interpreter. ``"gather"``: one float32 gather per code for every width.
             ``"shuffle"``: 3-, 4- and 5-bit sides with planes look codes up in a register copy
             of the codebook (``tl.gather``, warp shuffles): 1.15 vs 1.38 ms at K5V5, slower
             at K4V4 (2-bit tables crashed Triton 3.6's ThreadLocality pass, hence not offered).
@@ -427,12 +445,15 @@ class TkvLoader:
             convert the uint8 code tile instead of the 16-bit planes into the tensor-core
             operand layout (offline sm_90a: shared memory per CTA 40 KB → 12 KB); measured
             slower than ``"prmt"`` on the H200 (decode B=256, L=640: 236 vs 205 µs).
-            ``"prmti"`` (experimental, not yet timed on a GPU): ``"prmt"``'s two-plane asm with
-            the byte tables as immediates (one compile per distinct codebook), so the code
-            bytes are its only operand: offline sm_90a, Triton then converts the uint8 code
-            tile rather than the 16-bit planes (shared memory per CTA 40,960 → 12,288 B) and
-            ptxas takes one table word of each byte permute as an immediate (3.5 % fewer
-            instructions in the decode loop), with q·K^T kept.
+            ``"prmti"``: ``"prmt"``'s two-plane asm with the byte tables as immediates (one
+            compile per distinct codebook), so the code bytes are its only operand: Triton
+            then converts the uint8 code tile rather than the 16-bit planes into the
+            tensor-core operand layout (shared memory per CTA 40,960 → 12,288 B, offline
+            sm_90a), with q·K^T kept. On the H200 (K4V4 decode, Qwen3-8B-like heads;
+            ``benchmarks/results/kernels_gpu_2026-11-30_variants.md``): 1.04-1.13× prmt's
+            speed, 1.12-1.19× with decode's register cap of 128 (:meth:`decode_maxnreg`) at
+            64-256 sequences; 0.95× with the cap at one 32K sequence (too few CTAs to gain
+            from a fourth one per SM), where the cap is therefore not applied.
 
     Raises:
         ValueError: unknown ``lookup``. DtypeError: ``codec`` is not a TurboKVCodec.
@@ -489,9 +510,12 @@ class TkvLoader:
                                    (torch.bfloat16, LOOKUP_PAIR_BF16)):
                     self._pairs[side, half] = (_pair_table(table, bits, half).to(dev), code)
             if bits == 4 and lookup in ("auto", "prmt", "prmt1", "prmti"):
+                eff = lookup
+                if lookup == "auto":   # prmti compiles per codebook: only the shared default
+                    eff = "prmti" if _is_default_codebook(codec, side) else "prmt"
                 codes = {"prmt1": (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16),
                          "prmti": (LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16)}.get(
-                             lookup, (LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16))
+                             eff, (LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16))
                 for half, code in zip((torch.float16, torch.bfloat16), codes, strict=True):
                     words = _prmt_table(table, half)
                     self._prmt[side, half] = (words.to(dev), code)
@@ -579,6 +603,19 @@ class TkvLoader:
         if self.lookup == "shuffle" and bits in (3, 4, 5) and self.planes(side) > 1:
             code = LOOKUP_SHUFFLE
         return table, code
+
+    def decode_maxnreg(self, num_ctas: int, target_ctas: int,
+                       dot_dtype: torch.dtype = torch.bfloat16) -> int | None:
+        """Register cap for decode's split kernel (Triton ``maxnreg``) with ``num_ctas`` CTAs
+        in the grid: :data:`PRMTI_MAXNREG` (168 → 128 registers: 3 → 4 CTAs of 4 warps per
+        SM, 76 B of spills) when a side uses ``"prmti"`` and the grid has at least
+        ``target_ctas`` (the workspace's ``target_programs``, 4 per SM: enough CTAs for the
+        extra one per SM to hide latency); else None (the compiler's choice). Measured on the
+        H200 (module docstring of ``"prmti"``): 1.12-1.19× at 1,024-4,096 CTAs, 0.95× at 256."""
+        if num_ctas < target_ctas:
+            return None
+        codes = {self._lookup(s, dot_dtype)[1] for s in ("k", "v")}
+        return PRMTI_MAXNREG if codes & {LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16} else None
 
     def lookup_name(self, side: str, dot_dtype: torch.dtype = torch.bfloat16) -> str:
         """The lookup side ``"k"``/``"v"`` really uses with ``dot_dtype`` dots: "prmt",

@@ -155,7 +155,8 @@ def _compress_store_kernel(
 
 def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                    slot_mapping: torch.Tensor, loader: TkvLoader, *,
-                   block_t: int = 16, num_warps: int = 4, chunk: int | None = None) -> None:
+                   block_t: int | None = None, num_warps: int = 4,
+                   chunk: int | None = None) -> None:
     """Compress new tokens' K and V and scatter them into their slots, in one launch.
 
     Per token and KV head h: ``y = R ((x − μ_h) / s)`` (key centering when the codec has a
@@ -174,10 +175,15 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             ``-1`` (any negative) skips the token; slots ≥ ``num_blocks · block_size`` are
             skipped too (never written out of bounds).
         loader: the layer's :class:`TkvLoader`.
-        block_t, num_warps: tokens per program and Triton warps.
-        chunk: rotation columns per tensor-core pass (a power of two ≥ 16; default 32: the
-            tf32x3 operand lives in registers, and ptxas (sm_90a) spills 1.7 KB per thread
-            with whole 128×128 tiles, none with 32-column chunks at head_dim 64/128).
+        block_t, num_warps: tokens per program (a power of two; default 8 for ≤ 128 new
+            tokens, else 16) and Triton warps.
+        chunk: rotation columns per tensor-core pass (a power of two ≥ 16; the tf32x3
+            operand lives in registers). Default 64 up to head_dim 128, 32 above (ptxas
+            sm_90a spills 1.7 KB per thread with whole 128×128 tiles; 64 columns spill
+            ≤ 80 B at 16 tokens, none at 8). Measured on the H200 (K4V4, 8 KV heads, head_dim
+            128, ``benchmarks/results/kernels_gpu_2026-11-30_variants.md``): 8 tokens × 64
+            columns 8.5 µs at 1 and 64 new tokens (32 columns: 12.5), 16 × 64 11.7 µs at 256
+            (16 × 32: 13.3; 8 × 64: 17.6).
 
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
@@ -214,7 +220,11 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         mu = mu.to(cache.device, torch.float32).contiguous()
         mu_sh = lay.head_dim if mu.dim() == 2 else 0
     if chunk is None:
-        chunk = 32
+        chunk = 64 if loader.d_pad <= 128 else 32
+    if block_t is None:
+        block_t = 8 if n <= 128 else 16
+    if block_t < 1 or block_t & (block_t - 1):
+        raise ShapeError(f"block_t must be a power of two, got {block_t}")
     if chunk < 16 or chunk & (chunk - 1):
         raise ShapeError(f"chunk must be a power of two >= 16, got {chunk}")
     kg, kgb = code_group(lay.k_bits)
