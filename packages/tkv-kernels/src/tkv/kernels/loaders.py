@@ -412,8 +412,20 @@ def _is_default_codebook(codec: TurboKVCodec, side: str) -> bool:
     return got.shape == ref.shape and torch.equal(got.detach().cpu().to(ref.dtype), ref.cpu())
 
 
-# decode's register cap with prmti (see TkvLoader.decode_maxnreg)
-PRMTI_MAXNREG = 128
+ENV_PRMTI_MAXNREG = "TKV_PRMTI_MAXNREG"
+
+
+def _prmti_maxnreg_from_env() -> int:
+    """decode's register cap with prmti (:meth:`TkvLoader.decode_maxnreg`): 128, or the
+    operator's ``TKV_PRMTI_MAXNREG`` (0 = no cap), read once at import."""
+    raw = os.environ.get(ENV_PRMTI_MAXNREG, "128").strip() or "128"
+    if not raw.isdigit() or (int(raw) and not 64 <= int(raw) <= 255):
+        raise ValueError(f"{ENV_PRMTI_MAXNREG}={raw!r}: expected 0 (no cap) or 64..255 "
+                         "registers per thread")
+    return int(raw)
+
+
+PRMTI_MAXNREG = _prmti_maxnreg_from_env()
 
 
 class TkvLoader:
@@ -612,7 +624,7 @@ class TkvLoader:
         ``target_ctas`` (the workspace's ``target_programs``, 4 per SM: enough CTAs for the
         extra one per SM to hide latency); else None (the compiler's choice). Measured on the
         H200 (module docstring of ``"prmti"``): 1.12-1.19× at 1,024-4,096 CTAs, 0.95× at 256."""
-        if num_ctas < target_ctas:
+        if num_ctas < target_ctas or not PRMTI_MAXNREG:
             return None
         codes = {self._lookup(s, dot_dtype)[1] for s in ("k", "v")}
         return PRMTI_MAXNREG if codes & {LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16} else None
