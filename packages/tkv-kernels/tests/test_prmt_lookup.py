@@ -154,7 +154,8 @@ def test_lookup_selection_per_width_and_backend(monkeypatch):
     4-bit side with the shared default codebook, prmt for one with its own codebook (prmti
     would compile per codebook), pair tables for 2/3-bit sides; float32 gathers for float32
     dots (the interpreter) and for one-plane sides; an explicit prmt under the interpreter is
-    a named error. decode's register cap: 128 with prmti on a full grid only."""
+    a named error. decode's register cap (TKV_PRMTI_MAXNREG, off by default): with prmti on
+    a full grid only."""
     import tkv.kernels.loaders as L
     from tkv.codec import TurboKVCodec
     from tkv.codec.codebooks import default_codebook
@@ -172,7 +173,10 @@ def test_lookup_selection_per_width_and_backend(monkeypatch):
     assert code(auto, "k", torch.float16) == L.LOOKUP_PRMTI_F16
     assert code(auto, "v", torch.bfloat16) == L.LOOKUP_PAIR_BF16      # 3 bits: pair table
     assert (auto.lookup_name("k"), auto.lookup_name("v")) == ("prmti", "pair")
-    assert auto.decode_maxnreg(1024, 528) == L.PRMTI_MAXNREG
+    monkeypatch.setattr(L, "PRMTI_MAXNREG", 0)                        # the default: no cap
+    assert auto.decode_maxnreg(1024, 528) is None
+    monkeypatch.setattr(L, "PRMTI_MAXNREG", 128)                      # TKV_PRMTI_MAXNREG=128
+    assert auto.decode_maxnreg(1024, 528) == 128
     assert auto.decode_maxnreg(256, 528) is None                      # too few CTAs
     fitted = TurboKVCodec(128, k_bits=4, v_bits=3, device="cpu", seed=1,
                           k_codebook=default_codebook(4, 128).centroids * 1.01)
@@ -251,3 +255,18 @@ def test_lookup_from_env_validates_tkv_lookup():
         assert lookup_from_env({ENV_LOOKUP: name}) == name
     with pytest.raises(LookupConfigError, match=r"TKV_LOOKUP='prmt2'.*prmti"):
         lookup_from_env({ENV_LOOKUP: "prmt2"})
+
+
+@pytest.mark.parametrize("raw,want", [("", 0), ("0", 0), ("128", 128), ("255", 255),
+                                      ("12", None), ("300", None), ("lots", None)])
+def test_prmti_maxnreg_env(monkeypatch, raw, want):
+    """TKV_PRMTI_MAXNREG: 0 / empty = no register cap, 64..255 a cap, anything else a named
+    error at import (startup), not a Triton failure at the first decode."""
+    import tkv.kernels.loaders as L
+
+    monkeypatch.setenv(L.ENV_PRMTI_MAXNREG, raw)
+    if want is None:
+        with pytest.raises(ValueError, match="TKV_PRMTI_MAXNREG"):
+            L._prmti_maxnreg_from_env()
+    else:
+        assert L._prmti_maxnreg_from_env() == want

@@ -416,9 +416,16 @@ ENV_PRMTI_MAXNREG = "TKV_PRMTI_MAXNREG"
 
 
 def _prmti_maxnreg_from_env() -> int:
-    """decode's register cap with prmti (:meth:`TkvLoader.decode_maxnreg`): 128, or the
-    operator's ``TKV_PRMTI_MAXNREG`` (0 = no cap), read once at import."""
-    raw = os.environ.get(ENV_PRMTI_MAXNREG, "128").strip() or "128"
+    """decode's register cap with prmti (:meth:`TkvLoader.decode_maxnreg`): none by default
+    (0), or the operator's ``TKV_PRMTI_MAXNREG`` (64..255), read once at import.
+
+    Why no cap by default: in isolation (CUDA-graph timing, ``kernels_gpu.py --variants``)
+    128 registers made the K4V4 split kernel 1.12-1.19× faster at 64-256 sequences, but
+    end to end in vLLM 0.20.1 (Qwen3-8B-like, H200, ``benchmarks/results/
+    vllm_e2e_2026-11-30d/``) the same cap cut output tok/s to 0.51× / 0.78× of bf16 at 64 /
+    256 sequences, against 0.93× / 0.96× without it. The capped kernel spills (76 B per
+    thread); why that costs so much more inside the engine than alone is not understood yet."""
+    raw = os.environ.get(ENV_PRMTI_MAXNREG, "0").strip() or "0"
     if not raw.isdigit() or (int(raw) and not 64 <= int(raw) <= 255):
         raise ValueError(f"{ENV_PRMTI_MAXNREG}={raw!r}: expected 0 (no cap) or 64..255 "
                          "registers per thread")
@@ -462,10 +469,11 @@ class TkvLoader:
             then converts the uint8 code tile rather than the 16-bit planes into the
             tensor-core operand layout (shared memory per CTA 40,960 → 12,288 B, offline
             sm_90a), with q·K^T kept. On the H200 (K4V4 decode, Qwen3-8B-like heads;
-            ``benchmarks/results/kernels_gpu_2026-11-30_variants.md``): 1.04-1.13× prmt's
-            speed, 1.12-1.19× with decode's register cap of 128 (:meth:`decode_maxnreg`) at
-            64-256 sequences; 0.95× with the cap at one 32K sequence (too few CTAs to gain
-            from a fourth one per SM), where the cap is therefore not applied.
+            ``benchmarks/results/kernels_gpu_2026-11-30_variants.md``): 1.02-1.13× prmt's
+            speed in isolation; end to end in vLLM (Qwen3-8B-like, ``benchmarks/results/
+            vllm_e2e_2026-11-30d/``) 5,938 / 9,041 output tok/s at 64 / 256 sequences vs
+            prmt's 5,035 / 7,223 in the same session. An optional register cap
+            (:meth:`decode_maxnreg`) is off by default.
 
     Raises:
         ValueError: unknown ``lookup``. DtypeError: ``codec`` is not a TurboKVCodec.
@@ -619,11 +627,13 @@ class TkvLoader:
     def decode_maxnreg(self, num_ctas: int, target_ctas: int,
                        dot_dtype: torch.dtype = torch.bfloat16) -> int | None:
         """Register cap for decode's split kernel (Triton ``maxnreg``) with ``num_ctas`` CTAs
-        in the grid: :data:`PRMTI_MAXNREG` (168 → 128 registers: 3 → 4 CTAs of 4 warps per
-        SM, 76 B of spills) when a side uses ``"prmti"`` and the grid has at least
-        ``target_ctas`` (the workspace's ``target_programs``, 4 per SM: enough CTAs for the
-        extra one per SM to hide latency); else None (the compiler's choice). Measured on the
-        H200 (module docstring of ``"prmti"``): 1.12-1.19× at 1,024-4,096 CTAs, 0.95× at 256."""
+        in the grid: :data:`PRMTI_MAXNREG` when it is set (``TKV_PRMTI_MAXNREG``; default
+        0 = none), a side uses ``"prmti"`` and the grid has at least ``target_ctas`` (the
+        workspace's ``target_programs``, 4 per SM: enough CTAs for an extra one per SM to
+        hide latency); else None (the compiler's choice). 128 registers (168 → 128: 3 → 4
+        CTAs of 4 warps per SM, 76 B of spills) measured 1.12-1.19× at 1,024-4,096 CTAs and
+        0.95× at 256 in isolation, but far slower end to end in vLLM
+        (:func:`_prmti_maxnreg_from_env`), hence off by default."""
         if num_ctas < target_ctas or not PRMTI_MAXNREG:
             return None
         codes = {self._lookup(s, dot_dtype)[1] for s in ("k", "v")}
