@@ -178,14 +178,13 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         block_t, num_warps: tokens per program (a power of two; default 8 for ≤ 128 new
             tokens, else 16) and Triton warps.
         chunk: rotation columns per tensor-core pass (a power of two ≥ 16; the tf32x3
-            operand lives in registers). Default: 64 with 8-token programs up to head_dim
-            128, else 32 — the spill-free choices (ptxas sm_90a: 8 × 64 uses 239 registers
-            and no spills; 16 × 64 spills 48-80 B, whole 128×128 tiles 1.7 KB). Measured on
-            the H200 (K4V4, 8 KV heads, head_dim 128, ``benchmarks/results/
-            kernels_gpu_2026-11-30_variants.md``): 8 × 64 takes 8.5 µs at 1 and 64 new
-            tokens (16 × 32: 12.5); at 256 tokens 16 × 32 takes 13.3 µs (16 × 64: 11.7 in
-            isolation, but spilling kernels measured far slower inside vLLM; see
-            ``loaders._prmti_maxnreg_from_env``).
+            operand lives in registers). Default 64 up to head_dim 128, 32 above (ptxas
+            sm_90a: whole 128×128 tiles spill 1.7 KB per thread; 8 × 64 uses 239 registers
+            and no spills, 16 × 64 spills 48-80 B). Measured on the H200 (K4V4, 8 KV heads,
+            head_dim 128, ``benchmarks/results/kernels_gpu_2026-11-30_variants.md``): 8 × 64
+            takes 8.5 µs at 1 and 64 new tokens (16 × 32: 12.5), 16 × 64 11.7 µs at 256
+            (16 × 32: 13.3); these defaults are the ones of the best vLLM end-to-end run
+            (``benchmarks/results/vllm_e2e_2026-11-30d/``, run b).
 
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
@@ -224,7 +223,7 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     if block_t is None:
         block_t = 8 if n <= 128 else 16
     if chunk is None:
-        chunk = 64 if loader.d_pad <= 128 and block_t <= 8 else 32
+        chunk = 64 if loader.d_pad <= 128 else 32
     if block_t < 1 or block_t & (block_t - 1):
         raise ShapeError(f"block_t must be a power of two, got {block_t}")
     if chunk < 16 or chunk & (chunk - 1):
