@@ -155,6 +155,7 @@ do_start() {  # TKV_JOB names the job (default e2e); CUDA_VISIBLE_DEVICES is pas
     [[ ${args[0]} == serve-check ]] || args+=(--out "$job/results")
     rm -rf "$job"; mkdir -p "$job/results"
     { printf 'CUDA_VISIBLE_DEVICES=%s ' "${CUDA_VISIBLE_DEVICES-}"
+      env | grep -E '^TKV_(LOOKUP|PRMTI_MAXNREG)=' | tr '\n' ' ' || true   # tuning knobs set
       printf '%q ' "$PY" benchmarks/vllm_e2e.py "${args[@]}"; echo; } > "$job/cmd"
     launch "$job" "$PY" benchmarks/vllm_e2e.py "${args[@]}"
 }

@@ -106,7 +106,8 @@ def worker(a: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     llm = sgl.Engine(**kw)
     res: dict = {"mode": a.mode, "tkv_bits": os.environ.get("TKV_BITS"),
-                 "tkv_lookup": os.environ.get("TKV_LOOKUP", "auto"), "engine_kwargs": kw,
+                 "tkv_lookup": os.environ.get("TKV_LOOKUP", "auto"),
+                 "tkv_prmti_maxnreg": os.environ.get("TKV_PRMTI_MAXNREG", "0"), "engine_kwargs": kw,
                  "startup_s": round(time.perf_counter() - t0, 1)}
     try:
         info = llm.get_server_info()

@@ -485,7 +485,8 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     res: dict = {"mode": args.mode, "tkv_bits": os.environ.get("TKV_BITS"),
-                 "tkv_lookup": os.environ.get("TKV_LOOKUP", "auto"), "tp": args.tp,
+                 "tkv_lookup": os.environ.get("TKV_LOOKUP", "auto"),
+                 "tkv_prmti_maxnreg": os.environ.get("TKV_PRMTI_MAXNREG", "0"), "tp": args.tp,
                  "enforce_eager": args.enforce_eager, "weights": args.weights,
                  "startup_s": time.perf_counter() - t0}
     cc = llm.llm_engine.vllm_config.cache_config
