@@ -444,7 +444,8 @@ def table(copy_gbs, path):
         opts = ", ".join(f"{k}={r[k]}" for k in ("lookup", "swap_qk", "maxnreg", "block_n",
                                                   "num_warps", "num_stages", "prefetch",
                                                   "num_splits", "auto_splits", "block_m",
-                                                  "block_t", "chunk", "x_default") if k in r
+                                                  "block_t", "chunk", "layers", "x_default",
+                                                  "x_bf16") if k in r
                          and (r["kernel"].endswith("_variant") or k not in ("lookup", "swap_qk")))
         if "error" in r:
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {opts} | error: "
@@ -664,6 +665,110 @@ def variant_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768
         torch.cuda.empty_cache()
 
 
+# Qwen3-8B-like decoder layer (hidden, q heads, KV heads, head_dim, MLP width)
+MODEL_DIMS = (4096, 32, 8, 128, 12288)
+
+
+def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=DEV,
+                    seed=0):
+    """An engine-like decode step: ``layers`` × (RMS norm, QKV GEMM, attention, o_proj GEMM,
+    RMS norm, gate/up GEMM, SiLU·mul, down GEMM) for ``B`` sequences of ``L`` cached tokens,
+    one weight set and one KV cache shared by all layers (each layer still streams its
+    hundreds of MB, far past the L2). Unlike the isolated per-kernel rows, the attention
+    kernels here run between cuBLAS GEMMs, as in vLLM's FULL decode graphs.
+
+    ``attn``: ``"bf16"`` (index_copy_ store + BypassLoader decode, the same skeleton), ``"none"``
+    (the GEMMs alone: attention's share) or a dict of a tkv configuration ``{"lookup": ...,
+    "maxnreg": ...}`` (K4V4, compress_store + decode). Returns ``step()`` → the last hidden
+    state, float-finite (RMS-normed each layer)."""
+    hidden, hq, hkv, d, inter = dims
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def w(i, o):
+        return torch.randn(i, o, device=device, generator=g).div_(i ** 0.5).to(torch.bfloat16)
+
+    wqkv, wo = w(hidden, (hq + 2 * hkv) * d), w(hq * d, hidden)
+    wgu, wd = w(hidden, 2 * inter), w(inter, hidden)
+    bt, sl, nblk = paged(B, L, block, device)
+    slots = (bt[:, (L - 1) // block].long() * block + (L - 1) % block)
+    x0 = torch.randn(B, hidden, device=device, generator=g).to(torch.bfloat16)
+    ws = Workspace(max(B, 1), hq, d, device)
+    out = torch.empty(B, hq, d, device=device, dtype=torch.bfloat16)
+    if attn == "none":
+        def attend(q, k, v):
+            return q
+    elif attn == "bf16":
+        bl = BypassLoader(hkv, d, block, torch.bfloat16)
+        kp = torch.randn(nblk, block, hkv, d, device=device, generator=g).to(torch.bfloat16)
+        vp = torch.randn_like(kp)
+
+        def attend(q, k, v):
+            kp.view(-1, hkv, d).index_copy_(0, slots, k)
+            vp.view(-1, hkv, d).index_copy_(0, slots, v)
+            return decode(q, (kp, vp), bt, sl, bl, ws, out=out)
+    else:
+        ld = TkvLoader(TurboKVCodec(d, 4, device=device), hkv, block,
+                       lookup=attn.get("lookup", "auto"))
+        cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8,
+                              device=device, generator=g)
+        views = ld.layout.views(cache)
+        for name in ("k_norms", "v_norms"):
+            views[name].copy_(torch.rand(views[name].shape, device=device, generator=g) + 8)
+        opts = {k: v for k, v in attn.items() if k != "lookup"}
+
+        def attend(q, k, v):
+            compress_store(k, v, cache, slots, ld)
+            return decode(q, cache, bt, sl, ld, ws, out=out, **opts)
+
+    def rms(x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    def step():
+        x = x0
+        for _ in range(layers):
+            qkv = rms(x) @ wqkv
+            q = qkv[:, : hq * d].view(B, hq, d)
+            k = qkv[:, hq * d: (hq + hkv) * d].view(B, hkv, d)
+            v = qkv[:, (hq + hkv) * d:].view(B, hkv, d)
+            x = x + attend(q, k, v).reshape(B, hq * d) @ wo
+            gu = rms(x) @ wgu
+            x = x + (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ wd
+        return x
+
+    return step
+
+
+def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
+    """Engine-like decode steps (:func:`make_model_step`, Qwen3-8B-like, 36 layers, one CUDA
+    graph per step) for bf16 and tkv K4V4 configurations, ``x_bf16`` = bf16's step time over
+    the configuration's (> 1: faster than bf16). Built after session 6, where the fastest
+    isolated decode variant (prmti with a 128-register cap) was 2× slower inside vLLM: this
+    checks kernel variants in an engine-like sequence of launches before they become
+    defaults."""
+    arms = [("GEMMs only (no attention)", "none"), ("bf16 store + bypass decode", "bf16"),
+            ("tkv K4V4 prmt", {"lookup": "prmt"}), ("tkv K4V4 prmti (default)", {}),
+            ("tkv K4V4 prmti, maxnreg 128", {"lookup": "prmti", "maxnreg": 128})]
+    for B, L in shapes:
+        base = dict(kernel="model_step", B=B, L=L, Hq=32, Hkv=8, D=128, layers=layers)
+        ref = None
+        for label, attn in arms:
+            try:
+                step = make_model_step(B, L, attn, layers=layers)
+                ms = bench(step)
+            except Exception as e:
+                log({**base, "impl": label, "error": str(e)[:160]})
+                continue
+            if attn == "bf16":
+                ref = ms
+            row = {**base, "impl": label, "ms": ms}
+            if ref is not None:
+                row["x_bf16"] = round(ref / ms, 3)
+            log(row)
+            del step
+            torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -682,6 +787,8 @@ def main():
                          "per-kernel breakdown, before the other rows")
     ap.add_argument("--variants", action="store_true",
                     help="only the tuning sweep at the decode-step shapes (variant_rows)")
+    ap.add_argument("--model-step", action="store_true",
+                    help="engine-like 36-layer decode steps (GEMMs + attention) per config")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
@@ -693,8 +800,11 @@ def main():
     copy_gbs = copy_bandwidth()
     log({"kernel": "copy", "impl": "torch copy_", "GBps": copy_gbs, "ms": 0.0})
     tag = f"_{a.tag}" if a.tag else ""
-    if a.variants:
-        variant_rows(copy_gbs)
+    if a.variants or a.model_step:
+        if a.model_step:
+            model_step_rows(copy_gbs)
+        if a.variants:
+            variant_rows(copy_gbs)
         table(copy_gbs, out / f"kernels_gpu{tag}.md")
         (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
         return
