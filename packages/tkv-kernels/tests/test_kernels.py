@@ -193,7 +193,7 @@ def test_decode_maxnreg_knob_matches_reference(lookup):
 @pytest.mark.parametrize("kb,vb,dtype", [(4, 4, torch.bfloat16), (4, 3, torch.float16)])
 def test_decode_prmt_swap_qk_matches_reference(kb, vb, dtype):
     """The prmt lookup (two planes per asm; the CUDA default before session 6) with scores as
-    orientation ``kernels_gpu.py --step`` times against the default q·K^T."""
+    K·q^T — the orientation ``kernels_gpu.py --variants`` times against q·K^T."""
     codec = TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV, seed=kb + vb)
     ld = TkvLoader(codec, 2, 16, lookup="prmt")
     batch, cache = _scenario(ld, [37, 1, 20, 130], 17)
