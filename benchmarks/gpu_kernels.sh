@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # gpu_kernels.sh OUT_DIR [KERNELS_GPU_ARGS...] -- on the lent GPU (one device visible):
 # tkv-kernels' pytest suite on CUDA (GPU-only cases included), then benchmarks/kernels_gpu.py
-# (default: --quick --step --prefill --vllm-only --lookups prmt,prmti: the per-layer decode
-# step at the e2e shapes with its per-kernel breakdown, decode at the main shapes against
+# (default: --quick --model-step --step --prefill --vllm-only --lookups prmt,prmti: engine-like
+# 36-layer decode steps per configuration, the per-layer decode step at the e2e shapes with its
+# per-kernel breakdown, decode at the main shapes against
 # cuDNN / bf16 paged / vLLM 0.20.1's TurboQuant when vLLM imports, prefill over a compressed
 # prefix inline vs decompress-once). Runs from the repository root with tkv's
 # src folders on PYTHONPATH (benchmarks/gpu_session.sh `kernels` sets them up).
@@ -11,7 +12,7 @@ out=${1:?usage: gpu_kernels.sh OUT_DIR [KERNELS_GPU_ARGS...]}
 shift
 mkdir -p "$out"
 args=("$@")
-[[ ${#args[@]} -gt 0 ]] || args=(--quick --step --prefill --vllm-only --lookups prmt,prmti)
+[[ ${#args[@]} -gt 0 ]] || args=(--quick --model-step --step --prefill --vllm-only --lookups prmt,prmti)
 echo "== $(date -u +%FT%TZ) kernel tests on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 timeout 300 python3 -m pytest packages/tkv-kernels/tests -q -n 8 -p no:benchmark \
     -p no:cacheprovider > "$out/kernels_gpu_tests.txt" 2>&1
