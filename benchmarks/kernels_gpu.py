@@ -133,6 +133,20 @@ def paged(num_seqs, seq_len, block, device=DEV):
     return bt, sl, total
 
 
+def last_slots(bt, seq_len, block):
+    """int64 slot of each sequence's last token (where a decode step stores its new K/V)."""
+    return bt[:, (seq_len - 1) // block].long() * block + (seq_len - 1) % block
+
+
+def step_inputs(B, L, hq, hkv, d, block, device=DEV):
+    """A decode step's inputs: ``(block_table, seq_lens, num_blocks, slots, q, new_k,
+    new_v)`` for B sequences of L tokens (random pages; bf16 q / K / V of the new token)."""
+    bt, sl, nblk = paged(B, L, block, device)
+    q = torch.randn(B, hq, d, device=device, dtype=torch.bfloat16)
+    kn = torch.randn(B, hkv, d, device=device, dtype=torch.bfloat16)
+    return bt, sl, nblk, last_slots(bt, L, block), q, kn, torch.randn_like(kn)
+
+
 def tkv_cache(ld, nblocks):
     cache = torch.randint(0, 256, (nblocks, ld.layout.page_bytes), dtype=torch.uint8, device=DEV)
     v = ld.layout.views(cache)
@@ -527,11 +541,7 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
     ws = Workspace(256, 64, 256, DEV)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     for B, L in shapes:
-        bt, sl, nblk = paged(B, L, block)
-        slots = (bt[:, (L - 1) // block].long() * block + (L - 1) % block)
-        q = torch.randn(B, hq, d, device=DEV, dtype=torch.bfloat16)
-        kn = torch.randn(B, hkv, d, device=DEV, dtype=torch.bfloat16)
-        vn = torch.randn_like(kn)
+        bt, sl, nblk, slots, q, kn, vn = step_inputs(B, L, hq, hkv, d, block)
         base = dict(kernel="decode_step", B=B, L=L, Hq=hq, Hkv=hkv, D=d)
         bf16_bytes = 2 * B * L * hkv * d * 2
         kc = torch.randn(B, hkv, L, d, device=DEV, dtype=torch.bfloat16)
@@ -616,11 +626,7 @@ def variant_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768
     codec = TurboKVCodec(d, 4, device=DEV)
     loaders = {lk: TkvLoader(codec, hkv, block, lookup=lk) for lk in ("auto", "prmt", "prmti")}
     for B, L in shapes:
-        bt, sl, nblk = paged(B, L, block)
-        slots = (bt[:, (L - 1) // block].long() * block + (L - 1) % block)
-        q = torch.randn(B, hq, d, device=DEV, dtype=torch.bfloat16)
-        kn = torch.randn(B, hkv, d, device=DEV, dtype=torch.bfloat16)
-        vn = torch.randn_like(kn)
+        bt, sl, nblk, slots, q, kn, vn = step_inputs(B, L, hq, hkv, d, block)
         cache = tkv_cache(loaders["auto"], nblk)
         nbytes = B * L * loaders["auto"].layout.bytes_per_token
         base = dict(kernel="decode_variant", B=B, L=L, Hq=hq, Hkv=hkv, D=d,
@@ -690,7 +696,7 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
     wqkv, wo = w(hidden, (hq + 2 * hkv) * d), w(hq * d, hidden)
     wgu, wd = w(hidden, 2 * inter), w(inter, hidden)
     bt, sl, nblk = paged(B, L, block, device)
-    slots = (bt[:, (L - 1) // block].long() * block + (L - 1) % block)
+    slots = last_slots(bt, L, block)
     x0 = torch.randn(B, hidden, device=device, generator=g).to(torch.bfloat16)
     ws = Workspace(max(B, 1), hq, d, device)
     out = torch.empty(B, hq, d, device=device, dtype=torch.bfloat16)
