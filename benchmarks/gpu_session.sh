@@ -28,7 +28,9 @@
 #   kernels [ARGS...]    job "kernels": benchmarks/gpu_kernels.sh (GPU kernel tests, then
 #                        kernels_gpu.py --step ...) on $CUDA_VISIBLE_DEVICES
 #   (start / tp / kernels with TKV_AFTER=JOB wait in the background for job JOB to end first)
-#   poll                 jobs' state + log tails; copies <= 5 flat files into $OUT
+#   poll                 jobs' state + log tails; copies <= 5 flat files into $OUT (e2e.tar.gz also holds
+#                        the SGLang session's job under sglang/ when $TKV_SGLANG_E2E, default
+#                        /tmp/e2e-sglang, has one: its finished runs survive an early give-back)
 #   wait [SECONDS]       keep the machine busy (it is given back after ~30 s idle, and /tmp
 #                        with it) until every job ends or SECONDS (default 540) pass, then poll
 #   stop                 kill every job's process group and its current engine
@@ -225,19 +227,24 @@ do_poll() {
     [[ -s $out/README.md ]] || rm -f "$out/README.md"
     if [[ -f $E2E/setup.log ]]; then tail -c "$cap" "$E2E/setup.log" > "$out/setup.log"; fi
     if [[ -f $E2E/smoke.log ]]; then tail -c "$cap" "$E2E/smoke.log" > "$out/smoke.log"; fi
-    local tars=()
-    [[ -d $JOBS ]] && tars+=(jobs)
-    [[ -d $E2E/smoke ]] && tars+=(smoke)
+    local tars=() sgl=${TKV_SGLANG_E2E:-/tmp/e2e-sglang}
+    [[ -d $JOBS ]] && tars+=("$E2E:jobs")
+    [[ -d $E2E/smoke ]] && tars+=("$E2E:smoke")
+    # the SGLang session's job too (packages/tkv-sglang/gpu/session), as far as it got: its
+    # finished runs come back with every poll, even if the machine goes back before its own poll
+    [[ -d $sgl/job ]] && tars+=("$sgl:job")
     if [[ ${#tars[@]} -gt 0 ]]; then
         # results, bundles' json and every log (logs cut to their last 2 MiB), no model dirs
-        local stage=$E2E/.pack; rm -rf "$stage"; mkdir -p "$stage"
-        for d in "${tars[@]}"; do
-            (cd "$E2E" && find "$d" -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.txt' -o -name cmd -o -name rc \) \
-                -not -path '*/models/*' -print0 | xargs -0 -r cp --parents -t "$stage")
+        local stage=$E2E/.pack t root d dest; rm -rf "$stage"; mkdir -p "$stage"
+        for t in "${tars[@]}"; do
+            root=${t%%:*}; d=${t#*:}
+            dest=$stage; [[ $root == "$sgl" ]] && dest=$stage/sglang && mkdir -p "$dest"
+            (cd "$root" && find "$d" -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.txt' -o -name cmd -o -name rc \) \
+                -not -path '*/models/*' -print0 | xargs -0 -r cp --parents -t "$dest")
             while IFS= read -r -d '' f; do
-                mkdir -p "$stage/$(dirname "${f#"$E2E"/}")"
-                tail -c 2097152 "$f" > "$stage/${f#"$E2E"/}"
-            done < <(find "$E2E/$d" -type f -name '*.log' -print0)
+                mkdir -p "$dest/$(dirname "${f#"$root"/}")"
+                tail -c 2097152 "$f" > "$dest/${f#"$root"/}"
+            done < <(find "$root/$d" -type f -name '*.log' -print0)
         done
         tar -C "$stage" -czf "$out/e2e.tar.gz" .
         if [[ $(stat -c %s "$out/e2e.tar.gz") -gt $cap ]]; then
