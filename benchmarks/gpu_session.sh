@@ -141,7 +141,11 @@ do_smoke() {
 
 JOBS=$E2E/jobs
 job_running() { [[ -f $1/pid ]] && kill -0 "$(cat "$1/pid")" 2>/dev/null; }
-any_running() { local d; for d in "$JOBS"/*/; do job_running "${d%/}" && return 0; done; return 1; }
+any_running() {  # this script's jobs, and the SGLang session's job if one runs
+    local d
+    for d in "$JOBS"/*/; do job_running "${d%/}" && return 0; done
+    job_running "${TKV_SGLANG_E2E:-/tmp/e2e-sglang}/job"
+}
 job_state() {
     local d=$1
     if job_running "$d"; then echo "RUNNING for $(( $(date -u +%s) - $(cat "$d/started") ))s"
