@@ -57,6 +57,24 @@ def test_fitted_codebooks_beat_gaussian_on_non_gaussian_coords():
         assert cbs.mse(b) <= gaussian_codebook(b).distortion(z[3000:]) + 1e-12
 
 
+def test_fitted_codebooks_need_a_margin_over_gaussian():
+    """Near-Gaussian coordinates: a fitted codebook is at best marginally better, so with the
+    default 2 % margin every width keeps the shared Gaussian default (one serving kernel for
+    all layers); with no margin the rule is plain "lower held-out MSE"."""
+    from tkv.calibrate.fitting import MIN_FITTED_GAIN
+
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(6000, 32, generator=g)
+    cbs = fit_side_codebooks(z[:4500], z[4500:], widths=(2, 3, 4))
+    assert cbs.books == {}
+    for b in (2, 3, 4):
+        assert cbs.fitted_mse[b] > cbs.gaussian_mse[b] * (1 - MIN_FITTED_GAIN)
+        assert cbs.mse(b) == cbs.gaussian_mse[b]
+    loose = fit_side_codebooks(z[:4500], z[4500:], widths=(2, 3, 4), min_gain=0.0)
+    for b in (2, 3, 4):
+        assert (b in loose.books) == (loose.fitted_mse[b] < loose.gaussian_mse[b])
+
+
 def test_draft_bundle_round_trips(calibration, tmp_path):
     b = draft_bundle(calibration, provenance={"tool": "test"})
     p = b.save(tmp_path / "b.json")

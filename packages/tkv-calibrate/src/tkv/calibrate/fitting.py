@@ -4,9 +4,19 @@ For each layer and side, the calibration vectors are prescaled by the chosen cha
 rotated with the codec's seeded WHT (:class:`tkv.codec.HadamardRotation`), normalized, and
 multiplied by ``sqrt(head_dim)`` — the standardized units of :mod:`tkv.codec.codebooks` — and
 :func:`tkv.codec.fit_codebook` (Lloyd 1982) fits one codebook per width 2–8 on the training
-tokens. A fitted codebook is kept only where its MSE on held-out tokens beats the Gaussian
-default (TurboQuant's); the distortions of both are recorded (they also feed the sensitivity
-model, :mod:`tkv.calibrate.sensitivity`).
+tokens. A fitted codebook is kept only where its MSE on held-out tokens is at least
+:data:`MIN_FITTED_GAIN` (2 %) below the Gaussian default's (TurboQuant's); the distortions of
+both are recorded (they also feed the sensitivity model, :mod:`tkv.calibrate.sensitivity`).
+
+Why a margin and not any gain: after the random rotation the coordinates are close to the
+Gaussian the default codebook is built for (SmolLM2-135M, held-out: 0.7 % lower MSE at 4 bits,
+0.3 % at 3, none at 2 and 8 — within the held-out noise), while a per-layer codebook costs the
+serving kernels: the fastest 4-bit decode lookup (``prmti``) bakes the table into the
+kernel, so every distinct codebook is one more compile per split count, and ``TkvLoader``'s
+``auto`` falls back to ``prmt`` for non-default codebooks (``prmti`` measured 0.93× / 0.96×
+of bf16 end to end in vLLM against prmt's 0.79× / 0.77×; ``benchmarks/results/
+vllm_e2e_2026-11-30d/``). With the margin, layers whose codebooks are not clearly better share
+the default one.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import torch
 
 from tkv.codec import Codebook, HadamardRotation, fit_codebook, gaussian_codebook
 
-__all__ = ["SideCodebooks", "fit_side_codebooks", "standardized_coords"]
+__all__ = ["MIN_FITTED_GAIN", "SideCodebooks", "fit_side_codebooks", "standardized_coords"]
 
 WIDTHS = tuple(range(2, 9))
 
@@ -34,12 +44,17 @@ def standardized_coords(x: torch.Tensor, scales: torch.Tensor | None,
     return y * (math.sqrt(x.shape[-1]) / n)
 
 
+# relative held-out MSE gain a fitted codebook needs over the Gaussian default to be kept
+MIN_FITTED_GAIN = 0.02
+
+
 @dataclass(frozen=True)
 class SideCodebooks:
     """Codebooks of one layer side.
 
     Attributes:
-        books: width → kept fitted :class:`Codebook` (widths where it beat Gaussian).
+        books: width → kept fitted :class:`Codebook` (widths where it beat Gaussian by at
+            least the margin, :data:`MIN_FITTED_GAIN`).
         fitted_mse, gaussian_mse: width → held-out MSE per coordinate (standardized units).
     """
 
@@ -53,8 +68,12 @@ class SideCodebooks:
 
 
 def fit_side_codebooks(train: torch.Tensor, held: torch.Tensor, widths=WIDTHS,
-                       max_samples: int = 1 << 16, seed: int = 0) -> SideCodebooks:
-    """Fit codebooks on standardized coords ``train`` and judge them on ``held`` (any shapes)."""
+                       max_samples: int = 1 << 16, seed: int = 0,
+                       min_gain: float | None = None) -> SideCodebooks:
+    """Fit codebooks on standardized coords ``train`` and judge them on ``held`` (any shapes):
+    a fitted codebook is kept where its held-out MSE is below ``(1 − min_gain)`` × the
+    Gaussian default's (``min_gain`` default :data:`MIN_FITTED_GAIN`; 0 keeps any gain)."""
+    min_gain = MIN_FITTED_GAIN if min_gain is None else float(min_gain)
     g = torch.Generator().manual_seed(seed)
     held_flat = held.reshape(-1)
     if held_flat.numel() > max_samples:
@@ -67,6 +86,6 @@ def fit_side_codebooks(train: torch.Tensor, held: torch.Tensor, widths=WIDTHS,
         cb = fit_codebook(train_flat, b, iters=60, max_samples=max_samples, generator=g)
         fm[b] = cb.distortion(held_flat)
         gm[b] = gaussian_codebook(b).distortion(held_flat)
-        if fm[b] < gm[b]:
+        if fm[b] < gm[b] * (1.0 - min_gain):
             books[b] = cb
     return SideCodebooks(books, fm, gm)
