@@ -74,10 +74,16 @@ class Calibration:
         }
         for side in ("k", "v"):
             for b in (2, 3, 4, 8):
-                g = mean([c[side].gaussian_mse[b] for c in self.codebooks])
-                f = mean([c[side].mse(b) for c in self.codebooks])
-                out[f"{side}{b}_codebook_mse_gaussian"] = g
-                out[f"{side}{b}_codebook_mse_fitted"] = f
+                # gaussian: the default's held-out MSE; fit_candidate: every layer's fitted
+                # codebook, kept or not; fitted: the codebook the bundle ships (a fit only
+                # where it beat the default by MIN_FITTED_GAIN); kept: layers shipping a fit
+                out[f"{side}{b}_codebook_mse_gaussian"] = mean(
+                    [c[side].gaussian_mse[b] for c in self.codebooks])
+                out[f"{side}{b}_codebook_mse_fit_candidate"] = mean(
+                    [c[side].fitted_mse[b] for c in self.codebooks])
+                out[f"{side}{b}_codebook_mse_fitted"] = mean(
+                    [c[side].mse(b) for c in self.codebooks])
+                out[f"{side}{b}_codebooks_kept"] = sum(b in c[side].books for c in self.codebooks)
         return out
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .fitting import MIN_FITTED_GAIN
+
 __all__ = ["print_summary", "write_report"]
 
 
@@ -178,9 +180,22 @@ def write_report(res, out: Path) -> tuple[Path, Path]:
              f"MSE {s['v_output_rel_mse_unscaled']:.4g} → {s['v_output_rel_mse_scaled']:.4g} "
              f"({s['v_scaled_layers']}/{s['num_layers']} layers scaled).")
     for side in ("k", "v"):
-        parts = ", ".join(f"{b} bit {s[f'{side}{b}_codebook_mse_gaussian']:.4g} → "
-                          f"{s[f'{side}{b}_codebook_mse_fitted']:.4g}" for b in (2, 3, 4, 8))
-        L.append(f"- {side.upper()} codebook MSE per coordinate, Gaussian → fitted (held-out): {parts}.")
+        if f"{side}4_codebook_mse_fit_candidate" in s:
+            parts = ", ".join(
+                f"{b} bit {s[f'{side}{b}_codebook_mse_gaussian']:.4g} / "
+                f"{s[f'{side}{b}_codebook_mse_fit_candidate']:.4g} / "
+                f"{s[f'{side}{b}_codebook_mse_fitted']:.4g} "
+                f"({s[f'{side}{b}_codebooks_kept']} of {s['num_layers']} layers fitted)"
+                for b in (2, 3, 4, 8))
+            L.append(f"- {side.upper()} codebook MSE per coordinate (held-out), Gaussian default / "
+                     f"per-layer fit / shipped: {parts}. A fit ships only where it is ≥ "
+                     f"{100 * MIN_FITTED_GAIN:.0f} % below the default (a shared codebook keeps "
+                     "the fastest decode lookup, `prmti`, one kernel for all layers).")
+        else:   # metrics written before the fit candidates were recorded
+            parts = ", ".join(f"{b} bit {s[f'{side}{b}_codebook_mse_gaussian']:.4g} → "
+                              f"{s[f'{side}{b}_codebook_mse_fitted']:.4g}" for b in (2, 3, 4, 8))
+            L.append(f"- {side.upper()} codebook MSE per coordinate, Gaussian → fitted (held-out): "
+                     f"{parts}.")
     c = res.sensitivity.correlation()
     L.append(f"- Sensitivity: every layer's K and V measured alone at {res.sensitivity.probe_bits} "
              f"bits; other widths predicted as KL_probe · (D_b/D_probe)^γ, γ = "
