@@ -53,6 +53,11 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
         main(["--budgets", "9.5"])
     assert e.value.code == 2
     assert "outside [2.0, 8.0]" in capsys.readouterr().err
+    for bad, msg in (("2", "outside [0, 1)"), ("-0.1", "outside [0, 1)"), ("lots", "a fraction")):
+        with pytest.raises(SystemExit) as e:
+            main(["run", "--codebook-min-gain", bad])
+        assert e.value.code == 2
+        assert msg in capsys.readouterr().err
     (tmp_path / "cfg").mkdir()
     assert main(["--model", str(tmp_path / "cfg")]) == 2
     assert "without config.json" in capsys.readouterr().err

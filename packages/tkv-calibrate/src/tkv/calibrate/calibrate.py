@@ -41,6 +41,7 @@ class Calibration:
         scales: per layer :class:`ScaleChoice` (errors with/without scales and centering).
         codebooks: per layer ``{"k": SideCodebooks, "v": SideCodebooks}``.
         num_tokens: calibration tokens collected. seconds: wall time per step.
+        codebook_min_gain: the relative held-out MSE gain a fitted codebook needed to ship.
     """
 
     geometry: ModelGeometry
@@ -50,6 +51,7 @@ class Calibration:
     num_tokens: int
     seed: int = 0
     seconds: dict = field(default_factory=dict)
+    codebook_min_gain: float = 0.0
 
     def distortion(self, layer: int, side: str, bits: int) -> float:
         """Held-out codebook MSE the codec uses for ``layer``/``side`` at ``bits``."""
@@ -71,6 +73,7 @@ class Calibration:
             "k_scaled_layers": sum(s.k_scales is not None for s in self.scales),
             "v_scaled_layers": sum(s.v_scales is not None for s in self.scales),
             "num_layers": n,
+            "codebook_min_gain": self.codebook_min_gain,
         }
         for side in ("k", "v"):
             for b in (2, 3, 4, 8):
@@ -90,9 +93,11 @@ class Calibration:
 def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed: int = 0,
                     held_fraction: float = 0.25, show_progress: bool = True,
                     collection: KVCollection | None = None,
-                    center_keys: bool | str = "per-head") -> Calibration:
+                    center_keys: bool | str = "per-head",
+                    codebook_min_gain: float = 0.0) -> Calibration:
     """Collect K/V over ``windows`` (int64 ``(n, T)``), then fit the key offset μ, scales and
-    codebooks per layer.
+    codebooks per layer (a fitted codebook kept where it beats the Gaussian default's held-out
+    MSE by more than ``codebook_min_gain``, relative; :func:`fit_side_codebooks`).
 
     The last ``held_fraction`` of the collected tokens (whole windows when n > 1) is held out
     to select scales (and whether to center) and judge codebooks; μ is fitted on the rest.
@@ -115,7 +120,8 @@ def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed:
         cbs = {}
         for side, x, sv in (("k", kx, sc.k_scales), ("v", s.v, sc.v_scales)):
             z = standardized_coords(x, sv, rot)
-            cbs[side] = fit_side_codebooks(z[train], z[held], seed=seed)
+            cbs[side] = fit_side_codebooks(z[train], z[held], seed=seed,
+                                           min_gain=codebook_min_gain)
         books.append(cbs)
         scales.append(sc)
         cb_map = {f"{side}_bits_{b}": cb for side in ("k", "v") for b, cb in cbs[side].books.items()}
@@ -131,7 +137,7 @@ def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed:
             f"recorded {len(layers)} attention layers, the config declares {geometry.num_layers}")
     t2 = time.perf_counter()
     return Calibration(geometry, layers, scales, books, col.num_tokens, seed,
-                       {"collect": t1 - t0, "fit": t2 - t1})
+                       {"collect": t1 - t0, "fit": t2 - t1}, float(codebook_min_gain))
 
 
 def draft_bundle(cal: Calibration, table: dict | None = None, provenance: dict | None = None,

@@ -4,19 +4,19 @@ For each layer and side, the calibration vectors are prescaled by the chosen cha
 rotated with the codec's seeded WHT (:class:`tkv.codec.HadamardRotation`), normalized, and
 multiplied by ``sqrt(head_dim)`` — the standardized units of :mod:`tkv.codec.codebooks` — and
 :func:`tkv.codec.fit_codebook` (Lloyd 1982) fits one codebook per width 2–8 on the training
-tokens. A fitted codebook is kept only where its MSE on held-out tokens is at least
-:data:`MIN_FITTED_GAIN` (2 %) below the Gaussian default's (TurboQuant's); the distortions of
-both are recorded (they also feed the sensitivity model, :mod:`tkv.calibrate.sensitivity`).
+tokens. A fitted codebook is kept only where its MSE on held-out tokens is below the
+Gaussian default's (TurboQuant's) by more than a margin, ``min_gain`` (default
+:data:`MIN_FITTED_GAIN` = 0: any gain); the distortions of both are recorded (they also feed the
+sensitivity model, :mod:`tkv.calibrate.sensitivity`).
 
-Why a margin and not any gain: after the random rotation the coordinates are close to the
-Gaussian the default codebook is built for (SmolLM2-135M, held-out: 0.7 % lower MSE at 4 bits,
-0.3 % at 3, none at 2 and 8 — within the held-out noise), while a per-layer codebook costs the
-serving kernels: the fastest 4-bit decode lookup (``prmti``) bakes the table into the
-kernel, so every distinct codebook is one more compile per split count, and ``TkvLoader``'s
-``auto`` falls back to ``prmt`` for non-default codebooks (``prmti`` measured 0.93× / 0.96×
-of bf16 end to end in vLLM against prmt's 0.79× / 0.77×; ``benchmarks/results/
-vllm_e2e_2026-11-30d/``). With the margin, layers whose codebooks are not clearly better share
-the default one.
+The margin is a serving trade-off (``tkv-calibrate run --codebook-min-gain``): a per-layer
+codebook costs the serving kernels — the fastest 4-bit decode lookup (``prmti``) bakes the
+table into the kernel, so ``TkvLoader``'s ``auto`` uses it only for the shared default codebook
+and falls back to ``prmt`` otherwise (vLLM end to end, Qwen3-8B-like: prmti 0.93× / 0.96× of
+bf16, prmt 0.79× / 0.77×; ``benchmarks/results/vllm_e2e_2026-11-30d/``). On SmolLM2-135M the fits
+lower held-out MSE by ≤ 0.7 %, yet a 2 % margin (no fitted codebook shipped) raised the test
+KL of the uniform rows by 2-3 % at 4 and 5 bits (``benchmarks/results/
+calibrate_smollm2_shared_codebooks.md``), so the default keeps every gain.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def standardized_coords(x: torch.Tensor, scales: torch.Tensor | None,
 
 
 # relative held-out MSE gain a fitted codebook needs over the Gaussian default to be kept
-MIN_FITTED_GAIN = 0.02
+# (0: any gain; see the module docstring for the serving trade-off)
+MIN_FITTED_GAIN = 0.0
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,8 @@ class SideCodebooks:
     """Codebooks of one layer side.
 
     Attributes:
-        books: width → kept fitted :class:`Codebook` (widths where it beat Gaussian by at
-            least the margin, :data:`MIN_FITTED_GAIN`).
+        books: width → kept fitted :class:`Codebook` (widths where it beat Gaussian by more
+            than the margin).
         fitted_mse, gaussian_mse: width → held-out MSE per coordinate (standardized units).
     """
 

@@ -64,6 +64,7 @@ class JobConfig:
     needle: bool = False
     decode: bool = True
     center_keys: bool | str = "per-head"  # "per-head" | "shared" | "off" (True/False accepted)
+    codebook_min_gain: float = 0.0  # fitted codebooks kept only above this held-out MSE gain
     seed: int = 0
     threads: int | None = None
     show_progress: bool = True
@@ -254,7 +255,8 @@ def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
 
     t = time.perf_counter()
     cal = fit_calibration(lm.model, geo, collect_ids, cfg.seed, show_progress=cfg.show_progress,
-                          center_keys=cfg.center_keys)
+                          center_keys=cfg.center_keys,
+                          codebook_min_gain=cfg.codebook_min_gain)
     times["collect"] = cal.seconds["collect"]
     times["scales_codebooks"] = cal.seconds["fit"]
     draft = draft_bundle(cal)
