@@ -266,7 +266,7 @@ def test_prmti_maxnreg_env(monkeypatch, raw, want):
 
     monkeypatch.setenv(L.ENV_PRMTI_MAXNREG, raw)
     if want is None:
-        with pytest.raises(ValueError, match="TKV_PRMTI_MAXNREG"):
+        with pytest.raises(L.MaxnregConfigError, match="TKV_PRMTI_MAXNREG"):
             L._prmti_maxnreg_from_env()
     else:
         assert L._prmti_maxnreg_from_env() == want

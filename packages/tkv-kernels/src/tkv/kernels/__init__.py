@@ -16,6 +16,7 @@ from .loaders import (
     Fp8Loader,
     Loader,
     LookupConfigError,
+    MaxnregConfigError,
     TkvLoader,
     lookup_from_env,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "Fp8Loader",
     "Loader",
     "LookupConfigError",
+    "MaxnregConfigError",
     "MetadataError",
     "TkvLoader",
     "Workspace",

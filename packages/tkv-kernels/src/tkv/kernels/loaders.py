@@ -415,6 +415,10 @@ def _is_default_codebook(codec: TurboKVCodec, side: str) -> bool:
 ENV_PRMTI_MAXNREG = "TKV_PRMTI_MAXNREG"
 
 
+class MaxnregConfigError(ValueError):
+    """``TKV_PRMTI_MAXNREG`` is neither 0 nor a register count in 64..255."""
+
+
 def _prmti_maxnreg_from_env() -> int:
     """decode's register cap with prmti (:meth:`TkvLoader.decode_maxnreg`): none by default
     (0), or the operator's ``TKV_PRMTI_MAXNREG`` (64..255), read once at import.
@@ -427,8 +431,8 @@ def _prmti_maxnreg_from_env() -> int:
     thread); why that costs so much more inside the engine than alone is not understood yet."""
     raw = os.environ.get(ENV_PRMTI_MAXNREG, "0").strip() or "0"
     if not raw.isdigit() or (int(raw) and not 64 <= int(raw) <= 255):
-        raise ValueError(f"{ENV_PRMTI_MAXNREG}={raw!r}: expected 0 (no cap) or 64..255 "
-                         "registers per thread")
+        raise MaxnregConfigError(f"{ENV_PRMTI_MAXNREG}={raw!r}: expected 0 (no cap) or "
+                                 "64..255 registers per thread")
     return int(raw)
 
 
