@@ -270,3 +270,28 @@ def test_prmti_maxnreg_env(monkeypatch, raw, want):
             L._prmti_maxnreg_from_env()
     else:
         assert L._prmti_maxnreg_from_env() == want
+
+
+def test_immediate_table_lookup_with_a_fitted_codebook_warns_once(monkeypatch):
+    """prmti / prmt1 bake the table into the kernel: asked for a fitted codebook they compile
+    per layer, which an operator should hear about (once), while the shared default codebook
+    and ``auto`` stay silent."""
+    import warnings
+
+    import tkv.kernels.loaders as L
+    from tkv.codec import TurboKVCodec
+    from tkv.codec.codebooks import default_codebook
+
+    monkeypatch.setattr(L, "_WARNED_PER_CODEBOOK", set())
+    fitted = TurboKVCodec(64, 4, device="cpu", seed=3,
+                          k_codebook=default_codebook(4, 64).centroids * 1.02)
+    shared = TurboKVCodec(64, 4, device="cpu", seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        L.TkvLoader(shared, 1, 16, lookup="prmti")
+        L.TkvLoader(fitted, 1, 16)                      # auto: prmt for the fitted side
+    with pytest.warns(L.PerCodebookCompileWarning, match="compiles its own"):
+        L.TkvLoader(fitted, 1, 16, lookup="prmti")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        L.TkvLoader(fitted, 1, 16, lookup="prmti")      # once per process

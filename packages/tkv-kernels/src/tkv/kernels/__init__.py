@@ -17,6 +17,7 @@ from .loaders import (
     Loader,
     LookupConfigError,
     MaxnregConfigError,
+    PerCodebookCompileWarning,
     TkvLoader,
     lookup_from_env,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "LookupConfigError",
     "MaxnregConfigError",
     "MetadataError",
+    "PerCodebookCompileWarning",
     "TkvLoader",
     "Workspace",
     "WorkspaceTooSmallError",

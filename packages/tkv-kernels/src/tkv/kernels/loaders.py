@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -412,6 +413,27 @@ def _is_default_codebook(codec: TurboKVCodec, side: str) -> bool:
     return got.shape == ref.shape and torch.equal(got.detach().cpu().to(ref.dtype), ref.cpu())
 
 
+class PerCodebookCompileWarning(UserWarning):
+    """An immediate-table lookup (prmti / prmt1) was asked for a fitted, per-layer codebook."""
+
+
+_WARNED_PER_CODEBOOK = set()
+
+
+def _warn_per_codebook_compiles(lookup: str) -> None:
+    """Warn once per process and lookup: the table is baked into the kernel, so every layer
+    with its own codebook compiles its own decode / prefill kernels (per split count too) —
+    minutes of compiling at an engine's first start with per-layer calibrated codebooks."""
+    if lookup in _WARNED_PER_CODEBOOK:
+        return
+    _WARNED_PER_CODEBOOK.add(lookup)
+    warnings.warn(f"lookup={lookup!r} with a fitted (non-default) codebook: the table is "
+                  "compiled into the kernel, so each layer with its own codebook compiles its own "
+                  "kernels (one per split count); expect a long first start. lookup='auto' uses "
+                  "prmt for such layers; calibrating with --codebook-min-gain 0.02 ships the "
+                  "shared default codebook instead.", PerCodebookCompileWarning, stacklevel=3)
+
+
 ENV_PRMTI_MAXNREG = "TKV_PRMTI_MAXNREG"
 
 
@@ -537,6 +559,8 @@ class TkvLoader:
                 eff = lookup
                 if lookup == "auto":   # prmti compiles per codebook: only the shared default
                     eff = "prmti" if _is_default_codebook(codec, side) else "prmt"
+                elif lookup in ("prmti", "prmt1") and not _is_default_codebook(codec, side):
+                    _warn_per_codebook_compiles(lookup)
                 codes = {"prmt1": (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16),
                          "prmti": (LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16)}.get(
                              eff, (LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16))
