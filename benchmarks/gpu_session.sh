@@ -224,6 +224,17 @@ do_poll() {
             [[ $(job_state "$d") == "EXITED rc=0" || $(job_state "$d") == RUNNING* ]] \
                 || failed+=" $(basename "$d")"
         done
+        d=${TKV_SGLANG_E2E:-/tmp/e2e-sglang}/job   # the SGLang session's job, if any
+        if [[ -f $d/pid ]]; then
+            echo "== job sglang ($d): $(job_state "$d")"
+            [[ -f $d/cmd ]] && echo "   cmd: $(cat "$d/cmd")"
+            [[ -f $d/job.log ]] && tail -n 25 "$d/job.log" | sed 's/^/   | /'
+            if [[ -f $d/results/README.md ]]; then
+                { echo "<!-- job sglang -->"; cat "$d/results/README.md"; echo; } >> "$out/README.md"
+            fi
+            [[ $(job_state "$d") == "EXITED rc=0" || $(job_state "$d") == RUNNING* ]] \
+                || failed+=" sglang"
+        fi
     } > "$out/status.txt" 2>&1
     cat "$out/status.txt"
     # At most 5 flat files (status.txt, README.md, setup.log, smoke.log, e2e.tar.gz), <16 MiB each.
@@ -248,7 +259,7 @@ do_poll() {
             while IFS= read -r -d '' f; do
                 mkdir -p "$dest/$(dirname "${f#"$root"/}")"
                 tail -c 2097152 "$f" > "$dest/${f#"$root"/}"
-            done < <(find "$root/$d" -type f -name '*.log' -print0)
+            done < <(find "$root/$d" -type f -name '*.log' -not -path '*/models/*' -print0)
         done
         tar -C "$stage" -czf "$out/e2e.tar.gz" .
         if [[ $(stat -c %s "$out/e2e.tar.gz") -gt $cap ]]; then
@@ -264,7 +275,8 @@ do_wait() {
     t0=$(date -u +%s)
     while any_running && (( $(date -u +%s) - t0 < limit )); do
         local cur
-        cur=$(grep -hE '^== |FAILED|done in|^\| |^#### ' "$JOBS"/*/job.log 2>/dev/null | tail -n 2 || true)
+        cur=$(grep -hE '^== |FAILED|done in|^\| |^#### ' "$JOBS"/*/job.log \
+              "${TKV_SGLANG_E2E:-/tmp/e2e-sglang}/job/job.log" 2>/dev/null | tail -n 2 || true)
         [[ $cur != "$last" ]] && { echo "[$(( $(date -u +%s) - t0 ))s] $cur"; last=$cur; }
         sleep 10
     done

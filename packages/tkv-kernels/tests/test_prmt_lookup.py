@@ -259,7 +259,8 @@ def test_lookup_from_env_validates_tkv_lookup():
 
 @pytest.mark.parametrize("raw,want", [("", 0), ("0", 0), (" 128 ", 128), ("255", 255),
                                       ("12", None), ("300", None), ("lots", None), ("-1", None),
-                                      ("1e2", None), ("12.0", None), ("²", None), ("１２８", None)])
+                                      ("1e2", None), ("12.0", None), ("²", None), ("１２８", None),
+                                      ("1_28", None), ("+128", None)])
 def test_prmti_maxnreg_env(monkeypatch, raw, want):
     """TKV_PRMTI_MAXNREG: 0 / empty = no register cap, 64..255 a cap, anything else a named
     error at import (startup), not a Triton failure at the first decode."""

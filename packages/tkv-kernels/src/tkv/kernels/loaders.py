@@ -452,10 +452,7 @@ def _prmti_maxnreg_from_env() -> int:
     256 sequences, against 0.93× / 0.96× without it. The capped kernel spills (76 B per
     thread); why that costs so much more inside the engine than alone is not understood yet."""
     raw = os.environ.get(ENV_PRMTI_MAXNREG, "0").strip() or "0"
-    try:
-        n = int(raw) if raw.isascii() else -1
-    except ValueError:
-        n = -1
+    n = int(raw) if raw.isascii() and raw.isdigit() else -1   # plain ASCII digits only
     if n < 0 or (n and not 64 <= n <= 255):
         raise MaxnregConfigError(f"{ENV_PRMTI_MAXNREG}={raw!r}: expected 0 (no cap) or "
                                  "64..255 registers per thread")
