@@ -8,6 +8,22 @@ from pathlib import Path
 
 from tkv.calibrate.evaluate import evaluate_arms
 
+
+class WrappedQuantizer:
+    """Base of the studies' arm quantizers: wraps a layer quantizer ``q`` (kept as ``self.q``),
+    names itself ``q.name + suffix`` and prices bytes as ``q`` does; subclasses override
+    ``roundtrip(k, v)`` (float ``(B, H, T, d)`` → the pair the cache returns)."""
+
+    def __init__(self, q, suffix: str = ""):
+        self.q, self.name = q, q.name + suffix
+
+    def roundtrip(self, k, v):
+        return self.q.roundtrip(k, v)
+
+    def bytes_per_token_head(self) -> float:
+        return self.q.bytes_per_token_head()
+
+
 TABLE_HEAD = ["| budget | arm | mean KL | KL ÷ baseline | ΔPPL | top-1 |",
               "|---|---|---:|---:|---:|---:|"]
 

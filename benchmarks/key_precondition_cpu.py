@@ -33,7 +33,7 @@ from tkv.calibrate.scales import key_offset
 from tkv.codec import TurboKVCodec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from design_study import TABLE_HEAD, arm_rows, finish, parse_and_load
+from design_study import TABLE_HEAD, WrappedQuantizer, arm_rows, finish, parse_and_load
 
 FIT_T, FIT_N = 512, 8   # fitting windows (tokens, count) of the calibration text
 
@@ -59,17 +59,17 @@ def preconditioner(q: torch.Tensor, kc: torch.Tensor, eps: float = 1e-3) -> torc
     return _sqrtm(aih @ _sqrtm(ah @ b @ ah) @ aih).float()
 
 
-class PreconditionedKeys:
+class PreconditionedKeys(WrappedQuantizer):
     """A layer quantizer: K as ``μ_h + P_h · Q(P_h⁻¹ (k − μ_h))`` through a plain codec of the
     layer's K width (Gaussian codebook, norm correction), V through the bundle layer's codec."""
 
     def __init__(self, base, kcodec: TurboKVCodec, mu: torch.Tensor, ps: list[torch.Tensor]):
-        self.base, self.kcodec, self.mu, self.ps = base, kcodec, mu, ps
+        super().__init__(base, "+P")
+        self.kcodec, self.mu, self.ps = kcodec, mu, ps
         self.pinv = [torch.linalg.inv(p.double()).float() for p in ps]
-        self.name = f"{base.name}+P"
 
     def roundtrip(self, k: torch.Tensor, v: torch.Tensor):
-        _, vv = self.base.roundtrip(k, v)
+        _, vv = self.q.roundtrip(k, v)
         out = torch.empty_like(k)
         for h in range(k.shape[1]):
             i = h if len(self.ps) > 1 else 0
@@ -77,9 +77,6 @@ class PreconditionedKeys:
             xh = self.kcodec.decompress_k(*self.kcodec.compress_k(x))
             out[:, h] = (self.mu[h] + xh @ self.ps[i].T).to(k.dtype)
         return out, vv
-
-    def bytes_per_token_head(self) -> float:
-        return self.base.bytes_per_token_head()
 
 
 def main() -> None:

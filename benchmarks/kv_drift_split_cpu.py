@@ -19,15 +19,16 @@ from tkv.calibrate.evaluate import Arm
 from tkv.calibrate.pipeline import tkv_arm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from design_study import TABLE_HEAD, arm_rows, finish, parse_and_load
+from design_study import TABLE_HEAD, WrappedQuantizer, arm_rows, finish, parse_and_load
 
 
-class Exact:
+class Exact(WrappedQuantizer):
     """A layer quantizer with side ``keep`` ("k"/"v"/"") returned exactly, and (``sink``) the
     first token of the chunk exact on both sides (evaluation chunks are whole windows)."""
 
     def __init__(self, q, keep: str, sink: bool):
-        self.q, self.keep, self.sink, self.name = q, keep, sink, q.name
+        super().__init__(q)
+        self.keep, self.sink = keep, sink
 
     def roundtrip(self, k, v):
         kk, vv = self.q.roundtrip(k, v)
@@ -37,9 +38,6 @@ class Exact:
             kk, vv = kk.clone(), vv.clone()
             kk[:, :, :1], vv[:, :, :1] = k[:, :, :1], v[:, :, :1]
         return kk, vv
-
-    def bytes_per_token_head(self) -> float:
-        return self.q.bytes_per_token_head()
 
 
 def main() -> None:

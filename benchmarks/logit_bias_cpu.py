@@ -32,25 +32,19 @@ from tkv.calibrate.evaluate import Arm
 from tkv.calibrate.pipeline import tkv_arm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from design_study import TABLE_HEAD, arm_rows, finish, parse_and_load
+from design_study import TABLE_HEAD, WrappedQuantizer, arm_rows, finish, parse_and_load
 
 LAMBDAS = (1.0, 0.5, -0.5)
 STATE = {"lam": 0.0, "armed": False, "layers": {}}
 
 
-class Flagged:
+class Flagged(WrappedQuantizer):
     """A layer quantizer that marks the next attention call as reading a compressed cache (the
     uncompressed reference pass never calls ``roundtrip``, so it stays unbiased)."""
-
-    def __init__(self, q):
-        self.q, self.name = q, q.name
 
     def roundtrip(self, k, v):
         STATE["armed"] = True
         return self.q.roundtrip(k, v)
-
-    def __getattr__(self, n):
-        return getattr(self.q, n)
 
 
 def biased_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):

@@ -35,7 +35,7 @@ from tkv.calibrate.pipeline import tkv_arm
 from tkv.calibrate.quantizers import TkvQuantizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from design_study import TABLE_HEAD, arm_rows, finish, parse_and_load
+from design_study import TABLE_HEAD, WrappedQuantizer, arm_rows, finish, parse_and_load
 
 
 def pre_rope_keys(model, windows: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -60,13 +60,13 @@ def rope(model, x: torch.Tensor) -> torch.Tensor:
     return apply_rotary_pos_emb(x, x, cos, sin)[0]
 
 
-class PreRopeCentered:
+class PreRopeCentered(WrappedQuantizer):
     """A layer's tkv quantizer with keys centered by ``RoPE_t(μ_pre)`` instead of the codec's
     constant post-RoPE μ. Evaluation caches see whole windows in one chunk (positions 0..T-1)."""
 
     def __init__(self, q: TkvQuantizer, mu_pre: torch.Tensor, model, k_scales: bool = True):
-        self.q, self.mu, self.model = q, mu_pre, model
-        self.name = q.name + " pre-RoPE"
+        super().__init__(q, " pre-RoPE")
+        self.mu, self.model = mu_pre, model
         q.codec.k.channel_offset = None
         if not k_scales:
             q.codec.k.channel_scales = None
@@ -75,9 +75,6 @@ class PreRopeCentered:
         off = rope(self.model, self.mu[None, :, None, :].expand(k.shape).to(k.dtype))
         kk, vv = self.q.roundtrip(k - off, v)
         return kk + off, vv
-
-    def bytes_per_token_head(self) -> float:
-        return self.q.bytes_per_token_head()
 
 
 def main() -> None:

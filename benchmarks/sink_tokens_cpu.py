@@ -33,16 +33,17 @@ from tkv.calibrate.pipeline import tkv_arm
 from tkv.calibrate.quantizers import TkvQuantizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from design_study import TABLE_HEAD, arm_rows, finish, parse_and_load
+from design_study import TABLE_HEAD, WrappedQuantizer, arm_rows, finish, parse_and_load
 
 
-class SinkQuantizer:
+class SinkQuantizer(WrappedQuantizer):
     """A layer's quantizer with the first ``sink`` tokens of each chunk stored differently:
     ``mode`` "kv" / "k" / "v" keeps that side exact, "8bit" stores both at K8V8 (``q8``).
     The evaluation caches see whole windows in one chunk, so chunk position = token position."""
 
     def __init__(self, q: TkvQuantizer, mode: str, q8: TkvQuantizer, sink: int = 1):
-        self.q, self.mode, self.q8, self.sink, self.name = q, mode, q8, sink, f"{q.name}+sink"
+        super().__init__(q, "+sink")
+        self.mode, self.q8, self.sink = mode, q8, sink
 
     def roundtrip(self, k: torch.Tensor, v: torch.Tensor):
         kk, vv = self.q.roundtrip(k, v)
@@ -57,9 +58,6 @@ class SinkQuantizer:
         if "v" in self.mode:
             vv[:, :, :s] = v[:, :, :s]
         return kk, vv
-
-    def bytes_per_token_head(self) -> float:
-        return self.q.bytes_per_token_head()
 
 
 MODES = (("kv", "first token exact (K and V)"), ("k", "first token: K exact"),
