@@ -39,8 +39,14 @@ def arm_rows(model, held, arms, budget: str) -> list[str]:
             for r in res.arms]
 
 
-def finish(lines: list[str], command: str, t0: float, out: str | Path) -> None:
-    """Append the command and wall time, print the report and write it to ``out``."""
+def finish(lines: list[str], t0: float, out: str | Path, reading: str | None = None) -> None:
+    """Append the reading (if any), the command line this process ran with and the wall time;
+    print the report and write it to ``out``."""
+    import sys
+
+    if reading:
+        lines += ["", reading]
+    command = " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     lines += ["", f"Command: `{command}`; wall time {time.perf_counter() - t0:.0f} s "
               "(2-core CPU)."]
     text = "\n".join(lines) + "\n"

@@ -58,7 +58,7 @@ def main() -> None:
                 arms.append(Arm(name, [Exact(q, keep, sink) for q in base.quantizers],
                                 base.bytes_per_token_head, "tkv", base.meta))
         lines += arm_rows(lm.model, held, arms, b)
-    finish(lines, "python benchmarks/kv_drift_split_cpu.py " + " ".join(sys.argv[1:]), t0, a.out)
+    finish(lines, t0, a.out)
 
 
 if __name__ == "__main__":

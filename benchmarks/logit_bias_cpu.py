@@ -69,6 +69,12 @@ def biased_attention(module, query, key, value, attention_mask, scaling, dropout
     return torch.matmul(w, vs).transpose(1, 2).contiguous(), w
 
 
+READING = ("Reading (2026-11-30, 2 windows at 4.0): the bias term moves ΔPPL (+0.38 % at "
+           "λ = 0.5, +1.27 % at −0.5, λ = 0: +0.87 %) but not the mean KL (within 2 %, none "
+           "lower), so it is no route to the calibration issue's KL goals; not built into the "
+           "kernels.")
+
+
 def main() -> None:
     a, lm, bundle, t0 = parse_and_load(__doc__, "benchmarks/results/calibrate_smollm2_bundle.json",
                                        2, "benchmarks/results/logit_bias_cpu.md")
@@ -101,11 +107,7 @@ def main() -> None:
             cells = r.split("|")
             cells[4] = f" {float(cells[3]) / kl0:.2f} "
             lines.append("|".join(cells))
-    lines += ["", "Reading (2026-11-30, 2 windows at 4.0): the bias term moves ΔPPL (+0.38 % at "
-              "λ = 0.5, +1.27 % at −0.5, λ = 0: +0.87 %) but not the mean KL (within 2 %, none "
-              "lower), so it is no route to the calibration issue's KL goals; not built into the "
-              "kernels."]
-    finish(lines, "python benchmarks/logit_bias_cpu.py " + " ".join(sys.argv[1:]), t0, a.out)
+    finish(lines, t0, a.out, READING)
 
 
 if __name__ == "__main__":

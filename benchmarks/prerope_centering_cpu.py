@@ -122,8 +122,7 @@ def main() -> None:
                     [PreRopeCentered(q, mu_pre[i], m, k_scales=False)
                      for i, q in enumerate(arm().quantizers)], base.bytes_per_token_head)]
         lines += arm_rows(m, held, arms, b)
-    finish(lines, f"python benchmarks/prerope_centering_cpu.py --budgets {a.budgets} "
-           f"--windows {a.windows}", t0, a.out)
+    finish(lines, t0, a.out)
 
 
 if __name__ == "__main__":

@@ -80,8 +80,7 @@ def main() -> None:
         arms = [base] + [Arm(label, [SinkQuantizer(q, m, q8[i]) for i, q in enumerate(base.quantizers)],
                              base.bytes_per_token_head) for m, label in MODES]
         lines += arm_rows(lm.model, held, arms, b)
-    finish(lines, f"python benchmarks/sink_tokens_cpu.py --budgets {a.budgets} --windows "
-           f"{a.windows}", t0, a.out)
+    finish(lines, t0, a.out)
 
 
 if __name__ == "__main__":
