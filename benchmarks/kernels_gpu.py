@@ -104,6 +104,28 @@ def log(row):
     print(json.dumps(row), flush=True)
 
 
+def timed_row(base: dict, impl: str, fn, *, moved: int | None = None,
+              copy_gbs: float | None = None, ref_ms: float | None = None, **fields):
+    """Time ``fn`` (:func:`bench`) and log one row ``{**base, impl, **fields, ms}`` with
+    ``GBps`` when ``moved`` bytes are given, ``frac_copy`` when ``copy_gbs`` is too, and
+    ``x_default = ref_ms / ms`` when ``ref_ms`` is; a failure logs the row with its error
+    instead. Returns the ms, or None on failure."""
+    try:
+        ms = bench(fn)
+    except Exception as e:
+        log({**base, "impl": impl, **fields, "error": str(e)[:160]})
+        return None
+    row = {**base, "impl": impl, **fields, "ms": ms}
+    if moved is not None:
+        row["GBps"] = moved / ms / 1e6
+        if copy_gbs is not None:
+            row["frac_copy"] = moved / ms / 1e6 / copy_gbs
+    if ref_ms is not None:
+        row["x_default"] = round(ref_ms / ms, 3)
+    log(row)
+    return ms
+
+
 def lookup_label(loader) -> str:
     """The lookups a TkvLoader really uses for K and V with bf16 dots (the requested
     ``lookup`` falls back per side, e.g. prmt → pair for a 3-bit side): e.g. "prmt/pair"."""
@@ -579,13 +601,7 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
             decode(q, cache, bt, sl, ld, ws)
 
         def timed(impl, fn, moved=nbytes, **fields):
-            try:
-                ms = bench(fn)
-            except Exception as e:
-                log({**base, "impl": impl, **fields, "error": str(e)[:160]})
-                return
-            log({**base, "impl": impl, **fields, "ms": ms, "GBps": moved / ms / 1e6,
-                 "frac_copy": moved / ms / 1e6 / copy_gbs})
+            timed_row(base, impl, fn, moved=moved, copy_gbs=copy_gbs, **fields)
 
         auto = dict(lookup=lookup_label(ld), splits=ws.splits_for(B, hkv))
         # the store moves its own bytes (B new tokens), not the cache the decode reads
@@ -631,42 +647,29 @@ def variant_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768
         nbytes = B * L * loaders["auto"].layout.bytes_per_token
         base = dict(kernel="decode_variant", B=B, L=L, Hq=hq, Hkv=hkv, D=d,
                     splits=ws.splits_for(B, hkv))
-        ref = bench(lambda: decode(q, cache, bt, sl, loaders["auto"], ws))
-        log({**base, "impl": "tkv K4V4 decode (default)", "lookup": lookup_label(loaders["auto"]),
-             "ms": ref, "GBps": nbytes / ref / 1e6, "frac_copy": nbytes / ref / 1e6 / copy_gbs,
-             "x_default": 1.0})
+        ref = timed_row(base, "tkv K4V4 decode (default)",
+                        lambda: decode(q, cache, bt, sl, loaders["auto"], ws), moved=nbytes,
+                        copy_gbs=copy_gbs, lookup=lookup_label(loaders["auto"]), x_default=1.0)
         for lk in ("prmt", "prmti"):
             for swap in (False, True):
                 for nreg in (None, 128, 112):
                     opts = dict(swap_qk=swap, maxnreg=nreg)
-                    try:
-                        ms = bench(lambda o=opts, lk=lk: decode(q, cache, bt, sl, loaders[lk],
-                                                                 ws, **o))
-                    except Exception as e:
-                        log({**base, "impl": "tkv K4V4 decode", "lookup": lk, **opts,
-                             "error": str(e)[:160]})
-                        continue
-                    log({**base, "impl": "tkv K4V4 decode", "lookup": lk, **opts, "ms": ms,
-                         "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs,
-                         "x_default": round(ref / ms, 3)})
+                    timed_row(base, "tkv K4V4 decode",
+                              lambda o=opts, lk=lk: decode(q, cache, bt, sl, loaders[lk], ws, **o),
+                              moved=nbytes, copy_gbs=copy_gbs, ref_ms=ref, lookup=lk, **opts)
         ld = loaders["auto"]
         moved = store_bytes(B, hkv, d, ld)
         sbase = {**base, "kernel": "store_variant"}
-        sref = bench(lambda: compress_store(kn, vn, cache, slots, ld))
-        log({**sbase, "impl": "tkv K4V4 compress_store (default)", "ms": sref,
-             "GBps": moved / sref / 1e6, "x_default": 1.0})
+        sref = timed_row(sbase, "tkv K4V4 compress_store (default)",
+                         lambda: compress_store(kn, vn, cache, slots, ld), moved=moved,
+                         x_default=1.0)
         for bt_ in (8, 16, 32):
             for nw in (2, 4, 8):
                 for ch in (32, 64):
                     opts = dict(block_t=bt_, num_warps=nw, chunk=ch)
-                    try:
-                        ms = bench(lambda o=opts: compress_store(kn, vn, cache, slots, ld, **o))
-                    except Exception as e:
-                        log({**sbase, "impl": "tkv K4V4 compress_store", **opts,
-                             "error": str(e)[:160]})
-                        continue
-                    log({**sbase, "impl": "tkv K4V4 compress_store", **opts, "ms": ms,
-                         "GBps": moved / ms / 1e6, "x_default": round(sref / ms, 3)})
+                    timed_row(sbase, "tkv K4V4 compress_store",
+                              lambda o=opts: compress_store(kn, vn, cache, slots, ld, **o),
+                              moved=moved, ref_ms=sref, **opts)
         del cache
         torch.cuda.empty_cache()
 
