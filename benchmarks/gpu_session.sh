@@ -207,6 +207,18 @@ do_start_default() {  # both GPUs busy when there are two: one model per GPU
     fi
 }
 
+report_job() {  # report_job JOB_DIR NAME OUT: state, cmd, log tail; README into OUT; 1 if failed
+    local d=$1 name=$2 out=$3 state
+    state=$(job_state "$d")
+    echo "== job $name ($d): $state"
+    if [[ -f $d/cmd ]]; then echo "   cmd: $(cat "$d/cmd")"; fi
+    if [[ -f $d/job.log ]]; then tail -n 25 "$d/job.log" | sed 's/^/   | /'; fi
+    if [[ -f $d/results/README.md ]]; then
+        { echo "<!-- job $name -->"; cat "$d/results/README.md"; echo; } >> "$out/README.md"
+    fi
+    [[ $state == "EXITED rc=0" || $state == RUNNING* ]]
+}
+
 do_poll() {
     local out=${OUT:-$E2E/out} d failed=""
     mkdir -p "$out"
@@ -215,26 +227,10 @@ do_poll() {
         nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader || true
         for d in "$JOBS"/*/; do
             d=${d%/}; [[ -f $d/pid ]] || continue
-            echo "== job $(basename "$d"): $(job_state "$d")"
-            echo "   cmd: $(cat "$d/cmd")"
-            tail -n 25 "$d/job.log" | sed 's/^/   | /'
-            if [[ -f $d/results/README.md ]]; then
-                { echo "<!-- job $(basename "$d") -->"; cat "$d/results/README.md"; echo; } >> "$out/README.md"
-            fi
-            [[ $(job_state "$d") == "EXITED rc=0" || $(job_state "$d") == RUNNING* ]] \
-                || failed+=" $(basename "$d")"
+            report_job "$d" "$(basename "$d")" "$out" || failed+=" $(basename "$d")"
         done
         d=${TKV_SGLANG_E2E:-/tmp/e2e-sglang}/job   # the SGLang session's job, if any
-        if [[ -f $d/pid ]]; then
-            echo "== job sglang ($d): $(job_state "$d")"
-            [[ -f $d/cmd ]] && echo "   cmd: $(cat "$d/cmd")"
-            [[ -f $d/job.log ]] && tail -n 25 "$d/job.log" | sed 's/^/   | /'
-            if [[ -f $d/results/README.md ]]; then
-                { echo "<!-- job sglang -->"; cat "$d/results/README.md"; echo; } >> "$out/README.md"
-            fi
-            [[ $(job_state "$d") == "EXITED rc=0" || $(job_state "$d") == RUNNING* ]] \
-                || failed+=" sglang"
-        fi
+        if [[ -f $d/pid ]]; then report_job "$d" sglang "$out" || failed+=" sglang"; fi
     } > "$out/status.txt" 2>&1
     cat "$out/status.txt"
     # At most 5 flat files (status.txt, README.md, setup.log, smoke.log, e2e.tar.gz), <16 MiB each.
