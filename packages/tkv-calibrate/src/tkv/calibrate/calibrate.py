@@ -24,7 +24,7 @@ from tkv.codec import (
 )
 
 from .collect import KVCollection, collect_kv
-from .fitting import SideCodebooks, fit_side_codebooks, standardized_coords
+from .fitting import MIN_FITTED_GAIN, SideCodebooks, fit_side_codebooks, standardized_coords
 from .progress import bar
 from .scales import ScaleChoice, choose_scales
 
@@ -51,7 +51,7 @@ class Calibration:
     num_tokens: int
     seed: int = 0
     seconds: dict = field(default_factory=dict)
-    codebook_min_gain: float = 0.0
+    codebook_min_gain: float = MIN_FITTED_GAIN
 
     def distortion(self, layer: int, side: str, bits: int) -> float:
         """Held-out codebook MSE the codec uses for ``layer``/``side`` at ``bits``."""
@@ -94,7 +94,7 @@ def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed:
                     held_fraction: float = 0.25, show_progress: bool = True,
                     collection: KVCollection | None = None,
                     center_keys: bool | str = "per-head",
-                    codebook_min_gain: float = 0.0) -> Calibration:
+                    codebook_min_gain: float = MIN_FITTED_GAIN) -> Calibration:
     """Collect K/V over ``windows`` (int64 ``(n, T)``), then fit the key offset μ, scales and
     codebooks per layer (a fitted codebook kept where it beats the Gaussian default's held-out
     MSE by more than ``codebook_min_gain``, relative; :func:`fit_side_codebooks`).

@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
                    "layer is centered only if it lowers the held-out key error")
     r.add_argument("--no-center-keys", action="store_const", const="off", dest="center_keys",
                    help="same as --center-keys off")
-    r.add_argument("--codebook-min-gain", type=_fraction, default=0.0, metavar="FRACTION",
+    r.add_argument("--codebook-min-gain", type=_fraction, metavar="FRACTION",
                    help="ship a layer's fitted codebook only where it lowers the held-out MSE by "
                    "more than this fraction of the Gaussian default's (default 0: any gain). "
                    "E.g. 0.02 on SmolLM2 ships none: every layer then shares the default "
@@ -139,9 +139,10 @@ def _run(a) -> int:
     kw = dict(model=a.model, calib_text=a.calib_text, eval_text=a.eval_text, out=a.out,
               eval_window=a.eval_window, collect_windows=a.collect_windows,
               calib_window=a.calib_window, decode=not a.no_decode,
-              center_keys=a.center_keys, codebook_min_gain=a.codebook_min_gain, seed=a.seed,
+              center_keys=a.center_keys, seed=a.seed,
               threads=a.threads, show_progress=not a.quiet)
-    for name in ("budgets", "eval_windows", "sensitivity_windows", "verify_windows"):
+    for name in ("budgets", "eval_windows", "sensitivity_windows", "verify_windows",
+                 "codebook_min_gain"):
         v = getattr(a, name)
         if v is not None:
             kw[name] = v

@@ -70,11 +70,10 @@ class SideCodebooks:
 
 def fit_side_codebooks(train: torch.Tensor, held: torch.Tensor, widths=WIDTHS,
                        max_samples: int = 1 << 16, seed: int = 0,
-                       min_gain: float | None = None) -> SideCodebooks:
+                       min_gain: float = MIN_FITTED_GAIN) -> SideCodebooks:
     """Fit codebooks on standardized coords ``train`` and judge them on ``held`` (any shapes):
     a fitted codebook is kept where its held-out MSE is below ``(1 − min_gain)`` × the
     Gaussian default's (``min_gain`` default :data:`MIN_FITTED_GAIN`; 0 keeps any gain)."""
-    min_gain = MIN_FITTED_GAIN if min_gain is None else float(min_gain)
     g = torch.Generator().manual_seed(seed)
     held_flat = held.reshape(-1)
     if held_flat.numel() > max_samples:

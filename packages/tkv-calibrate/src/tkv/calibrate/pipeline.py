@@ -22,6 +22,7 @@ from tkv.codec import CalibrationBundle, LayerAllocation, ModelGeometry, ModelLa
 from .calibrate import Calibration, draft_bundle, fit_calibration
 from .data import default_calib_text, default_eval_text, tokenize_windows
 from .evaluate import Arm, EvalResult, evaluate_arms, measure_kl
+from .fitting import MIN_FITTED_GAIN
 from .model import LoadedModel, load_model
 from .peers import bf16_bytes_per_token_head, peer_arms, uncalibrated_arm
 from .quantizers import PRICE_BLOCK_SIZE, TkvQuantizer
@@ -64,7 +65,7 @@ class JobConfig:
     needle: bool = False
     decode: bool = True
     center_keys: bool | str = "per-head"  # "per-head" | "shared" | "off" (True/False accepted)
-    codebook_min_gain: float = 0.0  # fitted codebooks kept only above this held-out MSE gain
+    codebook_min_gain: float = MIN_FITTED_GAIN  # a fit ships only above this held-out MSE gain
     seed: int = 0
     threads: int | None = None
     show_progress: bool = True

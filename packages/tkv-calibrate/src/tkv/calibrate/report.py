@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .fitting import MIN_FITTED_GAIN
-
 __all__ = ["print_summary", "write_report"]
 
 
@@ -179,26 +177,20 @@ def write_report(res, out: Path) -> tuple[Path, Path]:
              f"{s['k_scaled_layers']}/{s['num_layers']} scaled); value output relative "
              f"MSE {s['v_output_rel_mse_unscaled']:.4g} → {s['v_output_rel_mse_scaled']:.4g} "
              f"({s['v_scaled_layers']}/{s['num_layers']} layers scaled).")
+    gain = s["codebook_min_gain"]
+    rule = ("any held-out gain" if gain <= 0 else
+            f"a held-out MSE more than {100 * gain:g} % below the default's")
     for side in ("k", "v"):
-        if f"{side}4_codebook_mse_fit_candidate" in s:
-            parts = ", ".join(
-                f"{b} bit {s[f'{side}{b}_codebook_mse_gaussian']:.4g} / "
-                f"{s[f'{side}{b}_codebook_mse_fit_candidate']:.4g} / "
-                f"{s[f'{side}{b}_codebook_mse_fitted']:.4g} "
-                f"({s[f'{side}{b}_codebooks_kept']} of {s['num_layers']} layers fitted)"
-                for b in (2, 3, 4, 8))
-            gain = s.get("codebook_min_gain", MIN_FITTED_GAIN)
-            rule = ("any held-out gain" if gain <= 0 else
-                    f"a held-out MSE more than {100 * gain:g} % below the default's")
-            L.append(f"- {side.upper()} codebook MSE per coordinate (held-out), Gaussian default / "
-                     f"per-layer fit / shipped: {parts}. A fit ships for {rule} "
-                     "(`--codebook-min-gain`; layers sharing the default codebook get the "
-                     "fastest serving lookup, `prmti`).")
-        else:   # metrics written before the fit candidates were recorded
-            parts = ", ".join(f"{b} bit {s[f'{side}{b}_codebook_mse_gaussian']:.4g} → "
-                              f"{s[f'{side}{b}_codebook_mse_fitted']:.4g}" for b in (2, 3, 4, 8))
-            L.append(f"- {side.upper()} codebook MSE per coordinate, Gaussian → fitted (held-out): "
-                     f"{parts}.")
+        parts = ", ".join(
+            f"{b} bit {s[f'{side}{b}_codebook_mse_gaussian']:.4g} / "
+            f"{s[f'{side}{b}_codebook_mse_fit_candidate']:.4g} / "
+            f"{s[f'{side}{b}_codebook_mse_fitted']:.4g} "
+            f"({s[f'{side}{b}_codebooks_kept']} of {s['num_layers']} layers fitted)"
+            for b in (2, 3, 4, 8))
+        L.append(f"- {side.upper()} codebook MSE per coordinate (held-out), Gaussian default / "
+                 f"per-layer fit / shipped: {parts}. A fit ships for {rule} "
+                 "(`--codebook-min-gain`; layers sharing the default codebook get the "
+                 "fastest serving lookup, `prmti`).")
     c = res.sensitivity.correlation()
     L.append(f"- Sensitivity: every layer's K and V measured alone at {res.sensitivity.probe_bits} "
              f"bits; other widths predicted as KL_probe · (D_b/D_probe)^γ, γ = "
