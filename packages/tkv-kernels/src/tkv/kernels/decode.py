@@ -274,8 +274,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         maxnreg: cap on the split kernel's registers per thread (Triton's ``maxnreg``):
             fewer registers, more CTAs per SM, possibly spills (prmti at 4 warps: 168 → 128
             registers = 3 → 4 CTAs per SM with 76 B of spills, offline sm_90a). None (default):
-            the loader's ``decode_maxnreg`` for this grid if it has one (TkvLoader: 128 with
-            prmti on grids of ≥ ``workspace.target_programs`` CTAs), else the compiler's
+            the loader's ``decode_maxnreg`` for this grid if it has one (TkvLoader: the
+            operator's ``TKV_PRMTI_MAXNREG`` with prmti on grids of ≥
+            ``workspace.target_programs`` CTAs, no cap by default), else the compiler's
             choice; 0: the compiler's choice.
         swap_qk: compute scores as ``K · q^T`` (K tiles as the tensor-core A operand)
             instead of ``q · K^T``; default: the loader's ``k_operand_a(dot_dtype)`` if it

@@ -379,7 +379,8 @@ def _prmt_table(scaled: torch.Tensor, half: torch.dtype) -> torch.Tensor:
     return words.to(torch.int64).where(words < 2**31, words - 2**32).to(torch.int32)
 
 
-_LOOKUPS = ("auto", "pair", "gather", "shuffle", "prmt", "prmt1", "prmti")
+_PRMT_FAMILY = ("prmt", "prmt1", "prmti")   # 4-bit byte-permute lookups (PTX, CUDA only)
+_LOOKUPS = ("auto", "pair", "gather", "shuffle", *_PRMT_FAMILY)
 ENV_LOOKUP = "TKV_LOOKUP"
 
 
@@ -552,11 +553,11 @@ class TkvLoader:
         self._pairs, self._prmt, self._prmt_words = {}, {}, {}
         for side, bits, table in (("k", self.k_bits, self.k_table), ("v", self.v_bits,
                                                                       self.v_table)):
-            if bits in (2, 3, 4) and lookup in ("auto", "pair", "prmt", "prmt1", "prmti"):
+            if bits in (2, 3, 4) and lookup in ("auto", "pair", *_PRMT_FAMILY):
                 for half, code in ((torch.float16, LOOKUP_PAIR_F16),
                                    (torch.bfloat16, LOOKUP_PAIR_BF16)):
                     self._pairs[side, half] = (_pair_table(table, bits, half).to(dev), code)
-            if bits == 4 and lookup in ("auto", "prmt", "prmt1", "prmti"):
+            if bits == 4 and lookup in ("auto", *_PRMT_FAMILY):
                 eff = lookup
                 if lookup == "auto":   # prmti compiles per codebook: only the shared default
                     eff = "prmti" if _is_default_codebook(codec, side) else "prmt"
@@ -640,7 +641,7 @@ class TkvLoader:
         if self.planes(side) == 1:
             half = None   # one plane: per-code gathers from the float32 table
         interp = interpreting()
-        if self.lookup in ("prmt", "prmt1", "prmti") and interp and (side, half) in self._prmt:
+        if self.lookup in _PRMT_FAMILY and interp and (side, half) in self._prmt:
             raise DtypeError(f"lookup={self.lookup!r} is PTX inline assembly: it needs a CUDA "
                              "device, not the Triton interpreter (use lookup='pair' there)")
         table, code = self.k_table if side == "k" else self.v_table, LOOKUP_GATHER
