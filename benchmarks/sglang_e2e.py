@@ -66,12 +66,13 @@ from vllm_e2e import (
     GREEDY_TOKENS,
     PREFIX_PROMPT_TOKENS,
     PROMPTS,
+    REPEATS_HELP,
     agreement,
     prefix_cache_cell,
     random_prompt_ids,
     ratio_cell,
     resolve_model,
-    throughput_entry,
+    timed_repeats,
     tkv_env,
     write_uniform_bundle,
 )
@@ -136,19 +137,19 @@ def worker(a: argparse.Namespace) -> None:
             # so that every kernel variant is compiled before timing (see vllm_e2e.py)
             llm.generate(input_ids=random_prompt_ids(rng, n, PROMPT_LEN),
                          sampling_params={"max_new_tokens": 16, "ignore_eos": True})
-            batch = random_prompt_ids(rng, n, PROMPT_LEN)
-            t = time.perf_counter()
-            outs = llm.generate(input_ids=batch, sampling_params=sp)
-            dt = time.perf_counter() - t
-            toks = sum(len(o["output_ids"]) for o in outs)
-            if toks != n * OUTPUT_LEN:
-                raise RuntimeError(f"{toks} output tokens, expected {n} x {OUTPUT_LEN}")
-            # the same shape with one output token (other prompts): the prefill's share
-            t = time.perf_counter()
-            llm.generate(input_ids=random_prompt_ids(rng, n, PROMPT_LEN),
-                         sampling_params={**sp, "max_new_tokens": 1})
-            res["throughput"][str(n)] = throughput_entry(n, OUTPUT_LEN, dt,
-                                                         time.perf_counter() - t)
+
+            def full(n=n):
+                outs = llm.generate(input_ids=random_prompt_ids(rng, n, PROMPT_LEN),
+                                    sampling_params=sp)
+                toks = sum(len(o["output_ids"]) for o in outs)
+                if toks != n * OUTPUT_LEN:
+                    raise RuntimeError(f"{toks} output tokens, expected {n} x {OUTPUT_LEN}")
+
+            def prefill(n=n):   # the same shape with one output token: the prefill's share
+                llm.generate(input_ids=random_prompt_ids(rng, n, PROMPT_LEN),
+                             sampling_params={**sp, "max_new_tokens": 1})
+
+            res["throughput"][str(n)] = timed_repeats(n, OUTPUT_LEN, full, prefill, a.repeats)
     Path(a.result).write_text(json.dumps(res, indent=1))
     llm.shutdown()
 
@@ -230,7 +231,7 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
     cmd = [sys.executable, __file__, "worker", "--model", str(model), "--mode", mode,
            "--result", str(result), "--mem", str(o.mem), "--context-length",
            str(o.context_length), "--baseline-backend", o.baseline_backend,
-           "--batches", *map(str, o.batches)]
+           "--batches", *map(str, o.batches), "--repeats", str(getattr(o, "repeats", 3))]
     if dummy:
         cmd.append("--dummy")
     if greedy_only:
@@ -459,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "(default 4.0: the KV-capacity configuration)")
             a.add_argument("--batches", type=int, nargs="+", default=[64, 256])
             a.add_argument("--eager", action="store_true", help="disable CUDA graphs")
+            a.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
             a.add_argument("--serve", action="store_true",
                            help="finish with serve-check on the first real model")
     w = sub.add_parser("worker")
@@ -472,6 +474,7 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--dummy", action="store_true")
     w.add_argument("--greedy-only", action="store_true")
     w.add_argument("--eager", action="store_true")
+    w.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
     o = p.parse_args(argv)
     {"all": run_all, "smoke": smoke, "serve-check": serve_check, "worker": worker}[o.cmd](o)
 

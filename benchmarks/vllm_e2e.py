@@ -523,16 +523,14 @@ def worker(args: argparse.Namespace) -> None:
         def random_batch(n):
             return [TokensPrompt(prompt_token_ids=ids) for ids in random_prompt_ids(rng, n)]
 
-        def timed(batch, prefill_batch, n):
-            """The full run, then the same shape with 1 output token (throughput_entry)."""
-            t = time.perf_counter()
-            llm.generate(batch, sp, use_tqdm=False)
-            full = time.perf_counter() - t
-            t = time.perf_counter()
-            llm.generate(prefill_batch, SamplingParams(temperature=0.0, max_tokens=1,
-                                                       ignore_eos=True, **detok),
-                         use_tqdm=False)
-            return throughput_entry(n, 256, full, time.perf_counter() - t)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, **detok)
+
+        def timed(make_batch, n):
+            """``args.repeats`` × (the full run, then the same shape with 1 output token),
+            fresh prompts each time (timed_repeats)."""
+            return timed_repeats(
+                n, 256, lambda: llm.generate(make_batch(), sp, use_tqdm=False),
+                lambda: llm.generate(make_batch(), one, use_tqdm=False), args.repeats)
 
         for n in args.batches:
             # Warm-up: a whole batch of the same shape but OTHER prompts (no prefix-cache hits
@@ -543,12 +541,12 @@ def worker(args: argparse.Namespace) -> None:
             # ~2.7 s of compiles: SmolLM2 took 3.59 s for 64 sequences, 2.86 s for 256.)
             llm.generate(random_batch(n), SamplingParams(max_tokens=16, ignore_eos=True, **detok),
                          use_tqdm=False)
-            res["throughput"][str(n)] = timed(random_batch(n), random_batch(n), n)
+            res["throughput"][str(n)] = timed(lambda n=n: random_batch(n), n)
         if args.long_prompt and args.max_model_len >= args.long_prompt + 256:
             def long():
                 return [TokensPrompt(prompt_token_ids=random_prompt_ids(
                     rng, 1, args.long_prompt)[0])]
-            res["throughput"][f"1x{args.long_prompt}"] = timed(long(), long(), 1)
+            res["throughput"][f"1x{args.long_prompt}"] = timed(long, 1)
     Path(args.result).write_text(json.dumps(res, indent=1))
 
 
@@ -606,7 +604,8 @@ def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Pat
            "--mode", mode, "--result", str(result), "--gmu", str(opts.gmu),
            "--max-model-len", str(max_len), "--max-num-seqs", str(max(opts.batches)),
            "--long-prompt", str(long_prompt), "--tp", str(tp),
-           "--batches", *map(str, opts.batches), "--weights", weights]
+           "--batches", *map(str, opts.batches), "--weights", weights,
+           "--repeats", str(getattr(opts, "repeats", 3))]
     if greedy_only:
         cmd.append("--greedy-only")
     if eager:
@@ -632,6 +631,45 @@ def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Pat
         res["kv_gib_by_process"] = gib
     print(f"   done in {time.perf_counter() - t:.0f}s", flush=True)
     return res
+
+
+def triton_cache_entries() -> int | None:
+    """Kernels in Triton's on-disk cache (``$TRITON_CACHE_DIR``, default ``~/.triton/cache``;
+    one folder per compiled variant). It grows when a kernel variant is JIT-compiled — in
+    this process or in an engine process it started — and not when one is loaded again, so
+    a difference across a timed section counts the compiles timed by mistake. None when the
+    folder does not exist yet."""
+    d = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    try:
+        return sum(1 for e in d.iterdir() if e.is_dir())
+    except OSError:
+        return None
+
+
+def timed_repeats(n: int, out_len: int, run_full, run_prefill, repeats: int) -> dict:
+    """``repeats`` timed pairs (``run_full()``: n prompts × out_len tokens; ``run_prefill()``:
+    the same shape with one output token, see :func:`throughput_entry`), each on fresh
+    prompts. Returns the cell of the run with the MEDIAN ``output_tok_s`` (a real run, so
+    its prefill and decode figures belong together), plus ``runs`` (every cell, in order,
+    each with ``jit_compiles``: Triton cache entries added while it was timed, None if
+    unknown) and ``statistic``. One run is what earlier results recorded: a one-time cost
+    (a kernel variant compiled inside the timed window, an allocator growing) then lands in
+    the number; the median of three does not carry it."""
+    runs = []
+    for _ in range(max(1, repeats)):
+        c0 = triton_cache_entries()
+        t = time.perf_counter()
+        run_full()
+        full = time.perf_counter() - t
+        t = time.perf_counter()
+        run_prefill()
+        cell = throughput_entry(n, out_len, full, time.perf_counter() - t)
+        c1 = triton_cache_entries()
+        cell["jit_compiles"] = c1 - c0 if c0 is not None and c1 is not None else None
+        runs.append(cell)
+    mid = sorted(runs, key=lambda c: c["output_tok_s"])[len(runs) // 2]
+    return {**mid, "runs": runs,
+            "statistic": f"median of {len(runs)} by output_tok_s" if len(runs) > 1 else "one run"}
 
 
 def throughput_entry(n: int, out_len: int, full_s: float, prefill_s: float) -> dict:
@@ -1173,6 +1211,10 @@ def divergence_cpu(opts: argparse.Namespace) -> int:
     return 0
 
 
+REPEATS_HELP = ("timed runs per throughput cell, fresh prompts each; the median is reported, "
+                "every run kept with its JIT-compile count (timed_repeats)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -1193,6 +1235,8 @@ def main(argv: list[str] | None = None) -> int:
                        "written to $TKV_CKPT_DIR (default /tmp/tkv-models/"
                        "qwen3-8b-like-seed<seed>) and loaded at every TP size")
         a.add_argument("--seed", type=int, default=0, help="seed of --weights random")
+        if name in ("tp", "all"):
+            a.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
         if name == "tp":
             a.add_argument("--out", default="benchmarks/results/vllm_tp2")
             a.add_argument("--bits", default="4.0", help="TKV_BITS of the capacity/throughput "
@@ -1256,6 +1300,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--weights", choices=["real", "dummy", "random"], default="real")
     w.add_argument("--greedy-only", action="store_true")
     w.add_argument("--enforce-eager", action="store_true")
+    w.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
     w.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = p.parse_args(argv)
     rc = {"all": run_all, "smoke": smoke, "tp": run_tp, "serve-check": serve_check,

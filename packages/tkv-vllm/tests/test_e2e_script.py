@@ -66,6 +66,38 @@ def test_throughput_entry_separates_prefill_from_decode(e2e):
     assert e2e.ratio_cell({"decode_tok_s": None}, c, "decode_tok_s") == "-"
 
 
+def test_timed_repeats_reports_the_median_run_and_counts_jit_compiles(e2e, tmp_path,
+                                                                      monkeypatch):
+    """The first timed run compiles two kernel variants (two new cache folders) and is slow;
+    the reported cell is the median run, whose prefill and decode figures belong together,
+    and every run is kept with its compile count."""
+    cache = tmp_path / "triton-cache"
+    cache.mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    clock = iter([0.0, 9.0, 9.0, 10.0,      # run 1: full 9 s (compiles), prefill 1 s
+                  20.0, 24.0, 24.0, 25.5,   # run 2: full 4 s, prefill 1.5 s
+                  30.0, 35.0, 35.0, 36.0,   # run 3: full 5 s, prefill 1 s
+                  40.0, 41.0, 41.0, 42.0])  # the single run below
+    monkeypatch.setattr(e2e.time, "perf_counter", lambda: next(clock))
+    fulls = []
+
+    def full():
+        fulls.append(1)
+        if len(fulls) == 1:
+            (cache / "variant-a").mkdir()
+            (cache / "variant-b").mkdir()
+
+    c = e2e.timed_repeats(64, 256, full, lambda: None, 3)
+    assert [r["jit_compiles"] for r in c["runs"]] == [2, 0, 0]
+    assert [r["seconds"] for r in c["runs"]] == [9.0, 4.0, 5.0]
+    assert c["seconds"] == 5.0 and c["prefill_s"] == 1.0          # the median run, whole
+    assert c["output_tok_s"] == pytest.approx(64 * 256 / 5.0, abs=0.1)
+    assert c["statistic"] == "median of 3 by output_tok_s"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "absent"))
+    one = e2e.timed_repeats(1, 256, lambda: None, lambda: None, 1)
+    assert one["statistic"] == "one run" and one["runs"][0]["jit_compiles"] is None
+
+
 def test_tp_refusal_follows_vllm_rules(e2e, tmp_path):
     """SmolLM2-135M (9 query heads, 3 KV heads) cannot run TP=2 in vLLM 0.20.1; the
     Qwen3-8B-like geometry (32/8) can, and so can replication (1 KV head, TP=2)."""
