@@ -443,8 +443,17 @@ def prefill_rows():
             ms = bench(lambda: prefill(q, k, v, cu, sl, ql, cache, bt, ld, no_prefix=True))
             log({**base, "impl": "tkv_K4V4_no_prefix", "ms": ms, "TFLOPs": flops / ms / 1e9})
         if prefix:  # decompress-once: the prefix dequantized into scratch, then 16-bit rows
-            scratch = torch.empty(dense_prefix_bytes(1, prefix, hkv, d), dtype=torch.uint8,
+            # room for prefix + chunk: what the SDPA path (exact_prefix) lays out
+            scratch = torch.empty(dense_prefix_bytes(1, prefix + ql, hkv, d), dtype=torch.uint8,
                                   device=DEV)
+            try:   # decompress-once, then SDPA (FlashAttention-2) over prefix + chunk
+                ms = bench(lambda: prefill(q, k, v, cu, sl, ql, cache, bt, ld,
+                                           max_prefix_len=prefix, scratch=scratch,
+                                           exact_prefix=True))
+                log({**base, "impl": "tkv_K4V4 decompress-once + SDPA (exact_prefix)",
+                     "ms": ms, "TFLOPs": flops / ms / 1e9})
+            except Exception as e:
+                log({**base, "impl": "tkv_K4V4 decompress-once + SDPA", "error": str(e)[:160]})
             for lk in ("prmt", "prmti"):
                 ldl = TkvLoader(codec, hkv, block, lookup=lk)
                 try:

@@ -102,3 +102,25 @@ def test_prefill_realistic_shape_vs_sdpa():
         is_causal=True, enable_gqa=True)[0].transpose(0, 1)
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2
+
+
+def test_prefill_exact_prefix_sdpa_equals_triton_dense_path():
+    """A 300-token chunk over a compressed 1,000-token prefix (GQA 4, head_dim 128): the SDPA
+    path (``exact_prefix=True``: FlashAttention-2 over the decompressed prefix + chunk) and the
+    Triton decompress-once loop give the same attention; a broken promise is NaN."""
+    from tkv.kernels import dense_prefix_bytes
+
+    ld, batch, cache, hq = _setup(seed=4, lens=(1300,))
+    q = torch.randn(300, hq, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(300, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.tensor([0, 300], dtype=torch.int32, device="cuda")
+    scratch = torch.empty(dense_prefix_bytes(1, 1300, 8, 128, block_size=16),
+                          dtype=torch.uint8, device="cuda")
+    args = (q, k, v, cu, batch.seq_lens, 300, cache, batch.block_table, ld)
+    tri = prefill(*args, max_prefix_len=1000, scratch=scratch)
+    sdpa = prefill(*args, max_prefix_len=1000, scratch=scratch, exact_prefix=True)
+    rel = ((sdpa.float() - tri.float()).norm() / tri.float().norm()).item()
+    assert rel < 1e-2, rel
+    assert torch.isnan(prefill(*args, max_prefix_len=1008, scratch=scratch,
+                               exact_prefix=True)).all()

@@ -5,6 +5,7 @@ the same tests run compiled with fp16/bf16 tensor-core dots (looser tolerance)."
 
 import itertools
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from tkv.kernels import (
     WorkspaceTooSmallError,
     compress_store,
     decode,
+    dense_prefix_bytes,
     prefill,
 )
 from tkv.kernels._util import interpreting
@@ -412,6 +414,66 @@ def test_prefill_dense_prefix_matches_reference(head_dim, kb, vb, group, prefix,
     _prefill_check(ld, prefix, qlens, group, seed=kb + vb + group, window=window,
                    max_prefix_len=max(prefix) + 3, scratch=scratch)
     assert torch.isfinite(scratch[:64]).all()
+
+
+@pytest.mark.parametrize("head_dim,kb,vb,group,prefix,qlen", [
+    (64, 4, 3, 4, 40, 37),
+    (96, 4, 4, 1, 48, 40),      # head_dim padded to 128 in the planar rows
+    (128, 2, 4, 7, 33, 20),
+])
+def test_prefill_exact_prefix_runs_sdpa_and_matches_reference(head_dim, kb, vb, group, prefix,
+                                                              qlen):
+    """exact_prefix=True, one sequence: the decompress-once prefix plus the chunk's rotated
+    rows go through SDPA (lower-right causal) — equal to the float64 oracle, SDPA really
+    called once; a window, two sequences or a scratch too small for prefix + chunk keep the
+    Triton loop (no SDPA call, same oracle)."""
+    codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=head_dim + vb)
+    ld = TkvLoader(codec, 2, 16)
+    from torch.nn.attention.bias import CausalBias
+
+    # spy on the lower-right causal dispatch (patching F.sdpa itself would break it)
+    with mock.patch.object(CausalBias, "_dispatch", wraps=CausalBias._dispatch) as spy:
+        scratch = torch.full((1 << 20,), float("nan"), device=DEV)
+        _prefill_check(ld, [prefix], [qlen], group, seed=kb + group, max_prefix_len=prefix,
+                       scratch=scratch, exact_prefix=True)
+        assert spy.call_count == 1
+        _prefill_check(ld, [prefix], [qlen], group, seed=kb + group, window=9,
+                       max_prefix_len=prefix, scratch=scratch, exact_prefix=True)
+        _prefill_check(ld, [prefix, 5], [qlen, 3], group, seed=kb + group,
+                       max_prefix_len=prefix, scratch=scratch, exact_prefix=True)
+        nbytes = dense_prefix_bytes(1, prefix, 2, head_dim, torch.float16, block_size=16)
+        prefix_only = torch.full((nbytes // 4,), float("nan"), device=DEV)   # the prefix's pages
+        _prefill_check(ld, [prefix], [qlen], group, seed=kb + group, max_prefix_len=prefix,
+                       scratch=prefix_only, exact_prefix=True)
+        assert spy.call_count == 1
+        assert not torch.isnan(prefix_only).all()   # the Triton decompress-once path ran
+
+
+def test_prefill_exact_prefix_broken_promise_is_nan():
+    """exact_prefix=True with a max_prefix_len that is not the sequence's prefix (longer or
+    shorter) on the decompress-once path (chunk longer than one query tile): every output row
+    is NaN, never a plausible wrong answer; exact_prefix must be a bool."""
+    codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=12)
+    ld = TkvLoader(codec, 2, 16)
+    g = _gen(44)
+    batch = make_paged_batch([40 + 24], 16, DEV, generator=g)
+    cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
+    kv = torch.randn(2, 64, 2, 64, generator=g).to(DEV, torch.float16)
+    fill_cache(ld, cache, kv[0], kv[1], batch.slots(0))
+    q = torch.randn(24, 8, 64, generator=g).to(DEV, torch.float16)
+    cu = torch.tensor([0, 24], dtype=torch.int32, device=DEV)
+    scratch = torch.empty(1 << 18, device=DEV)
+    for promised in (36, 44):
+        out = prefill(q, kv[0, 40:], kv[1, 40:], cu, batch.seq_lens, 24, cache,
+                      batch.block_table, ld, block_m=32, max_prefix_len=promised,
+                      scratch=scratch, exact_prefix=True)
+        assert torch.isnan(out).all(), promised
+    ok = prefill(q, kv[0, 40:], kv[1, 40:], cu, batch.seq_lens, 24, cache, batch.block_table,
+                 ld, block_m=32, max_prefix_len=40, scratch=scratch, exact_prefix=True)
+    assert torch.isfinite(ok).all()
+    with pytest.raises(DtypeError, match="exact_prefix"):
+        prefill(q, kv[0, 40:], kv[1, 40:], cu, batch.seq_lens, 24, cache, batch.block_table,
+                ld, max_prefix_len=40, scratch=scratch, exact_prefix=1)
 
 
 def test_prefill_dense_prefix_limits():

@@ -143,6 +143,7 @@ def run(spec_k: int) -> float:
                 md.num_prefill_tokens) == (1, 1 + spec_k, 2, 16), md
         # the continuation row's 13 cached tokens: the decompress-once bound
         assert md.max_prefill_prefix_len == 13 and not md.prefill_no_prefix, md
+        assert not md.prefill_prefix_exact, md   # two prefill rows: the bound only
         out = torch.full((n, hq, hd), float("nan"), dtype=torch.bfloat16)
         impl.forward(layer, q, k, v, cache, md, output=out)
         loader = impl._tkv_state.loader(bs)
@@ -162,7 +163,55 @@ def run(spec_k: int) -> float:
                                                   CommonAttentionMetadata, li))
             worst = max(worst, first_prefill_step(impl, layer, shape, builder, window,
                                                   CommonAttentionMetadata, li))
+            worst = max(worst, long_continuation_step(impl, layer, shape, builder, window,
+                                                      CommonAttentionMetadata, gather_kv, li))
     return worst
+
+
+def long_continuation_step(impl, layer, shape, builder, window, CommonAttentionMetadata,
+                           gather_kv, li):
+    """One request alone, continuing a 20-token prefix with a 70-token chunk (longer than a
+    query tile): the builder marks its prefix exact, and without a sliding window the kernels
+    run its attention through SDPA over the decompressed prefix (CausalBias dispatch seen);
+    equal to the reference either way."""
+    from unittest import mock
+
+    from torch.nn.attention.bias import CausalBias
+
+    hq, hd, hkv, bs = impl.num_heads, impl.head_size, impl.num_kv_heads, 16
+    ctx, ql = 20, 70
+    cache = torch.zeros(shape, dtype=torch.uint8)
+    bt = torch.tensor([[7, 2, 9, 4, 11, 0]], dtype=torch.int32)
+
+    def slots(positions):
+        return torch.tensor([int(bt[0, p // bs]) * bs + p % bs for p in positions],
+                            dtype=torch.int64)
+    kc = torch.randn(ctx, hkv, hd, dtype=torch.bfloat16)
+    impl.do_kv_cache_update(layer, kc, torch.randn_like(kc), cache, slots(range(ctx)))
+    q = torch.randn(ql, hq, hd, dtype=torch.bfloat16)
+    k = torch.randn(ql, hkv, hd, dtype=torch.bfloat16)
+    v = torch.randn(ql, hkv, hd, dtype=torch.bfloat16)
+    sm = slots(range(ctx, ctx + ql))
+    impl.do_kv_cache_update(layer, k, v, cache, sm)
+    qsl = torch.tensor([0, ql], dtype=torch.int32)
+    sl = torch.tensor([ctx + ql], dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=sl, num_reqs=1,
+        num_actual_tokens=ql, max_query_len=ql, max_seq_len=ctx + ql, block_table_tensor=bt,
+        slot_mapping=sm, seq_lens_cpu_upper_bound=sl.clone())
+    md = builder.build(0, cam)
+    assert md.num_prefills == 1 and md.max_prefill_prefix_len == ctx, md
+    assert md.prefill_prefix_exact, md
+    out = torch.full((ql, hq, hd), float("nan"), dtype=torch.bfloat16)
+    with mock.patch.object(CausalBias, "_dispatch", wraps=CausalBias._dispatch) as spy:
+        impl.forward(layer, q, k, v, cache, md, output=out)
+    assert spy.call_count == (0 if window else 1), (window, spy.call_count)
+    loader = impl._tkv_state.loader(bs)
+    kcache, vcache = gather_kv(cache, loader, bt[0], ctx + ql)
+    ref = reference(q, k, v, kcache, vcache, ctx, window, hd ** -0.5, decode=False)
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    print(f"long continuation layer {li} window={window}: rel err {err:.2e}")
+    return err
 
 
 def first_prefill_step(impl, layer, shape, builder, window, CommonAttentionMetadata, li):

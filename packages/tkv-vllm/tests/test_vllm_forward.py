@@ -27,6 +27,7 @@ def test_mixed_batch_forward_matches_float64_reference(patched_vllm):
     assert "spec_k=2 layer 1 K3V2 window=12 request 0" in report
     assert "padded decode layer 1 request 1" in report  # CUDA-graph padded decode batch
     assert "first prefill layer 1 request 1" in report   # bypass + prefix-variant warm-up
+    assert "long continuation layer 0 window=0" in report   # one exact prefix: SDPA path
     print(report)
 
 

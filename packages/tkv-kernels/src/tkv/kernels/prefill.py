@@ -4,6 +4,7 @@ loader) + the current chunk from the uncompressed new K/V, flash-attention tilin
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import triton
@@ -206,7 +207,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             out: torch.Tensor | None = None, sm_scale: float | None = None, window: int = 0,
             block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
             num_stages: int | None = None, no_prefix: bool = False,
-            max_prefix_len: int | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+            max_prefix_len: int | None = None, scratch: torch.Tensor | None = None,
+            exact_prefix: bool = False) -> torch.Tensor:
     """Varlen causal attention for (chunked) prefill, flash-attention tiling with tl.dot.
 
     Sequence ``i`` has ``q_len = cu_seqlens_q[i+1] − cu_seqlens_q[i]`` new tokens at absolute
@@ -245,6 +247,17 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             page-rounded bound gets NaN output rows (loud, never wrong numbers); block-table
             entries that are −1 or out of range mask their tokens exactly as the inline path
             does.
+        exact_prefix: the caller guarantees ``max_prefix_len`` IS the prefix of the one
+            sequence of the call (engines know it from host metadata: vLLM's CPU sequence
+            lengths of prefill rows, SGLang's ``extend_prefix_lens_cpu``). Then a decompress-once
+            call of ONE sequence without a sliding window runs its attention through PyTorch's
+            SDPA instead of the Triton loop: the prefix rows are dequantized into ``scratch``,
+            the chunk's rotated K/V rows appended after them, and the query attends to the
+            ``prefix + q_len`` rows with a lower-right causal mask
+            (``torch.nn.attention.bias.causal_lower_right``; FlashAttention-2 on CUDA, where
+            SDPA must accept the call without its math fallback, else the Triton loop runs).
+            Needs ``scratch`` for ``prefix + q_len`` tokens in whole pages. A broken promise
+            (another prefix length) gives NaN output rows.
 
     Rotated loaders (tkv): the wrapper rotates the query and the chunk's K/V into the cache's
     rotated space with three small float32 matmuls (no D×D tile inside the kernel, so head_dim
@@ -260,6 +273,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ShapeError(f"max_prefix_len must be a host int ≥ 0 or None, got {max_prefix_len!r}")
     if scratch is not None and not isinstance(scratch, torch.Tensor):
         raise DtypeError(f"scratch must be a torch.Tensor or None, got {type(scratch).__name__}")
+    if not isinstance(exact_prefix, bool):
+        raise DtypeError(f"exact_prefix must be a bool, got {type(exact_prefix).__name__}")
     check_tensor(query, "query", 3)
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     tq, hq, d = query.shape
@@ -350,6 +365,16 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         check_same_device(dev, scratch=scratch)
         dense = (scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
                  and scratch.numel() * scratch.element_size() >= need)
+    if dense and exact_prefix and ns == 1 and not window:
+        rows = _whole_pages(max_prefix_len + tq, bs)
+        if (scratch.numel() * scratch.element_size()
+                >= dense_prefix_bytes(1, rows, hkv, d, query.dtype)
+                and _sdpa_dense_attention(query, key, value, out, cu_seqlens_q, seq_lens,
+                                          max_prefix_len, maxp, rows, scratch, block_table,
+                                          num_blocks, kargs, vargs, fetch, dequant, loader,
+                                          scale, dot_dtype)):
+            final.copy_((out.view(-1, d_pad) @ loader.out_planar).view(tq, hq, d))
+            return final
     if dense:
         flat = scratch.view(-1).view(torch.uint8)[:need].view(dot_dtype)
         pk, pv = flat.view(2, ns * maxp * hkv * d_pad)
@@ -391,6 +416,55 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         final.copy_((out.view(-1, d_pad) @ loader.out_planar).view(tq, hq, d))
         out = final
     return out
+
+
+def _sdpa_dense_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix: int,
+                          maxp: int, rows: int, scratch, block_table, num_blocks, kargs, vargs,
+                          fetch, dequant, loader, scale: float, dot_dtype) -> bool:
+    """:func:`prefill`'s SDPA path for ONE sequence whose prefix is exactly ``prefix`` tokens
+    (``exact_prefix``): rows ``[0, prefix)`` of K/V are the prefix dequantized into
+    ``scratch`` (planar rotated, norms applied — :func:`_dequant_prefix_kernel`), rows
+    ``[prefix, prefix + q_len)`` the chunk's rotated K/V; the rotated ``query`` attends to
+    them through SDPA with a lower-right causal mask, written into ``out`` (float32
+    ``(q_len, num_q_heads, d_pad)``). Returns False, having written nothing, where SDPA would
+    take its math fallback on CUDA (memory ∝ q_len × keys); the caller then runs the Triton
+    loop (also, with a RuntimeWarning, when SDPA itself raises). A prefix other than
+    ``prefix`` (a broken promise) poisons ``out`` with NaN."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    tq, hq, d_pad = query.shape
+    hkv = key.shape[1]
+    keys = prefix + tq
+    flat = scratch.view(-1).view(torch.uint8)[:2 * rows * hkv * d_pad * query.element_size()]
+    pk, pv = flat.view(dot_dtype).view(2, rows, hkv, d_pad)
+    q4 = query.view(1, tq, hq, d_pad).transpose(1, 2)
+    k4 = pk[:keys].view(1, keys, hkv, d_pad).transpose(1, 2)
+    v4 = pv[:keys].view(1, keys, hkv, d_pad).transpose(1, 2)
+    if query.is_cuda:
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+        if not can_use_flash_attention(SDPAParams(q4, k4, v4, None, 0.0, False, True), False):
+            return False
+    _dequant_prefix_kernel[(triton.cdiv(maxp, 64), 1, hkv)](
+        cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
+        num_blocks, *kargs[:6], *vargs[:6], pk, pv, maxp,
+        FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
+        KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
+        VP3=vargs[9], VNP=vargs[10], HKV=hkv, HEAD_DIM=loader.head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=loader.block_size, BLOCK_N=64, num_warps=4)
+    pk[prefix:keys].copy_(key)
+    pv[prefix:keys].copy_(value)
+    try:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q4, k4, v4, attn_mask=causal_lower_right(tq, keys), scale=scale, enable_gqa=True)
+    except RuntimeError as e:   # no SDPA kernel for these inputs: the Triton loop instead
+        warnings.warn(f"tkv prefill: SDPA refused the decompress-once attention ({e}); using "
+                      "the Triton loop", RuntimeWarning, stacklevel=3)
+        return False
+    broken = (seq_lens[0] - (cu_seqlens_q[1] - cu_seqlens_q[0])) != prefix
+    out.copy_(o.transpose(1, 2)[0])
+    out.masked_fill_(broken, float("nan"))
+    return True
 
 
 # query tokens of the warm-up's decompress-once call: more than any M tile's tokens (block_m

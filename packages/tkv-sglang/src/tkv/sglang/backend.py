@@ -56,7 +56,9 @@ class TurboAttnMetadata:
         no_prefix: extend where no request has cached tokens (host-side
             ``extend_prefix_lens_cpu`` all 0): the kernels' prefill bypass.
         max_prefix_len: the longest cached prefix of an extend request (host int; None when
-            SGLang gives no CPU prefix lengths): sizes the kernels' decompress-once path.
+            SGLang gives no CPU prefix lengths): sizes the kernels' decompress-once path; exact
+            (``extend_prefix_lens_cpu``), so one-sequence extends may take the kernels' SDPA
+            path (``prefill(exact_prefix=True)``).
     """
 
     block_table: torch.Tensor
@@ -188,16 +190,23 @@ class TurboAttnBackend(AttentionBackend):
         return self.workspace
 
     def _scratch_for(self, num_seqs: int, max_prefix_len: int | None, num_kv_heads: int,
-                     dtype: torch.dtype) -> torch.Tensor | None:
+                     dtype: torch.dtype, max_query_len: int = 0) -> torch.Tensor | None:
         """The decompress-once prefill scratch for this extend (grown on demand — extend
         runs eagerly, never inside a captured graph — up to DENSE_PREFIX_CAP bytes); None
-        when the batch's prefixes need more (the kernels then read the prefix inline)."""
+        when the batch's prefixes need more (the kernels then read the prefix inline). One
+        sequence: room for its prefix AND its chunk (``max_query_len`` tokens), which the
+        kernels' SDPA path (``exact_prefix``) lays out after the prefix."""
         from tkv.kernels import DENSE_PREFIX_CAP, dense_prefix_bytes
 
         if not max_prefix_len:
             return None
-        need = dense_prefix_bytes(num_seqs, max_prefix_len, num_kv_heads, self.head_dim, dtype,
+        rows = max_prefix_len + (max_query_len if num_seqs == 1 else 0)
+        need = dense_prefix_bytes(num_seqs, rows, num_kv_heads, self.head_dim, dtype,
                                   block_size=self.page_size)
+        if need > DENSE_PREFIX_CAP and rows > max_prefix_len:   # the Triton dense path's size
+            rows = max_prefix_len
+            need = dense_prefix_bytes(num_seqs, rows, num_kv_heads, self.head_dim, dtype,
+                                      block_size=self.page_size)
         if need > DENSE_PREFIX_CAP:
             return None
         if self._prefill_scratch is None or self._prefill_scratch.numel() < need:
@@ -343,7 +352,8 @@ class TurboAttnBackend(AttentionBackend):
                     sm_scale=layer.scaling, window=_window(layer), no_prefix=md.no_prefix,
                     max_prefix_len=md.max_prefix_len,
                     scratch=self._scratch_for(md.seq_lens.shape[0], md.max_prefix_len, hkv,
-                                              q3.dtype))
+                                              q3.dtype, md.max_seq_len_q),
+                    exact_prefix=md.max_prefix_len is not None)
             if md.no_prefix and lid not in self._prefix_variant_warm:
                 # compile the prefix-reading variant now, not at the first continuation chunk
                 self._prefix_variant_warm.add(lid)

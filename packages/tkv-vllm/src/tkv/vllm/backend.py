@@ -140,6 +140,11 @@ class TurboAttnMetadata(AttentionMetadata):
     the kernels' prefill bypass applies (plain attention, no rotation).
     max_prefill_prefix_len (host int or None): the longest cached prefix of a prefill row,
     for the kernels' decompress-once prefill path (None: unknown, inline path).
+    prefill_prefix_exact (host bool): one prefill row, longer than any decode row can be, so
+    ``max_prefill_prefix_len`` is exactly its prefix (vLLM's CPU sequence lengths are precise
+    for prefill rows; only async spec-decode rows — at most ``reorder_batch_threshold``
+    tokens — are optimistic): the kernels may run its attention through SDPA
+    (``prefill(exact_prefix=True)``).
     """
 
     num_actual_tokens: int
@@ -158,6 +163,7 @@ class TurboAttnMetadata(AttentionMetadata):
     prefill_cu_seqlens: torch.Tensor | None = None
     prefill_no_prefix: bool = False
     max_prefill_prefix_len: int | None = None
+    prefill_prefix_exact: bool = False
 
 
 class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
@@ -204,6 +210,8 @@ class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
             mp = _max_cached_prefix(cam, num_decodes, cam.num_reqs, p_cpu)
             md.prefill_no_prefix = mp == 0
             md.max_prefill_prefix_len = mp
+            md.prefill_prefix_exact = (mp is not None and num_prefills == 1
+                                       and md.max_prefill_query_len > threshold)
         return md
 
 
@@ -393,7 +401,8 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
                             md.seq_lens[nd:r1], md.max_prefill_query_len, kv_cache,
                             md.block_table[nd:r1], loader, out=out[ndt:n], sm_scale=self.scale,
                             window=self._window, no_prefix=md.prefill_no_prefix,
-                            max_prefix_len=md.max_prefill_prefix_len, scratch=scratch)
+                            max_prefix_len=md.max_prefill_prefix_len, scratch=scratch,
+                            exact_prefix=md.prefill_prefix_exact)
             if md.prefill_no_prefix and not self._prefix_variant_warm:
                 # compile the prefix-reading variant now, not at the first continuation chunk
                 self._prefix_variant_warm = True
