@@ -451,8 +451,9 @@ def test_prefill_exact_prefix_runs_sdpa_and_matches_reference(head_dim, kb, vb, 
 
 def test_prefill_exact_prefix_broken_promise_is_nan():
     """exact_prefix=True with a max_prefix_len that is not the sequence's prefix (longer or
-    shorter) on the decompress-once path (chunk longer than one query tile): every output row
-    is NaN, never a plausible wrong answer; exact_prefix must be a bool."""
+    shorter) or an invalid prefix page, on the decompress-once path (chunk longer than one
+    query tile): every output row is NaN, never a plausible wrong answer; a table narrower
+    than the prefix takes a masking path; exact_prefix must be a bool."""
     codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=12)
     ld = TkvLoader(codec, 2, 16)
     g = _gen(44)
@@ -471,6 +472,22 @@ def test_prefill_exact_prefix_broken_promise_is_nan():
     ok = prefill(q, kv[0, 40:], kv[1, 40:], cu, batch.seq_lens, 24, cache, batch.block_table,
                  ld, block_m=32, max_prefix_len=40, scratch=scratch, exact_prefix=True)
     assert torch.isfinite(ok).all()
+    # invalid prefix pages (the other paths mask them): a hole or an out-of-range page is a
+    # broken promise (NaN, whatever stale data the scratch holds); a table narrower than the
+    # prefix falls back to a masking path (equal to inline)
+    for page in (-1, batch.num_blocks + 3):
+        bt = batch.block_table.clone()
+        bt[0, 1] = page
+        scratch.fill_(100.0)
+        out = prefill(q, kv[0, 40:], kv[1, 40:], cu, batch.seq_lens, 24, cache, bt, ld,
+                      block_m=32, max_prefix_len=40, scratch=scratch, exact_prefix=True)
+        assert torch.isnan(out).all(), page
+    narrow = batch.block_table[:, :2]
+    inline = prefill(q, kv[0, 40:], kv[1, 40:], cu, batch.seq_lens, 24, cache, narrow, ld,
+                     block_m=32)
+    out = prefill(q, kv[0, 40:], kv[1, 40:], cu, batch.seq_lens, 24, cache, narrow, ld,
+                  block_m=32, max_prefix_len=40, scratch=scratch, exact_prefix=True)
+    assert torch.allclose(out.float(), inline.float(), atol=2e-3, rtol=2e-3)
     with pytest.raises(DtypeError, match="exact_prefix"):
         prefill(q, kv[0, 40:], kv[1, 40:], cu, batch.seq_lens, 24, cache, batch.block_table,
                 ld, max_prefix_len=40, scratch=scratch, exact_prefix=1)

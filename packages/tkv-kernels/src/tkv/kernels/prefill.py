@@ -256,8 +256,10 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             ``prefix + q_len`` rows with a lower-right causal mask
             (``torch.nn.attention.bias.causal_lower_right``; FlashAttention-2 on CUDA, where
             SDPA must accept the call without its math fallback, else the Triton loop runs).
-            Needs ``scratch`` for ``prefix + q_len`` tokens in whole pages. A broken promise
-            (another prefix length) gives NaN output rows.
+            Needs ``scratch`` for ``prefix + q_len`` tokens in whole pages. The promise covers
+            the block table too: every page of the prefix valid (live prefixes in engines are;
+            the other paths mask −1 / out-of-range pages, this one cannot). A broken promise
+            (another prefix length, an invalid prefix page) gives NaN output rows.
 
     Rotated loaders (tkv): the wrapper rotates the query and the chunk's K/V into the cache's
     rotated space with three small float32 matmuls (no D×D tile inside the kernel, so head_dim
@@ -428,13 +430,17 @@ def _sdpa_dense_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix
     them through SDPA with a lower-right causal mask, written into ``out`` (float32
     ``(q_len, num_q_heads, d_pad)``). Returns False, having written nothing, where SDPA would
     take its math fallback on CUDA (memory ∝ q_len × keys); the caller then runs the Triton
-    loop (also, with a RuntimeWarning, when SDPA itself raises). A prefix other than
-    ``prefix`` (a broken promise) poisons ``out`` with NaN."""
+    loop (also, with a RuntimeWarning, when SDPA itself raises, or when the block table is
+    narrower than the prefix). A broken promise — a prefix other than ``prefix``, a chunk not
+    starting at row 0, a prefix page that is −1 or out of range — poisons ``out`` with NaN."""
     from torch.nn.attention.bias import causal_lower_right
 
     tq, hq, d_pad = query.shape
     hkv = key.shape[1]
     keys = prefix + tq
+    npages = -(-prefix // loader.block_size)
+    if block_table.shape[1] < npages:   # a table narrower than the prefix: the masking paths
+        return False
     flat = scratch.view(-1).view(torch.uint8)[:2 * rows * hkv * d_pad * query.element_size()]
     pk, pv = flat.view(dot_dtype).view(2, rows, hkv, d_pad)
     q4 = query.view(1, tq, hq, d_pad).transpose(1, 2)
@@ -461,7 +467,11 @@ def _sdpa_dense_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix
         warnings.warn(f"tkv prefill: SDPA refused the decompress-once attention ({e}); using "
                       "the Triton loop", RuntimeWarning, stacklevel=3)
         return False
-    broken = (seq_lens[0] - (cu_seqlens_q[1] - cu_seqlens_q[0])) != prefix
+    # broken promises: another prefix length, a chunk not starting at row 0, or a prefix page
+    # that is −1 / out of range (the other paths mask such tokens; this one cannot)
+    pages = block_table[0, :npages]
+    broken = ((seq_lens[0] - (cu_seqlens_q[1] - cu_seqlens_q[0])) != prefix) | (
+        cu_seqlens_q[0] != 0) | ((pages < 0) | (pages >= num_blocks)).any()
     out.copy_(o.transpose(1, 2)[0])
     out.masked_fill_(broken, float("nan"))
     return True
