@@ -146,3 +146,12 @@ def test_goal_lines_check_bytes_vllm_ratio_and_needle():
     assert "KL ratio ≤ 0.5 | 0.44 | yes" in md
     assert "needle TKV@4 | passes = uncompressed (10/12) | 9/12 | no (1 cell(s) fewer)" in md
     assert "needle TKV@3 | misses ≤ 1 of 12 | 1 missed | yes" in md
+    from tkv.calibrate.report import goal_verdicts
+
+    v = goal_verdicts(rows, needle)
+    assert len(v) == md.count("\n| ") - 1 and all(len(t) == 5 for t in v)   # - the header
+    missed = [t for t in v if not t[-1].startswith("yes")]
+    assert ("4", "TKV@4 SmartMix", "KL ≤ 0.0153", "0.0200", "no (1.31× the goal)") in missed
+    assert ("4", "needle TKV@4", "passes = uncompressed (10/12)", "9/12",
+            "no (1 cell(s) fewer)") in missed
+    assert all(t[-1] == "yes" for t in v if t not in missed)

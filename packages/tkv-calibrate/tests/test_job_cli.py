@@ -43,6 +43,18 @@ def test_job_writes_valid_bundle_and_report(job, tiny):
     assert (out / "report.png").stat().st_size > 10_000
     m = json.loads((out / "metrics.json").read_text())
     assert m["evaluation"]["baseline_ppl"] > 1
+    # the stdout summary: the table, how many of the issue's goals were met (a tiny random
+    # model misses the quality ones), and where all four outputs are
+    from rich.console import Console
+
+    from tkv.calibrate.report import print_summary
+
+    con = Console(record=True, width=200)
+    print_summary(res, console=con)
+    text = con.export_text()
+    assert "goals (issue reference, report.md):" in text and "not met:" in text
+    for f in ("tkv_bundle.json", "report.md", "report.png", "metrics.json"):
+        assert f in text
 
 
 def test_cli_errors_are_one_line(capsys, tmp_path):

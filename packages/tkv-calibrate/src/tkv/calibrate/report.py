@@ -247,6 +247,17 @@ def plot_rows(rows, model_name: str, path: Path) -> None:
     plt.close(fig)
 
 
+def goal_verdicts(rows, needle: dict | None = None) -> list[tuple[str, ...]]:
+    """The rows of :func:`goal_lines`' table as ``(budget, shipped row, goal, measured,
+    met?)`` string tuples (the stdout summary lists the goals not met)."""
+    out = []
+    for line in goal_lines(rows, needle)[3:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5:
+            out.append(tuple(cells))
+    return out
+
+
 def print_summary(res, console=None) -> None:
     """Final summary table on stdout (rich)."""
     from rich.console import Console
@@ -273,5 +284,13 @@ def print_summary(res, console=None) -> None:
         console.print(f"budget {d.budget:g}: shipped {d.chosen.source} "
                       f"(mix held-out KL {_fmt_kl(d.mix_measured_kl)} vs best uniform "
                       f"K{d.uniform[0]}V{d.uniform[1]} {_fmt_kl(d.uniform_measured_kl)})")
-    console.print(f"bundle: {res.bundle_path}   report: {res.bundle_path.parent / 'report.md'}")
+    if rows:
+        verdicts = goal_verdicts(rows, getattr(res, "needle", None))
+        missed = [v for v in verdicts if not v[-1].startswith("yes")]
+        console.print(f"goals (issue reference, report.md): {len(verdicts) - len(missed)} of "
+                      f"{len(verdicts)} met" + ("; not met: " if missed else "")
+                      + "; ".join(f"{b} {goal}: {got} ({met})" for b, _, goal, got, met in missed))
+    out = res.bundle_path.parent
+    console.print(f"bundle: {res.bundle_path}   report: {out / 'report.md'}, "
+                  f"{out / 'report.png'}   metrics: {out / 'metrics.json'}")
     console.print("timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in res.timings.items()))
