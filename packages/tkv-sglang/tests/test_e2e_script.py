@@ -96,3 +96,50 @@ def test_radix_check_reads_cached_tokens_from_meta_info(e2e):
             raise RuntimeError("no engine")
 
     assert "no engine" in e2e.radix_check(Broken(), {})["error"]
+
+
+def test_gpu_session_start_waits_for_tkv_after(tmp_path):
+    """``gpu/session start`` with TKV_AFTER=PIDFILE starts the benchmark only once that process
+    has ended (SmolLM2 measured with the machine to itself, after the vLLM job); without it,
+    at once. The benchmark is a stub script standing in for python."""
+    import os
+    import subprocess
+    import time
+
+    session = Path(__file__).resolve().parents[1] / "gpu" / "session"
+    (tmp_path / "env.sh").write_text("export TKV_STUB=1\n")
+    py = tmp_path / "py"
+    py.write_text(f"#!/usr/bin/env bash\ndate +%s.%N > {tmp_path}/ran_at\n")
+    py.chmod(0o755)
+    env = {**os.environ, "TKV_ENV_SH": str(tmp_path / "env.sh"), "PYTHON": str(py),
+           "TKV_E2E_DIR": str(tmp_path / "e2e"), "TKV_EP_DIR": str(tmp_path / "ep")}
+    blocker = subprocess.Popen(["sleep", "4"])
+    (tmp_path / "blocker.pid").write_text(str(blocker.pid))
+    t0 = time.time()
+    r = subprocess.run(["bash", str(session), "start", "all", "--model", "m"], capture_output=True,
+                       text=True, env={**env, "TKV_AFTER": str(tmp_path / "blocker.pid")},
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "after " in r.stdout
+    assert not (tmp_path / "ran_at").exists()          # still waiting for the blocker
+    blocker.wait()
+    deadline = time.time() + 20
+    while not (tmp_path / "ran_at").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    assert float((tmp_path / "ran_at").read_text()) >= t0 + 4
+    pid = int((tmp_path / "e2e" / "job" / "pid").read_text())
+    while time.time() < deadline:                       # until the job's wrapper has ended
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    (tmp_path / "ran_at").unlink()
+    t1 = time.time()
+    r = subprocess.run(["bash", str(session), "start", "all", "--model", "m"], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    deadline = time.time() + 10
+    while not (tmp_path / "ran_at").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert float((tmp_path / "ran_at").read_text()) < t1 + 5
