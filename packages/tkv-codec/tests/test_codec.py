@@ -274,3 +274,68 @@ def test_zero_tokens_round_trip(bits):
                          (codec.compress_v, codec.decompress_v)):
         packed, norms = comp(x)
         assert decomp(packed, norms).shape == (0, 3, 64)
+
+
+def test_sink_offset_codes_each_vector_against_the_better_offset():
+    """k_sink_offset / v_sink_offset: every vector is coded relative to μ (V: 0) or to the sink
+    offset, whichever reconstructs it better in rotated space — exactly what a single-offset
+    codec of each kind gives for it — with the sign of its bf16 norm as the flag; vectors near
+    the sink come back far better; attention stays exact up to ⟨q, offset of the flag⟩."""
+    g = torch.Generator().manual_seed(21)
+    h, d = 2, 64
+    mu = torch.randn(h, d, generator=g)
+    sink_k = torch.randn(h, d, generator=g) * 12
+    sink_v = torch.randn(h, d, generator=g) * 6
+    k = torch.randn(300, h, d, generator=g) + mu
+    v = torch.randn(300, h, d, generator=g)
+    near = torch.zeros(300, dtype=torch.bool)
+    near[::15] = True                                   # 20 sink-like tokens
+    k[near] = sink_k + 0.05 * torch.randn(int(near.sum()), h, d, generator=g)
+    v[near] = sink_v + 0.05 * torch.randn(int(near.sum()), h, d, generator=g)
+    codec = TurboKVCodec(d, 4, seed=5, k_channel_offset=mu, k_sink_offset=sink_k,
+                         v_sink_offset=sink_v)
+    assert codec.has_sink_offset and not TurboKVCodec(d, 4).has_sink_offset
+    plain = TurboKVCodec(d, 4, seed=5, k_channel_offset=mu)
+    for side, x, base, sink in (("k", k, mu, sink_k), ("v", v, None, sink_v)):
+        packed, norms = getattr(codec, f"compress_{side}")(x)
+        flag = torch.signbit(norms)
+        assert flag[near].all()                         # every sink-like (token, head)
+        # the oracle: two single-offset codecs, the better rotated reconstruction wins
+        ca = TurboKVCodec(d, 4, seed=5, k_channel_offset=base) if side == "k" else plain
+        cb = TurboKVCodec(d, 4, seed=5, k_channel_offset=sink)
+        side_a, side_b = (ca.k, cb.k) if side == "k" else (ca.v, cb.k)
+        pa, na = side_a.compress(x)
+        if side == "v":                                 # V relative to the sink, no norm fix
+            cb = TurboKVCodec(d, 4, seed=5, k_channel_offset=sink, k_norm_correction=False)
+            side_b = cb.k
+        pb, nb = side_b.compress(x)
+
+        def err(sd, p, n, x, off):   # the codec's criterion, in its float32 arithmetic
+            y = sd.rotation.forward(x - (0 if off is None else off))
+            return ((sd.decompress_rotated(p, n) - y) ** 2).sum(-1)
+        want = err(side_b, pb, nb, x, sink) < err(side_a, pa, na, x, base)
+        assert torch.equal(flag, want)
+        assert torch.equal(packed, torch.where(want[..., None], pb, pa))
+        assert torch.equal(norms.abs(), torch.where(want, nb, na))
+        out = getattr(codec, f"decompress_{side}")(packed, norms, torch.float64)
+        ref = torch.where(want[..., None], side_b.decompress(pb, nb, torch.float64),
+                          side_a.decompress(pa, na, torch.float64))
+        assert torch.allclose(out, ref, atol=1e-9)
+        e_new = ((out.float() - x)[near] ** 2).sum()
+        single = (plain.decompress_k(*plain.compress_k(x)) if side == "k"
+                  else plain.decompress_v(*plain.compress_v(x)))
+        assert e_new < ((single - x)[near] ** 2).sum() / 100
+    # scores: rotated keys + ⟨q, offset selected by the flag⟩ = ⟨q, k̂⟩
+    pk, nk = codec.compress_k(k)
+    q = torch.randn(h, d, generator=g, dtype=torch.float64)
+    k_hat = codec.decompress_k(pk, nk, torch.float64)
+    rot = codec.decompress_k_rotated(pk, nk, torch.float64)
+    off = torch.where(torch.signbit(nk)[..., None], sink_k.double(), mu.double())
+    lhs = (codec.rotate_query(q)[None] * rot).sum(-1) + (q[None] * off).sum(-1)
+    assert torch.allclose(lhs, (q[None] * k_hat).sum(-1), atol=1e-9)
+    with pytest.raises(ShapeError):
+        TurboKVCodec(d, 4, k_sink_offset=torch.zeros(d + 1))
+    with pytest.raises(ShapeError, match="different KV heads"):
+        TurboKVCodec(d, 4, k_channel_offset=mu, k_sink_offset=torch.zeros(h + 1, d))
+    with pytest.raises(NonFiniteError):
+        TurboKVCodec(d, 4, v_sink_offset=torch.full((d,), float("inf")))

@@ -65,7 +65,8 @@ class SideCodec:
     def __init__(self, name: str, head_dim: int, bits: int, rotation: HadamardRotation,
                  codebook: Codebook, channel_scales: torch.Tensor | None,
                  norm_correction: bool, device: torch.device, check_finite: bool,
-                 channel_offset: torch.Tensor | None = None):
+                 channel_offset: torch.Tensor | None = None,
+                 sink_offset: torch.Tensor | None = None):
         self.name = name
         self.head_dim = head_dim
         self.bits = bits
@@ -83,6 +84,12 @@ class SideCodec:
         self._scaled_sq = self._scaled_centroids.square()
         self.channel_scales = None if channel_scales is None else channel_scales.to(device)
         self.channel_offset = None if channel_offset is None else channel_offset.to(device)
+        self.sink_offset = None if sink_offset is None else sink_offset.to(device)
+        if (self.channel_offset is not None and self.sink_offset is not None
+                and self.channel_offset.dim() == 2 and self.sink_offset.dim() == 2
+                and self.channel_offset.shape != self.sink_offset.shape):
+            raise ShapeError(f"{name} sink offset {tuple(self.sink_offset.shape)} and channel "
+                             f"offset {tuple(self.channel_offset.shape)} hold different KV heads")
         # Byte-indexed dequant table for widths whose codes never straddle a byte (2, 4, 8):
         # row j holds the 8/bits standardized-and-scaled values that byte j encodes, so
         # decompression is one table lookup per byte, no unpacking.
@@ -95,10 +102,12 @@ class SideCodec:
 
     @property
     def offset_heads(self) -> int | None:
-        """Number of KV heads of a per-head ``channel_offset`` ``(num_kv_heads, head_dim)``;
-        None for a shared ``(head_dim,)`` offset or no offset."""
-        m = self.channel_offset
-        return None if m is None or m.dim() == 1 else int(m.shape[0])
+        """Number of KV heads of a per-head ``channel_offset`` or ``sink_offset``
+        ``(num_kv_heads, head_dim)``; None for shared ``(head_dim,)`` offsets or none."""
+        for m in (self.channel_offset, self.sink_offset):
+            if m is not None and m.dim() == 2:
+                return int(m.shape[0])
+        return None
 
     def _check_heads(self, lead: torch.Size, name: str, shape) -> None:
         """A per-head offset needs the KV-head axis just before head_dim: ``lead[-1] == H``."""
@@ -139,13 +148,43 @@ class SideCodec:
         return pack_codes(codes, self.bits), norms
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unpacked codes int64 ``(..., head_dim)`` and bf16 norms ``(...)``, no validation."""
+        """Unpacked codes int64 ``(..., head_dim)`` and bf16 norms ``(...)``, no validation.
+
+        With a ``sink_offset`` each vector is coded twice — relative to ``channel_offset`` (or
+        0) and relative to ``sink_offset`` — and the candidate whose rotated reconstruction
+        ``n · c[code] / sqrt(d)`` is closer to the rotated input wins (ties: the first); the
+        second is flagged by a negative norm (the bf16 sign bit; :meth:`decompress` reads it
+        with ``torch.signbit``, so a zero norm keeps its flag)."""
         xf = x.float() if x.dtype != torch.float64 else x
-        if self.channel_offset is not None:
-            xf = xf - self.channel_offset.to(xf.dtype)
+        if self.sink_offset is None:
+            return self._quantize_centered(xf, self.channel_offset)
+        ca, na = self._quantize_centered(xf, self.channel_offset)
+        cb, nb = self._quantize_centered(xf, self.sink_offset)
+        ea = self._rotated_error(xf, self.channel_offset, ca, na)
+        eb = self._rotated_error(xf, self.sink_offset, cb, nb)
+        pick = eb < ea
+        return (torch.where(pick.unsqueeze(-1), cb, ca),
+                torch.where(pick, -nb, na).to(torch.bfloat16))
+
+    def _rotated(self, xf: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+        """``R ((x − offset) / s)``: the vector the quantizer sees, in ``xf``'s dtype."""
+        if offset is not None:
+            xf = xf - offset.to(xf.dtype)
         if self.channel_scales is not None:
             xf = xf / self.channel_scales.to(xf.dtype)
-        y = self.rotation.forward(xf)
+        return self.rotation.forward(xf)
+
+    def _rotated_error(self, xf, offset, codes, norms) -> torch.Tensor:
+        """Squared error ``‖n · c[code] / sqrt(d) − R((x − offset)/s)‖²`` per vector, with the
+        norm as stored (bf16): the sink-offset choice's criterion."""
+        y = self._rotated(xf, offset)
+        table = self._scaled_centroids.to(y.dtype)
+        rec = table[codes] * norms.to(y.dtype).unsqueeze(-1)
+        return (rec - y).square().sum(dim=-1)
+
+    def _quantize_centered(self, xf: torch.Tensor, offset: torch.Tensor | None):
+        """Codes int64 and bf16 norms of ``x − offset`` (no sink choice)."""
+        y = self._rotated(xf, offset)
         n = torch.linalg.vector_norm(y, dim=-1)
         inv = torch.where(n > 0, math.sqrt(self.head_dim) / n, torch.zeros_like(n))
         z = y * inv.unsqueeze(-1)
@@ -178,8 +217,9 @@ class SideCodec:
 
     def decompress_rotated(self, packed: torch.Tensor, norms: torch.Tensor,
                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rotated-space reconstruction ``ŷ = n · c[idx] / sqrt(d)``, ``(..., head_dim)`` in
-        ``dtype`` (computed in float64 when ``dtype`` is float64, for reference oracles)."""
+        """Rotated-space reconstruction ``ŷ = |n| · c[idx] / sqrt(d)``, ``(..., head_dim)`` in
+        ``dtype`` (computed in float64 when ``dtype`` is float64, for reference oracles); the
+        vector relative to the offset its norm's sign selects (see :meth:`decompress`)."""
         self._check_packed(packed, norms)
         work = torch.float64 if dtype == torch.float64 else torch.float32
         if self._byte_table is not None and work == torch.float32:
@@ -187,25 +227,30 @@ class SideCodec:
             per_byte = self._byte_table.shape[1]          # codes per byte (8 // bits)
             vals = vals.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
             vals = vals[..., : self.head_dim]
-            return (vals * norms.to(work).unsqueeze(-1)).to(dtype)
+            return (vals * norms.to(work).abs().unsqueeze(-1)).to(dtype)
         codes = unpack_codes(packed, self.bits, self.head_dim)
         table = self._scaled_centroids if work == torch.float32 else (
             self.centroids.double() / math.sqrt(self.head_dim))
-        y = table[codes] * norms.to(work).unsqueeze(-1)
+        y = table[codes] * norms.to(work).abs().unsqueeze(-1)
         return y.to(dtype)
 
     def decompress(self, packed: torch.Tensor, norms: torch.Tensor,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Original-space reconstruction ``x̂ = s ⊙ Rᵀ ŷ + μ``: ``(..., head_dim)`` ``dtype``.
         With a per-head μ ``(H, head_dim)``, ``packed`` must be ``(..., H, packed_bytes)``
-        (ShapeError otherwise) and μ[h] is added to head h."""
+        (ShapeError otherwise) and μ[h] is added to head h. With a ``sink_offset``, vectors
+        whose norm has its sign bit set get the sink offset instead of μ."""
         if isinstance(packed, torch.Tensor):
             self._check_heads(packed.shape[:-1], f"{self.name} packed", packed.shape)
         work = torch.float64 if dtype == torch.float64 else torch.float32
         x = self.rotation.inverse(self.decompress_rotated(packed, norms, work))
         if self.channel_scales is not None:
             x = x * self.channel_scales.to(work)
-        if self.channel_offset is not None:
+        if self.sink_offset is not None:
+            base = 0 if self.channel_offset is None else self.channel_offset.to(work)
+            x = x + torch.where(torch.signbit(norms).unsqueeze(-1), self.sink_offset.to(work),
+                                base)
+        elif self.channel_offset is not None:
             x = x + self.channel_offset.to(work)
         return x.to(dtype)
 
@@ -235,6 +280,14 @@ class TurboKVCodec:
             gains a per-query constant, which softmax ignores, so kernels attend over the
             centered keys (``decompress_k_rotated``) unchanged while ``decompress_k`` adds μ
             back. Removing the shared mean shrinks what the quantizer has to spend bits on.
+        k_sink_offset, v_sink_offset: a second offset per side (same shapes as
+            ``k_channel_offset``; None: off), for attention sinks: each vector is coded
+            relative to ``k_channel_offset`` (V: 0) or to the sink offset, whichever
+            reconstructs it better in rotated space, the choice stored as the sign of its bf16
+            norm — no extra bytes (``benchmarks/results/sink_offset_cpu.md``: 0.72-0.74× the
+            teacher-forced KL of SmolLM2's 4.0 row with the position-0 mean key and value).
+            Attention over such keys adds ``⟨q, sink − μ⟩`` to the scores of flagged keys (a
+            per-query constant no longer), so tkv's kernels refuse these codecs for now.
         k_codebook, v_codebook: a :class:`Codebook` (or ``2**bits`` centroids) of the side's
             width, ``"gaussian"`` (default) or ``"beta"`` (exact sphere marginal for head_dim).
         check_finite: reject NaN/Inf inputs with NonFiniteError (a device sync; turn off in
@@ -255,7 +308,7 @@ class TurboKVCodec:
                  v_bits: int | None = None, device: torch.device | str = "cpu", seed: int = 0,
                  k_norm_correction: bool = True, k_channel_scales=None, v_channel_scales=None,
                  k_codebook=None, v_codebook=None, check_finite: bool = True,
-                 k_channel_offset=None):
+                 k_channel_offset=None, k_sink_offset=None, v_sink_offset=None):
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
             raise ShapeError(f"head_dim must be a positive int, got {head_dim!r}")
         check_bits(bit_width, "bit_width")
@@ -268,12 +321,20 @@ class TurboKVCodec:
         ks = check_channel_scales(k_channel_scales, head_dim, "k_channel_scales")
         vs = check_channel_scales(v_channel_scales, head_dim, "v_channel_scales")
         km = check_channel_offset(k_channel_offset, head_dim, "k_channel_offset")
+        ksk = check_channel_offset(k_sink_offset, head_dim, "k_sink_offset")
+        vsk = check_channel_offset(v_sink_offset, head_dim, "v_sink_offset")
         self.k = SideCodec("K", head_dim, self.k_bits, self.rotation,
                            _as_codebook(k_codebook, self.k_bits, head_dim, "k_codebook"), ks,
-                           k_norm_correction, self.device, check_finite, channel_offset=km)
+                           k_norm_correction, self.device, check_finite, channel_offset=km,
+                           sink_offset=ksk)
         self.v = SideCodec("V", head_dim, self.v_bits, self.rotation,
                            _as_codebook(v_codebook, self.v_bits, head_dim, "v_codebook"), vs,
-                           False, self.device, check_finite)
+                           False, self.device, check_finite, sink_offset=vsk)
+
+    @property
+    def has_sink_offset(self) -> bool:
+        """True when either side codes vectors relative to a second (sink) offset."""
+        return self.k.sink_offset is not None or self.v.sink_offset is not None
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -52,7 +52,7 @@ import triton.language as tl
 
 from tkv.codec import TurboKVCodec
 from tkv.codec.codebooks import default_codebook
-from tkv.codec.errors import DtypeError, ShapeError
+from tkv.codec.errors import DtypeError, ShapeError, UnsupportedFeatureError
 from tkv.codec.layout import SlotLayout
 from tkv.codec.packing import code_group
 
@@ -506,6 +506,7 @@ class TkvLoader:
     Raises:
         ValueError: unknown ``lookup``. DtypeError: ``codec`` is not a TurboKVCodec.
         ShapeError: a per-head ``k_channel_offset`` whose head count is not ``num_kv_heads``.
+        UnsupportedFeatureError: a codec with sink offsets (not implemented by the kernels).
 
     Attributes (device tensors, float32 unless noted):
         k_table, v_table: ``(2**bits,)`` centroids / sqrt(head_dim) (SideCodec.scaled_centroids).
@@ -531,6 +532,12 @@ class TkvLoader:
         self.lookup = lookup
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")
+        if codec.has_sink_offset:
+            # flagged vectors carry a negative norm and another offset: these kernels would
+            # read them as sign-flipped vectors around μ (silently wrong attention)
+            raise UnsupportedFeatureError(
+                "tkv.kernels do not implement the codec's sink offsets (k_sink_offset / "
+                "v_sink_offset) yet; build the codec without them")
         mu_heads = codec.k.offset_heads
         if mu_heads is not None and mu_heads != num_kv_heads:
             # a per-head key offset must hold exactly this layer's (per-rank) KV heads: a wrong
