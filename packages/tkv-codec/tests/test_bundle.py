@@ -89,6 +89,35 @@ def test_per_head_offset_round_trip_and_old_form(tmp_path):
         b2.codec(2, 4, 4, heads=range(heads, heads + 1))
 
 
+def test_sink_offsets_round_trip_slice_per_rank_and_reach_the_codec(tmp_path):
+    """k_sink_offset / v_sink_offset (per head, head-major; or shared) save, load, build a codec
+    with sink offsets (sliced to a TP rank's heads like the key offset); bundles without them
+    are unchanged; a bad length is refused by name."""
+    b = make_bundle()
+    heads, d = b.geometry.num_kv_heads, b.geometry.head_dim
+    sk, sv = torch.randn(heads, d), torch.randn(d)
+    layers = list(b.layers)
+    layers[1] = dataclasses.replace(layers[1], k_sink_offset=tuple(sk.flatten().tolist()),
+                                    v_sink_offset=tuple(sv.tolist()))
+    b = dataclasses.replace(b, layers=tuple(layers))
+    b2 = CalibrationBundle.load(b.save(tmp_path / "sink.json"))
+    assert (b2.layers[1].k_sink_offset, b2.layers[1].v_sink_offset) == (
+        b.layers[1].k_sink_offset, b.layers[1].v_sink_offset)
+    c = b2.codec(1, 4, 3)
+    assert c.has_sink_offset and not b2.codec(0, 4, 4).has_sink_offset
+    assert torch.allclose(c.k.sink_offset, sk) and torch.allclose(c.v.sink_offset, sv)
+    x = torch.randn(4, heads, d)
+    assert c.decompress_v(*c.compress_v(x)).shape == (4, heads, d)
+    cr = b2.codec(1, 4, 3, heads=range(1, 2))
+    assert torch.equal(cr.k.sink_offset[0], sk[1]) and torch.equal(cr.v.sink_offset, sv)
+    assert "k_sink_offset" not in make_bundle().to_dict()["layers"][1]
+    dd = b.to_dict()
+    dd.pop("integrity")
+    dd["layers"][1]["v_sink_offset"] = [0.0] * (d + 1)
+    with pytest.raises(BundleSchemaError, match=r"layers\[1\]\.v_sink_offset"):
+        CalibrationBundle.from_dict(dd)
+
+
 def test_missing_row_lists_rows():
     b = make_bundle()
     with pytest.raises(BudgetRowMissingError, match=r"rows present: 3\.5, 4\.0"):

@@ -15,6 +15,8 @@ Format (``schema_version`` 1)::
          "k_channel_offset": [...head_dim floats]           # optional key mean (centering):
                            | [...num_kv_heads*head_dim floats] | null,  # shared, or per KV head
                                                             # (head-major: head h at h*head_dim)
+         "k_sink_offset": [...] | null, "v_sink_offset": [...] | null,  # optional, same forms:
+                                                            # the codec's sink offsets
          "codebooks": {"k_bits_4": {"centroids": [16 floats], "boundaries": [15 floats]},
                        "v_bits_3": {...}, ...}}   # any subset of k_bits_2..8 / v_bits_2..8
       ],
@@ -171,6 +173,21 @@ class ModelGeometry:
                    _int(_req(d, "head_dim", path), f"{path}.head_dim", 1), tuple(types), sw, model)
 
 
+def _offset_tensor(vals, head_dim: int, name: str):
+    """A flat offset (``head_dim`` floats, or ``num_kv_heads * head_dim`` head-major) as float32
+    ``(head_dim,)`` / ``(H, head_dim)``, or None. Raises BundleSchemaError on a bad length."""
+    if vals is None:
+        return None
+    import torch
+
+    n = len(vals)
+    if n == 0 or n % head_dim:
+        raise BundleSchemaError(f"{name} holds {n} floats; expected head_dim={head_dim} or "
+                                f"num_kv_heads*head_dim")
+    t = torch.tensor(vals, dtype=torch.float32)
+    return t if n == head_dim else t.view(n // head_dim, head_dim)
+
+
 @dataclass(frozen=True)
 class LayerCalibration:
     """What calibration learned for one layer.
@@ -183,12 +200,16 @@ class LayerCalibration:
             ``head_dim`` floats (one mean shared by all KV heads; older bundles) or
             ``num_kv_heads * head_dim`` floats, head-major (one mean per KV head);
             :meth:`k_offset_tensor` gives the codec's ``(head_dim,)`` / ``(H, head_dim)`` form.
+        k_sink_offset, v_sink_offset: the codec's sink offsets (``TurboKVCodec``), stored like
+            ``k_channel_offset``; optional (experimental: tkv's kernels do not serve them yet).
     """
 
     k_channel_scales: tuple[float, ...] | None = None
     v_channel_scales: tuple[float, ...] | None = None
     codebooks: Mapping[str, Codebook] = field(default_factory=dict)
     k_channel_offset: tuple[float, ...] | None = None
+    k_sink_offset: tuple[float, ...] | None = None
+    v_sink_offset: tuple[float, ...] | None = None
 
     def k_offset_heads(self, head_dim: int) -> int | None:
         """KV heads of a per-head key offset (``num_kv_heads * head_dim`` floats); None for a
@@ -199,17 +220,13 @@ class LayerCalibration:
     def k_offset_tensor(self, head_dim: int):
         """float32 ``(head_dim,)`` (shared) or ``(num_kv_heads, head_dim)`` (per head) key mean,
         or None. Raises BundleSchemaError if the flat length is not a multiple of head_dim."""
-        if self.k_channel_offset is None:
-            return None
-        import torch
+        return _offset_tensor(self.k_channel_offset, head_dim, "k_channel_offset")
 
-        n = len(self.k_channel_offset)
-        if n == 0 or n % head_dim:
-            raise BundleSchemaError(
-                f"k_channel_offset holds {n} floats; expected head_dim={head_dim} or "
-                f"num_kv_heads*head_dim")
-        t = torch.tensor(self.k_channel_offset, dtype=torch.float32)
-        return t if n == head_dim else t.view(n // head_dim, head_dim)
+    def sink_offset_tensor(self, side: str, head_dim: int):
+        """The ``side`` ("k"/"v") sink offset in the codec's form (as :meth:`k_offset_tensor`),
+        or None."""
+        name = f"{side}_sink_offset"
+        return _offset_tensor(getattr(self, name), head_dim, name)
 
     def codebook(self, side: str, bits: int) -> Codebook | None:
         """The fitted codebook of ``side`` ("k"/"v") at ``bits``, or None (→ Gaussian default)."""
@@ -221,8 +238,9 @@ class LayerCalibration:
             "v_channel_scales": None if self.v_channel_scales is None else list(self.v_channel_scales),
             "codebooks": {k: cb.to_dict() for k, cb in sorted(self.codebooks.items())},
         }
-        if self.k_channel_offset is not None:
-            d["k_channel_offset"] = list(self.k_channel_offset)
+        for name in ("k_channel_offset", "k_sink_offset", "v_sink_offset"):
+            if getattr(self, name) is not None:
+                d[name] = list(getattr(self, name))
         return d
 
     @classmethod
@@ -253,18 +271,22 @@ class LayerCalibration:
             if max(abs(a - b) for a, b in zip(book.boundaries.tolist(), bounds, strict=True)) > 1e-5:
                 raise _fail(f"{p}.boundaries", "boundaries are not the midpoints of the centroids")
             cbs[key] = book
-        off = d.get("k_channel_offset") if isinstance(d, Mapping) else None
-        offset = None
-        if off is not None:
-            p = f"{path}.k_channel_offset"
-            vals = _floats(off, p)
-            allowed = {head_dim} | ({num_kv_heads * head_dim} if num_kv_heads else set())
-            if len(vals) not in allowed:
-                want = " or ".join(str(a) for a in sorted(allowed))
-                raise _fail(p, f"expected {want} numbers (head_dim={head_dim} shared, or "
-                               f"num_kv_heads={num_kv_heads} x head_dim per head), got {len(vals)}")
-            offset = tuple(vals)
-        return cls(scales["k"], scales["v"], cbs, offset)
+        offsets = {}
+        for name in ("k_channel_offset", "k_sink_offset", "v_sink_offset"):
+            off = d.get(name) if isinstance(d, Mapping) else None
+            offsets[name] = None
+            if off is not None:
+                p = f"{path}.{name}"
+                vals = _floats(off, p)
+                allowed = {head_dim} | ({num_kv_heads * head_dim} if num_kv_heads else set())
+                if len(vals) not in allowed:
+                    want = " or ".join(str(a) for a in sorted(allowed))
+                    raise _fail(p, f"expected {want} numbers (head_dim={head_dim} shared, or "
+                                   f"num_kv_heads={num_kv_heads} x head_dim per head), "
+                                   f"got {len(vals)}")
+                offsets[name] = tuple(vals)
+        return cls(scales["k"], scales["v"], cbs, offsets["k_channel_offset"],
+                   offsets["k_sink_offset"], offsets["v_sink_offset"])
 
 
 @dataclass(frozen=True)
@@ -466,20 +488,21 @@ class CalibrationBundle:
         if not 0 <= layer < self.geometry.num_layers:
             raise IndexError(f"layer {layer} outside 0..{self.geometry.num_layers - 1}")
         cal = self.layers[layer]
-        mu = cal.k_offset_tensor(self.geometry.head_dim)
+        d = self.geometry.head_dim
+        offs = [cal.k_offset_tensor(d), cal.sink_offset_tensor("k", d),
+                cal.sink_offset_tensor("v", d)]
         if heads is not None:
             idx = list(heads)
             nh = self.geometry.num_kv_heads
             if not idx or any(not 0 <= h < nh for h in idx):
                 raise BundleGeometryError(
                     f"KV heads {idx} outside the bundle's {nh} KV heads (0..{nh - 1})")
-            if mu is not None and mu.dim() == 2:
-                mu = mu[idx]
+            offs = [m[idx] if m is not None and m.dim() == 2 else m for m in offs]
         return TurboKVCodec(
-            self.geometry.head_dim, k_bits=k_bits, v_bits=v_bits, device=device, seed=self.seed,
+            d, k_bits=k_bits, v_bits=v_bits, device=device, seed=self.seed,
             k_channel_scales=cal.k_channel_scales, v_channel_scales=cal.v_channel_scales,
             k_codebook=cal.codebook("k", k_bits), v_codebook=cal.codebook("v", v_bits),
-            k_channel_offset=mu, **kwargs)
+            k_channel_offset=offs[0], k_sink_offset=offs[1], v_sink_offset=offs[2], **kwargs)
 
     def codecs(self, tkv_bits: str | float, device="cpu", **kwargs) -> list:
         """One codec per layer for the ``tkv_bits`` row."""
