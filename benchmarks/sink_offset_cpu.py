@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from tkv.calibrate.collect import record_attention
+from tkv.calibrate.collect import sink_offsets
 from tkv.calibrate.data import default_calib_text, tokenize_windows
 from tkv.calibrate.evaluate import Arm
 from tkv.calibrate.pipeline import tkv_arm
@@ -41,20 +41,6 @@ from tkv.calibrate.quantizers import TkvQuantizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from design_study import TABLE_HEAD, WrappedQuantizer, arm_rows, finish, parse_and_load
 from sink_tokens_cpu import SinkQuantizer
-
-
-def sink_means(model, first_tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer ``(μ_k,sink, μ_v,sink)``, float ``(H, d)`` each: the mean post-RoPE key and the
-    mean value at position 0 over one-token forwards of ``first_tokens`` (int64 ``(n,)``)."""
-    acc: dict[int, list] = {}
-
-    def cb(idx, module, q, k, v):
-        acc.setdefault(idx, []).append((k[:, :, 0].float(), v[:, :, 0].float()))  # (n, H, d)
-
-    with torch.inference_mode(), record_attention(model, cb):
-        model(first_tokens[:, None], use_cache=False)
-    return [(torch.cat([a for a, _ in acc[i]]).mean(0), torch.cat([b for _, b in acc[i]]).mean(0))
-            for i in sorted(acc)]
 
 
 class SinkOffsetQuantizer(WrappedQuantizer):
@@ -94,7 +80,7 @@ def main() -> None:
     # the first tokens of the calibration windows and of 64-token strides inside them (what an
     # arbitrary window start looks like) — windows 0-5 only, before the held-out ones
     firsts = calib[:, ::64].reshape(-1)
-    mus = sink_means(lm.model, firsts)
+    mus = sink_offsets(lm.model, firsts)
     held = tokenize_windows(lm.tokenizer, default_calib_text(), 1024, 6 + a.windows).subset(6, a.windows)
     n = bundle.geometry.num_layers
     lines = [f"# Sink-offset study — SmolLM2-135M-Instruct, bundle `{Path(a.bundle).name}`", "",

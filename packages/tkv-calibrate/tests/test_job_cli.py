@@ -137,3 +137,35 @@ def test_center_keys_flag():
     assert _parser().parse_args(["run", "--no-center-keys"]).center_keys == "off"
     with pytest.raises(SystemExit):
         _parser().parse_args(["run", "--center-keys", "per-layer"])
+
+
+def test_sink_offset_job_calibrates_and_evaluates_sink_offsets(tiny, tmp_path):
+    """--sink-offset: every layer of the bundle carries per-head K and V sink offsets (the mean
+    position-0 key / value of one-token forwards), the codecs built from it use them, and the
+    whole job (sensitivity, SmartMix, evaluation) runs through them with finite metrics."""
+    import torch
+
+    from tkv.calibrate.collect import sink_offsets
+
+    cfg = JobConfig(out=str(tmp_path), budgets=(4.0,), calib_window=64, collect_windows=2,
+                    sensitivity_windows=1, verify_windows=1, eval_window=64, eval_windows=1,
+                    decode=False, sink_offset=True, show_progress=False)
+    run_job(cfg, loaded=tiny)
+    b = CalibrationBundle.load(tmp_path / "tkv_bundle.json")
+    g = tiny.geometry
+    assert b.provenance["sink_offset"] is True
+    for i, layer in enumerate(b.layers):
+        assert len(layer.k_sink_offset) == len(layer.v_sink_offset) == g.num_kv_heads * g.head_dim
+        assert b.codec(i, 4, 4).has_sink_offset
+    # the offsets are the position-0 means over the calibration windows' every 64th token
+    from tkv.calibrate.data import default_calib_text, tokenize_windows
+
+    w = tokenize_windows(tiny.tokenizer, default_calib_text(), 64, 4).subset(0, 2)
+    sinks = sink_offsets(tiny.model, w[:, ::64].reshape(-1))
+    for layer, (k, v) in zip(b.layers, sinks, strict=True):
+        assert torch.allclose(torch.tensor(layer.k_sink_offset), k.flatten(), atol=1e-6)
+        assert torch.allclose(torch.tensor(layer.v_sink_offset), v.flatten(), atol=1e-6)
+    one = sink_offsets(tiny.model, w[:1, 0])[0][0]
+    assert not torch.allclose(one, sinks[0][0])     # a mean over tokens, not the first one
+    rows = b.metrics["evaluation"]["rows"]
+    assert rows and all(r["kl"] >= 0 and r["kl"] == r["kl"] for r in rows)

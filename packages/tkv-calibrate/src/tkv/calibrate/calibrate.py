@@ -10,6 +10,7 @@ the calibrated codec used by every later step.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ from tkv.codec import (
     ModelGeometry,
 )
 
-from .collect import KVCollection, collect_kv
+from .collect import KVCollection, collect_kv, sink_offsets
 from .fitting import MIN_FITTED_GAIN, SideCodebooks, fit_side_codebooks, standardized_coords
 from .progress import bar
 from .scales import ScaleChoice, choose_scales
@@ -94,7 +95,8 @@ def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed:
                     held_fraction: float = 0.25, show_progress: bool = True,
                     collection: KVCollection | None = None,
                     center_keys: bool | str = "per-head",
-                    codebook_min_gain: float = MIN_FITTED_GAIN) -> Calibration:
+                    codebook_min_gain: float = MIN_FITTED_GAIN,
+                    sink_tokens: torch.Tensor | None = None) -> Calibration:
     """Collect K/V over ``windows`` (int64 ``(n, T)``), then fit the key offset μ, scales and
     codebooks per layer (a fitted codebook kept where it beats the Gaussian default's held-out
     MSE by more than ``codebook_min_gain``, relative; :func:`fit_side_codebooks`).
@@ -103,7 +105,10 @@ def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed:
     to select scales (and whether to center) and judge codebooks; μ is fitted on the rest.
     ``center_keys``: ``"per-head"`` (default; True), ``"shared"`` or ``"off"`` (False; ablation,
     bundles then carry no offset). A per-head μ is stored flat, head-major
-    (``num_kv_heads * head_dim`` floats).
+    (``num_kv_heads * head_dim`` floats). ``sink_tokens`` (int64 ``(n,)``, e.g. window starts
+    of the calibration text): also the per-head sink offsets of every layer
+    (:func:`tkv.calibrate.collect.sink_offsets`; experimental — tkv's kernels do not serve
+    bundles that carry them yet).
     """
     t0 = time.perf_counter()
     col = collection or collect_kv(model, windows, show_progress=show_progress)
@@ -135,6 +140,11 @@ def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed:
         from .errors import UnsupportedModelError
         raise UnsupportedModelError(
             f"recorded {len(layers)} attention layers, the config declares {geometry.num_layers}")
+    if sink_tokens is not None:
+        sinks = sink_offsets(model, sink_tokens)
+        layers = [dataclasses.replace(lc, k_sink_offset=tuple(k.flatten().tolist()),
+                                      v_sink_offset=tuple(v.flatten().tolist()))
+                  for lc, (k, v) in zip(layers, sinks, strict=True)]
     t2 = time.perf_counter()
     return Calibration(geometry, layers, scales, books, col.num_tokens, seed,
                        {"collect": t1 - t0, "fit": t2 - t1}, float(codebook_min_gain))

@@ -85,6 +85,28 @@ def record_attention(model, callback):
             del ALL_ATTENTION_FUNCTIONS[impl]
 
 
+def sink_offsets(model, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(k_sink, v_sink)``, float32 ``(num_kv_heads, head_dim)`` each: the mean
+    post-RoPE key and the mean value at position 0 over one-token forwards of ``tokens``
+    (int64 ``(n,)``) — a token at position 0 attends only to itself, so these are the
+    attention sink's K/V as a sequence starting with one of ``tokens`` stores them. The
+    codec's ``k_sink_offset`` / ``v_sink_offset`` (``benchmarks/results/sink_offset_cpu.md``).
+
+    Raises:
+        UnsupportedModelError: no attention call was seen.
+    """
+    acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cb(idx, module, q, k, v):
+        acc[idx] = (k[:, :, 0].float().mean(0), v[:, :, 0].float().mean(0))   # (H, d)
+
+    with torch.inference_mode(), record_attention(model, cb):
+        model(tokens.reshape(-1, 1), use_cache=False)
+    if not acc:
+        raise UnsupportedModelError("the model made no attention call tkv could record")
+    return [acc[i] for i in sorted(acc)]
+
+
 def collect_kv(model, windows: torch.Tensor, q_per_window: int = 128,
                show_progress: bool = True) -> KVCollection:
     """Run ``windows`` (int64 ``(n, T)``) through ``model`` and keep every layer's K/V.

@@ -66,6 +66,7 @@ class JobConfig:
     decode: bool = True
     center_keys: bool | str = "per-head"  # "per-head" | "shared" | "off" (True/False accepted)
     codebook_min_gain: float = MIN_FITTED_GAIN  # a fit ships only above this held-out MSE gain
+    sink_offset: bool = False   # experimental: per-layer sink offsets (kernels do not serve them)
     seed: int = 0
     threads: int | None = None
     show_progress: bool = True
@@ -257,7 +258,10 @@ def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
     t = time.perf_counter()
     cal = fit_calibration(lm.model, geo, collect_ids, cfg.seed, show_progress=cfg.show_progress,
                           center_keys=cfg.center_keys,
-                          codebook_min_gain=cfg.codebook_min_gain)
+                          codebook_min_gain=cfg.codebook_min_gain,
+                          # window starts and every 64th token of the calibration windows
+                          sink_tokens=collect_ids[:, ::64].reshape(-1) if cfg.sink_offset
+                          else None)
     times["collect"] = cal.seconds["collect"]
     times["scales_codebooks"] = cal.seconds["fit"]
     draft = draft_bundle(cal)
@@ -280,6 +284,7 @@ def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "key_centering": center_mode(cfg.center_keys),
+        "sink_offset": bool(cfg.sink_offset),
         "budget_semantics": "TKV_BITS=b buys the bytes of a uniform cache with b-bit K and V "
                             "codes plus bf16 norms (interpolated between floor(b) and ceil(b)), "
                             "priced by tkv.codec.layout",

@@ -36,24 +36,25 @@ class KVQuantizer(Protocol):
         ...
 
 
-def compress_k_bhtd(codec: TurboKVCodec, k: torch.Tensor):
-    """``codec.compress_k`` for HF-layout keys float ``(B, H, T, d)`` → uint8 codes
-    ``(B, H, T, k_packed_bytes)``, bf16 norms ``(B, H, T)``. A per-head key offset
-    ``(H, d)`` needs the head axis at -2, so the call goes through a ``(B, T, H, d)`` view."""
-    if codec.k.offset_heads is None:
-        return codec.compress_k(k)
-    c, n = codec.compress_k(k.transpose(-3, -2))
+def compress_bhtd(side, x: torch.Tensor):
+    """``side.compress`` (a :class:`tkv.codec.codec.SideCodec`: ``codec.k`` / ``codec.v``) for
+    HF-layout vectors float ``(B, H, T, d)`` → uint8 codes ``(B, H, T, packed_bytes)``, bf16
+    norms ``(B, H, T)``. Per-head offsets ``(H, d)`` (key centering, sink offsets) need the head
+    axis at -2, so the call then goes through a ``(B, T, H, d)`` view."""
+    if side.offset_heads is None:
+        return side.compress(x)
+    c, n = side.compress(x.transpose(-3, -2))
     return c.transpose(-3, -2), n.transpose(-2, -1)
 
 
-def decompress_k_bhtd(codec: TurboKVCodec, codes: torch.Tensor, norms: torch.Tensor,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`compress_k_bhtd`: codes ``(B, H, T, pb)``, norms ``(B, H, T)`` → keys
-    ``(B, H, T, d)`` in ``dtype`` (per-head μ[h] added back to head h)."""
-    if codec.k.offset_heads is None:
-        return codec.decompress_k(codes, norms, dtype=dtype)
-    return codec.decompress_k(codes.transpose(-3, -2), norms.transpose(-2, -1),
-                              dtype=dtype).transpose(-3, -2)
+def decompress_bhtd(side, codes: torch.Tensor, norms: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`compress_bhtd`: codes ``(B, H, T, pb)``, norms ``(B, H, T)`` →
+    vectors ``(B, H, T, d)`` in ``dtype`` (per-head offsets added back to their heads)."""
+    if side.offset_heads is None:
+        return side.decompress(codes, norms, dtype)
+    return side.decompress(codes.transpose(-3, -2), norms.transpose(-2, -1),
+                           dtype).transpose(-3, -2)
 
 
 class TkvQuantizer:
@@ -74,11 +75,12 @@ class TkvQuantizer:
 
     def encode(self, k: torch.Tensor, v: torch.Tensor):
         """``(k, v)`` float ``(B, H, T, d)`` → ``((k_codes, k_norms), (v_codes, v_norms))``."""
-        return compress_k_bhtd(self.codec, k), self.codec.compress_v(v)
+        return compress_bhtd(self.codec.k, k), compress_bhtd(self.codec.v, v)
 
     def decode(self, kp, vp, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed K/V from :meth:`encode` → float K/V ``(B, H, T, d)`` in ``dtype``."""
-        return decompress_k_bhtd(self.codec, *kp, dtype), self.codec.decompress_v(*vp, dtype=dtype)
+        return (decompress_bhtd(self.codec.k, *kp, dtype),
+                decompress_bhtd(self.codec.v, *vp, dtype))
 
     def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kp, vp = self.encode(k, v)

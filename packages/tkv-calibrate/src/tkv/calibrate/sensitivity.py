@@ -28,7 +28,7 @@ from tkv.codec import CalibrationBundle
 from .cache import QuantizedKVCache
 from .metrics import compare_logits
 from .progress import bar
-from .quantizers import compress_k_bhtd, decompress_k_bhtd
+from .quantizers import compress_bhtd, decompress_bhtd
 from .runner import PrefixRunner
 
 __all__ = ["Sensitivity", "SideQuantizer", "measure_sensitivity"]
@@ -46,8 +46,8 @@ class SideQuantizer:
 
     def roundtrip(self, k, v):
         if self.side == "k":
-            return decompress_k_bhtd(self.codec, *compress_k_bhtd(self.codec, k), k.dtype), v
-        return k, self.codec.decompress_v(*self.codec.compress_v(v), dtype=v.dtype)
+            return decompress_bhtd(self.codec.k, *compress_bhtd(self.codec.k, k), k.dtype), v
+        return k, decompress_bhtd(self.codec.v, *compress_bhtd(self.codec.v, v), v.dtype)
 
     def bytes_per_token_head(self) -> float:  # pragma: no cover - not priced
         return float("nan")
