@@ -198,3 +198,12 @@ def test_load_config_from_env(tmp_path):
     with pytest.warns(UserWarning):
         cfg = load_config(3, 2, 64, {})
     assert cfg.bundle is None and cfg.layer_bits(1) == (4, 4)
+    # a bundle with sink offsets (tkv-calibrate --sink-offset) is refused for serving, by name
+    from tkv.codec.errors import UnsupportedFeatureError
+
+    b = make_bundle()
+    layers = list(b.layers)
+    layers[1] = dataclasses.replace(layers[1], v_sink_offset=tuple([0.5] * 64))
+    ps = dataclasses.replace(b, layers=tuple(layers)).save(tmp_path / "sink.json")
+    with pytest.raises(UnsupportedFeatureError, match=r"layers \[1\] carry sink offsets"):
+        load_config(3, 2, 64, {"TKV_CALIBRATION_FILE": str(ps)})

@@ -24,6 +24,7 @@ import torch
 
 from .bundle import CalibrationBundle, LayerAllocation, normalize_tkv_bits, resolve_allocation
 from .codec import TurboKVCodec
+from .errors import UnsupportedFeatureError
 from .layout import SlotLayout
 
 __all__ = ["ENV_BITS", "ENV_CALIBRATION_FILE", "TkvConfig", "load_config"]
@@ -83,7 +84,8 @@ def load_config(num_layers: int, num_kv_heads: int, head_dim: int,
 
     Raises:
         TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
-        BudgetRowMissingError (see module docstring).
+        BudgetRowMissingError (see module docstring); UnsupportedFeatureError for a bundle with
+        sink offsets (the serving kernels do not implement them yet).
     """
     env = os.environ if env is None else env
     raw_bits = env.get(ENV_BITS) or "4.0"
@@ -95,5 +97,12 @@ def load_config(num_layers: int, num_kv_heads: int, head_dim: int,
         if not p.is_file():
             raise FileNotFoundError(f"{ENV_CALIBRATION_FILE}={path}: no such file")
         bundle = CalibrationBundle.load(p)
+        sinks = [i for i, lc in enumerate(bundle.layers)
+                 if lc.k_sink_offset is not None or lc.v_sink_offset is not None]
+        if sinks:
+            raise UnsupportedFeatureError(
+                f"{ENV_CALIBRATION_FILE}={path}: layers {sinks[:4]}{'...' if len(sinks) > 4 else ''}"
+                " carry sink offsets (tkv-calibrate --sink-offset), which tkv's serving kernels do "
+                "not implement yet; calibrate without --sink-offset to serve")
     alloc = resolve_allocation(bundle, key, num_layers, num_kv_heads, head_dim)
     return TkvConfig(key, alloc, bundle, num_layers, num_kv_heads, head_dim)
