@@ -169,3 +169,20 @@ def test_sink_offset_job_calibrates_and_evaluates_sink_offsets(tiny, tmp_path):
     assert not torch.allclose(one, sinks[0][0])     # a mean over tokens, not the first one
     rows = b.metrics["evaluation"]["rows"]
     assert rows and all(r["kl"] >= 0 and r["kl"] == r["kl"] for r in rows)
+
+
+def test_sink_offset_helpers_name_bad_input(tiny):
+    """No tokens for sink_offsets, or vectors without a head axis for compress_bhtd with
+    per-head offsets: named errors, not a failure deep inside the model or an IndexError."""
+    import torch
+
+    from tkv.calibrate.collect import sink_offsets
+    from tkv.calibrate.quantizers import compress_bhtd
+    from tkv.codec import TurboKVCodec
+    from tkv.codec.errors import ShapeError
+
+    with pytest.raises(ValueError, match="at least one token"):
+        sink_offsets(tiny.model, torch.zeros(0, dtype=torch.long))
+    c = TurboKVCodec(32, 4, v_sink_offset=torch.zeros(2, 32))
+    with pytest.raises(ShapeError, match="num_kv_heads, T, head_dim"):
+        compress_bhtd(c.v, torch.randn(5, 32))

@@ -207,3 +207,5 @@ def test_load_config_from_env(tmp_path):
     ps = dataclasses.replace(b, layers=tuple(layers)).save(tmp_path / "sink.json")
     with pytest.raises(UnsupportedFeatureError, match=r"layers \[1\] carry sink offsets"):
         load_config(3, 2, 64, {"TKV_CALIBRATION_FILE": str(ps)})
+    with pytest.raises(BundleGeometryError):    # another model's bundle says so first
+        load_config(3, 4, 64, {"TKV_CALIBRATION_FILE": str(ps)})

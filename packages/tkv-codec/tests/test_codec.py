@@ -339,3 +339,17 @@ def test_sink_offset_codes_each_vector_against_the_better_offset():
         TurboKVCodec(d, 4, k_channel_offset=mu, k_sink_offset=torch.zeros(h + 1, d))
     with pytest.raises(NonFiniteError):
         TurboKVCodec(d, 4, v_sink_offset=torch.full((d,), float("inf")))
+
+
+def test_sink_offset_edge_cases_from_a_break_test():
+    """A vector equal to a huge (finite) sink offset: the usual candidate's norm overflows (NaN
+    error), the sink candidate is exact and wins; a per-head V sink offset names the value side
+    in its ShapeError."""
+    d = 16
+    big = torch.full((d,), 3e38)
+    c = TurboKVCodec(d, 4, v_sink_offset=big, check_finite=False)
+    out = c.decompress_v(*c.compress_v(big[None]))
+    assert torch.equal(out, big[None])
+    ph = TurboKVCodec(d, 4, v_sink_offset=torch.zeros(3, d))
+    with pytest.raises(ShapeError, match="per-head value offset"):
+        ph.compress_v(torch.randn(5, 2, d))

@@ -93,8 +93,10 @@ def sink_offsets(model, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.
     codec's ``k_sink_offset`` / ``v_sink_offset`` (``benchmarks/results/sink_offset_cpu.md``).
 
     Raises:
-        UnsupportedModelError: no attention call was seen.
+        UnsupportedModelError: no attention call was seen. ValueError: no tokens.
     """
+    if tokens.numel() == 0:
+        raise ValueError("sink_offsets needs at least one token")
     acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cb(idx, module, q, k, v):

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from tkv.codec import SlotLayout, TurboKVCodec
+from tkv.codec.errors import ShapeError
 
 __all__ = ["KVQuantizer", "TkvQuantizer"]
 
@@ -43,6 +44,9 @@ def compress_bhtd(side, x: torch.Tensor):
     axis at -2, so the call then goes through a ``(B, T, H, d)`` view."""
     if side.offset_heads is None:
         return side.compress(x)
+    if x.dim() < 3:
+        raise ShapeError(f"{side.name} input must be (..., num_kv_heads, T, head_dim) with "
+                         f"per-head offsets, got {tuple(x.shape)}")
     c, n = side.compress(x.transpose(-3, -2))
     return c.transpose(-3, -2), n.transpose(-2, -1)
 

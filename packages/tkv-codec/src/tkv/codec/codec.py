@@ -114,7 +114,8 @@ class SideCodec:
         h = self.offset_heads
         if h is not None and (len(lead) == 0 or lead[-1] != h):
             raise ShapeError(
-                f"{name} must have shape (..., {h}, {self.head_dim}) (the per-head key offset "
+                f"{name} must have shape (..., {h}, {self.head_dim}) (the per-head "
+                f"{'key' if self.name == 'K' else 'value'} offset "
                 f"holds {h} KV heads), got {tuple(shape)}")
 
     @property
@@ -162,7 +163,8 @@ class SideCodec:
         cb, nb = self._quantize_centered(xf, self.sink_offset)
         ea = self._rotated_error(xf, self.channel_offset, ca, na)
         eb = self._rotated_error(xf, self.sink_offset, cb, nb)
-        pick = eb < ea
+        # the sink candidate also wins where the usual one overflowed (NaN error)
+        pick = (eb < ea) | (torch.isnan(ea) & ~torch.isnan(eb))
         return (torch.where(pick.unsqueeze(-1), cb, ca),
                 torch.where(pick, -nb, na).to(torch.bfloat16))
 

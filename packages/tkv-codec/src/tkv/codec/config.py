@@ -97,12 +97,13 @@ def load_config(num_layers: int, num_kv_heads: int, head_dim: int,
         if not p.is_file():
             raise FileNotFoundError(f"{ENV_CALIBRATION_FILE}={path}: no such file")
         bundle = CalibrationBundle.load(p)
-        sinks = [i for i, lc in enumerate(bundle.layers)
-                 if lc.k_sink_offset is not None or lc.v_sink_offset is not None]
-        if sinks:
-            raise UnsupportedFeatureError(
-                f"{ENV_CALIBRATION_FILE}={path}: layers {sinks[:4]}{'...' if len(sinks) > 4 else ''}"
-                " carry sink offsets (tkv-calibrate --sink-offset), which tkv's serving kernels do "
-                "not implement yet; calibrate without --sink-offset to serve")
     alloc = resolve_allocation(bundle, key, num_layers, num_kv_heads, head_dim)
+    sinks = [] if bundle is None else [
+        i for i, lc in enumerate(bundle.layers)
+        if lc.k_sink_offset is not None or lc.v_sink_offset is not None]
+    if sinks:   # after the geometry check: a bundle for another model says so first
+        raise UnsupportedFeatureError(
+            f"{ENV_CALIBRATION_FILE}={path}: layers {sinks[:4]}{'...' if len(sinks) > 4 else ''}"
+            " carry sink offsets (tkv-calibrate --sink-offset), which tkv's serving kernels do "
+            "not implement yet; calibrate without --sink-offset to serve")
     return TkvConfig(key, alloc, bundle, num_layers, num_kv_heads, head_dim)
