@@ -158,11 +158,10 @@ class SideCodec:
         with ``torch.signbit``, so a zero norm keeps its flag)."""
         xf = x.float() if x.dtype != torch.float64 else x
         if self.sink_offset is None:
-            return self._quantize_centered(xf, self.channel_offset)
-        ca, na = self._quantize_centered(xf, self.channel_offset)
-        cb, nb = self._quantize_centered(xf, self.sink_offset)
-        ea = self._rotated_error(xf, self.channel_offset, ca, na)
-        eb = self._rotated_error(xf, self.sink_offset, cb, nb)
+            return self._quantize_rotated(self._rotated(xf, self.channel_offset))
+        ya, yb = self._rotated(xf, self.channel_offset), self._rotated(xf, self.sink_offset)
+        (ca, na), (cb, nb) = self._quantize_rotated(ya), self._quantize_rotated(yb)
+        ea, eb = self._rotated_error(ya, ca, na), self._rotated_error(yb, cb, nb)
         # the sink candidate also wins where the usual one overflowed (NaN error)
         pick = (eb < ea) | (torch.isnan(ea) & ~torch.isnan(eb))
         return (torch.where(pick.unsqueeze(-1), cb, ca),
@@ -176,17 +175,15 @@ class SideCodec:
             xf = xf / self.channel_scales.to(xf.dtype)
         return self.rotation.forward(xf)
 
-    def _rotated_error(self, xf, offset, codes, norms) -> torch.Tensor:
-        """Squared error ``‖n · c[code] / sqrt(d) − R((x − offset)/s)‖²`` per vector, with the
-        norm as stored (bf16): the sink-offset choice's criterion."""
-        y = self._rotated(xf, offset)
+    def _rotated_error(self, y, codes, norms) -> torch.Tensor:
+        """Squared error ``‖n · c[code] / sqrt(d) − y‖²`` per vector of the rotated input ``y``
+        (:meth:`_rotated`), with the norm as stored (bf16): the sink-offset choice's criterion."""
         table = self._scaled_centroids.to(y.dtype)
         rec = table[codes] * norms.to(y.dtype).unsqueeze(-1)
         return (rec - y).square().sum(dim=-1)
 
-    def _quantize_centered(self, xf: torch.Tensor, offset: torch.Tensor | None):
-        """Codes int64 and bf16 norms of ``x − offset`` (no sink choice)."""
-        y = self._rotated(xf, offset)
+    def _quantize_rotated(self, y: torch.Tensor):
+        """Codes int64 and bf16 norms of a rotated input ``y`` (:meth:`_rotated`)."""
         n = torch.linalg.vector_norm(y, dim=-1)
         inv = torch.where(n > 0, math.sqrt(self.head_dim) / n, torch.zeros_like(n))
         z = y * inv.unsqueeze(-1)
