@@ -380,14 +380,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if dense:
         flat = scratch.view(-1).view(torch.uint8)[:need].view(dot_dtype)
         pk, pv = flat.view(2, ns * maxp * hkv * d_pad)
-        tb = 64
-        _dequant_prefix_kernel[(triton.cdiv(maxp, tb), ns, hkv)](
-            cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
-            num_blocks, *kargs[:6], *vargs[:6], pk, pv, maxp,
-            FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
-            KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
-            VP3=vargs[9], VNP=vargs[10], HKV=hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=bs,
-            BLOCK_N=tb, num_warps=4)
+        _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, vargs, fetch,
+                        dequant, loader, pk, pv, maxp, ns, hkv, d_pad)
         # the scratch as a paged cache with an identity block table: page i·(maxp/bs) + j
         # is page j of sequence i's prefix; −1 where the real table has no valid page there
         # (beyond its width, −1 or out of range), so those tokens stay masked as inline
@@ -418,6 +412,21 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         final.copy_((out.view(-1, d_pad) @ loader.out_planar).view(tq, hq, d))
         out = final
     return out
+
+
+def _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, vargs, fetch,
+                    dequant, loader, pk, pv, maxp: int, ns: int, hkv: int, d_pad: int) -> None:
+    """Launch :func:`_dequant_prefix_kernel`: the prefixes of ``ns`` sequences (at most ``maxp``
+    tokens each) dequantized into ``pk`` / ``pv`` rows ``(seq·maxp + pos)·hkv + head`` — for
+    the decompress-once Triton loop and for the SDPA path alike."""
+    tb = 64
+    _dequant_prefix_kernel[(triton.cdiv(maxp, tb), ns, hkv)](
+        cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
+        num_blocks, *kargs[:6], *vargs[:6], pk, pv, maxp,
+        FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
+        KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
+        VP3=vargs[9], VNP=vargs[10], HKV=hkv, HEAD_DIM=loader.head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=loader.block_size, BLOCK_N=tb, num_warps=4)
 
 
 def _sdpa_dense_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix: int,
@@ -451,13 +460,8 @@ def _sdpa_dense_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix
 
         if not can_use_flash_attention(SDPAParams(q4, k4, v4, None, 0.0, False, True), False):
             return False
-    _dequant_prefix_kernel[(triton.cdiv(maxp, 64), 1, hkv)](
-        cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
-        num_blocks, *kargs[:6], *vargs[:6], pk, pv, maxp,
-        FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
-        KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
-        VP3=vargs[9], VNP=vargs[10], HKV=hkv, HEAD_DIM=loader.head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=loader.block_size, BLOCK_N=64, num_warps=4)
+    _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, vargs, fetch,
+                    dequant, loader, pk, pv, maxp, 1, hkv, d_pad)
     pk[prefix:keys].copy_(key)
     pv[prefix:keys].copy_(value)
     try:
