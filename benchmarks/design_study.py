@@ -24,6 +24,19 @@ class WrappedQuantizer:
         return self.q.bytes_per_token_head()
 
 
+HELD_OUT_FIRST = 6   # the bundle was fitted on the calibration text before window 6 (of 1,024)
+
+
+def held_out_windows(tokenizer, count: int):
+    """The studies' held-out text: ``count`` windows of 1,024 tokens of WikiText-2 *valid*
+    from window :data:`HELD_OUT_FIRST` on (not used for calibration; never the test split),
+    int64 ``(count, 1024)``."""
+    from tkv.calibrate.data import default_calib_text, tokenize_windows
+
+    return tokenize_windows(tokenizer, default_calib_text(), 1024,
+                            HELD_OUT_FIRST + count).subset(HELD_OUT_FIRST, count)
+
+
 TABLE_HEAD = ["| budget | arm | mean KL | KL ÷ baseline | ΔPPL | top-1 |",
               "|---|---|---:|---:|---:|---:|"]
 

@@ -33,7 +33,14 @@ from tkv.calibrate.scales import key_offset
 from tkv.codec import TurboKVCodec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from design_study import TABLE_HEAD, WrappedQuantizer, arm_rows, finish, parse_and_load
+from design_study import (
+    TABLE_HEAD,
+    WrappedQuantizer,
+    arm_rows,
+    finish,
+    held_out_windows,
+    parse_and_load,
+)
 
 FIT_T, FIT_N = 512, 8   # fitting windows (tokens, count) of the calibration text
 
@@ -94,7 +101,7 @@ def main() -> None:
     a, lm, bundle, t0 = parse_and_load(__doc__, "benchmarks/results/calibrate_smollm2_bundle.json",
                                        2, "benchmarks/results/key_precondition_cpu.md")
     fit_ids = tokenize_windows(lm.tokenizer, default_calib_text(), FIT_T, FIT_N).subset(0, FIT_N)
-    held = tokenize_windows(lm.tokenizer, default_calib_text(), 1024, 6 + a.windows).subset(6, a.windows)
+    held = held_out_windows(lm.tokenizer, a.windows)
     col = collect_kv(lm.model, fit_ids, show_progress=False)
     lines = [f"# Key-preconditioning study — SmolLM2-135M-Instruct, bundle `{Path(a.bundle).name}`",
              "", f"Fitted on 8 × 512 tokens of WikiText-2 *valid*; held-out: {a.windows} windows × "

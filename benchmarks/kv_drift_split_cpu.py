@@ -14,12 +14,18 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tkv.calibrate.data import default_calib_text, tokenize_windows
 from tkv.calibrate.evaluate import Arm
 from tkv.calibrate.pipeline import tkv_arm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from design_study import TABLE_HEAD, WrappedQuantizer, arm_rows, finish, parse_and_load
+from design_study import (
+    TABLE_HEAD,
+    WrappedQuantizer,
+    arm_rows,
+    finish,
+    held_out_windows,
+    parse_and_load,
+)
 
 
 class Exact(WrappedQuantizer):
@@ -43,7 +49,7 @@ class Exact(WrappedQuantizer):
 def main() -> None:
     a, lm, bundle, t0 = parse_and_load(__doc__, "benchmarks/results/calibrate_smollm2_bundle.json",
                                        2, "benchmarks/results/kv_drift_split_cpu.md")
-    held = tokenize_windows(lm.tokenizer, default_calib_text(), 1024, 6 + a.windows).subset(6, a.windows)
+    held = held_out_windows(lm.tokenizer, a.windows)
     lines = [f"# Drift split study — SmolLM2-135M-Instruct, bundle `{Path(a.bundle).name}`", "",
              f"Held-out: {a.windows} windows × 1,024 tokens of WikiText-2 *valid* (windows 6..; never "
              "the test split). Teacher-forced, every attention reads the quantize-dequantized "

@@ -27,12 +27,18 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from tkv.calibrate.data import default_calib_text, tokenize_windows
 from tkv.calibrate.evaluate import Arm
 from tkv.calibrate.pipeline import tkv_arm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from design_study import TABLE_HEAD, WrappedQuantizer, arm_rows, finish, parse_and_load
+from design_study import (
+    TABLE_HEAD,
+    WrappedQuantizer,
+    arm_rows,
+    finish,
+    held_out_windows,
+    parse_and_load,
+)
 
 LAMBDAS = (1.0, 0.5, -0.5)
 STATE = {"lam": 0.0, "armed": False, "layers": {}}
@@ -81,7 +87,7 @@ def main() -> None:
     AttentionInterface.register("tkv_bias", biased_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register("tkv_bias", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
     lm.model.set_attn_implementation("tkv_bias")
-    held = tokenize_windows(lm.tokenizer, default_calib_text(), 1024, 6 + a.windows).subset(6, a.windows)
+    held = held_out_windows(lm.tokenizer, a.windows)
     z = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
     lines = [f"# Logit-noise bias study — SmolLM2-135M-Instruct, bundle `{Path(a.bundle).name}`", "",
              f"Held-out: {a.windows} windows × 1,024 tokens of WikiText-2 *valid* (windows 6..; never "

@@ -32,14 +32,21 @@ from pathlib import Path
 
 import torch
 
-from tkv.calibrate.collect import sink_offsets
+from tkv.calibrate.collect import sink_offsets, window_sink_tokens
 from tkv.calibrate.data import default_calib_text, tokenize_windows
 from tkv.calibrate.evaluate import Arm
 from tkv.calibrate.pipeline import tkv_arm
 from tkv.calibrate.quantizers import TkvQuantizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from design_study import TABLE_HEAD, WrappedQuantizer, arm_rows, finish, parse_and_load
+from design_study import (
+    TABLE_HEAD,
+    WrappedQuantizer,
+    arm_rows,
+    finish,
+    held_out_windows,
+    parse_and_load,
+)
 from sink_tokens_cpu import SinkQuantizer
 
 
@@ -77,11 +84,10 @@ def main() -> None:
     a, lm, bundle, t0 = parse_and_load(__doc__, "benchmarks/results/calibrate_smollm2_bundle.json",
                                        4, "benchmarks/results/sink_offset_cpu.md")
     calib = tokenize_windows(lm.tokenizer, default_calib_text(), 1024, 6).subset(0, 6)
-    # the first tokens of the calibration windows and of 64-token strides inside them (what an
-    # arbitrary window start looks like) — windows 0-5 only, before the held-out ones
-    firsts = calib[:, ::64].reshape(-1)
+    # windows 0-5 only, before the held-out ones
+    firsts = window_sink_tokens(calib)
     mus = sink_offsets(lm.model, firsts)
-    held = tokenize_windows(lm.tokenizer, default_calib_text(), 1024, 6 + a.windows).subset(6, a.windows)
+    held = held_out_windows(lm.tokenizer, a.windows)
     n = bundle.geometry.num_layers
     lines = [f"# Sink-offset study — SmolLM2-135M-Instruct, bundle `{Path(a.bundle).name}`", "",
              f"μ_sink from one-token forwards of {firsts.numel()} window-start tokens of the "
@@ -90,9 +96,9 @@ def main() -> None:
              "Teacher-forced, every attention reads the quantize-dequantized cache. Baseline "
              "named in every ratio: the bundle's row. Bytes per token: the row's (the flag is "
              "the norm's sign bit).", "", *TABLE_HEAD]
+    q8 = [TkvQuantizer(bundle.codec(i, 8, 8, check_finite=False)) for i in range(n)]
     for b in a.budgets.split(","):
         base = tkv_arm(bundle, bundle.allocation(b), f"TKV@{b} (bundle row)", "tkv")
-        q8 = [TkvQuantizer(bundle.codec(i, 8, 8, check_finite=False)) for i in range(n)]
         arms = [base]
         for sides, label in (("k", "dual offset, K"), ("v", "dual offset, V"),
                              ("kv", "dual offset, K and V")):

@@ -27,13 +27,19 @@ from pathlib import Path
 
 import torch
 
-from tkv.calibrate.data import default_calib_text, tokenize_windows
 from tkv.calibrate.evaluate import Arm
 from tkv.calibrate.pipeline import tkv_arm
 from tkv.calibrate.quantizers import TkvQuantizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from design_study import TABLE_HEAD, WrappedQuantizer, arm_rows, finish, parse_and_load
+from design_study import (
+    TABLE_HEAD,
+    WrappedQuantizer,
+    arm_rows,
+    finish,
+    held_out_windows,
+    parse_and_load,
+)
 
 
 class SinkQuantizer(WrappedQuantizer):
@@ -67,7 +73,7 @@ MODES = (("kv", "first token exact (K and V)"), ("k", "first token: K exact"),
 def main() -> None:
     a, lm, bundle, t0 = parse_and_load(__doc__, "benchmarks/results/calibrate_smollm2_bundle.json",
                                        4, "benchmarks/results/sink_tokens_cpu.md")
-    held = tokenize_windows(lm.tokenizer, default_calib_text(), 1024, 6 + a.windows).subset(6, a.windows)
+    held = held_out_windows(lm.tokenizer, a.windows)
     n = bundle.geometry.num_layers
     q8 = [TkvQuantizer(bundle.codec(i, 8, 8, check_finite=False)) for i in range(n)]
     lines = [f"# Attention-sink study — SmolLM2-135M-Instruct, bundle `{Path(a.bundle).name}`", "",

@@ -85,6 +85,16 @@ def record_attention(model, callback):
             del ALL_ATTENTION_FUNCTIONS[impl]
 
 
+SINK_TOKEN_STRIDE = 64
+
+
+def window_sink_tokens(windows: torch.Tensor) -> torch.Tensor:
+    """The tokens :func:`sink_offsets` averages over for calibration windows int64 ``(n, T)``:
+    each window's start and every :data:`SINK_TOKEN_STRIDE`-th token after it — what an
+    arbitrary sequence start looks like. int64 ``(n · ceil(T / stride),)``."""
+    return windows[:, ::SINK_TOKEN_STRIDE].reshape(-1)
+
+
 def sink_offsets(model, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer ``(k_sink, v_sink)``, float32 ``(num_kv_heads, head_dim)`` each: the mean
     post-RoPE key and the mean value at position 0 over one-token forwards of ``tokens``

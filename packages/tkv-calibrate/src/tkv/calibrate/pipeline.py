@@ -20,6 +20,7 @@ import torch
 from tkv.codec import CalibrationBundle, LayerAllocation, ModelGeometry, ModelLayout
 
 from .calibrate import Calibration, draft_bundle, fit_calibration
+from .collect import window_sink_tokens
 from .data import default_calib_text, default_eval_text, tokenize_windows
 from .evaluate import Arm, EvalResult, evaluate_arms, measure_kl
 from .fitting import MIN_FITTED_GAIN
@@ -259,8 +260,7 @@ def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
     cal = fit_calibration(lm.model, geo, collect_ids, cfg.seed, show_progress=cfg.show_progress,
                           center_keys=cfg.center_keys,
                           codebook_min_gain=cfg.codebook_min_gain,
-                          # window starts and every 64th token of the calibration windows
-                          sink_tokens=collect_ids[:, ::64].reshape(-1) if cfg.sink_offset
+                          sink_tokens=window_sink_tokens(collect_ids) if cfg.sink_offset
                           else None)
     times["collect"] = cal.seconds["collect"]
     times["scales_codebooks"] = cal.seconds["fit"]
