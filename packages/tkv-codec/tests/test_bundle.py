@@ -70,6 +70,9 @@ def test_per_head_offset_round_trip_and_old_form(tmp_path):
     assert c.k.channel_offset.shape == (heads, d) and torch.allclose(c.k.channel_offset, mu)
     assert b2.codec(0, 4, 4).k.channel_offset.shape == (d,)   # old (shared) form unchanged
     assert b2.layers[2].k_offset_heads(d) == heads and b2.layers[0].k_offset_heads(d) is None
+    assert b2.layers[2].offset_heads(d) == heads and b2.layers[0].offset_heads(d) is None
+    sink = dataclasses.replace(b2.layers[0], v_sink_offset=tuple([0.5] * (heads * d)))
+    assert sink.offset_heads(d) == heads and sink.k_offset_heads(d) is None
     x = torch.randn(5, heads, d)
     assert c.decompress_k(*c.compress_k(x)).shape == (5, heads, d)
     dd = b.to_dict()
@@ -198,14 +201,12 @@ def test_load_config_from_env(tmp_path):
     with pytest.warns(UserWarning):
         cfg = load_config(3, 2, 64, {})
     assert cfg.bundle is None and cfg.layer_bits(1) == (4, 4)
-    # a bundle with sink offsets (tkv-calibrate --sink-offset) is refused for serving, by name
-    from tkv.codec.errors import UnsupportedFeatureError
-
+    # a bundle with sink offsets (tkv-calibrate's default) is served: the layer's codec has them
     b = make_bundle()
     layers = list(b.layers)
     layers[1] = dataclasses.replace(layers[1], v_sink_offset=tuple([0.5] * 64))
     ps = dataclasses.replace(b, layers=tuple(layers)).save(tmp_path / "sink.json")
-    with pytest.raises(UnsupportedFeatureError, match=r"layers \[1\] carry sink offsets"):
-        load_config(3, 2, 64, {"TKV_CALIBRATION_FILE": str(ps)})
-    with pytest.raises(BundleGeometryError):    # another model's bundle says so first
+    cfg = load_config(3, 2, 64, {"TKV_CALIBRATION_FILE": str(ps)})
+    assert cfg.codec(1).has_sink_offset and not cfg.codec(0).has_sink_offset
+    with pytest.raises(BundleGeometryError):
         load_config(3, 4, 64, {"TKV_CALIBRATION_FILE": str(ps)})

@@ -201,7 +201,7 @@ class LayerCalibration:
             ``num_kv_heads * head_dim`` floats, head-major (one mean per KV head);
             :meth:`k_offset_tensor` gives the codec's ``(head_dim,)`` / ``(H, head_dim)`` form.
         k_sink_offset, v_sink_offset: the codec's sink offsets (``TurboKVCodec``), stored like
-            ``k_channel_offset``; optional (experimental: tkv's kernels do not serve them yet).
+            ``k_channel_offset``; optional (absent in older bundles).
     """
 
     k_channel_scales: tuple[float, ...] | None = None
@@ -216,6 +216,16 @@ class LayerCalibration:
         shared ``(head_dim,)`` offset or none. The flat length is validated on load."""
         n = 0 if self.k_channel_offset is None else len(self.k_channel_offset)
         return None if n in (0, head_dim) else n // head_dim
+
+    def offset_heads(self, head_dim: int) -> int | None:
+        """KV heads of this layer's per-head offsets — the key offset or either sink offset
+        (all per-head offsets of a layer hold the bundle's ``num_kv_heads``, validated on load);
+        None when every offset is shared or absent. Engines slice such offsets per TP rank."""
+        for vals in (self.k_channel_offset, self.k_sink_offset, self.v_sink_offset):
+            n = 0 if vals is None else len(vals)
+            if n not in (0, head_dim):
+                return n // head_dim
+        return None
 
     def k_offset_tensor(self, head_dim: int):
         """float32 ``(head_dim,)`` (shared) or ``(num_kv_heads, head_dim)`` (per head) key mean,

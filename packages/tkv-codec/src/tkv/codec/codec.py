@@ -109,6 +109,19 @@ class SideCodec:
                 return int(m.shape[0])
         return None
 
+    def sink_shift_rotated(self, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
+        """Rotated-space shift of flagged vectors, ``c = R((σ − μ) / s)`` (σ the sink offset,
+        μ the channel offset or 0, s the channel scales): ``(head_dim,)`` for shared offsets,
+        ``(num_kv_heads, head_dim)`` when either is per head; None without a sink offset.
+
+        A flagged vector's rotated reconstruction relative to μ is
+        ``decompress_rotated(...) + c``, so attention kernels that work in rotated space add
+        ``⟨q_rot, c⟩`` to flagged keys' scores and ``c`` × the flagged softmax mass to the
+        output (``docs/kernels.md``, sink offsets). Computed in ``dtype`` (float64 default)."""
+        if self.sink_offset is None:
+            return None
+        return self._rotated(self.sink_offset.to(dtype), self.channel_offset)
+
     def _check_heads(self, lead: torch.Size, name: str, shape) -> None:
         """A per-head offset needs the KV-head axis just before head_dim: ``lead[-1] == H``."""
         h = self.offset_heads
@@ -286,7 +299,8 @@ class TurboKVCodec:
             norm — no extra bytes (``benchmarks/results/sink_offset_cpu.md``: 0.72-0.74× the
             teacher-forced KL of SmolLM2's 4.0 row with the position-0 mean key and value).
             Attention over such keys adds ``⟨q, sink − μ⟩`` to the scores of flagged keys (a
-            per-query constant no longer), so tkv's kernels refuse these codecs for now.
+            per-query constant no longer) and ``σ_v`` times the flagged softmax mass to the
+            output; tkv's kernels do both (:meth:`SideCodec.sink_shift_rotated`).
         k_codebook, v_codebook: a :class:`Codebook` (or ``2**bits`` centroids) of the side's
             width, ``"gaussian"`` (default) or ``"beta"`` (exact sphere marginal for head_dim).
         check_finite: reject NaN/Inf inputs with NonFiniteError (a device sync; turn off in

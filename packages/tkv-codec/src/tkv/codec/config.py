@@ -24,7 +24,6 @@ import torch
 
 from .bundle import CalibrationBundle, LayerAllocation, normalize_tkv_bits, resolve_allocation
 from .codec import TurboKVCodec
-from .errors import UnsupportedFeatureError
 from .layout import SlotLayout
 
 __all__ = ["ENV_BITS", "ENV_CALIBRATION_FILE", "TkvConfig", "load_config"]
@@ -84,8 +83,7 @@ def load_config(num_layers: int, num_kv_heads: int, head_dim: int,
 
     Raises:
         TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
-        BudgetRowMissingError (see module docstring); UnsupportedFeatureError for a bundle with
-        sink offsets (the serving kernels do not implement them yet).
+        BudgetRowMissingError (see module docstring).
     """
     env = os.environ if env is None else env
     raw_bits = env.get(ENV_BITS) or "4.0"
@@ -98,12 +96,4 @@ def load_config(num_layers: int, num_kv_heads: int, head_dim: int,
             raise FileNotFoundError(f"{ENV_CALIBRATION_FILE}={path}: no such file")
         bundle = CalibrationBundle.load(p)
     alloc = resolve_allocation(bundle, key, num_layers, num_kv_heads, head_dim)
-    sinks = [] if bundle is None else [
-        i for i, lc in enumerate(bundle.layers)
-        if lc.k_sink_offset is not None or lc.v_sink_offset is not None]
-    if sinks:   # after the geometry check: a bundle for another model says so first
-        raise UnsupportedFeatureError(
-            f"{ENV_CALIBRATION_FILE}={path}: layers {sinks[:4]}{'...' if len(sinks) > 4 else ''}"
-            " carry sink offsets (tkv-calibrate --sink-offset), which tkv's serving kernels do "
-            "not implement yet; calibrate without --sink-offset to serve")
     return TkvConfig(key, alloc, bundle, num_layers, num_kv_heads, head_dim)
