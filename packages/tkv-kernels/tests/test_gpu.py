@@ -124,3 +124,79 @@ def test_prefill_exact_prefix_sdpa_equals_triton_dense_path():
     assert rel < 1e-2, rel
     assert torch.isnan(prefill(*args, max_prefix_len=1008, scratch=scratch,
                                exact_prefix=True)).all()
+
+
+def test_sink_offsets_match_reference_on_gpu():
+    """Sink offsets with 16-bit dots and the CUDA lookups (prmti at K4V4, pair at 3 bits):
+    compress_store then decode, and the three prefill paths (inline, decompress-once, SDPA),
+    against the float64 oracle; a third of the tokens sit near σ (flagged)."""
+    from tkv.kernels import dense_prefix_bytes
+    from tkv.kernels.reference import prefill_reference
+
+    torch.manual_seed(5)
+    d, hkv, group, block = 128, 8, 4, 16
+    for kb, vb in ((4, 4), (3, 4)):
+        sk, sv = torch.randn(2, hkv, d) * 4
+        codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device="cuda", k_sink_offset=sk,
+                             v_sink_offset=sv, k_channel_offset=torch.randn(hkv, d))
+        ld = TkvLoader(codec, hkv, block)
+        lens = (700, 1, 333)
+        batch = make_paged_batch(list(lens), block, "cuda")
+        cache = make_cache(ld, batch.num_blocks, "cuda")
+        news = []
+        for i, n in enumerate(lens):
+            near = (torch.rand(n, 1, 1) < 0.35).cuda()
+            k = torch.randn(n, hkv, d, device="cuda") + torch.where(
+                near, sk.cuda(), codec.k.channel_offset)
+            v = torch.randn(n, hkv, d, device="cuda") + torch.where(near, sv.cuda(), 0.0)
+            fill_cache(ld, cache, k.bfloat16(), v.bfloat16(), batch.slots(i))
+            news.append((k[-100:].bfloat16(), v[-100:].bfloat16()))
+        flags = torch.signbit(ld.layout.views(cache)["k_norms"].float()).float().mean()
+        assert 0.1 < flags < 0.7, flags
+        q = torch.randn(len(lens), hkv * group, d, device="cuda", dtype=torch.bfloat16)
+        out = decode(q, cache, batch.block_table, batch.seq_lens, ld,
+                     Workspace(16, 32, 256, "cuda"))
+        ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert rel < 2.5e-2, (kb, rel)
+        # prefill: the last 100 tokens of sequence 0 as the chunk over its first 600
+        qc = torch.randn(100, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+        cu = torch.tensor([0, 100], dtype=torch.int32, device="cuda")
+        sl, bt = batch.seq_lens[:1], batch.block_table[:1]
+        scratch = torch.empty(dense_prefix_bytes(1, 700, hkv, d, block_size=block),
+                              dtype=torch.uint8, device="cuda")
+        ref = prefill_reference(qc, *news[0], cu, sl, cache, bt, ld)
+        for kw in ({}, dict(max_prefix_len=600, scratch=scratch),
+                   dict(max_prefix_len=600, scratch=scratch, exact_prefix=True)):
+            o = prefill(qc, *news[0], cu, sl, 100, cache, bt, ld, **kw)
+            rel = ((o.double() - ref).norm() / ref.norm()).item()
+            assert rel < 2.5e-2, (kb, kw.keys(), rel)
+
+
+@pytest.mark.parametrize("kb,vb", [(3, 4), (5, 2), (5, 4), (4, 3), (6, 7)])
+def test_prefill_head_dim_64_mixed_planes_default_tiles(kb, vb):
+    """head_dim 64 with a per-element side (3/5 bits: one plane) next to a planar one, at the
+    default tiles, inline and decompress-once: equal to the float64 oracle. With 64-token
+    prefix tiles this crashed (illegal address) or returned wrong rows on the H200
+    (benchmarks/results/prefill_tile_bug_2026-11-30.md); a SmolLM2 bundle row hits it."""
+    from tkv.kernels import dense_prefix_bytes
+    from tkv.kernels.reference import prefill_reference
+
+    torch.manual_seed(kb * 10 + vb)
+    d, hkv, group = 64, 3, 3
+    ld = TkvLoader(TurboKVCodec(d, k_bits=kb, v_bits=vb, device="cuda"), hkv, 16)
+    batch = make_paged_batch([300], 16, "cuda")
+    cache = make_cache(ld, batch.num_blocks, "cuda")
+    kv = torch.randn(2, 300, hkv, d, device="cuda", dtype=torch.bfloat16)
+    fill_cache(ld, cache, kv[0], kv[1], batch.slots(0))
+    q = torch.randn(140, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 140], dtype=torch.int32, device="cuda")
+    args = (q, kv[0, 160:], kv[1, 160:], cu, batch.seq_lens, 140, cache, batch.block_table, ld)
+    ref = prefill_reference(*args[:5], cache, batch.block_table, ld)
+    scratch = torch.empty(dense_prefix_bytes(1, 300, hkv, d, block_size=16), dtype=torch.uint8,
+                          device="cuda")
+    for kw in ({}, dict(max_prefix_len=160, scratch=scratch)):
+        out = prefill(*args, **kw)
+        torch.cuda.synchronize()
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert rel < 2.5e-2, (kw.keys(), rel)

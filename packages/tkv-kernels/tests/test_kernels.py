@@ -724,12 +724,9 @@ def test_loader_protocol():
         assert ld.bytes_per_token() > 0
     assert TkvLoader(codec, 2, 16).bytes_per_token() == codec.layout(2, 16).bytes_per_token
     assert math.isclose(BypassLoader(2, 64, 16).bytes_per_token(), 2 * 2 * 64 * 2)
-    # a codec with sink offsets (negative-norm flags) is refused by name, never read wrongly
-    from tkv.codec.errors import UnsupportedFeatureError
-
-    for kw in ({"k_sink_offset": torch.ones(64)}, {"v_sink_offset": torch.ones(2, 64)}):
-        with pytest.raises(UnsupportedFeatureError, match="sink offset"):
-            TkvLoader(TurboKVCodec(64, 4, device=DEV, **kw), 2, 16)
+    # a codec with sink offsets gets the rotated shifts of the sides that have one
+    ld = TkvLoader(TurboKVCodec(64, 4, device=DEV, v_sink_offset=torch.ones(2, 64)), 2, 16)
+    assert ld.k_sink_shift is None and tuple(ld.v_sink_shift.shape) == (2, 64)
 
 
 def test_check_metadata_names_the_bad_entry():

@@ -211,6 +211,6 @@ def test_loader_refuses_per_head_offset_of_another_head_count():
     """A per-head μ for 3 heads on a layer (rank) with 2 KV heads would center a head with
     another head's mean: refused by name."""
     codec = TurboKVCodec(64, 4, device=DEV, k_channel_offset=torch.zeros(3, 64))
-    with pytest.raises(ShapeError, match="per-head k_channel_offset holds 3"):
+    with pytest.raises(ShapeError, match=r"per-head K offset \(channel or sink\) holds 3"):
         TkvLoader(codec, 2, 16)
     TkvLoader(codec, 3, 16)

@@ -139,3 +139,39 @@ def fetch_kv(pos, mask_n, bt_row, num_blocks, kvh,
     rv, vs = FETCH(v_base, v_aux, v_table, blk, off, mask_n, kvh, v_sb, v_sh, v_st,
                    VP0, VP1, VP2, VP3, VNP, D_PAD)
     return mask_n, rk, ks, rv, vs
+
+
+# ---- sink offsets (loaders.sink_shift): flagged rows carry |row_scale|·tile + shift[head]
+@triton.jit
+def split_flag(row_scale):
+    """``(|row_scale|, flag)``: the flag is the sign *bit* (a flagged zero norm is −0.0, for
+    which ``row_scale < 0`` is false)."""
+    return tl.abs(row_scale), row_scale.to(tl.int32, bitcast=True) < 0
+
+
+@triton.jit
+def load_shift(ptr, head, NP: tl.constexpr, D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Row ``head`` of a float32 ``(num_kv_heads, D_PAD)`` natural-order shift as ``NP``
+    planes ``[1, D_PAD // NP]``."""
+    one = tl.arange(0, 1)
+    return load_planes(ptr, head * D_PAD + one, one < 1, NP, D_PAD, HEAD_DIM, tl.float32)
+
+
+@triton.jit
+def planes_dot(q, c, NP: tl.constexpr):
+    """``Σ_p Σ_j q_p[m, j] · c_p[0, j]``: ``[M]`` float32 — a query row's dot with a shift
+    (the score term ``⟨q_rot, c⟩`` of a flagged key)."""
+    acc = tl.sum(q[0].to(tl.float32) * c[0], axis=1)
+    for p in tl.static_range(1, NP):
+        acc += tl.sum(q[p].to(tl.float32) * c[p], axis=1)
+    return acc
+
+
+@triton.jit
+def add_shift(acc, w, c, NP: tl.constexpr):
+    """``acc_p + w[:, None] · c_p`` per plane (the output term: a shift times the softmax
+    mass ``w`` of the flagged values)."""
+    out = ()
+    for p in tl.static_range(NP):
+        out = out + (acc[p] + w[:, None] * c[p],)
+    return out

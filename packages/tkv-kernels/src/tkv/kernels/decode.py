@@ -12,10 +12,14 @@ from tkv.codec.errors import ShapeError
 
 from ._planes import (
     accumulate,
+    add_shift,
     fetch_kv,
     load_planes,
+    load_shift,
+    planes_dot,
     scores,
     scores_t,
+    split_flag,
     store_planes,
     zero_planes,
 )
@@ -31,7 +35,7 @@ from ._util import (
     next_pow2,
     tile_tokens,
 )
-from .loaders import Loader
+from .loaders import Loader, sink_shift
 from .workspace import Workspace
 
 __all__ = ["decode"]
@@ -59,13 +63,19 @@ def _decode_split_kernel(
         Q, sq_s, sq_h, block_table, s_bt, seq_lens, max_blocks, num_blocks,
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
-        part_o, part_lse, scale_log2, window,
+        part_o, part_lse, scale_log2, window, k_shift, v_shift,
         FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
         KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         G: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, SWAP_QK: tl.constexpr):
+        DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, SWAP_QK: tl.constexpr,
+        K_SINK: tl.constexpr, V_SINK: tl.constexpr):
+    """One (sequence, KV head, split): the split's partial output (unnormalized accumulator
+    over ``l``) and LSE. ``K_SINK`` / ``V_SINK`` (loaders.sink_shift): a key whose norm has
+    its sign bit set scores ``|n|·⟨q, k̂⟩ + ⟨q, c_k⟩``; a flagged value adds ``c_v`` times its
+    softmax weight (the flagged mass ``m_f`` is rescaled like ``l``): linear in p, so the
+    split merge is unchanged."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -86,6 +96,10 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = zero_planes(BLOCK_H, VNP, D_PAD)
+    if K_SINK:   # the flagged keys' score term, once per CTA (log2 units)
+        qd = planes_dot(q, load_shift(k_shift, kvh, KNP, D_PAD, HEAD_DIM), KNP) * scale_log2
+    if V_SINK:
+        m_f = tl.zeros([BLOCK_H], tl.float32)
     cap = max_blocks * BLOCK_SIZE
     bt_row = block_table + seq.to(tl.int64) * s_bt
     # PREFETCH: software pipeline — the K/V bytes of tile t+1 are fetched while tile t is
@@ -107,10 +121,15 @@ def _decode_split_kernel(
                 k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1,
                 KP2, KP3, KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, BLOCK_N, D_PAD)
         k = DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
+        kscale = ks
+        if K_SINK:
+            kscale, kflag = split_flag(ks)
         if SWAP_QK:   # K as the A operand (see TkvLoader.k_operand_a)
-            s = tl.trans(scores_t(q, k, KNP)) * (ks * scale_log2)[None, :]
+            s = tl.trans(scores_t(q, k, KNP)) * (kscale * scale_log2)[None, :]
         else:
-            s = scores(q, k, KNP) * (ks * scale_log2)[None, :]
+            s = scores(q, k, KNP) * (kscale * scale_log2)[None, :]
+        if K_SINK:
+            s += tl.where(kflag[None, :], qd[:, None], 0.0)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -118,10 +137,16 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = DEQUANT(rv, v_table, VP0, VP1, VP2, VP3, VNP, D_PAD, DOT_DTYPE)
-        acc = accumulate(acc, alpha, (p * vs[None, :]).to(DOT_DTYPE), v, VNP)
+        vscale = vs
+        if V_SINK:
+            vscale, vflag = split_flag(vs)
+            m_f = m_f * alpha + tl.sum(tl.where(vflag[None, :], p, 0.0), axis=1)
+        acc = accumulate(acc, alpha, (p * vscale[None, :]).to(DOT_DTYPE), v, VNP)
         m_i = m_new
         if PREFETCH:
             mask_n, rk, ks, rv, vs = mask_nx, rkx, ksx, rvx, vsx
+    if V_SINK:
+        acc = add_shift(acc, m_f, load_shift(v_shift, kvh, VNP, D_PAD, HEAD_DIM), VNP)
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     row = (seq.to(tl.int64) * (G * tl.num_programs(1)) + qh) * NUM_SPLITS + split
@@ -345,18 +370,20 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     if swap_qk is None:
         swap_qk = bool(getattr(loader, "k_operand_a", lambda _: False)(dot_dtype))
+    k_shift, k_sink = sink_shift(loader, "k", part_lse)
+    v_shift, v_sink = sink_shift(loader, "v", part_lse)
     if maxnreg is None and not interpreting():
         maxnreg = getattr(loader, "decode_maxnreg", lambda *_: None)(
             ns * hkv * splits, workspace.target_programs, dot_dtype)
     _decode_split_kernel[(ns, hkv, splits)](
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
         block_table.shape[1], num_blocks, *kargs[:6], *vargs[:6], part_o, part_lse,
-        scale * _LOG2E, window,
+        scale * _LOG2E, window, k_shift, v_shift,
         FETCH=loader.fetch, DEQUANT=loader.dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
         VP3=vargs[9], VNP=vargs[10], G=g, BLOCK_H=block_h, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=loader.block_size,
         BLOCK_N=block_n, NUM_SPLITS=splits, DOT_DTYPE=_TL[dot_dtype],
-        PREFETCH=bool(prefetch), SWAP_QK=bool(swap_qk),
+        PREFETCH=bool(prefetch), SWAP_QK=bool(swap_qk), K_SINK=k_sink, V_SINK=v_sink,
         num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": int(maxnreg)} if maxnreg else {}))
     unrotate = bool(loader.rotated and not output_rotated)

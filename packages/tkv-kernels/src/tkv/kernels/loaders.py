@@ -32,7 +32,10 @@ load queries and store outputs with the same strided coordinates. ``row_scale``
 Formats here:
 
 * :class:`TkvLoader` — the tkv packed cache (codes + bf16 norm + Lloyd-Max codebook), rotated
-  space: ``tile = centroid[code] / sqrt(d)``, ``row_scale = norm``.
+  space: ``tile = centroid[code] / sqrt(d)``, ``row_scale = norm``. With sink offsets (an
+  optional extension, :func:`sink_shift`) a norm whose sign bit is set flags a token coded
+  against the sink offset: its vector is ``|norm|·tile + shift[head]``; the kernels add the
+  shift's score term and output term themselves (``docs/kernels.md``).
 * :class:`BypassLoader` — raw bf16/fp16 paged K/V (vLLM's ``(num_blocks, block_size,
   num_kv_heads, head_dim)``), ``row_scale = 1``.
 * :class:`Fp8Loader` — fp8-e4m3 paged K/V with per-tensor scales (vLLM's ``fp8_e4m3``
@@ -52,7 +55,7 @@ import triton.language as tl
 
 from tkv.codec import TurboKVCodec
 from tkv.codec.codebooks import default_codebook
-from tkv.codec.errors import DtypeError, ShapeError, UnsupportedFeatureError
+from tkv.codec.errors import DtypeError, ShapeError
 from tkv.codec.layout import SlotLayout
 from tkv.codec.packing import code_group
 
@@ -506,7 +509,7 @@ class TkvLoader:
     Raises:
         ValueError: unknown ``lookup``. DtypeError: ``codec`` is not a TurboKVCodec.
         ShapeError: a per-head ``k_channel_offset`` whose head count is not ``num_kv_heads``.
-        UnsupportedFeatureError: a codec with sink offsets (not implemented by the kernels).
+        ShapeError also for a per-head sink offset with another head count.
 
     Attributes (device tensors, float32 unless noted):
         k_table, v_table: ``(2**bits,)`` centroids / sqrt(head_dim) (SideCodec.scaled_centroids).
@@ -518,6 +521,11 @@ class TkvLoader:
         q_in_planar, k_in_planar, v_in_planar: ``(head_dim, d_pad)``: q_in / k_in / v_in with
             the output columns in the side's planar layout (``_planes.planar_index``).
         out_planar: ``(d_pad, head_dim)``: out_mat taking planar-layout (V planes) rows.
+        k_sink_shift, v_sink_shift: ``(num_kv_heads, d_pad)`` (natural coordinate order, zero
+            padding) rotated shift ``c_h = R((σ_h − μ_h)/s)`` of the side's *flagged* vectors
+            (codec ``sink_shift_rotated``), or None when the side has no sink offset. A
+            flagged token's norm has its sign bit set; its vector is ``|norm|·tile + c_h``
+            (:func:`sink_shift`).
         layout: the :class:`~tkv.codec.layout.SlotLayout` (the only source of offsets).
     """
 
@@ -532,19 +540,14 @@ class TkvLoader:
         self.lookup = lookup
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")
-        if codec.has_sink_offset:
-            # flagged vectors carry a negative norm and another offset: these kernels would
-            # read them as sign-flipped vectors around μ (silently wrong attention)
-            raise UnsupportedFeatureError(
-                "tkv.kernels do not implement the codec's sink offsets (k_sink_offset / "
-                "v_sink_offset) yet; build the codec without them")
-        mu_heads = codec.k.offset_heads
-        if mu_heads is not None and mu_heads != num_kv_heads:
-            # a per-head key offset must hold exactly this layer's (per-rank) KV heads: a wrong
-            # row would center head h with another head's mean (silently wrong attention)
-            raise ShapeError(
-                f"the codec's per-head k_channel_offset holds {mu_heads} KV heads, the layer "
-                f"has {num_kv_heads} (slice the offset to this rank's heads)")
+        for side in (codec.k, codec.v):
+            mu_heads = side.offset_heads
+            if mu_heads is not None and mu_heads != num_kv_heads:
+                # a per-head offset must hold exactly this layer's (per-rank) KV heads: a wrong
+                # row would center head h with another head's mean (silently wrong attention)
+                raise ShapeError(
+                    f"the codec's per-head {side.name} offset (channel or sink) holds {mu_heads}"
+                    f" KV heads, the layer has {num_kv_heads} (slice it to this rank's heads)")
         self.codec = codec
         self.layout: SlotLayout = codec.layout(num_kv_heads, block_size)
         self.head_dim = codec.head_dim
@@ -585,6 +588,16 @@ class TkvLoader:
             return torch.cat([b, torch.full((1,), math.inf)]).to(dev).contiguous()
 
         self.k_bounds, self.v_bounds = bounds(codec.k), bounds(codec.v)
+
+        def sink_shift(side):   # c_h = R((σ_h − μ_h)/s), natural order, zero-padded to d_pad
+            c = side.sink_shift_rotated(torch.float64)
+            if c is None:
+                return None
+            out = torch.zeros(num_kv_heads, dp, dtype=torch.float64, device=c.device)
+            out[:, :d] = c if c.dim() == 2 else c.expand(num_kv_heads, d)
+            return out.to(dev, torch.float32).contiguous()
+
+        self.k_sink_shift, self.v_sink_shift = sink_shift(codec.k), sink_shift(codec.v)
         r = codec.rotation.matrix(torch.float64).cpu()  # R with R @ x = forward(x)
 
         def scales(side):
@@ -713,6 +726,17 @@ class TkvLoader:
 
     def __repr__(self) -> str:
         return f"TkvLoader({self.layout.describe()}, lookup={self.lookup})"
+
+
+def sink_shift(loader, side: str, dummy: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Kernel arguments of a side's *sink shift*: ``(shift, True)`` when the loader flags rows
+    by the sign bit of their ``row_scale`` (tkv codecs with sink offsets): a flagged token's
+    vector is ``|row_scale|·tile + shift[head]``, ``shift`` float32 ``(num_kv_heads, d_pad)``
+    in natural coordinate order (:attr:`TkvLoader.k_sink_shift`). Otherwise ``(dummy,
+    False)``: row scales are used as they are (any loader without the optional
+    ``k_sink_shift`` / ``v_sink_shift`` attributes, e.g. bypass and fp8)."""
+    shift = getattr(loader, f"{side}_sink_shift", None)
+    return (dummy, False) if shift is None else (shift, True)
 
 
 # ============================================================================ raw paged K/V

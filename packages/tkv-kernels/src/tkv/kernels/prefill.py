@@ -12,7 +12,18 @@ import triton.language as tl
 
 from tkv.codec.errors import DtypeError, ShapeError
 
-from ._planes import accumulate, fetch_kv, load_planes, scores, store_planes, zero_planes
+from ._planes import (
+    accumulate,
+    add_shift,
+    fetch_kv,
+    load_planes,
+    load_shift,
+    planes_dot,
+    scores,
+    split_flag,
+    store_planes,
+    zero_planes,
+)
 from ._util import (
     check_dtype,
     check_int_tensor,
@@ -24,7 +35,7 @@ from ._util import (
     next_pow2,
     tile_tokens,
 )
-from .loaders import Loader, bypass_fetch, identity_dequant
+from .loaders import Loader, bypass_fetch, identity_dequant, sink_shift
 
 __all__ = ["DENSE_PREFIX_CAP", "dense_prefix_bytes", "prefill"]
 
@@ -74,16 +85,19 @@ def _dequant_prefix_kernel(
         cu_q, seq_lens, block_table, s_bt, max_blocks, num_blocks,
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
-        PK, PV, max_prefix,
+        PK, PV, max_prefix, k_shift, v_shift,
         FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
         KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         HKV: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, K_SINK: tl.constexpr,
+        V_SINK: tl.constexpr):
     """Decompress the prefix of sequence ``program_id(1)``, KV head ``program_id(2)``, tokens
     ``[t·BLOCK_N, (t+1)·BLOCK_N)`` into the dense scratch ``PK``/``PV`` (rows
     ``(seq·max_prefix + pos)·HKV + head`` of ``D_PAD`` elements, the loader's planar layout,
-    norms applied — what the prefix loop of :func:`_prefill_kernel` would compute per tile)."""
+    norms applied — what the prefix loop of :func:`_prefill_kernel` would compute per tile).
+    ``K_SINK`` / ``V_SINK``: a flagged row is written as ``|n|·tile + shift[head]``, so the
+    dense attention that reads the rows needs nothing else."""
     t = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -98,10 +112,29 @@ def _dequant_prefix_kernel(
         k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1, KP2,
         KP3, KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, D_PAD)
     rows = ((seq.to(tl.int64) * max_prefix + pos) * HKV + kvh) * D_PAD
-    store_planes(PK, rows, mask_n, DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, tl.float32),
-                 ks, KNP, D_PAD, HEAD_DIM, True)
-    store_planes(PV, rows, mask_n, DEQUANT(rv, v_table, VP0, VP1, VP2, VP3, VNP, D_PAD, tl.float32),
-                 vs, VNP, D_PAD, HEAD_DIM, True)
+    k = DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, tl.float32)
+    v = DEQUANT(rv, v_table, VP0, VP1, VP2, VP3, VNP, D_PAD, tl.float32)
+    if K_SINK:
+        ks, kflag = split_flag(ks)
+        k = add_shift(_scaled(k, ks, KNP), tl.where(kflag, 1.0, 0.0),
+                      load_shift(k_shift, kvh, KNP, D_PAD, HEAD_DIM), KNP)
+        ks = tl.where(mask_n, 1.0, 0.0)
+    if V_SINK:
+        vs, vflag = split_flag(vs)
+        v = add_shift(_scaled(v, vs, VNP), tl.where(vflag, 1.0, 0.0),
+                      load_shift(v_shift, kvh, VNP, D_PAD, HEAD_DIM), VNP)
+        vs = tl.where(mask_n, 1.0, 0.0)
+    store_planes(PK, rows, mask_n, k, ks, KNP, D_PAD, HEAD_DIM, True)
+    store_planes(PV, rows, mask_n, v, vs, VNP, D_PAD, HEAD_DIM, True)
+
+
+@triton.jit
+def _scaled(planes, scale, NP: tl.constexpr):
+    """Each plane times ``scale[:, None]``."""
+    out = ()
+    for p in tl.static_range(NP):
+        out = out + (planes[p] * scale[:, None],)
+    return out
 
 
 # Engines pass slices of their per-step metadata (e.g. vLLM's seq_lens[num_decodes:]), whose
@@ -114,18 +147,20 @@ def _prefill_kernel(
         cu_q, seq_lens, block_table, s_bt, max_blocks, num_blocks,
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
-        scale_log2, window,
+        scale_log2, window, k_shift, v_shift,
         FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
         KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_MT: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         DOT_DTYPE: tl.constexpr, PLANAR: tl.constexpr, NO_PREFIX: tl.constexpr,
-        DENSE: tl.constexpr = False):
+        DENSE: tl.constexpr = False, K_SINK: tl.constexpr = False,
+        V_SINK: tl.constexpr = False):
     """One (query tile, sequence, KV head). Q/KN/VN/Out live in the loader's space (the wrapper
     rotates them for rotated loaders, in the planar layout: ``PLANAR``); every K/V operand,
     cached or new, is handled as the loader's planes so prefix and chunk share one
-    accumulator."""
+    accumulator. ``K_SINK`` / ``V_SINK``: flagged prefix tokens as in decode's split kernel
+    (the chunk's own K/V are exact, never flagged)."""
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -150,6 +185,10 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = zero_planes(BLOCK_M, VNP, D_PAD)
+    if K_SINK:   # the flagged prefix keys' score term (log2 units)
+        qd = planes_dot(q, load_shift(k_shift, kvh, KNP, D_PAD, HEAD_DIM), KNP) * scale_log2
+    if V_SINK:
+        m_f = tl.zeros([BLOCK_M], tl.float32)
     qpos = prefix + tok                            # absolute position of each query row
     tile_lo = prefix + tile * BLOCK_MT             # smallest query position of the tile
     # ---- prefix: read (compressed) from the paged cache through the loader
@@ -165,14 +204,23 @@ def _prefill_kernel(
             k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1, KP2,
             KP3, KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, D_PAD)
         k = DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, DOT_DTYPE)
+        if K_SINK:
+            ks, kflag = split_flag(ks)
         s = scores(q, k, KNP) * (ks * scale_log2)[None, :]
+        if K_SINK:
+            s += tl.where(kflag[None, :], qd[:, None], 0.0)
         vis = mask_n[None, :] & (qpos >= 0)[:, None]
         if window > 0:
             vis = vis & ((qpos[:, None] - pos[None, :]) < window)
         s = tl.where(vis, s, float("-inf"))
         p, m_i, l_i, alpha = _online_update(s, m_i, l_i)
         v = DEQUANT(rv, v_table, VP0, VP1, VP2, VP3, VNP, D_PAD, DOT_DTYPE)
+        if V_SINK:
+            vs, vflag = split_flag(vs)
+            m_f = m_f * alpha + tl.sum(tl.where(vflag[None, :], p, 0.0), axis=1)
         acc = accumulate(acc, alpha, (p * vs[None, :]).to(DOT_DTYPE), v, VNP)
+    if V_SINK:   # the flagged values' shift, before the chunk loop rescales acc
+        acc = add_shift(acc, m_f, load_shift(v_shift, kvh, VNP, D_PAD, HEAD_DIM), VNP)
     # ---- current chunk: uncompressed new K/V (same space and planes), causal
     hi = tl.minimum(q_len, (tile + 1) * BLOCK_MT)
     lo2 = 0
@@ -326,7 +374,13 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     block_m = block_mt * g_pad
     if block_m < 16:
         block_mt = 16 // g_pad
-    block_n = tile_tokens(block_n, d, loader.min_block_n)
+    # tiles of the compressed prefix: the loader's decode tile, at most 64 tokens — 32 when a
+    # side is 3/5/6/7-bit (8 planes or per-element codes). At head_dim 64, 64-token tiles
+    # with a per-element side (3/5 bits) and a planar one (2/4 bits) crashed Triton 3.6's
+    # code on the H200 (illegal address) or returned wrong rows (num_stages=2):
+    # benchmarks/results/prefill_tile_bug_2026-11-30.md
+    block_n = tile_tokens(block_n, d, loader.min_block_n,
+                          small_head=64 if no_prefix else _prefix_tile(loader))
     if num_warps is None:
         num_warps = 8 if block_mt * g_pad >= 128 else 4
     if num_stages is None:
@@ -396,18 +450,23 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kargs = (pk, pk, pk, page, d_pad, tok, d_pad, 0, 0, 0, kargs[10])
         vargs = (pv, pv, pv, page, d_pad, tok, d_pad, 0, 0, 0, vargs[10])
         fetch, dequant, num_stages = _dense_fetch, _dense_planes, 2
+    # inline prefix reads apply the sink shifts themselves; the dense rows already hold them,
+    # and the bypass reads no cache
+    k_shift, k_sink = sink_shift(loader, "k", cu_seqlens_q)
+    v_shift, v_sink = sink_shift(loader, "v", cu_seqlens_q)
+    k_sink, v_sink = (k_sink and planar and not dense), (v_sink and planar and not dense)
     grid = (triton.cdiv(max_query_len, block_mt), ns, hkv)
     _prefill_kernel[grid](
         query, query.stride(0), query.stride(1), key, key.stride(0), key.stride(1),
         value, value.stride(0), value.stride(1), out, out.stride(0), out.stride(1),
         cu_seqlens_q, seq_lens, bt, bt.stride(0), maxb,
-        nblk, *kargs[:6], *vargs[:6], scale * _LOG2E, window,
+        nblk, *kargs[:6], *vargs[:6], scale * _LOG2E, window, k_shift, v_shift,
         FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
         VP3=vargs[9], VNP=vargs[10], G=g, G_PAD=g_pad, BLOCK_MT=block_mt, BLOCK_N=block_n,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=loader.block_size, DOT_DTYPE=_TL[dot_dtype],
-        PLANAR=planar, NO_PREFIX=bool(no_prefix), DENSE=bool(dense), num_warps=num_warps,
-        num_stages=num_stages)
+        PLANAR=planar, NO_PREFIX=bool(no_prefix), DENSE=bool(dense), K_SINK=k_sink,
+        V_SINK=v_sink, num_warps=num_warps, num_stages=num_stages)
     if final is not None:
         final.copy_((out.view(-1, d_pad) @ loader.out_planar).view(tq, hq, d))
         out = final
@@ -419,14 +478,16 @@ def _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, varg
     """Launch :func:`_dequant_prefix_kernel`: the prefixes of ``ns`` sequences (at most ``maxp``
     tokens each) dequantized into ``pk`` / ``pv`` rows ``(seq·maxp + pos)·hkv + head`` — for
     the decompress-once Triton loop and for the SDPA path alike."""
-    tb = 64
+    tb = _prefix_tile(loader)
+    k_shift, k_sink = sink_shift(loader, "k", pk)
+    v_shift, v_sink = sink_shift(loader, "v", pk)
     _dequant_prefix_kernel[(triton.cdiv(maxp, tb), ns, hkv)](
         cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
-        num_blocks, *kargs[:6], *vargs[:6], pk, pv, maxp,
+        num_blocks, *kargs[:6], *vargs[:6], pk, pv, maxp, k_shift, v_shift,
         FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
         VP3=vargs[9], VNP=vargs[10], HKV=hkv, HEAD_DIM=loader.head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=loader.block_size, BLOCK_N=tb, num_warps=4)
+        BLOCK_SIZE=loader.block_size, BLOCK_N=tb, K_SINK=k_sink, V_SINK=v_sink, num_warps=4)
 
 
 def _sdpa_dense_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix: int,
@@ -484,6 +545,12 @@ def _sdpa_dense_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix
 # query tokens of the warm-up's decompress-once call: more than any M tile's tokens (block_m
 # ≤ 128 rows), so prefill takes that path
 _WARM_DENSE_TOKENS = 129
+
+
+def _prefix_tile(loader) -> int:
+    """Tokens per tile of a compressed prefix read through ``loader``: its decode tile
+    (``preferred_block_n``), at most 64."""
+    return min(64, getattr(loader, "preferred_block_n", 64))
 
 
 def _whole_pages(tokens: int, block_size: int) -> int:

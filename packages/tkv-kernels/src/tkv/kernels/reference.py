@@ -26,13 +26,19 @@ def _tkv_gather(cache, loader: TkvLoader, blocks, offs):
         norms = v[f"{side}_norms"][blocks, :, offs].double()  # (n, H)
         idx = unpack_codes(codes, sc.bits, lay.head_dim)
         y = sc.centroids.double().to(codes.device)[idx] / math.sqrt(lay.head_dim)
-        y = y * norms.unsqueeze(-1)
+        y = y * norms.abs().unsqueeze(-1)
         x = codec.rotation.inverse(y)
         if sc.channel_scales is not None:
             x = x * sc.channel_scales.double()
-        if sc.channel_offset is not None:  # key centering: back to model space, k̂ + μ (μ (d,) shared
-            # by the heads, or (H, d): row h added to head h — x is (n, H, d), so both broadcast)
-            x = x + sc.channel_offset.double().to(x.device)
+        # back to model space: + μ (key centering; μ (d,) shared by the heads, or (H, d): row h
+        # added to head h — x is (n, H, d), so both broadcast), or + σ, the sink offset, for
+        # vectors whose norm has its sign BIT set (a flagged zero norm is −0.0)
+        base = 0.0 if sc.channel_offset is None else sc.channel_offset.double().to(x.device)
+        if sc.sink_offset is not None:
+            flag = torch.signbit(norms).unsqueeze(-1)
+            x = x + torch.where(flag, sc.sink_offset.double().to(x.device), base)
+        else:
+            x = x + base
         out.append(x)
     return out
 

@@ -36,6 +36,22 @@ def _bf16_rne(x):
 
 
 @triton.jit
+def _codes(y, inv, cols, bounds, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
+           BLOCK_T: tl.constexpr, CH: tl.constexpr):
+    """Lloyd-Max codes int32 [T, CH] of rotated coordinates ``y`` (columns ``cols``) scaled by
+    ``inv`` = sqrt(d)/n: branch-free lower bound over the 2**BITS − 1 sorted boundaries,
+    code = #{b_j < z}; 0 at padding columns."""
+    z = y * inv[:, None]
+    code = tl.zeros([BLOCK_T, CH], dtype=tl.int32)
+    for step in tl.static_range(BITS):
+        half = 1 << (BITS - 1 - step)
+        cand = code + half
+        bnd = tl.load(bounds + cand - 1)
+        code = tl.where(bnd < z, cand, code)
+    return tl.where((cols < HEAD_DIM)[None, :], code, 0)
+
+
+@triton.jit
 def _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM: tl.constexpr,
                 BITS: tl.constexpr, CODE_BYTES: tl.constexpr, NORM_CORR: tl.constexpr,
                 GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -43,15 +59,7 @@ def _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM: tl.con
     """Quantize rotated coordinates ``y`` [T, CH] (columns C0..C0+CH) and store their packed
     bytes (byte offset C0*BITS/8; CH*BITS is a multiple of 8). Returns sum of c[code]^2."""
     cmask = cols < HEAD_DIM
-    z = y * inv[:, None]
-    # branch-free lower bound over the 2**BITS - 1 sorted boundaries: code = #{b_j < z}
-    code = tl.zeros([BLOCK_T, CH], dtype=tl.int32)
-    for step in tl.static_range(BITS):
-        half = 1 << (BITS - 1 - step)
-        cand = code + half
-        bnd = tl.load(bounds + cand - 1)
-        code = tl.where(bnd < z, cand, code)
-    code = tl.where(cmask[None, :], code, 0)
+    code = _codes(y, inv, cols, bounds, HEAD_DIM, BITS, BLOCK_T, CH)
     usq = tl.zeros([BLOCK_T], tl.float32)
     if NORM_CORR:
         c = tl.load(table + code)
@@ -79,12 +87,44 @@ def _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM: tl.con
 
 
 @triton.jit
+def _norm_inv(ss, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``(n, sqrt(d)/n)`` of squared norms ``ss`` [T] (``inv`` 0 where n = 0)."""
+    n = tl.sqrt_rn(ss)
+    sqrt_d = tl.full([BLOCK_T], math.sqrt(HEAD_DIM), tl.float32)
+    return n, tl.where(n > 0, tl.div_rn(sqrt_d, tl.where(n > 0, n, 1.0)), 0.0)
+
+
+@triton.jit
+def _candidate(ys, ss, bounds, table, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+               BITS: tl.constexpr, NORM_CORR: tl.constexpr, BLOCK_T: tl.constexpr,
+               CH: tl.constexpr):
+    """One sink-offset candidate (rotated chunks ``ys``, ``ss = ‖y‖²``): ``(n, inv, err)``
+    with ``n`` the norm to store (norm-corrected), ``inv`` its quantizer scale and ``err =
+    ‖n̂·c[code] − y‖²`` at the bf16 norm ``n̂`` as stored — the codec's ``_rotated_error``,
+    expanded as ``n̂²·Σc² − 2n̂·Σc·y + ‖y‖²`` so the codes need not be kept."""
+    n, inv = _norm_inv(ss, HEAD_DIM, BLOCK_T)
+    usq = tl.zeros([BLOCK_T], tl.float32)
+    cy = tl.zeros([BLOCK_T], tl.float32)
+    for c in tl.static_range(D_PAD // CH):
+        cols = c * CH + tl.arange(0, CH)
+        code = _codes(ys[c], inv, cols, bounds, HEAD_DIM, BITS, BLOCK_T, CH)
+        t = tl.where((cols < HEAD_DIM)[None, :], tl.load(table + code), 0.0)
+        usq += tl.sum(t * t, axis=1)
+        cy += tl.sum(t * ys[c], axis=1)
+    if NORM_CORR:
+        n = tl.div_rn(n, tl.maximum(tl.sqrt_rn(usq), 1e-12))
+    nb = _bf16_rne(n).to(tl.float32)
+    return n, inv, nb * nb * usq - 2.0 * nb * cy + ss
+
+
+@triton.jit
 def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, MU, mu_sh, blk, off,
-                page_bytes, HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
+                page_bytes, SHIFT, HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
                 CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr, CODE_BYTES: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, NORM_CORR: tl.constexpr, GROUP: tl.constexpr,
                 GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_STRIDE: tl.constexpr,
-                TOK_STRIDE: tl.constexpr, NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr):
+                TOK_STRIDE: tl.constexpr, NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr,
+                SINK: tl.constexpr):
     offs_d = tl.arange(0, D_PAD)
     dmask = offs_d < HEAD_DIM
     x = tl.load(X + tok.to(tl.int64)[:, None] * sx_t + head * sx_h + offs_d[None, :],
@@ -105,15 +145,40 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
                    input_precision="tf32x3")                           # R (x / s), [T, CH]
         ss += tl.sum(y * y, axis=1)
         ys = ys + (y,)
-    n = tl.sqrt_rn(ss)
-    inv = tl.where(n > 0, tl.div_rn(sqrt_d, tl.where(n > 0, n, 1.0)), 0.0)
-    usq = tl.zeros([BLOCK_T], tl.float32)
-    for c in tl.static_range(D_PAD // CH):
-        cols = c * CH + tl.arange(0, CH)
-        usq += _quant_pack(ys[c], inv, cols, valid, cache, row, bounds, table, HEAD_DIM, BITS,
-                           CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T, CH, c * CH)
-    if NORM_CORR:  # store n / ||c[code]/sqrt(d)|| so that ||x_hat|| = ||x|| (codec, K side)
-        n = tl.div_rn(n, tl.maximum(tl.sqrt_rn(usq), 1e-12))
+    if SINK:
+        # two candidates: y_a = R((x − μ)/s) and y_b = R((x − σ)/s) = y_a − c_h (SHIFT row
+        # h); keep the one with the smaller reconstruction error (ties and NaN y_b errors:
+        # y_a), flag y_b by storing −n (the codec's quantize)
+        ysb = ()
+        ssb = tl.zeros([BLOCK_T], tl.float32)
+        for c in tl.static_range(D_PAD // CH):
+            cols = c * CH + tl.arange(0, CH)
+            yb = ys[c] - tl.load(SHIFT + head * D_PAD + cols)[None, :]
+            ssb += tl.sum(yb * yb, axis=1)
+            ysb = ysb + (yb,)
+        na, inva, ea = _candidate(ys, ss, bounds, table, HEAD_DIM, D_PAD, BITS, NORM_CORR,
+                                  BLOCK_T, CH)
+        nb, invb, eb = _candidate(ysb, ssb, bounds, table, HEAD_DIM, D_PAD, BITS, NORM_CORR,
+                                  BLOCK_T, CH)
+        pick = (eb < ea) | ((ea != ea) & (eb == eb))
+        inv = tl.where(pick, invb, inva)
+        for c in tl.static_range(D_PAD // CH):
+            cols = c * CH + tl.arange(0, CH)
+            _quant_pack(tl.where(pick[:, None], ysb[c], ys[c]), inv, cols, valid, cache, row,
+                        bounds, table, HEAD_DIM, BITS, CODE_BYTES, False, GROUP, GROUP_BYTES,
+                        BLOCK_T, CH, c * CH)
+        n = tl.where(pick, -nb, na)
+    else:
+        n = tl.sqrt_rn(ss)
+        inv = tl.where(n > 0, tl.div_rn(sqrt_d, tl.where(n > 0, n, 1.0)), 0.0)
+        usq = tl.zeros([BLOCK_T], tl.float32)
+        for c in tl.static_range(D_PAD // CH):
+            cols = c * CH + tl.arange(0, CH)
+            usq += _quant_pack(ys[c], inv, cols, valid, cache, row, bounds, table, HEAD_DIM,
+                               BITS, CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T, CH,
+                               c * CH)
+        if NORM_CORR:  # store n / ||c[code]/sqrt(d)|| so that ||x_hat|| = ||x|| (codec, K)
+            n = tl.div_rn(n, tl.maximum(tl.sqrt_rn(usq), 1e-12))
     nidx = (page + NORMS_OFF) // 2 + head * NORM_HEAD_STRIDE + off
     tl.store(aux + nidx, _bf16_rne(n), mask=valid)
 
@@ -121,7 +186,7 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
 @triton.jit
 def _compress_store_kernel(
         K, skt, skh, V, svt, svh, slots, num_tokens, num_slots, cache, aux,
-        Ak, Av, kbounds, vbounds, ktable, vtable, kmu, kmu_sh, page_bytes,
+        Ak, Av, kbounds, vbounds, ktable, vtable, kmu, kmu_sh, page_bytes, kshift, vshift,
         K_HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         K_BITS: tl.constexpr, K_CODES_OFF: tl.constexpr, K_NORMS_OFF: tl.constexpr,
         K_CODE_BYTES: tl.constexpr, K_NORM_CORR: tl.constexpr, K_GROUP: tl.constexpr,
@@ -130,7 +195,8 @@ def _compress_store_kernel(
         V_CODE_BYTES: tl.constexpr, V_NORM_CORR: tl.constexpr, V_GROUP: tl.constexpr,
         V_GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, K_HEAD_STRIDE: tl.constexpr,
         K_TOK_STRIDE: tl.constexpr, V_HEAD_STRIDE: tl.constexpr, V_TOK_STRIDE: tl.constexpr,
-        NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr):
+        NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr, K_SINK: tl.constexpr,
+        V_SINK: tl.constexpr):
     pid = tl.program_id(0)
     head = tl.program_id(1)
     side = tl.program_id(2)   # 0: K, 1: V — separate programs: half the dependent chain each
@@ -143,14 +209,14 @@ def _compress_store_kernel(
     off = slot % BLOCK_SIZE
     if side == 0:
         _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kbounds, ktable, kmu, kmu_sh,
-                    blk, off, page_bytes, K_HAS_MU, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF,
+                    blk, off, page_bytes, kshift, K_HAS_MU, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF,
                     K_NORMS_OFF, K_CODE_BYTES, BLOCK_SIZE, K_NORM_CORR, K_GROUP, K_GROUP_BYTES,
-                    BLOCK_T, K_HEAD_STRIDE, K_TOK_STRIDE, NORM_HEAD_STRIDE, CH)
+                    BLOCK_T, K_HEAD_STRIDE, K_TOK_STRIDE, NORM_HEAD_STRIDE, CH, K_SINK)
     else:
         _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, vbounds, vtable, kmu, 0, blk,
-                    off, page_bytes, False, HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF, V_NORMS_OFF,
-                    V_CODE_BYTES, BLOCK_SIZE, V_NORM_CORR, V_GROUP, V_GROUP_BYTES, BLOCK_T,
-                    V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH)
+                    off, page_bytes, vshift, False, HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF,
+                    V_NORMS_OFF, V_CODE_BYTES, BLOCK_SIZE, V_NORM_CORR, V_GROUP, V_GROUP_BYTES,
+                    BLOCK_T, V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH, V_SINK)
 
 
 def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -166,6 +232,13 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     K norm stored as ``n / ‖c[code]/sqrt(d)‖`` when the codec's norm correction is on,
     codes packed LSB-first — bit-for-bit the codec's ``compress_k`` / ``compress_v`` up to
     float32 rounding at bucket boundaries (TurboQuant, Zandieh et al. 2025, Alg. 1).
+
+    With sink offsets (the codec's ``k_sink_offset`` / ``v_sink_offset``; the loader's
+    ``k_sink_shift`` / ``v_sink_shift`` ``c_h``), each vector is also coded as
+    ``y_b = y − c_h`` (relative to the sink offset σ) and the candidate with the smaller
+    rotated reconstruction error at its bf16 norm wins; a ``y_b`` winner stores ``−n`` (the
+    sign bit is the flag). Same rule as the codec's ``quantize``; near-ties may resolve
+    differently under float32 rounding (both candidates are then equally good).
 
     Args:
         key, value: ``(num_tokens, num_kv_heads, head_dim)`` float16/bfloat16/float32, unit
@@ -230,12 +303,14 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         raise ShapeError(f"chunk must be a power of two >= 16, got {chunk}")
     kg, kgb = code_group(lay.k_bits)
     vg, vgb = code_group(lay.v_bits)
+    kshift, vshift = loader.k_sink_shift, loader.v_sink_shift
     grid = (triton.cdiv(n, block_t), lay.num_kv_heads, 2)
     _compress_store_kernel[grid](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
         slot_mapping, n, num_blocks * lay.block_size, cache, cache.view(torch.bfloat16),
         loader.k_in, loader.v_in, loader.k_bounds, loader.v_bounds, loader.k_table,
         loader.v_table, loader.k_table if mu is None else mu, mu_sh, lay.page_bytes,
+        loader.k_table if kshift is None else kshift, loader.v_table if vshift is None else vshift,
         K_HAS_MU=mu is not None, HEAD_DIM=lay.head_dim, D_PAD=loader.d_pad, BLOCK_SIZE=lay.block_size,
         K_BITS=lay.k_bits, K_CODES_OFF=lay.k_codes_offset, K_NORMS_OFF=lay.k_norms_offset,
         K_CODE_BYTES=lay.k_code_bytes, K_NORM_CORR=loader.k_norm_correction, K_GROUP=kg,
@@ -244,4 +319,5 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         V_CODE_BYTES=lay.v_code_bytes, V_NORM_CORR=loader.v_norm_correction, V_GROUP=vg,
         V_GROUP_BYTES=vgb, BLOCK_T=block_t, K_HEAD_STRIDE=st["k_head"],
         K_TOK_STRIDE=st["k_token"], V_HEAD_STRIDE=st["v_head"], V_TOK_STRIDE=st["v_token"],
-        NORM_HEAD_STRIDE=st["norm_head"], CH=min(loader.d_pad, chunk), num_warps=num_warps)
+        NORM_HEAD_STRIDE=st["norm_head"], CH=min(loader.d_pad, chunk), K_SINK=kshift is not None,
+        V_SINK=vshift is not None, num_warps=num_warps)
