@@ -113,7 +113,9 @@ def test_per_head_key_offset_is_sliced_to_the_tp_rank(tmp_path):
     mu = torch.randn(h, d)
     layers = list(b.layers)
     layers[1] = dataclasses.replace(layers[1], k_channel_offset=tuple(mu.flatten().tolist()))
-    layers[0] = dataclasses.replace(layers[0], k_channel_offset=tuple(mu[0].tolist()))
+    sv = torch.randn(h, d)     # per-head V sink offset next to layer 0's shared μ
+    layers[0] = dataclasses.replace(layers[0], k_channel_offset=tuple(mu[0].tolist()),
+                                    v_sink_offset=tuple(sv.flatten().tolist()))
     path = dataclasses.replace(b, layers=tuple(layers)).save(tmp_path / "ph.json")
     vc = fake_vllm_config(fake_model_config(num_kv_heads=h, head_dim=d))
     cfg = startup.tkv_config(vc, {"TKV_BITS": "4.0", "TKV_CALIBRATION_FILE": str(path)})
@@ -127,6 +129,8 @@ def test_per_head_key_offset_is_sliced_to_the_tp_rank(tmp_path):
             assert c.k.offset_heads == shard.num_local_heads
             shared = startup.layer_codec(cfg, 0, 4, 4, "cpu", shard)
             assert torch.equal(shared.k.channel_offset, mu[0])
+            assert torch.equal(shared.v.sink_offset, sv[list(shard.heads)])
+    assert cfg.bundle.layers[0].offset_heads(d) == h    # so the backend asks for the shard
     # a rank's codec compresses its local heads exactly as the full codec does those heads
     shard = shard_kv_heads(h, 2, 1)
     c = startup.layer_codec(cfg, 1, 4, 4, "cpu", shard)

@@ -34,22 +34,24 @@ def worker_layouts(config: TkvConfig, start_layer: int, end_layer: int, page_siz
 
 
 def check_key_offset_heads(config: TkvConfig, layer: int, num_kv_heads: int) -> None:
-    """Refuse a per-head key offset μ ``(H, head_dim)`` on a rank that holds ``num_kv_heads``
-    ≠ H KV heads (tensor/attention parallelism shards or replicates heads): the SGLang pool
-    builds the codec from the whole bundle entry, so head h would be centered with another
-    head's mean — silently wrong attention. A shared ``(head_dim,)`` μ is fine on any rank.
+    """Refuse per-head offsets ``(H, head_dim)`` — the key offset μ or a sink offset — on a
+    rank that holds ``num_kv_heads`` ≠ H KV heads (tensor/attention parallelism shards or
+    replicates heads): the SGLang pool builds the codec from the whole bundle entry, so head h
+    would be coded with another head's offsets — silently wrong attention. Shared
+    ``(head_dim,)`` offsets are fine on any rank.
 
     Raises:
         UnsupportedFeatureError: the case above, naming the layer and both head counts.
     """
     b = config.bundle
-    heads = None if b is None else b.layers[layer].k_offset_heads(config.head_dim)
+    heads = None if b is None else b.layers[layer].offset_heads(config.head_dim)
     if heads is not None and heads != num_kv_heads:
         raise UnsupportedFeatureError(
-            f"tkv (SGLang): layer {layer}'s calibration bundle has a per-head key offset for "
-            f"{heads} KV heads, this rank holds {num_kv_heads} (TP/attention-TP > 1); slicing "
-            "it per rank is not supported in the SGLang pool yet: serve with --tp 1, or "
-            "recalibrate with `tkv-calibrate --center-keys shared`")
+            f"tkv (SGLang): layer {layer}'s calibration bundle has per-head offsets (key offset "
+            f"or sink offsets) for {heads} KV heads, this rank holds {num_kv_heads} "
+            "(TP/attention-TP > 1); slicing them per rank is not supported in the SGLang pool "
+            "yet: serve with --tp 1, or recalibrate with `tkv-calibrate --center-keys shared "
+            "--no-sink-offset`")
 
 
 def cell_size_bytes(layouts: list[SlotLayout]) -> int:

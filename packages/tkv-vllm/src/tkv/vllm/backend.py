@@ -277,9 +277,10 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
     k_bits, v_bits = plan.served[idx]
     dev = _layer_device(layer) if device is None else torch.device(device)
     block = int(vllm_config.cache_config.block_size)
-    # a per-head key offset μ (bundle: num_kv_heads * head_dim floats) is sliced to this TP
-    # rank's KV heads; the rank's head count must be the shard's, or the rows would not match
-    mu_heads = None if cfg.bundle is None else cfg.bundle.layers[idx].k_offset_heads(cfg.head_dim)
+    # per-head offsets (key offset μ, sink offsets; bundle: num_kv_heads * head_dim floats) are
+    # sliced to this TP rank's KV heads; the rank's head count must be the shard's, or the
+    # rows would not match
+    mu_heads = None if cfg.bundle is None else cfg.bundle.layers[idx].offset_heads(cfg.head_dim)
     shard = None
     if mu_heads is not None:
         shard = tp_shard(vllm_config)
@@ -287,7 +288,7 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
             raise UnsupportedFeatureError(
                 f"tkv: layer {layer.layer_name} has {impl.num_kv_heads} KV heads on this rank, "
                 f"the TP shard {shard.num_local_heads} (heads {list(shard.heads)}): the "
-                "bundle's per-head key offset cannot be sliced to this rank")
+                "bundle's per-head offsets cannot be sliced to this rank")
     codec = layer_codec(cfg, idx, k_bits, v_bits, dev, shard)
     state = LayerState(idx, k_bits, v_bits, int(impl.num_kv_heads), codec, {}, block,
                        kernels.lookup_from_env())   # TKV_LOOKUP, validated here (startup)
