@@ -36,6 +36,9 @@ def test_job_writes_valid_bundle_and_report(job, tiny):
     assert b.provenance["corpus"] == "valid.txt" and len(b.provenance["corpus_sha256"]) == 64
     # key centering is on by default; the bundle carries μ for every layer where it won
     assert b.provenance["key_centering"] == "per-head"
+    # and so are sink offsets: every layer's codec codes against μ or the sink offset
+    assert b.provenance["sink_offset"] is True
+    assert all(layer.k_sink_offset is not None for layer in b.layers)
     for layer, sc in zip(b.layers, res.calibration.scales, strict=True):
         assert (layer.k_channel_offset is None) == (sc.k_offset is None)
     md = (out / "report.md").read_text()
@@ -139,8 +142,17 @@ def test_center_keys_flag():
         _parser().parse_args(["run", "--center-keys", "per-layer"])
 
 
+def test_sink_offset_flag():
+    """Sink offsets are on by default; --no-sink-offset turns them off."""
+    from tkv.calibrate.cli import _parser
+
+    assert _parser().parse_args(["run"]).sink_offset is True
+    assert _parser().parse_args(["run", "--no-sink-offset"]).sink_offset is False
+    assert JobConfig().sink_offset is True
+
+
 def test_sink_offset_job_calibrates_and_evaluates_sink_offsets(tiny, tmp_path):
-    """--sink-offset: every layer of the bundle carries per-head K and V sink offsets (the mean
+    """Sink offsets (the default): every layer of the bundle carries per-head K and V sink offsets (the mean
     position-0 key / value of one-token forwards), the codecs built from it use them, and the
     whole job (sensitivity, SmartMix, evaluation) runs through them with finite metrics."""
     import torch
@@ -149,7 +161,7 @@ def test_sink_offset_job_calibrates_and_evaluates_sink_offsets(tiny, tmp_path):
 
     cfg = JobConfig(out=str(tmp_path), budgets=(4.0,), calib_window=64, collect_windows=2,
                     sensitivity_windows=1, verify_windows=1, eval_window=64, eval_windows=1,
-                    decode=False, sink_offset=True, show_progress=False)
+                    decode=False, show_progress=False)
     run_job(cfg, loaded=tiny)
     b = CalibrationBundle.load(tmp_path / "tkv_bundle.json")
     g = tiny.geometry

@@ -107,8 +107,8 @@ def fit_calibration(model, geometry: ModelGeometry, windows: torch.Tensor, seed:
     bundles then carry no offset). A per-head μ is stored flat, head-major
     (``num_kv_heads * head_dim`` floats). ``sink_tokens`` (int64 ``(n,)``, e.g. window starts
     of the calibration text): also the per-head sink offsets of every layer
-    (:func:`tkv.calibrate.collect.sink_offsets`; experimental — tkv's kernels do not serve
-    bundles that carry them yet).
+    (:func:`tkv.calibrate.collect.sink_offsets`; served by tkv's kernels: the flag is the
+    norm's sign bit, ``docs/kernels.md``).
     """
     t0 = time.perf_counter()
     col = collection or collect_kv(model, windows, show_progress=show_progress)

@@ -67,7 +67,7 @@ class JobConfig:
     decode: bool = True
     center_keys: bool | str = "per-head"  # "per-head" | "shared" | "off" (True/False accepted)
     codebook_min_gain: float = MIN_FITTED_GAIN  # a fit ships only above this held-out MSE gain
-    sink_offset: bool = False   # experimental: per-layer sink offsets (kernels do not serve them)
+    sink_offset: bool = True    # per-layer sink offsets (flagged by the norm's sign bit)
     seed: int = 0
     threads: int | None = None
     show_progress: bool = True
