@@ -477,6 +477,76 @@ def prefill_rows():
         torch.cuda.empty_cache()
 
 
+def sink_rows(copy_gbs):
+    """What sink offsets cost: the same kernels with a K4V4 codec without and with K and V sink
+    offsets (random per-head σ; in the decode/prefill caches a third of the tokens flagged),
+    default lookup (prmti). Baseline: the row without ``+sink`` of the same shape."""
+    hq, hkv, d, block = 32, 8, 128, 16
+    g = torch.Generator().manual_seed(0)
+    codecs = (("tkv_K4V4", TurboKVCodec(d, 4, device=DEV)),
+              ("tkv_K4V4+sink", TurboKVCodec(d, 4, device=DEV,
+                                             k_sink_offset=torch.randn(hkv, d, generator=g) * 4,
+                                             v_sink_offset=torch.randn(hkv, d, generator=g) * 4)))
+    ws = Workspace(256, 64, 256, DEV)
+
+    def flagged_cache(ld, nblk):
+        cache = tkv_cache(ld, nblk)
+        for side in ("k_norms", "v_norms"):
+            nv = ld.layout.views(cache)[side]
+            nv.copy_(torch.where(torch.rand_like(nv, dtype=torch.float32) < 1 / 3, -nv, nv))
+        return cache
+
+    for B, L in ((32, 8192), (64, 640), (256, 640), (1, 32768)):
+        bt, sl, nblk = paged(B, L, block)
+        q = torch.randn(B, hq, d, device=DEV, dtype=torch.bfloat16)
+        base = dict(kernel="decode", B=B, L=L, Hq=hq, Hkv=hkv, D=d)
+        cache = flagged_cache(TkvLoader(codecs[0][1], hkv, block), nblk)
+        for name, codec in codecs:
+            ld = TkvLoader(codec, hkv, block)
+            nbytes = B * L * ld.layout.bytes_per_token
+            ms = bench(lambda ld=ld: decode(q, cache, bt, sl, ld, ws))
+            log({**base, "impl": f"{name}_{lookup_label(ld)}", "ms": ms,
+                 "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+        del cache
+    for T in (64, 256, 16384):
+        k = torch.randn(T, hkv, d, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        nblk = T // block + 1
+        slots = torch.randperm(nblk * block, device=DEV)[:T]
+        for name, codec in codecs:
+            ld = TkvLoader(codec, hkv, block)
+            cache = ld.layout.allocate(nblk, DEV)
+            nbytes = store_bytes(T, hkv, d, ld)
+            ms = bench(lambda ld=ld, cache=cache: compress_store(k, v, cache, slots, ld))
+            log({"kernel": "compress_store", "T": T, "Hkv": hkv, "D": d, "impl": name, "ms": ms,
+                 "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+    ql, prefix = 2048, 8192
+    L = prefix + ql
+    flops = 4 * hq * d * (ql * prefix + ql * (ql + 1) / 2)
+    q = torch.randn(ql, hq, d, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(ql, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.tensor([0, ql], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([L], dtype=torch.int32, device=DEV)
+    bt, _, nblk = paged(1, L, block)
+    scratch = torch.empty(dense_prefix_bytes(1, L, hkv, d), dtype=torch.uint8, device=DEV)
+    cache = flagged_cache(TkvLoader(codecs[0][1], hkv, block), nblk)
+    base = dict(kernel="prefill", q_len=ql, prefix=prefix, Hq=hq, Hkv=hkv, D=d)
+    for name, codec in codecs:
+        ld = TkvLoader(codec, hkv, block)
+        for path, kw in (("inline", {}),
+                         ("decompress-once", dict(max_prefix_len=prefix, scratch=scratch)),
+                         ("decompress-once + SDPA", dict(max_prefix_len=prefix, scratch=scratch,
+                                                         exact_prefix=True))):
+            try:
+                ms = bench(lambda ld=ld, kw=kw: prefill(q, k, v, cu, sl, ql, cache, bt, ld, **kw))
+                log({**base, "impl": f"{name} {path}", "ms": ms, "TFLOPs": flops / ms / 1e9})
+            except Exception as e:
+                log({**base, "impl": f"{name} {path}", "error": str(e)[:160]})
+    del cache, scratch
+    torch.cuda.empty_cache()
+
+
 def table(copy_gbs, path):
     lines = [f"# tkv kernels on {torch.cuda.get_device_name()} ({time.strftime('%Y-%m-%d')})",
              "", f"torch {torch.__version__}, triton {triton.__version__}. Device-to-device copy "
@@ -807,6 +877,9 @@ def main():
                     help="only the tuning sweep at the decode-step shapes (variant_rows)")
     ap.add_argument("--model-step", action="store_true",
                     help="engine-like 36-layer decode steps (GEMMs + attention) per config")
+    ap.add_argument("--sink", action="store_true",
+                    help="also the sink-offset rows first (decode, compress_store, prefill "
+                         "without and with sink offsets)")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
@@ -823,6 +896,11 @@ def main():
             model_step_rows(copy_gbs)
         except Exception as e:  # must not cost the rest of the run
             log({"kernel": "model_step", "impl": "model step rows", "error": str(e)[:160]})
+    if a.sink:
+        try:
+            sink_rows(copy_gbs)
+        except Exception as e:  # must not cost the rest of the run
+            log({"kernel": "sink", "impl": "sink rows", "error": str(e)[:160]})
     if a.variants:   # the sweep alone
         variant_rows(copy_gbs)
         table(copy_gbs, out / f"kernels_gpu{tag}.md")
