@@ -65,6 +65,18 @@ def _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM: tl.con
         c = tl.load(table + code)
         c = tl.where(cmask[None, :], c, 0.0)
         usq = tl.sum(c * c, axis=1)
+    _pack_store(code, cols, valid, cache, row, HEAD_DIM, BITS, CODE_BYTES, GROUP, GROUP_BYTES,
+                BLOCK_T, CH, C0)
+    return usq
+
+
+@triton.jit
+def _pack_store(code, cols, valid, cache, row, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
+                CODE_BYTES: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr,
+                BLOCK_T: tl.constexpr, CH: tl.constexpr, C0: tl.constexpr):
+    """Pack codes int32 [T, CH] (columns C0..C0+CH) LSB-first and store their bytes at byte
+    offset C0*BITS/8 of each valid token's code row."""
+    cmask = cols < HEAD_DIM
     if BITS == 8:
         tl.store(cache + row[:, None] + cols[None, :], code.to(tl.uint8),
                  mask=valid[:, None] & cmask[None, :])
@@ -83,7 +95,6 @@ def _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM: tl.con
             bidx = (C0 * BITS) // 8 + gidx * GROUP_BYTES + k
             tl.store(cache + row[:, None] + bidx[None, :], byte,
                      mask=valid[:, None] & (bidx < CODE_BYTES)[None, :])
-    return usq
 
 
 @triton.jit
@@ -98,23 +109,25 @@ def _norm_inv(ss, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
 def _candidate(ys, ss, bounds, table, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                BITS: tl.constexpr, NORM_CORR: tl.constexpr, BLOCK_T: tl.constexpr,
                CH: tl.constexpr):
-    """One sink-offset candidate (rotated chunks ``ys``, ``ss = ‖y‖²``): ``(n, inv, err)``
-    with ``n`` the norm to store (norm-corrected), ``inv`` its quantizer scale and ``err =
+    """One sink-offset candidate (rotated chunks ``ys``, ``ss = ‖y‖²``): ``(n, codes, err)``
+    with ``n`` the norm to store (norm-corrected), ``codes`` its per-chunk codes and ``err =
     ‖n̂·c[code] − y‖²`` at the bf16 norm ``n̂`` as stored — the codec's ``_rotated_error``,
-    expanded as ``n̂²·Σc² − 2n̂·Σc·y + ‖y‖²`` so the codes need not be kept."""
+    expanded as ``n̂²·Σc² − 2n̂·Σc·y + ‖y‖²`` (per-token sums, no reconstruction kept)."""
     n, inv = _norm_inv(ss, HEAD_DIM, BLOCK_T)
     usq = tl.zeros([BLOCK_T], tl.float32)
     cy = tl.zeros([BLOCK_T], tl.float32)
+    codes = ()
     for c in tl.static_range(D_PAD // CH):
         cols = c * CH + tl.arange(0, CH)
         code = _codes(ys[c], inv, cols, bounds, HEAD_DIM, BITS, BLOCK_T, CH)
         t = tl.where((cols < HEAD_DIM)[None, :], tl.load(table + code), 0.0)
         usq += tl.sum(t * t, axis=1)
         cy += tl.sum(t * ys[c], axis=1)
+        codes = codes + (code,)
     if NORM_CORR:
         n = tl.div_rn(n, tl.maximum(tl.sqrt_rn(usq), 1e-12))
     nb = _bf16_rne(n).to(tl.float32)
-    return n, inv, nb * nb * usq - 2.0 * nb * cy + ss
+    return n, codes, nb * nb * usq - 2.0 * nb * cy + ss
 
 
 @triton.jit
@@ -148,7 +161,7 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
     if SINK:
         # two candidates: y_a = R((x − μ)/s) and y_b = R((x − σ)/s) = y_a − c_h (SHIFT row
         # h); keep the one with the smaller reconstruction error (ties and NaN y_b errors:
-        # y_a), flag y_b by storing −n (the codec's quantize)
+        # y_a), pack its codes, flag y_b by storing −n (the codec's quantize)
         ysb = ()
         ssb = tl.zeros([BLOCK_T], tl.float32)
         for c in tl.static_range(D_PAD // CH):
@@ -156,17 +169,15 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
             yb = ys[c] - tl.load(SHIFT + head * D_PAD + cols)[None, :]
             ssb += tl.sum(yb * yb, axis=1)
             ysb = ysb + (yb,)
-        na, inva, ea = _candidate(ys, ss, bounds, table, HEAD_DIM, D_PAD, BITS, NORM_CORR,
-                                  BLOCK_T, CH)
-        nb, invb, eb = _candidate(ysb, ssb, bounds, table, HEAD_DIM, D_PAD, BITS, NORM_CORR,
-                                  BLOCK_T, CH)
+        na, ca, ea = _candidate(ys, ss, bounds, table, HEAD_DIM, D_PAD, BITS, NORM_CORR,
+                                BLOCK_T, CH)
+        nb, cb, eb = _candidate(ysb, ssb, bounds, table, HEAD_DIM, D_PAD, BITS, NORM_CORR,
+                                BLOCK_T, CH)
         pick = (eb < ea) | ((ea != ea) & (eb == eb))
-        inv = tl.where(pick, invb, inva)
         for c in tl.static_range(D_PAD // CH):
             cols = c * CH + tl.arange(0, CH)
-            _quant_pack(tl.where(pick[:, None], ysb[c], ys[c]), inv, cols, valid, cache, row,
-                        bounds, table, HEAD_DIM, BITS, CODE_BYTES, False, GROUP, GROUP_BYTES,
-                        BLOCK_T, CH, c * CH)
+            _pack_store(tl.where(pick[:, None], cb[c], ca[c]), cols, valid, cache, row,
+                        HEAD_DIM, BITS, CODE_BYTES, GROUP, GROUP_BYTES, BLOCK_T, CH, c * CH)
         n = tl.where(pick, -nb, na)
     else:
         n = tl.sqrt_rn(ss)
