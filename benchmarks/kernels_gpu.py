@@ -393,19 +393,27 @@ def store_rows(copy_gbs):
                      "frac_copy": nbytes / ms / 1e6 / copy_gbs})
 
 
+def prefill_inputs(ql, prefix, hq, hkv, d, block):
+    """One sequence's prefill step: ``(row base, FLOPs, (q, k, v, cu_seqlens_q, seq_lens,
+    block_table, num_blocks))`` for a ``ql``-token chunk over ``prefix`` cached tokens (random
+    pages; bf16 q / K / V of the chunk)."""
+    flops = 4 * hq * d * (ql * prefix + ql * (ql + 1) / 2)
+    base = dict(kernel="prefill", q_len=ql, prefix=prefix, Hq=hq, Hkv=hkv, D=d)
+    q = torch.randn(ql, hq, d, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(ql, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.tensor([0, ql], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([prefix + ql], dtype=torch.int32, device=DEV)
+    bt, _, nblk = paged(1, prefix + ql, block)
+    return base, flops, (q, k, v, cu, sl, bt, nblk)
+
+
 def prefill_rows():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     hq, hkv, d, ql, block = 32, 8, 128, 2048, 16
     for prefix in (0, 8192, 32768):
         L = prefix + ql
-        flops = 4 * hq * d * (ql * prefix + ql * (ql + 1) / 2)
-        base = dict(kernel="prefill", q_len=ql, prefix=prefix, Hq=hq, Hkv=hkv, D=d)
-        q = torch.randn(ql, hq, d, device=DEV, dtype=torch.bfloat16)
-        k = torch.randn(ql, hkv, d, device=DEV, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        cu = torch.tensor([0, ql], dtype=torch.int32, device=DEV)
-        sl = torch.tensor([L], dtype=torch.int32, device=DEV)
-        bt, _, nblk = paged(1, L, block)
+        base, flops, (q, k, v, cu, sl, bt, nblk) = prefill_inputs(ql, prefix, hq, hkv, d, block)
         # SDPA baseline
         kf = torch.randn(1, hkv, L, d, device=DEV, dtype=torch.bfloat16)
         vf = torch.randn_like(kf)
@@ -521,17 +529,10 @@ def sink_rows(copy_gbs):
             log({"kernel": "compress_store", "T": T, "Hkv": hkv, "D": d, "impl": name, "ms": ms,
                  "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
     ql, prefix = 2048, 8192
-    L = prefix + ql
-    flops = 4 * hq * d * (ql * prefix + ql * (ql + 1) / 2)
-    q = torch.randn(ql, hq, d, device=DEV, dtype=torch.bfloat16)
-    k = torch.randn(ql, hkv, d, device=DEV, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    cu = torch.tensor([0, ql], dtype=torch.int32, device=DEV)
-    sl = torch.tensor([L], dtype=torch.int32, device=DEV)
-    bt, _, nblk = paged(1, L, block)
-    scratch = torch.empty(dense_prefix_bytes(1, L, hkv, d), dtype=torch.uint8, device=DEV)
+    base, flops, (q, k, v, cu, sl, bt, nblk) = prefill_inputs(ql, prefix, hq, hkv, d, block)
+    scratch = torch.empty(dense_prefix_bytes(1, prefix + ql, hkv, d), dtype=torch.uint8,
+                          device=DEV)
     cache = flagged_cache(TkvLoader(codecs[0][1], hkv, block), nblk)
-    base = dict(kernel="prefill", q_len=ql, prefix=prefix, Hq=hq, Hkv=hkv, D=d)
     for name, codec in codecs:
         ld = TkvLoader(codec, hkv, block)
         for path, kw in (("inline", {}),
