@@ -128,8 +128,8 @@ class SideCodec:
         if h is not None and (len(lead) == 0 or lead[-1] != h):
             raise ShapeError(
                 f"{name} must have shape (..., {h}, {self.head_dim}) (the per-head "
-                f"{'key' if self.name == 'K' else 'value'} offset "
-                f"holds {h} KV heads), got {tuple(shape)}")
+                f"{'key' if self.name == 'K' else 'value'} offsets (channel or sink) "
+                f"hold {h} KV heads), got {tuple(shape)}")
 
     @property
     def scaled_centroids(self) -> torch.Tensor:

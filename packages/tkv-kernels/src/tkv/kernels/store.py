@@ -178,7 +178,11 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
             cols = c * CH + tl.arange(0, CH)
             _pack_store(tl.where(pick[:, None], cb[c], ca[c]), cols, valid, cache, row,
                         HEAD_DIM, BITS, CODE_BYTES, GROUP, GROUP_BYTES, BLOCK_T, CH, c * CH)
-        n = tl.where(pick, -nb, na)
+        # the flag is the sign BIT, set on the bf16 pattern: Triton's `-x` is `0 − x`, which
+        # turns a flagged zero norm (x exactly σ) into +0.0 and would drop the flag
+        bits = _bf16_rne(tl.where(pick, nb, na)).to(tl.int16, bitcast=True).to(tl.int32)
+        bits = tl.where(pick, bits | 0x8000, bits)
+        norm16 = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         n = tl.sqrt_rn(ss)
         inv = tl.where(n > 0, tl.div_rn(sqrt_d, tl.where(n > 0, n, 1.0)), 0.0)
@@ -190,8 +194,9 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
                                c * CH)
         if NORM_CORR:  # store n / ||c[code]/sqrt(d)|| so that ||x_hat|| = ||x|| (codec, K)
             n = tl.div_rn(n, tl.maximum(tl.sqrt_rn(usq), 1e-12))
+        norm16 = _bf16_rne(n)
     nidx = (page + NORMS_OFF) // 2 + head * NORM_HEAD_STRIDE + off
-    tl.store(aux + nidx, _bf16_rne(n), mask=valid)
+    tl.store(aux + nidx, norm16, mask=valid)
 
 
 @triton.jit
