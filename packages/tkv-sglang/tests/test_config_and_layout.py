@@ -91,7 +91,7 @@ def test_per_head_key_offset_refused_on_a_sharded_rank(tkv_env, bundle_file, tmp
     cfg = tkv_config(GEO)
     assert len(worker_layouts(cfg, 0, 4, 16, 2)) == 4
     assert len(worker_layouts(cfg, 0, 2, 16, 1)) == 2          # shared μ on layer 0: fine
-    with pytest.raises(UnsupportedFeatureError, match="per-head offsets .* for 2 KV heads"):
+    with pytest.raises(UnsupportedFeatureError, match=r"per-head offsets .* for 2 KV heads"):
         worker_layouts(cfg, 0, 4, 16, 1)
     assert cfg.codec(2).k.channel_offset.shape == (2, 64)
     # per-head sink offsets (tkv-calibrate's default) next to a shared μ: refused the same way
