@@ -106,6 +106,13 @@ def _norm_inv(ss, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _norm_corrected(n, usq):
+    """Key norm correction: store ``n / ‖c[code]/sqrt(d)‖`` (``usq`` = Σ c[code]²) so that
+    ``‖x̂‖ = ‖x‖`` (the codec's ``norm_correction``)."""
+    return tl.div_rn(n, tl.maximum(tl.sqrt_rn(usq), 1e-12))
+
+
+@triton.jit
 def _candidate(ys, ss, bounds, table, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                BITS: tl.constexpr, NORM_CORR: tl.constexpr, BLOCK_T: tl.constexpr,
                CH: tl.constexpr):
@@ -125,7 +132,7 @@ def _candidate(ys, ss, bounds, table, HEAD_DIM: tl.constexpr, D_PAD: tl.constexp
         cy += tl.sum(t * ys[c], axis=1)
         codes = codes + (code,)
     if NORM_CORR:
-        n = tl.div_rn(n, tl.maximum(tl.sqrt_rn(usq), 1e-12))
+        n = _norm_corrected(n, usq)
     nb = _bf16_rne(n).to(tl.float32)
     return n, codes, nb * nb * usq - 2.0 * nb * cy + ss
 
@@ -147,7 +154,6 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
         x = tl.where(valid[:, None] & dmask[None, :], x - mu[None, :], 0.0)
     page = blk * page_bytes
     row = page + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
-    sqrt_d = tl.full([BLOCK_T], math.sqrt(HEAD_DIM), tl.float32)
     # rotation by column chunks of CH (the chunk of A is a tf32x3 dot operand held in
     # registers: whole 128x128 tiles spilled), rotated chunks kept for the norm, then quantized
     ys = ()
@@ -184,16 +190,15 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, M
         bits = tl.where(pick, bits | 0x8000, bits)
         norm16 = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        n = tl.sqrt_rn(ss)
-        inv = tl.where(n > 0, tl.div_rn(sqrt_d, tl.where(n > 0, n, 1.0)), 0.0)
+        n, inv = _norm_inv(ss, HEAD_DIM, BLOCK_T)
         usq = tl.zeros([BLOCK_T], tl.float32)
         for c in tl.static_range(D_PAD // CH):
             cols = c * CH + tl.arange(0, CH)
             usq += _quant_pack(ys[c], inv, cols, valid, cache, row, bounds, table, HEAD_DIM,
                                BITS, CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T, CH,
                                c * CH)
-        if NORM_CORR:  # store n / ||c[code]/sqrt(d)|| so that ||x_hat|| = ||x|| (codec, K)
-            n = tl.div_rn(n, tl.maximum(tl.sqrt_rn(usq), 1e-12))
+        if NORM_CORR:
+            n = _norm_corrected(n, usq)
         norm16 = _bf16_rne(n)
     nidx = (page + NORMS_OFF) // 2 + head * NORM_HEAD_STRIDE + off
     tl.store(aux + nidx, norm16, mask=valid)
