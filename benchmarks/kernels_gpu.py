@@ -393,6 +393,44 @@ def store_rows(copy_gbs):
                      "frac_copy": nbytes / ms / 1e6 / copy_gbs})
 
 
+def store_sweep_rows(copy_gbs):
+    """compress_store tiling × rotation sweep (bf16 K/V, K4V4, random slots): tokens per
+    program ``block_t`` × warps × ``rotation`` ("tf32x3": Triton splits x and A in every
+    program; "split": bf16 x against the loader's three bf16 terms of A), at prefill-sized
+    and decode-sized token counts, Qwen3-8B-like (8 × 128), SmolLM2 (3 × 64) and head_dim 256
+    heads, without and with sink offsets. ``x_default`` = the default call's time over the
+    row's (> 1: faster than the default)."""
+    g = torch.Generator().manual_seed(1)
+    for T, hkv, d, sink in ((16384, 8, 128, False), (16384, 8, 128, True), (2048, 8, 128, False),
+                            (256, 8, 128, False), (64, 8, 128, False), (8192, 3, 64, False),
+                            (8192, 3, 64, True), (16384, 8, 256, False)):
+        kw = {}
+        if sink:
+            kw = dict(k_sink_offset=torch.randn(hkv, d, generator=g) * 4,
+                      v_sink_offset=torch.randn(hkv, d, generator=g) * 4)
+        ld = TkvLoader(TurboKVCodec(d, 4, device=DEV, **kw), hkv, 16)
+        k = torch.randn(T, hkv, d, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        nblk = T // 16 + 1
+        cache = ld.layout.allocate(nblk, DEV)
+        slots = torch.randperm(nblk * 16, device=DEV)[:T]
+        moved = store_bytes(T, hkv, d, ld)
+        base = dict(kernel="store_sweep", T=T, Hkv=hkv, D=d)
+        name = "tkv K4V4" + ("+sink" if sink else "")
+        ref = timed_row(base, f"{name} compress_store (default)",
+                        lambda: compress_store(k, v, cache, slots, ld), moved=moved,
+                        copy_gbs=copy_gbs, x_default=1.0)
+        tiles = [(8, 4), (16, 4), (32, 4)] if T <= 256 else [(16, 4), (32, 4), (64, 4),
+                                                             (64, 8), (128, 8)]
+        for rot, bt_, nw in [("split", *t) for t in tiles] + [("tf32x3", *tiles[-3])]:
+            opts = dict(rotation=rot, block_t=bt_, num_warps=nw)
+            timed_row(base, f"{name} compress_store",
+                      lambda o=opts: compress_store(k, v, cache, slots, ld, **o),
+                      moved=moved, copy_gbs=copy_gbs, ref_ms=ref, **opts)
+        del cache, k, v
+        torch.cuda.empty_cache()
+
+
 def prefill_inputs(ql, prefix, hq, hkv, d, block):
     """One sequence's prefill step: ``(row base, FLOPs, (q, k, v, cu_seqlens_q, seq_lens,
     block_table, num_blocks))`` for a ``ql``-token chunk over ``prefix`` cached tokens (random
@@ -548,8 +586,9 @@ def sink_rows(copy_gbs):
     torch.cuda.empty_cache()
 
 
-def table(copy_gbs, path):
-    lines = [f"# tkv kernels on {torch.cuda.get_device_name()} ({time.strftime('%Y-%m-%d')})",
+def table(copy_gbs, path, device=None):
+    device = device or torch.cuda.get_device_name()
+    lines = [f"# tkv kernels on {device} ({time.strftime('%Y-%m-%d')})",
              "", f"torch {torch.__version__}, triton {triton.__version__}. Device-to-device copy "
              f"bandwidth measured in this run: **{copy_gbs:.0f} GB/s** (read + write).", "",
              "| kernel | shape | impl | opts | ms | GB/s | % copy BW | TFLOP/s |",
@@ -560,7 +599,8 @@ def table(copy_gbs, path):
         opts = ", ".join(f"{k}={r[k]}" for k in ("lookup", "swap_qk", "maxnreg", "block_n",
                                                   "num_warps", "num_stages", "prefetch",
                                                   "num_splits", "auto_splits", "block_m",
-                                                  "block_t", "chunk", "layers", "x_default",
+                                                  "block_t", "chunk", "rotation", "layers",
+                                                  "x_default",
                                                   "x_bf16") if k in r
                          and (r["kernel"].endswith("_variant") or k not in ("lookup", "swap_qk")))
         if "error" in r:
@@ -881,6 +921,8 @@ def main():
     ap.add_argument("--sink", action="store_true",
                     help="also the sink-offset rows first (decode, compress_store, prefill "
                          "without and with sink offsets)")
+    ap.add_argument("--store-sweep", action="store_true",
+                    help="also the compress_store tiling x rotation sweep first")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
@@ -902,6 +944,11 @@ def main():
             sink_rows(copy_gbs)
         except Exception as e:  # must not cost the rest of the run
             log({"kernel": "sink", "impl": "sink rows", "error": str(e)[:160]})
+    if a.store_sweep:
+        try:
+            store_sweep_rows(copy_gbs)
+        except Exception as e:  # must not cost the rest of the run
+            log({"kernel": "store_sweep", "impl": "store sweep", "error": str(e)[:160]})
     if a.variants:   # the sweep alone
         variant_rows(copy_gbs)
         table(copy_gbs, out / f"kernels_gpu{tag}.md")

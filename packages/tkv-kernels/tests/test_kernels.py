@@ -74,9 +74,11 @@ def _decode_check(loader, lens, group, seed, window=0, dtype=torch.bfloat16, spl
 
 
 # --------------------------------------------------------------------- compress_store
-@pytest.mark.parametrize("head_dim,kb,vb", [(64, 4, 4), (96, 3, 5), (128, 2, 8), (64, 7, 6),
-                                            (256, 3, 4)])
-def test_compress_store_matches_codec(head_dim, kb, vb):
+@pytest.mark.parametrize("head_dim,kb,vb,rotation,block_t", [
+    (64, 4, 4, "auto", None), (96, 3, 5, "auto", None), (128, 2, 8, "auto", None),
+    (64, 7, 6, "auto", None), (256, 3, 4, "auto", None), (64, 4, 4, "tf32x3", None),
+    (96, 3, 5, "tf32x3", None), (128, 4, 4, "auto", 64), (64, 3, 4, "split", 32)])
+def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
     g = _gen(1)
     codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=7)
     ld = TkvLoader(codec, 2, 16)
@@ -86,10 +88,11 @@ def test_compress_store_matches_codec(head_dim, kb, vb):
     before = cache.clone()
     n = 37
     k = (torch.randn(n, 2, head_dim, generator=g) * 3).to(DEV, torch.bfloat16)
-    v = torch.randn(n, 2, head_dim, generator=g).to(DEV, torch.float16)
+    v = torch.randn(n, 2, head_dim, generator=g).to(
+        DEV, torch.bfloat16 if rotation == "split" else torch.float16)
     slots = torch.randperm(nblk * 16, generator=g)[:n].to(DEV)
     slots[5] = -1  # skipped
-    compress_store(k, v, cache, slots, ld)
+    compress_store(k, v, cache, slots, ld, rotation=rotation, block_t=block_t)
     views = ld.layout.views(cache)
     keep = slots >= 0
     s = slots[keep]
@@ -120,6 +123,59 @@ def test_compress_store_matches_codec(head_dim, kb, vb):
         vb_ = ld.layout.views(before)[name].transpose(1, 2).reshape(nblk * 16, 2, -1)
         va_ = views[name].transpose(1, 2).reshape(nblk * 16, 2, -1)
         assert torch.equal(vb_[~written], va_[~written])
+
+
+@pytest.mark.parametrize("head_dim,kb,scales,offset", [(64, 4, False, False),
+                                                     (96, 3, True, True), (128, 8, False, True)])
+def test_store_rotation_terms_sum_to_the_planar_rotation(head_dim, kb, scales, offset):
+    """compress_store's rotation operand: A's columns in the side's code-group planar order
+    (column j·NP + p of A at planar position p·d_pad/NP + j), and rotation="split" feeds bf16
+    tensor cores three bf16 terms of it: each term a bf16 value, their sum A itself (no bits
+    lost). Also μ @ A (the rotated key offset) and 1/s (the pre-rotation norm)."""
+    g = _gen(11)
+    kw = {}
+    if scales:
+        kw["k_channel_scales"] = torch.rand(head_dim, generator=g) + 0.5
+    if offset:
+        kw["k_channel_offset"] = torch.randn(2, head_dim, generator=g) * 3
+    codec = TurboKVCodec(head_dim, kb, device=DEV, **kw)
+    ld = TkvLoader(codec, 2, 16)
+    dp, npl = ld.d_pad, ld.planes("k")
+    assert npl == (1 if kb == 8 else 8 // math.gcd(kb, 8))
+    for side, a in (("k", ld.k_in), ("v", ld.v_in)):
+        a = a.double().cpu()
+        planar = torch.zeros_like(a)
+        for pos in range(dp):          # plain loops: position p*dj + j holds column j*npl + p
+            p, j = divmod(pos, dp // npl)
+            if j * npl + p < head_dim:
+                planar[:, pos] = a[:, j * npl + p]
+        assert torch.equal(ld.store_rotation(side, False).double().cpu(), planar)
+        terms = ld.store_rotation(side, True).cpu()
+        assert terms.shape == (3, dp, dp)
+        assert torch.equal(terms.float().to(torch.bfloat16).float(), terms.float())
+        assert torch.equal(terms.double().sum(0), planar)
+        assert terms[2].abs().max() <= planar.abs().max() * 2.0 ** -14   # ~2^-8 per term
+    s = codec.k.channel_scales
+    want = 1 / s.double().cpu() if s is not None else torch.ones(head_dim, dtype=torch.float64)
+    torch.testing.assert_close(ld.k_inv_scale.double().cpu()[:head_dim], want)
+    if offset:
+        mu = codec.k.channel_offset.double().cpu()
+        x = torch.randn(2, head_dim, dtype=torch.float64, generator=g)
+        want = (x - mu) @ ld.k_in.double().cpu()[:head_dim]
+        got = x @ ld.k_in.double().cpu()[:head_dim] - ld.k_mu_rot.double().cpu()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_compress_store_split_rotation_refuses_float16():
+    codec = TurboKVCodec(64, 4, device=DEV)
+    ld = TkvLoader(codec, 1, 16)
+    cache = ld.layout.allocate(2, DEV)
+    k = torch.randn(3, 1, 64).to(DEV, torch.float16)
+    slots = torch.arange(3, device=DEV)
+    with pytest.raises(ValueError, match="bfloat16 key"):
+        compress_store(k, k, cache, slots, ld, rotation="split")
+    with pytest.raises(ValueError, match="rotation must be"):
+        compress_store(k, k, cache, slots, ld, rotation="fp64")
 
 
 def test_compress_store_channel_scales_and_no_norm_correction():

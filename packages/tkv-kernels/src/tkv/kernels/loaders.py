@@ -59,7 +59,7 @@ from tkv.codec.errors import DtypeError, ShapeError
 from tkv.codec.layout import SlotLayout
 from tkv.codec.packing import code_group
 
-from ._planes import to_planar_columns
+from ._planes import planar_index, to_planar_columns
 from ._util import (
     check_dtype,
     check_last_dim_contiguous,
@@ -516,6 +516,12 @@ class TkvLoader:
         k_bounds, v_bounds: ``(2**bits,)`` decision boundaries (standardized units), padded
             with +inf (compress_store's branch-free binary search).
         k_in, v_in: ``(d_pad, d_pad)`` ``A`` with ``R (x / s) = x @ A`` (prescale + rotation).
+        k_mu, k_mu_rot: ``(1 or num_kv_heads, d_pad)`` the key offset μ and ``μ @ A_k`` (so
+            that ``R((x − μ)/s) = x @ A_k − μ @ A_k``), or None without a key offset.
+        k_inv_scale, v_inv_scale: ``(d_pad,)`` ``1/s`` (0 at padding): ``‖R((x − μ)/s)‖`` is
+            taken before the rotation (R is orthogonal).
+        k_sink_delta, v_sink_delta: ``(num_kv_heads, d_pad)`` ``(σ_h − μ_h)/s`` in model
+            space (the sink candidate's norm), or None without a sink offset.
         q_in: ``(d_pad, d_pad)`` with ``rotate_query(q) = q @ q_in``.
         out_mat: ``(d_pad, d_pad)`` with ``unrotate_output(o) = o @ out_mat``.
         q_in_planar, k_in_planar, v_in_planar: ``(head_dim, d_pad)``: q_in / k_in / v_in with
@@ -613,6 +619,29 @@ class TkvLoader:
 
         self.k_in = pad(torch.diag(1 / sk) @ r.T)       # x @ A = R (x / s_k)
         self.v_in = pad(torch.diag(1 / sv) @ r.T)
+
+        def rows(m):   # (r, d) float64 -> (r, d_pad) float32 on the device, zero padding
+            out = torch.zeros(m.shape[0], dp, dtype=torch.float64)
+            out[:, :d] = m
+            return out.to(dev, torch.float32).contiguous()
+
+        mu = codec.k.channel_offset
+        self.k_mu = self.k_mu_rot = None
+        if mu is not None:             # compress_store: x − μ, or x @ A_k − μ @ A_k
+            mu = mu.double().cpu().reshape(-1, d)
+            self.k_mu, self.k_mu_rot = rows(mu), rows(mu @ (torch.diag(1 / sk) @ r.T))
+        self.k_inv_scale, self.v_inv_scale = (rows((1 / sc)[None, :])[0] for sc in (sk, sv))
+
+        def sink_delta(side, s):   # (σ − μ)/s in model space, one row per KV head
+            if side.sink_offset is None:
+                return None
+            m = side.sink_offset.double().cpu().reshape(-1, d)
+            if side.channel_offset is not None:
+                m = m - side.channel_offset.double().cpu().reshape(-1, d)
+            return rows((m / s).expand(num_kv_heads, d))
+
+        self.k_sink_delta, self.v_sink_delta = sink_delta(codec.k, sk), sink_delta(codec.v, sv)
+        self._store_rotation = {}
         self.q_in = pad(torch.diag(sk) @ r.T)           # q @ Q = R (q * s_k)
         self.out_mat = pad(r @ torch.diag(sv))          # o @ U = s_v * R^T o
         self.k_norm_correction = bool(codec.k.norm_correction)
@@ -626,6 +655,42 @@ class TkvLoader:
 
     fetch = tkv_fetch
     dequant = tkv_dequant
+
+    def store_rotation(self, side: str, split: bool) -> torch.Tensor:
+        """compress_store's rotation operand for side ``"k"``/``"v"``: ``A`` (:attr:`k_in` /
+        :attr:`v_in`) with its columns in the side's code-group planar order
+        (:func:`~tkv.kernels._planes.planar_index` with :meth:`planes`; natural order for one
+        plane), so that each column chunk holds one position of consecutive code groups and
+        the packed bytes are OR-ed together in registers.
+
+        ``split=False``: float32 ``(d_pad, d_pad)`` (the kernel's ``tf32x3`` dot).
+        ``split=True``: ``(3, d_pad, d_pad)`` bfloat16 terms with ``A = A₀ + A₁ + A₂`` exactly
+        (8 significand bits each: ``A₀ = bf16(A)``, ``A₁ = bf16(A − A₀)``, ``A₂ = bf16(A − A₀ −
+        A₁)``; 24 bits = float32's significand), so a bf16 vector times them on bf16 tensor
+        cores (exact products, float32 accumulation) is ``x @ A`` at float32 accuracy with
+        nothing split in the kernel — what ``tf32x3`` does per program (the split idea:
+        Ootomo & Yokota, "Recovering single precision accuracy from Tensor Cores while
+        surpassing the FP32 theoretical peak performance", IJHPCA 2022). Under the Triton
+        interpreter the terms are float32 tensors (its bf16 dot is not a float product).
+        Cached per (side, split)."""
+        key = side, split, interpreting()
+        if key not in self._store_rotation:
+            a = (self.k_in if side == "k" else self.v_in).double()
+            npl = self.planes(side)
+            if npl > 1:
+                idx = planar_index(npl, self.head_dim, self.d_pad).to(a.device)
+                a = a[:, idx.clamp(min=0)] * (idx >= 0).to(a.dtype)[None, :]
+            if split:
+                terms = []
+                for _ in range(3):
+                    terms.append(a.to(torch.bfloat16))
+                    a = a - terms[-1].double()
+                a = torch.stack(terms)
+                a = a.float() if interpreting() else a
+            else:
+                a = a.float()
+            self._store_rotation[key] = a.contiguous()
+        return self._store_rotation[key]
 
     def planes(self, side: str) -> int:
         """Coordinate planes of a side's tiles: the codes of one whole-byte group,

@@ -24,6 +24,7 @@ from .loaders import TkvLoader
 __all__ = ["compress_store"]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+_ROTATIONS = ("auto", "split", "tf32x3")
 
 
 @triton.jit
@@ -36,46 +37,52 @@ def _bf16_rne(x):
 
 
 @triton.jit
-def _codes(y, inv, cols, bounds, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
-           BLOCK_T: tl.constexpr, CH: tl.constexpr):
-    """Lloyd-Max codes int32 [T, CH] of rotated coordinates ``y`` (columns ``cols``) scaled by
-    ``inv`` = sqrt(d)/n: branch-free lower bound over the 2**BITS − 1 sorted boundaries,
-    code = #{b_j < z}; 0 at padding columns."""
-    z = y * inv[:, None]
-    code = tl.zeros([BLOCK_T, CH], dtype=tl.int32)
-    for step in tl.static_range(BITS):
-        half = 1 << (BITS - 1 - step)
-        cand = code + half
-        bnd = tl.load(bounds + cand - 1)
-        code = tl.where(bnd < z, cand, code)
-    return tl.where((cols < HEAD_DIM)[None, :], code, 0)
+def _bound_tree(preds, bounds, J: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
+                STRIDE: tl.constexpr, OFF: tl.constexpr):
+    """Binary search step K's boundary ``bounds[m·STRIDE + OFF]``, ``m`` the K decisions so far
+    (``preds[0]`` its most significant bit; ``M`` = the bits fixed above level J): a tree of
+    2**K − 1 register selects over scalar (uniform) loads, each selecting on a decision
+    itself — no per-element gather (whose tile Triton converts through shared memory into the
+    tensor-core accumulator layout) and no integer compares."""
+    if J == K:
+        return tl.load(bounds + M * STRIDE + OFF)
+    else:
+        a = _bound_tree(preds, bounds, J + 1, K, 2 * M, STRIDE, OFF)
+        b = _bound_tree(preds, bounds, J + 1, K, 2 * M + 1, STRIDE, OFF)
+        return tl.where(preds[J], b, a)
 
 
 @triton.jit
-def _quant_pack(y, inv, cols, valid, cache, row, bounds, table, HEAD_DIM: tl.constexpr,
-                BITS: tl.constexpr, CODE_BYTES: tl.constexpr, NORM_CORR: tl.constexpr,
-                GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
-                CH: tl.constexpr, C0: tl.constexpr):
-    """Quantize rotated coordinates ``y`` [T, CH] (columns C0..C0+CH) and store their packed
-    bytes (byte offset C0*BITS/8; CH*BITS is a multiple of 8). Returns sum of c[code]^2."""
-    cmask = cols < HEAD_DIM
-    code = _codes(y, inv, cols, bounds, HEAD_DIM, BITS, BLOCK_T, CH)
-    usq = tl.zeros([BLOCK_T], tl.float32)
-    if NORM_CORR:
-        c = tl.load(table + code)
-        c = tl.where(cmask[None, :], c, 0.0)
-        usq = tl.sum(c * c, axis=1)
-    _pack_store(code, cols, valid, cache, row, HEAD_DIM, BITS, CODE_BYTES, GROUP, GROUP_BYTES,
-                BLOCK_T, CH, C0)
-    return usq
+def _codes(y, inv, cols, bounds, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
+           BLOCK_T: tl.constexpr, CH: tl.constexpr):
+    """Lloyd-Max codes int32 [T, CH] of rotated coordinates ``y`` (columns ``cols``) scaled by
+    ``inv`` = sqrt(d)/n: branch-free binary search over the 2**BITS − 1 sorted boundaries,
+    code = #{b_j < z}; 0 at padding columns. Up to 5 bits each step's boundary comes from a
+    select tree over scalars (:func:`_bound_tree`); 6-8 bits gather it from memory."""
+    z = y * inv[:, None]
+    code = tl.zeros([BLOCK_T, CH], dtype=tl.int32)
+    preds = ()
+    for step in tl.static_range(BITS):
+        if BITS <= 5:
+            bnd = _bound_tree(preds, bounds, 0, step, 0, 2 << (BITS - 1 - step),
+                              (1 << (BITS - 1 - step)) - 1)
+        else:
+            bnd = tl.load(bounds + code + (1 << (BITS - 1 - step)) - 1)
+        d = bnd < z
+        preds = preds + (d,)
+        code = tl.where(d, code + (1 << (BITS - 1 - step)), code)
+    if HEAD_DIM % CH != 0:
+        code = tl.where((cols < HEAD_DIM)[None, :], code, 0)
+    return code
 
 
 @triton.jit
 def _pack_store(code, cols, valid, cache, row, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
                 CODE_BYTES: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr,
                 BLOCK_T: tl.constexpr, CH: tl.constexpr, C0: tl.constexpr):
-    """Pack codes int32 [T, CH] (columns C0..C0+CH) LSB-first and store their bytes at byte
-    offset C0*BITS/8 of each valid token's code row."""
+    """Pack codes int32 [T, CH] (natural columns C0..C0+CH) LSB-first and store their bytes
+    at byte offset C0*BITS/8 of each valid token's code row (the fallback for planes
+    narrower than a tensor-core tile: the groups are formed by a register reshape)."""
     cmask = cols < HEAD_DIM
     if BITS == 8:
         tl.store(cache + row[:, None] + cols[None, :], code.to(tl.uint8),
@@ -89,12 +96,20 @@ def _pack_store(code, cols, valid, cache, row, HEAD_DIM: tl.constexpr, BITS: tl.
         c3 = tl.reshape(code.to(WT), (BLOCK_T, NG, GROUP))
         shifts = (tl.arange(0, GROUP) * BITS).to(WT)
         word = tl.sum(c3 << shifts[None, None, :], axis=2)          # [T, NG]
-        gidx = tl.arange(0, NG)
-        for k in tl.static_range(GROUP_BYTES):
-            byte = ((word >> (8 * k)) & 0xFF).to(tl.uint8)
-            bidx = (C0 * BITS) // 8 + gidx * GROUP_BYTES + k
-            tl.store(cache + row[:, None] + bidx[None, :], byte,
-                     mask=valid[:, None] & (bidx < CODE_BYTES)[None, :])
+        _store_words(word, C0 // GROUP, valid, cache, row, CODE_BYTES, GROUP_BYTES, NG)
+
+
+@triton.jit
+def _store_words(word, G0, valid, cache, row, CODE_BYTES: tl.constexpr,
+                 GROUP_BYTES: tl.constexpr, NG: tl.constexpr):
+    """Store group words [T, NG] (groups G0..G0+NG of each token's codes, LSB-first) as their
+    GROUP_BYTES bytes each (bytes past CODE_BYTES — padding groups — not written)."""
+    gidx = G0 + tl.arange(0, NG)
+    for k in tl.static_range(GROUP_BYTES):
+        byte = ((word >> (8 * k)) & 0xFF).to(tl.uint8)
+        bidx = gidx * GROUP_BYTES + k
+        tl.store(cache + row[:, None] + bidx[None, :], byte,
+                 mask=valid[:, None] & (bidx < CODE_BYTES)[None, :])
 
 
 @triton.jit
@@ -113,102 +128,172 @@ def _norm_corrected(n, usq):
 
 
 @triton.jit
-def _candidate(ys, ss, bounds, table, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-               BITS: tl.constexpr, NORM_CORR: tl.constexpr, BLOCK_T: tl.constexpr,
-               CH: tl.constexpr):
-    """One sink-offset candidate (rotated chunks ``ys``, ``ss = ‖y‖²``): ``(n, codes, err)``
-    with ``n`` the norm to store (norm-corrected), ``codes`` its per-chunk codes and ``err =
-    ‖n̂·c[code] − y‖²`` at the bf16 norm ``n̂`` as stored — the codec's ``_rotated_error``,
-    expanded as ``n̂²·Σc² − 2n̂·Σc·y + ‖y‖²`` (per-token sums, no reconstruction kept)."""
-    n, inv = _norm_inv(ss, HEAD_DIM, BLOCK_T)
-    usq = tl.zeros([BLOCK_T], tl.float32)
-    cy = tl.zeros([BLOCK_T], tl.float32)
-    codes = ()
-    for c in tl.static_range(D_PAD // CH):
-        cols = c * CH + tl.arange(0, CH)
-        code = _codes(ys[c], inv, cols, bounds, HEAD_DIM, BITS, BLOCK_T, CH)
-        t = tl.where((cols < HEAD_DIM)[None, :], tl.load(table + code), 0.0)
-        usq += tl.sum(t * t, axis=1)
-        cy += tl.sum(t * ys[c], axis=1)
-        codes = codes + (code,)
-    if NORM_CORR:
-        n = _norm_corrected(n, usq)
-    nb = _bf16_rne(n).to(tl.float32)
-    return n, codes, nb * nb * usq - 2.0 * nb * cy + ss
+def _chunk_cols(s, p, NPL: tl.constexpr, WID: tl.constexpr, CHW: tl.constexpr):
+    """Chunk (sub-chunk ``s``, plane ``p``): its columns of ``A`` (planar order when NPL > 1:
+    plane p holds coordinates NPL·j + p) and their natural coordinates, both [CHW]."""
+    j = s * CHW + tl.arange(0, CHW)
+    return p * WID + j, j * NPL + p
 
 
 @triton.jit
-def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, bounds, table, MU, mu_sh, blk, off,
-                page_bytes, SHIFT, HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
+def _rotated_chunk(x, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM: tl.constexpr,
+                   D_PAD: tl.constexpr, SPLIT: tl.constexpr, SUB_MU: tl.constexpr):
+    """Columns ``q`` of ``x @ A`` (float32 ``[T, CHW]``), minus the rotated key offset at
+    coordinates ``coord`` when ``SUB_MU``. ``SPLIT``: ``A`` holds the three 16-bit terms of
+    :meth:`TkvLoader.store_rotation` and ``x`` is in their dtype — three plain dots, smallest
+    term first; else ``A`` and ``x`` are float32, one ``tf32x3`` dot (Triton splits both
+    operands in every program)."""
+    a = A + tl.arange(0, D_PAD)[:, None] * D_PAD + q[None, :]
+    if SPLIT:
+        y = tl.dot(x, tl.load(a + 2 * D_PAD * D_PAD))
+        y = tl.dot(x, tl.load(a + D_PAD * D_PAD), y)
+        y = tl.dot(x, tl.load(a), y)
+    else:
+        y = tl.dot(x, tl.load(a), input_precision="tf32x3")
+    if SUB_MU:   # R((x − μ)/s) = x @ A − μ @ A
+        mu = tl.load(MU_ROT + mu_off + coord, mask=coord < HEAD_DIM, other=0.0)
+        y = tl.where(valid[:, None], y - mu[None, :], 0.0)
+    return y
+
+
+@triton.jit
+def _centroid_sums(y, inv, coord, bounds, table, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
+                   BLOCK_T: tl.constexpr, CHW: tl.constexpr):
+    """Per-token ``(Σ t², Σ t·y)`` over one chunk, ``t = c[code]/sqrt(d)`` the centroids the
+    chunk's rotated coordinates ``y`` quantize to (``inv`` = sqrt(d)/n)."""
+    code = _codes(y, inv, coord, bounds, HEAD_DIM, BITS, BLOCK_T, CHW)
+    t = tl.where((coord < HEAD_DIM)[None, :], tl.load(table + code), 0.0)
+    return tl.sum(t * t, axis=1), tl.sum(t * y, axis=1)
+
+
+@triton.jit
+def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, INV_S, bounds, table, MU,
+                mu_sh, MU_ROT, mu_rot_sh, blk, off, page_bytes, SHIFT, DELTA,
+                HAS_MU: tl.constexpr,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
                 CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr, CODE_BYTES: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, NORM_CORR: tl.constexpr, GROUP: tl.constexpr,
-                GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_STRIDE: tl.constexpr,
-                TOK_STRIDE: tl.constexpr, NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr,
-                SINK: tl.constexpr):
+                NORM_CORR: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr,
+                BLOCK_T: tl.constexpr, HEAD_STRIDE: tl.constexpr, TOK_STRIDE: tl.constexpr,
+                NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr, SINK: tl.constexpr,
+                SPLIT: tl.constexpr, NPL: tl.constexpr):
+    """One side (K or V) of BLOCK_T tokens of one KV head. The norm comes from the
+    pre-rotation vector (``‖R v‖ = ‖v‖``, R orthogonal), so each column chunk of the rotation
+    is quantized and packed as soon as it is computed (no rotated tile is kept). With
+    ``NPL`` > 1 the chunks run over the code-group planes (``A`` in planar column order) and a
+    group's codes are OR-ed into one word in registers; NPL = 1: natural order, the groups
+    formed by ``_pack_store``'s reshape."""
     offs_d = tl.arange(0, D_PAD)
     dmask = offs_d < HEAD_DIM
     x = tl.load(X + tok.to(tl.int64)[:, None] * sx_t + head * sx_h + offs_d[None, :],
-                mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    if HAS_MU:  # key centering: x - mu[head] (float32; mu_sh = 0: one mu shared by all heads)
+                mask=valid[:, None] & dmask[None, :], other=0.0)
+    xf = x.to(tl.float32)
+    if HAS_MU:  # key centering (float32; mu_sh = 0: one μ shared by the KV heads)
         mu = tl.load(MU + head * mu_sh + offs_d, mask=dmask, other=0.0)
-        x = tl.where(valid[:, None] & dmask[None, :], x - mu[None, :], 0.0)
-    page = blk * page_bytes
-    row = page + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
-    # rotation by column chunks of CH (the chunk of A is a tf32x3 dot operand held in
-    # registers: whole 128x128 tiles spilled), rotated chunks kept for the norm, then quantized
-    ys = ()
-    ss = tl.zeros([BLOCK_T], tl.float32)
-    for c in tl.static_range(D_PAD // CH):
-        cols = c * CH + tl.arange(0, CH)
-        y = tl.dot(x, tl.load(A + offs_d[:, None] * D_PAD + cols[None, :]),
-                   input_precision="tf32x3")                           # R (x / s), [T, CH]
-        ss += tl.sum(y * y, axis=1)
-        ys = ys + (y,)
+        xf = tl.where(valid[:, None] & dmask[None, :], xf - mu[None, :], 0.0)
+    xs = xf * tl.load(INV_S + offs_d)[None, :]                       # (x − μ) / s
+    ss = tl.sum(xs * xs, axis=1)                                     # ‖R((x − μ)/s)‖²
+    n, inv = _norm_inv(ss, HEAD_DIM, BLOCK_T)
+    if SPLIT:   # x as stored (bf16: an exact operand); μ comes off after the rotation
+        xop = x.to(A.dtype.element_ty)
+    else:
+        xop = xf
+    SUB_MU: tl.constexpr = SPLIT and HAS_MU
+    mu_off = head * mu_rot_sh
+    row = blk * page_bytes + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
+    WID: tl.constexpr = D_PAD // NPL
+    CHW: tl.constexpr = CH if CH < WID else WID
+    if GROUP * BITS <= 32:
+        WT: tl.constexpr = tl.int32
+    else:
+        WT: tl.constexpr = tl.int64
     if SINK:
-        # two candidates: y_a = R((x − μ)/s) and y_b = R((x − σ)/s) = y_a − c_h (SHIFT row
-        # h); keep the one with the smaller reconstruction error (ties and NaN y_b errors:
-        # y_a), pack its codes, flag y_b by storing −n (the codec's quantize)
-        ysb = ()
-        ssb = tl.zeros([BLOCK_T], tl.float32)
-        for c in tl.static_range(D_PAD // CH):
-            cols = c * CH + tl.arange(0, CH)
-            yb = ys[c] - tl.load(SHIFT + head * D_PAD + cols)[None, :]
-            ssb += tl.sum(yb * yb, axis=1)
-            ysb = ysb + (yb,)
-        na, ca, ea = _candidate(ys, ss, bounds, table, HEAD_DIM, D_PAD, BITS, NORM_CORR,
-                                BLOCK_T, CH)
-        nb, cb, eb = _candidate(ysb, ssb, bounds, table, HEAD_DIM, D_PAD, BITS, NORM_CORR,
-                                BLOCK_T, CH)
+        # two candidates: y_a = R((x − μ)/s) and y_b = R((x − σ)/s) = y_a − c_h (SHIFT row h);
+        # keep the one with the smaller reconstruction error at its bf16 norm (ties and NaN
+        # y_b errors: y_a), flag y_b by the norm's sign bit (the codec's quantize). Pass 1:
+        # the per-token sums of both errors; pass 2: the winner's codes, recomputed, packed.
+        xb = xs - tl.load(DELTA + head * D_PAD + offs_d)[None, :]    # (x − σ) / s
+        ssb = tl.sum(xb * xb, axis=1)
+        nb, invb = _norm_inv(ssb, HEAD_DIM, BLOCK_T)
+        ua = tl.zeros([BLOCK_T], tl.float32)
+        ca = tl.zeros([BLOCK_T], tl.float32)
+        ub = tl.zeros([BLOCK_T], tl.float32)
+        cb = tl.zeros([BLOCK_T], tl.float32)
+        for s in tl.static_range(WID // CHW):
+            for p in tl.static_range(NPL):
+                q, coord = _chunk_cols(s, p, NPL, WID, CHW)
+                y = _rotated_chunk(xop, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
+                                   SPLIT, SUB_MU)
+                u, c = _centroid_sums(y, inv, coord, bounds, table, HEAD_DIM, BITS, BLOCK_T, CHW)
+                ua += u
+                ca += c
+                yb = y - tl.load(SHIFT + head * D_PAD + coord)[None, :]
+                u, c = _centroid_sums(yb, invb, coord, bounds, table, HEAD_DIM, BITS, BLOCK_T,
+                                      CHW)
+                ub += u
+                cb += c
+        if NORM_CORR:
+            n = _norm_corrected(n, ua)
+            nb = _norm_corrected(nb, ub)
+        ha = _bf16_rne(n).to(tl.float32)
+        hb = _bf16_rne(nb).to(tl.float32)
+        ea = ha * ha * ua - 2.0 * ha * ca + ss          # ‖n̂·c[code] − y‖², expanded
+        eb = hb * hb * ub - 2.0 * hb * cb + ssb
         pick = (eb < ea) | ((ea != ea) & (eb == eb))
-        for c in tl.static_range(D_PAD // CH):
-            cols = c * CH + tl.arange(0, CH)
-            _pack_store(tl.where(pick[:, None], cb[c], ca[c]), cols, valid, cache, row,
-                        HEAD_DIM, BITS, CODE_BYTES, GROUP, GROUP_BYTES, BLOCK_T, CH, c * CH)
+        inv_w = tl.where(pick, invb, inv)
+        for s in tl.static_range(WID // CHW):
+            word = tl.zeros([BLOCK_T, CHW], WT)
+            for p in tl.static_range(NPL):
+                q, coord = _chunk_cols(s, p, NPL, WID, CHW)
+                y = _rotated_chunk(xop, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
+                                   SPLIT, SUB_MU)
+                yb = y - tl.load(SHIFT + head * D_PAD + coord)[None, :]
+                code = _codes(tl.where(pick[:, None], yb, y), inv_w, coord, bounds, HEAD_DIM,
+                              BITS, BLOCK_T, CHW)
+                if NPL > 1:
+                    word = word | (code.to(WT) << (p * BITS))
+                else:
+                    _pack_store(code, coord, valid, cache, row, HEAD_DIM, BITS, CODE_BYTES,
+                                GROUP, GROUP_BYTES, BLOCK_T, CHW, s * CHW)
+            if NPL > 1:
+                _store_words(word, s * CHW, valid, cache, row, CODE_BYTES, GROUP_BYTES, CHW)
         # the flag is the sign BIT, set on the bf16 pattern: Triton's `-x` is `0 − x`, which
         # turns a flagged zero norm (x exactly σ) into +0.0 and would drop the flag
-        bits = _bf16_rne(tl.where(pick, nb, na)).to(tl.int16, bitcast=True).to(tl.int32)
+        bits = _bf16_rne(tl.where(pick, nb, n)).to(tl.int16, bitcast=True).to(tl.int32)
         bits = tl.where(pick, bits | 0x8000, bits)
         norm16 = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        n, inv = _norm_inv(ss, HEAD_DIM, BLOCK_T)
         usq = tl.zeros([BLOCK_T], tl.float32)
-        for c in tl.static_range(D_PAD // CH):
-            cols = c * CH + tl.arange(0, CH)
-            usq += _quant_pack(ys[c], inv, cols, valid, cache, row, bounds, table, HEAD_DIM,
-                               BITS, CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T, CH,
-                               c * CH)
+        for s in tl.static_range(WID // CHW):
+            word = tl.zeros([BLOCK_T, CHW], WT)
+            for p in tl.static_range(NPL):
+                q, coord = _chunk_cols(s, p, NPL, WID, CHW)
+                y = _rotated_chunk(xop, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
+                                   SPLIT, SUB_MU)
+                code = _codes(y, inv, coord, bounds, HEAD_DIM, BITS, BLOCK_T, CHW)
+                if NORM_CORR:
+                    t = tl.where((coord < HEAD_DIM)[None, :], tl.load(table + code), 0.0)
+                    usq += tl.sum(t * t, axis=1)
+                if NPL > 1:
+                    word = word | (code.to(WT) << (p * BITS))
+                else:
+                    _pack_store(code, coord, valid, cache, row, HEAD_DIM, BITS, CODE_BYTES,
+                                GROUP, GROUP_BYTES, BLOCK_T, CHW, s * CHW)
+            if NPL > 1:
+                _store_words(word, s * CHW, valid, cache, row, CODE_BYTES, GROUP_BYTES, CHW)
         if NORM_CORR:
             n = _norm_corrected(n, usq)
         norm16 = _bf16_rne(n)
-    nidx = (page + NORMS_OFF) // 2 + head * NORM_HEAD_STRIDE + off
+    nidx = (blk * page_bytes + NORMS_OFF) // 2 + head * NORM_HEAD_STRIDE + off
     tl.store(aux + nidx, norm16, mask=valid)
 
 
 @triton.jit
 def _compress_store_kernel(
         K, skt, skh, V, svt, svh, slots, num_tokens, num_slots, cache, aux,
-        Ak, Av, kbounds, vbounds, ktable, vtable, kmu, kmu_sh, page_bytes, kshift, vshift,
-        K_HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        Ak, Av, kinv_s, vinv_s, kbounds, vbounds, ktable, vtable, kmu, kmu_sh, kmu_rot,
+        kmu_rot_sh, page_bytes, kshift, vshift, kdelta, vdelta,
+        K_HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
         K_BITS: tl.constexpr, K_CODES_OFF: tl.constexpr, K_NORMS_OFF: tl.constexpr,
         K_CODE_BYTES: tl.constexpr, K_NORM_CORR: tl.constexpr, K_GROUP: tl.constexpr,
         K_GROUP_BYTES: tl.constexpr,
@@ -217,7 +302,8 @@ def _compress_store_kernel(
         V_GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, K_HEAD_STRIDE: tl.constexpr,
         K_TOK_STRIDE: tl.constexpr, V_HEAD_STRIDE: tl.constexpr, V_TOK_STRIDE: tl.constexpr,
         NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr, K_SINK: tl.constexpr,
-        V_SINK: tl.constexpr):
+        V_SINK: tl.constexpr, K_SPLIT: tl.constexpr, V_SPLIT: tl.constexpr,
+        K_NPL: tl.constexpr, V_NPL: tl.constexpr):
     pid = tl.program_id(0)
     head = tl.program_id(1)
     side = tl.program_id(2)   # 0: K, 1: V — separate programs: half the dependent chain each
@@ -229,21 +315,23 @@ def _compress_store_kernel(
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     if side == 0:
-        _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kbounds, ktable, kmu, kmu_sh,
-                    blk, off, page_bytes, kshift, K_HAS_MU, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF,
-                    K_NORMS_OFF, K_CODE_BYTES, BLOCK_SIZE, K_NORM_CORR, K_GROUP, K_GROUP_BYTES,
-                    BLOCK_T, K_HEAD_STRIDE, K_TOK_STRIDE, NORM_HEAD_STRIDE, CH, K_SINK)
+        _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kinv_s, kbounds, ktable, kmu,
+                    kmu_sh, kmu_rot, kmu_rot_sh, blk, off, page_bytes, kshift, kdelta, K_HAS_MU,
+                    HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES, K_NORM_CORR,
+                    K_GROUP, K_GROUP_BYTES, BLOCK_T, K_HEAD_STRIDE, K_TOK_STRIDE,
+                    NORM_HEAD_STRIDE, CH, K_SINK, K_SPLIT, K_NPL)
     else:
-        _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, vbounds, vtable, kmu, 0, blk,
-                    off, page_bytes, vshift, False, HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF,
-                    V_NORMS_OFF, V_CODE_BYTES, BLOCK_SIZE, V_NORM_CORR, V_GROUP, V_GROUP_BYTES,
-                    BLOCK_T, V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH, V_SINK)
+        _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, vinv_s, vbounds, vtable, kmu,
+                    0, kmu_rot, 0, blk, off, page_bytes, vshift, vdelta, False, HEAD_DIM, D_PAD,
+                    V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES, V_NORM_CORR, V_GROUP,
+                    V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH,
+                    V_SINK, V_SPLIT, V_NPL)
 
 
 def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                    slot_mapping: torch.Tensor, loader: TkvLoader, *,
-                   block_t: int | None = None, num_warps: int = 4,
-                   chunk: int | None = None) -> None:
+                   block_t: int | None = None, num_warps: int | None = None,
+                   chunk: int | None = None, rotation: str = "auto") -> None:
     """Compress new tokens' K and V and scatter them into their slots, in one launch.
 
     Per token and KV head h: ``y = R ((x − μ_h) / s)`` (key centering when the codec has a
@@ -280,9 +368,16 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             (16 × 32: 13.3); these defaults are the ones of the best vLLM end-to-end run
             (``benchmarks/results/vllm_e2e_2026-11-30d/``, run b).
 
+        rotation: how ``x @ A`` runs on tensor cores. ``"split"``: bf16 ``x`` against the
+            loader's three bf16 terms of ``A`` (:meth:`TkvLoader.split_in`), float32 accuracy
+            from three plain bf16 dots; ``"tf32x3"``: ``x`` in float32, one ``tf32x3`` dot
+            (Triton splits ``x`` and the ``A`` tile into tf32 pieces in every program);
+            ``"auto"`` (default): ``"split"`` for a bfloat16 side, ``"tf32x3"`` for float16 /
+            float32 (not exact in bf16).
+
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
-        no device sync).
+        no device sync). ValueError: unknown ``rotation``, or ``"split"`` with a non-bf16 side.
     """
     if not isinstance(loader, TkvLoader):
         raise TypeError(f"compress_store needs a TkvLoader, got {type(loader).__name__}")
@@ -307,31 +402,42 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     if n == 0:
         return
     st = lay.strides()
-    # float32 (head_dim,) (shared by the KV heads) or (num_kv_heads, head_dim) (row per head,
-    # checked against the layout by TkvLoader), or None
-    mu = loader.codec.k.channel_offset
-    mu_sh = 0
-    if mu is not None:
-        mu = mu.to(cache.device, torch.float32).contiguous()
-        mu_sh = lay.head_dim if mu.dim() == 2 else 0
     if block_t is None:
-        block_t = 8 if n <= 128 else 16
+        block_t = 8 if n <= 128 else 16 if n <= 1024 else 64
+    if num_warps is None:
+        num_warps = 8 if block_t >= 128 else 4
     if chunk is None:
         chunk = 64 if loader.d_pad <= 128 else 32
     if block_t < 1 or block_t & (block_t - 1):
         raise ShapeError(f"block_t must be a power of two, got {block_t}")
     if chunk < 16 or chunk & (chunk - 1):
         raise ShapeError(f"chunk must be a power of two >= 16, got {chunk}")
+    if rotation not in _ROTATIONS:
+        raise ValueError(f"rotation must be one of {_ROTATIONS}, got {rotation!r}")
+    splits = []
+    for name, x in (("key", key), ("value", value)):
+        split = x.dtype == torch.bfloat16 if rotation == "auto" else rotation == "split"
+        if split and x.dtype != torch.bfloat16:
+            raise ValueError(f"rotation='split' needs bfloat16 {name}, got {x.dtype}")
+        splits.append(split)
     kg, kgb = code_group(lay.k_bits)
     vg, vgb = code_group(lay.v_bits)
-    kshift, vshift = loader.k_sink_shift, loader.v_sink_shift
+    mu = loader.k_mu             # (1 or num_kv_heads, d_pad) or None; so is mu_rot
+    mu_sh = 0 if mu is None or mu.shape[0] == 1 else loader.d_pad
+    dummy = loader.k_table
+
+    def opt(t):
+        return dummy if t is None else t
+
     grid = (triton.cdiv(n, block_t), lay.num_kv_heads, 2)
     _compress_store_kernel[grid](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
         slot_mapping, n, num_blocks * lay.block_size, cache, cache.view(torch.bfloat16),
-        loader.k_in, loader.v_in, loader.k_bounds, loader.v_bounds, loader.k_table,
-        loader.v_table, loader.k_table if mu is None else mu, mu_sh, lay.page_bytes,
-        loader.k_table if kshift is None else kshift, loader.v_table if vshift is None else vshift,
+        loader.store_rotation("k", splits[0]), loader.store_rotation("v", splits[1]),
+        loader.k_inv_scale, loader.v_inv_scale, loader.k_bounds, loader.v_bounds,
+        loader.k_table, loader.v_table, opt(mu), mu_sh, opt(loader.k_mu_rot), mu_sh,
+        lay.page_bytes, opt(loader.k_sink_shift), opt(loader.v_sink_shift),
+        opt(loader.k_sink_delta), opt(loader.v_sink_delta),
         K_HAS_MU=mu is not None, HEAD_DIM=lay.head_dim, D_PAD=loader.d_pad, BLOCK_SIZE=lay.block_size,
         K_BITS=lay.k_bits, K_CODES_OFF=lay.k_codes_offset, K_NORMS_OFF=lay.k_norms_offset,
         K_CODE_BYTES=lay.k_code_bytes, K_NORM_CORR=loader.k_norm_correction, K_GROUP=kg,
@@ -340,5 +446,7 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         V_CODE_BYTES=lay.v_code_bytes, V_NORM_CORR=loader.v_norm_correction, V_GROUP=vg,
         V_GROUP_BYTES=vgb, BLOCK_T=block_t, K_HEAD_STRIDE=st["k_head"],
         K_TOK_STRIDE=st["k_token"], V_HEAD_STRIDE=st["v_head"], V_TOK_STRIDE=st["v_token"],
-        NORM_HEAD_STRIDE=st["norm_head"], CH=min(loader.d_pad, chunk), K_SINK=kshift is not None,
-        V_SINK=vshift is not None, num_warps=num_warps)
+        NORM_HEAD_STRIDE=st["norm_head"], CH=min(loader.d_pad, chunk),
+        K_SINK=loader.k_sink_shift is not None, V_SINK=loader.v_sink_shift is not None,
+        K_SPLIT=splits[0], V_SPLIT=splits[1], K_NPL=loader.planes("k"),
+        V_NPL=loader.planes("v"), num_warps=num_warps)
