@@ -1,0 +1,108 @@
+"""Offline (CPU, no GPU) anatomy of ``compress_store``'s kernel for the H200 (sm_90a).
+
+Compiles ``tkv.kernels.store._compress_store_kernel`` with the constexprs ``compress_store``
+passes for a K4V4 loader (8 KV heads, 16-token pages, bf16 K/V) through Triton 3.6 → PTX →
+the ptxas / cuobjdump that ship with Triton, per tile variant, and reports registers, spills,
+shared memory and SASS instructions *per element and side* (the kernel has no loop: the whole
+program's SASS, half of it per side, × warps × 32 lanes / (tokens × head_dim)) with the main
+opcodes — the proxy ``docs/kernels.md`` (session 9) used to rework the kernel. Run from the
+repository root::
+
+    uv run --frozen python benchmarks/sass_store_offline.py      # ~2 min, 2-core CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import tkv.kernels._util as util
+from tkv.codec import TurboKVCodec
+from tkv.codec.packing import code_group
+from tkv.kernels import TkvLoader
+from tkv.kernels import loaders as loaders_mod
+from tkv.kernels.store import _compress_store_kernel
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+F32 = "*fp32"
+# (tokens per program, warps, rotation split, sink offsets)
+VARIANTS = [(16, 4, False, False), (16, 4, True, False), (64, 4, True, False),
+            (64, 8, True, False), (128, 8, True, False), (32, 4, True, True)]
+
+
+def compile_store(block_t, warps, split, sink, head_dim=128, bits=4):
+    """ptxas info, shared bytes and SASS of one configuration."""
+    ld = TkvLoader(TurboKVCodec(head_dim, bits), 8, 16)
+    lay, st = ld.layout, ld.layout.strides()
+    kg, kgb = code_group(bits)
+    consts = dict(K_HAS_MU=False, HEAD_DIM=head_dim, D_PAD=ld.d_pad, BLOCK_SIZE=16,
+                  BLOCK_T=block_t, NORM_HEAD_STRIDE=st["norm_head"],
+                  CH=min(ld.d_pad, 64 if ld.d_pad <= 128 else 32))
+    for s in ("K", "V"):
+        lo = s.lower()
+        consts.update({f"{s}_BITS": bits, f"{s}_CODES_OFF": getattr(lay, f"{lo}_codes_offset"),
+                       f"{s}_NORMS_OFF": getattr(lay, f"{lo}_norms_offset"),
+                       f"{s}_CODE_BYTES": getattr(lay, f"{lo}_code_bytes"),
+                       f"{s}_NORM_CORR": getattr(ld, f"{lo}_norm_correction"),
+                       f"{s}_GROUP": kg, f"{s}_GROUP_BYTES": kgb,
+                       f"{s}_HEAD_STRIDE": st[f"{lo}_head"], f"{s}_TOK_STRIDE": st[f"{lo}_token"],
+                       f"{s}_SINK": sink, f"{s}_SPLIT": split, f"{s}_NPL": ld.planes(lo)})
+    a = "*bf16" if split else F32
+    ptrs = {"K": "*bf16", "V": "*bf16", "slots": "*i64", "cache": "*u8", "aux": "*bf16",
+            "Ak": a, "Av": a}
+    names = _compress_store_kernel.arg_names
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else
+                       F32 if n in ("kinv_s", "vinv_s", "kbounds", "vbounds", "ktable", "vtable",
+                                    "kmu", "kmu_rot", "kshift", "vshift", "kdelta", "vdelta")
+                       else "i32") for n in names}
+    aligned = set(ptrs) | {"skt", "skh", "svt", "svh", "page_bytes"}
+    src = ASTSource(fn=_compress_store_kernel, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                           if n in aligned})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": 1})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, obj = Path(tmp) / "k.ptx", Path(tmp) / "k.o"
+        ptx.write_text(k.asm["ptx"])
+        info = subprocess.run([BIN / "ptxas", "-arch=sm_90a", "-v", ptx, "-o", obj],
+                              capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([BIN / "cuobjdump", "-sass", obj], capture_output=True,
+                              text=True, check=True).stdout
+    return info, k.metadata.shared, sass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="also write the markdown table here")
+    a = ap.parse_args()
+    loaders_mod.interpreting = util.interpreting = lambda: False   # compile only, never run
+    rows = ["| tokens | warps | rotation | sink | registers | spills (B) | shared (B) | "
+            "instr./element/side | top opcodes |", "|---:|---:|---|---|---:|---:|---:|---:|---|"]
+    for bt, w, split, sink in VARIANTS:
+        info, shared, sass = compile_store(bt, w, split, sink)
+        body = [m.group(1) for m in (re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?);", line)
+                                     for line in sass.splitlines()) if m]
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0].split(".")[0]
+                                  for t in body)
+        per = len(body) / 2 * w * 32 / (bt * 128)
+        top = ", ".join(f"{o} {n}" for o, n in ops.most_common(6))
+        regs = re.search(r"Used (\d+) registers", info).group(1)
+        spill = re.search(r"(\d+) bytes spill stores", info).group(1)
+        rows.append(f"| {bt} | {w} | {'split' if split else 'tf32x3'} | {sink} | {regs} | "
+                    f"{spill} | {shared:,} | {per:.1f} | {top} |")
+        print(rows[-1], flush=True)
+    if a.out:
+        Path(a.out).write_text("\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
