@@ -77,7 +77,8 @@ def _decode_check(loader, lens, group, seed, window=0, dtype=torch.bfloat16, spl
 @pytest.mark.parametrize("head_dim,kb,vb,rotation,block_t", [
     (64, 4, 4, "auto", None), (96, 3, 5, "auto", None), (128, 2, 8, "auto", None),
     (64, 7, 6, "auto", None), (256, 3, 4, "auto", None), (64, 4, 4, "tf32x3", None),
-    (96, 3, 5, "tf32x3", None), (128, 4, 4, "auto", 64), (64, 3, 4, "split", 32)])
+    (96, 3, 5, "tf32x3", None), (128, 4, 4, "auto", 64), (64, 3, 4, "split", 32),
+    (96, 2, 6, "split", 64)])   # padding coordinates inside 32-wide planes (norm correction)
 def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
     g = _gen(1)
     codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=7)

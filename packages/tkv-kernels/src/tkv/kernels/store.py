@@ -53,8 +53,8 @@ def _bound_tree(preds, bounds, J: tl.constexpr, K: tl.constexpr, M: tl.constexpr
 
 
 @triton.jit
-def _codes(y, inv, cols, bounds, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
-           BLOCK_T: tl.constexpr, CH: tl.constexpr):
+def _codes(y, inv, cols, bounds, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+           BITS: tl.constexpr, BLOCK_T: tl.constexpr, CH: tl.constexpr):
     """Lloyd-Max codes int32 [T, CH] of rotated coordinates ``y`` (columns ``cols``) scaled by
     ``inv`` = sqrt(d)/n: branch-free binary search over the 2**BITS − 1 sorted boundaries,
     code = #{b_j < z}; 0 at padding columns. Up to 5 bits each step's boundary comes from a
@@ -71,9 +71,24 @@ def _codes(y, inv, cols, bounds, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
         d = bnd < z
         preds = preds + (d,)
         code = tl.where(d, code + (1 << (BITS - 1 - step)), code)
-    if HEAD_DIM % CH != 0:
+    if HEAD_DIM < D_PAD:   # padding coordinates (planar chunks mix them into any chunk)
         code = tl.where((cols < HEAD_DIM)[None, :], code, 0)
-    return code
+    return code, preds
+
+
+@triton.jit
+def _centroid(code, preds, cols, table, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+              BITS: tl.constexpr):
+    """``table[code]`` (the scaled centroid of each code, 0 at padding columns): up to 5 bits
+    a select tree over scalars on the search's decisions ``preds`` (2**BITS − 1 selects, no
+    gather and its layout conversion), else a gather."""
+    if BITS <= 5:
+        t = _bound_tree(preds, table, 0, BITS, 0, 1, 0)
+    else:
+        t = tl.load(table + code)
+    if HEAD_DIM < D_PAD:
+        t = tl.where((cols < HEAD_DIM)[None, :], t, 0.0)
+    return t
 
 
 @triton.jit
@@ -157,12 +172,12 @@ def _rotated_chunk(x, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM: tl.constexpr
 
 
 @triton.jit
-def _centroid_sums(y, inv, coord, bounds, table, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
-                   BLOCK_T: tl.constexpr, CHW: tl.constexpr):
+def _centroid_sums(y, inv, coord, bounds, table, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   BITS: tl.constexpr, BLOCK_T: tl.constexpr, CHW: tl.constexpr):
     """Per-token ``(Σ t², Σ t·y)`` over one chunk, ``t = c[code]/sqrt(d)`` the centroids the
     chunk's rotated coordinates ``y`` quantize to (``inv`` = sqrt(d)/n)."""
-    code = _codes(y, inv, coord, bounds, HEAD_DIM, BITS, BLOCK_T, CHW)
-    t = tl.where((coord < HEAD_DIM)[None, :], tl.load(table + code), 0.0)
+    code, preds = _codes(y, inv, coord, bounds, HEAD_DIM, D_PAD, BITS, BLOCK_T, CHW)
+    t = _centroid(code, preds, coord, table, HEAD_DIM, D_PAD, BITS)
     return tl.sum(t * t, axis=1), tl.sum(t * y, axis=1)
 
 
@@ -223,12 +238,13 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, INV_S, bounds, t
                 q, coord = _chunk_cols(s, p, NPL, WID, CHW)
                 y = _rotated_chunk(xop, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
                                    SPLIT, SUB_MU)
-                u, c = _centroid_sums(y, inv, coord, bounds, table, HEAD_DIM, BITS, BLOCK_T, CHW)
+                u, c = _centroid_sums(y, inv, coord, bounds, table, HEAD_DIM, D_PAD, BITS,
+                                      BLOCK_T, CHW)
                 ua += u
                 ca += c
                 yb = y - tl.load(SHIFT + head * D_PAD + coord)[None, :]
-                u, c = _centroid_sums(yb, invb, coord, bounds, table, HEAD_DIM, BITS, BLOCK_T,
-                                      CHW)
+                u, c = _centroid_sums(yb, invb, coord, bounds, table, HEAD_DIM, D_PAD, BITS,
+                                      BLOCK_T, CHW)
                 ub += u
                 cb += c
         if NORM_CORR:
@@ -247,8 +263,8 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, INV_S, bounds, t
                 y = _rotated_chunk(xop, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
                                    SPLIT, SUB_MU)
                 yb = y - tl.load(SHIFT + head * D_PAD + coord)[None, :]
-                code = _codes(tl.where(pick[:, None], yb, y), inv_w, coord, bounds, HEAD_DIM,
-                              BITS, BLOCK_T, CHW)
+                code, _ = _codes(tl.where(pick[:, None], yb, y), inv_w, coord, bounds,
+                                 HEAD_DIM, D_PAD, BITS, BLOCK_T, CHW)
                 if NPL > 1:
                     word = word | (code.to(WT) << (p * BITS))
                 else:
@@ -269,9 +285,9 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, INV_S, bounds, t
                 q, coord = _chunk_cols(s, p, NPL, WID, CHW)
                 y = _rotated_chunk(xop, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
                                    SPLIT, SUB_MU)
-                code = _codes(y, inv, coord, bounds, HEAD_DIM, BITS, BLOCK_T, CHW)
+                code, preds = _codes(y, inv, coord, bounds, HEAD_DIM, D_PAD, BITS, BLOCK_T, CHW)
                 if NORM_CORR:
-                    t = tl.where((coord < HEAD_DIM)[None, :], tl.load(table + code), 0.0)
+                    t = _centroid(code, preds, coord, table, HEAD_DIM, D_PAD, BITS)
                     usq += tl.sum(t * t, axis=1)
                 if NPL > 1:
                     word = word | (code.to(WT) << (p * BITS))
