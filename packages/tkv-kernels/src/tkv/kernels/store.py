@@ -182,6 +182,41 @@ def _centroid_sums(y, inv, coord, bounds, table, HEAD_DIM: tl.constexpr, D_PAD: 
 
 
 @triton.jit
+def _pack_pass(xop, A, valid, MU_ROT, mu_off, SHIFT, pick, inv, bounds, table, cache, row,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
+               CODE_BYTES: tl.constexpr, NORM_CORR: tl.constexpr, GROUP: tl.constexpr,
+               GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr,
+               SUB_MU: tl.constexpr, SINK: tl.constexpr, NPL: tl.constexpr, WID: tl.constexpr,
+               CHW: tl.constexpr, WT: tl.constexpr):
+    """Rotate, quantize and store every column chunk of one side's tile; returns Σ c[code]²
+    per token when ``NORM_CORR`` (else 0). ``SINK``: rows where ``pick`` is set are coded as
+    ``y − SHIFT`` (the sink candidate, ``SHIFT`` the head's row of the rotated shift); ``inv``
+    = sqrt(d)/n per row of the candidate being coded. Planar chunks (``NPL`` > 1) OR their
+    codes into one group word per sub-chunk, stored once; natural order packs each chunk."""
+    usq = tl.zeros([BLOCK_T], tl.float32)
+    for s in tl.static_range(WID // CHW):
+        word = tl.zeros([BLOCK_T, CHW], WT)
+        for p in tl.static_range(NPL):
+            q, coord = _chunk_cols(s, p, NPL, WID, CHW)
+            y = _rotated_chunk(xop, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
+                               SPLIT, SUB_MU)
+            if SINK:
+                y = tl.where(pick[:, None], y - tl.load(SHIFT + coord)[None, :], y)
+            code, preds = _codes(y, inv, coord, bounds, HEAD_DIM, D_PAD, BITS, BLOCK_T, CHW)
+            if NORM_CORR:
+                t = _centroid(code, preds, coord, table, HEAD_DIM, D_PAD, BITS)
+                usq += tl.sum(t * t, axis=1)
+            if NPL > 1:
+                word = word | (code.to(WT) << (p * BITS))
+            else:
+                _pack_store(code, coord, valid, cache, row, HEAD_DIM, BITS, CODE_BYTES, GROUP,
+                            GROUP_BYTES, BLOCK_T, CHW, s * CHW)
+        if NPL > 1:
+            _store_words(word, s * CHW, valid, cache, row, CODE_BYTES, GROUP_BYTES, CHW)
+    return usq
+
+
+@triton.jit
 def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, INV_S, bounds, table, MU,
                 mu_sh, MU_ROT, mu_rot_sh, blk, off, page_bytes, SHIFT, DELTA,
                 HAS_MU: tl.constexpr,
@@ -255,47 +290,19 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, INV_S, bounds, t
         ea = ha * ha * ua - 2.0 * ha * ca + ss          # ‖n̂·c[code] − y‖², expanded
         eb = hb * hb * ub - 2.0 * hb * cb + ssb
         pick = (eb < ea) | ((ea != ea) & (eb == eb))
-        inv_w = tl.where(pick, invb, inv)
-        for s in tl.static_range(WID // CHW):
-            word = tl.zeros([BLOCK_T, CHW], WT)
-            for p in tl.static_range(NPL):
-                q, coord = _chunk_cols(s, p, NPL, WID, CHW)
-                y = _rotated_chunk(xop, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
-                                   SPLIT, SUB_MU)
-                yb = y - tl.load(SHIFT + head * D_PAD + coord)[None, :]
-                code, _ = _codes(tl.where(pick[:, None], yb, y), inv_w, coord, bounds,
-                                 HEAD_DIM, D_PAD, BITS, BLOCK_T, CHW)
-                if NPL > 1:
-                    word = word | (code.to(WT) << (p * BITS))
-                else:
-                    _pack_store(code, coord, valid, cache, row, HEAD_DIM, BITS, CODE_BYTES,
-                                GROUP, GROUP_BYTES, BLOCK_T, CHW, s * CHW)
-            if NPL > 1:
-                _store_words(word, s * CHW, valid, cache, row, CODE_BYTES, GROUP_BYTES, CHW)
+        _pack_pass(xop, A, valid, MU_ROT, mu_off, SHIFT + head * D_PAD, pick,
+                   tl.where(pick, invb, inv), bounds, table, cache, row, HEAD_DIM, D_PAD, BITS,
+                   CODE_BYTES, False, GROUP, GROUP_BYTES, BLOCK_T, SPLIT, SUB_MU, True, NPL,
+                   WID, CHW, WT)
         # the flag is the sign BIT, set on the bf16 pattern: Triton's `-x` is `0 − x`, which
         # turns a flagged zero norm (x exactly σ) into +0.0 and would drop the flag
         bits = _bf16_rne(tl.where(pick, nb, n)).to(tl.int16, bitcast=True).to(tl.int32)
         bits = tl.where(pick, bits | 0x8000, bits)
         norm16 = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        usq = tl.zeros([BLOCK_T], tl.float32)
-        for s in tl.static_range(WID // CHW):
-            word = tl.zeros([BLOCK_T, CHW], WT)
-            for p in tl.static_range(NPL):
-                q, coord = _chunk_cols(s, p, NPL, WID, CHW)
-                y = _rotated_chunk(xop, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
-                                   SPLIT, SUB_MU)
-                code, preds = _codes(y, inv, coord, bounds, HEAD_DIM, D_PAD, BITS, BLOCK_T, CHW)
-                if NORM_CORR:
-                    t = _centroid(code, preds, coord, table, HEAD_DIM, D_PAD, BITS)
-                    usq += tl.sum(t * t, axis=1)
-                if NPL > 1:
-                    word = word | (code.to(WT) << (p * BITS))
-                else:
-                    _pack_store(code, coord, valid, cache, row, HEAD_DIM, BITS, CODE_BYTES,
-                                GROUP, GROUP_BYTES, BLOCK_T, CHW, s * CHW)
-            if NPL > 1:
-                _store_words(word, s * CHW, valid, cache, row, CODE_BYTES, GROUP_BYTES, CHW)
+        usq = _pack_pass(xop, A, valid, MU_ROT, mu_off, SHIFT, valid, inv, bounds, table, cache,
+                         row, HEAD_DIM, D_PAD, BITS, CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES,
+                         BLOCK_T, SPLIT, SUB_MU, False, NPL, WID, CHW, WT)
         if NORM_CORR:
             n = _norm_corrected(n, usq)
         norm16 = _bf16_rne(n)
