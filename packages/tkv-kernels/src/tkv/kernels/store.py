@@ -359,11 +359,13 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
 
     Per token and KV head h: ``y = R ((x − μ_h) / s)`` (key centering when the codec has a
     ``k_channel_offset`` μ, keys only: row h of a per-head ``(num_kv_heads, head_dim)`` μ, or
-    the shared ``(head_dim,)`` μ; prescale; randomized WHT), ``n = ‖y‖``,
-    codes = Lloyd-Max bucket of ``sqrt(d) · y / n`` (binary search over the boundaries),
-    K norm stored as ``n / ‖c[code]/sqrt(d)‖`` when the codec's norm correction is on,
-    codes packed LSB-first — bit-for-bit the codec's ``compress_k`` / ``compress_v`` up to
-    float32 rounding at bucket boundaries (TurboQuant, Zandieh et al. 2025, Alg. 1).
+    the shared ``(head_dim,)`` μ; prescale; randomized WHT), ``n = ‖y‖`` (taken as
+    ``‖(x − μ_h)/s‖`` before the rotation: R is orthogonal), codes = Lloyd-Max bucket of
+    ``sqrt(d) · y / n`` (binary search over the boundaries), K norm stored as
+    ``n / ‖c[code]/sqrt(d)‖`` when the codec's norm correction is on, codes packed LSB-first —
+    the codec's ``compress_k`` / ``compress_v`` up to float32 rounding (a code at a bucket
+    boundary, one bf16 ulp of a norm) (TurboQuant, Zandieh et al. 2025, Alg. 1). Design and
+    H200 timings: ``docs/kernels.md`` (session 9).
 
     With sink offsets (the codec's ``k_sink_offset`` / ``v_sink_offset``; the loader's
     ``k_sink_shift`` / ``v_sink_shift`` ``c_h``), each vector is also coded as
@@ -380,23 +382,21 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             ``-1`` (any negative) skips the token; slots ≥ ``num_blocks · block_size`` are
             skipped too (never written out of bounds).
         loader: the layer's :class:`TkvLoader`.
-        block_t, num_warps: tokens per program (a power of two; default 8 for ≤ 128 new
-            tokens, else 16) and Triton warps.
-        chunk: rotation columns per tensor-core pass (a power of two ≥ 16; the tf32x3
-            operand lives in registers). Default 64 up to head_dim 128, 32 above (ptxas
-            sm_90a: whole 128×128 tiles spill 1.7 KB per thread; 8 × 64 uses 239 registers
-            and no spills, 16 × 64 spills 48-80 B). Measured on the H200 (K4V4, 8 KV heads,
-            head_dim 128, ``benchmarks/results/kernels_gpu_2026-11-30_variants.md``): 8 × 64
-            takes 8.5 µs at 1 and 64 new tokens (16 × 32: 12.5), 16 × 64 11.7 µs at 256
-            (16 × 32: 13.3); these defaults are the ones of the best vLLM end-to-end run
-            (``benchmarks/results/vllm_e2e_2026-11-30d/``, run b).
-
+        block_t: tokens per program, a power of two. Default 8 up to 128 new tokens (decode
+            steps: latency-bound, more programs), 16 up to 1,024, 64 above (prefill: the
+            rotation operand is loaded once per 64 tokens). H200, K4V4, 8 KV heads, head_dim
+            128 (``benchmarks/results/kernels_gpu_2026-11-30_s9_store_centroids.md``): 16K
+            new tokens 0.160 ms at 64 (16: 0.375, 128 × 8 warps: 0.179), 256 tokens 9.6 µs at
+            16 (8: 13.6, 32: 11.4).
+        num_warps: Triton warps per program; default 8 for 128+ tokens per program, else 4.
+        chunk: rotation columns per tensor-core pass (a power of two ≥ 16): default 64 up to
+            head_dim 128, 32 above (registers; planar chunks never exceed one code plane).
         rotation: how ``x @ A`` runs on tensor cores. ``"split"``: bf16 ``x`` against the
-            loader's three bf16 terms of ``A`` (:meth:`TkvLoader.split_in`), float32 accuracy
-            from three plain bf16 dots; ``"tf32x3"``: ``x`` in float32, one ``tf32x3`` dot
-            (Triton splits ``x`` and the ``A`` tile into tf32 pieces in every program);
-            ``"auto"`` (default): ``"split"`` for a bfloat16 side, ``"tf32x3"`` for float16 /
-            float32 (not exact in bf16).
+            loader's three bf16 terms of ``A`` (:meth:`TkvLoader.store_rotation`), float32
+            accuracy from three plain bf16 dots; ``"tf32x3"``: ``x`` in float32, one
+            ``tf32x3`` dot (Triton splits ``x`` and the ``A`` tile into tf32 pieces in every
+            program: 1.9-3.6× slower at prefill sizes); ``"auto"`` (default): ``"split"`` for a
+            bfloat16 side, ``"tf32x3"`` for float16 / float32 (not exact in bf16).
 
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
