@@ -59,6 +59,7 @@ def compile_store(block_t, warps, split, sink, head_dim=128, bits=4):
     ptrs = {"K": "*bf16", "V": "*bf16", "slots": "*i64", "cache": "*u8", "aux": "*bf16",
             "Ak": a, "Av": a}
     names = _compress_store_kernel.arg_names
+    ptrs.update(ak_scale="fp32", av_scale="fp32")
     sig = {n: ptrs.get(n, "constexpr" if n in consts else
                        F32 if n in ("kinv_s", "vinv_s", "kbounds", "vbounds", "ktable", "vtable",
                                     "kmu", "kmu_rot", "kshift", "vshift", "kdelta", "vdelta")

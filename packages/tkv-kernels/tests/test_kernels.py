@@ -78,7 +78,8 @@ def _decode_check(loader, lens, group, seed, window=0, dtype=torch.bfloat16, spl
     (64, 4, 4, "auto", None), (96, 3, 5, "auto", None), (128, 2, 8, "auto", None),
     (64, 7, 6, "auto", None), (256, 3, 4, "auto", None), (64, 4, 4, "tf32x3", None),
     (96, 3, 5, "tf32x3", None), (128, 4, 4, "auto", 64), (64, 3, 4, "split", 32),
-    (96, 2, 6, "split", 64)])   # padding coordinates inside 32-wide planes (norm correction)
+    (96, 2, 6, "split", 64),   # padding coordinates inside 32-wide planes (norm correction)
+    (128, 4, 3, "fp16", 64)])  # float16 K and V through the scaled fp16 terms
 def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
     g = _gen(1)
     codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=7)
@@ -88,12 +89,13 @@ def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
     cache = cache.to(DEV)
     before = cache.clone()
     n = 37
-    k = (torch.randn(n, 2, head_dim, generator=g) * 3).to(DEV, torch.bfloat16)
-    v = torch.randn(n, 2, head_dim, generator=g).to(
-        DEV, torch.bfloat16 if rotation == "split" else torch.float16)
+    k = (torch.randn(n, 2, head_dim, generator=g) * 3).to(
+        DEV, torch.float16 if rotation == "fp16" else torch.bfloat16)
+    v = torch.randn(n, 2, head_dim, generator=g).to(DEV, torch.float16)
     slots = torch.randperm(nblk * 16, generator=g)[:n].to(DEV)
     slots[5] = -1  # skipped
-    compress_store(k, v, cache, slots, ld, rotation=rotation, block_t=block_t)
+    compress_store(k, v, cache, slots, ld, rotation="auto" if rotation == "fp16" else rotation,
+                   block_t=block_t)
     views = ld.layout.views(cache)
     keep = slots >= 0
     s = slots[keep]
@@ -150,12 +152,20 @@ def test_store_rotation_terms_sum_to_the_planar_rotation(head_dim, kb, scales, o
             p, j = divmod(pos, dp // npl)
             if j * npl + p < head_dim:
                 planar[:, pos] = a[:, j * npl + p]
-        assert torch.equal(ld.store_rotation(side, False).double().cpu(), planar)
-        terms = ld.store_rotation(side, True).cpu()
-        assert terms.shape == (3, dp, dp)
+        a32, one = ld.store_rotation(side, None)
+        assert one == 1.0 and torch.equal(a32.double().cpu(), planar)
+        terms, one = ld.store_rotation(side, torch.bfloat16)
+        terms = terms.cpu()
+        assert terms.shape == (3, dp, dp) and one == 1.0
         assert torch.equal(terms.float().to(torch.bfloat16).float(), terms.float())
         assert torch.equal(terms.double().sum(0), planar)
         assert terms[2].abs().max() <= planar.abs().max() * 2.0 ** -14   # ~2^-8 per term
+        h, scale = ld.store_rotation(side, torch.float16)   # fp16: scaled into its range
+        h = h.cpu()
+        assert torch.equal(h.float().to(torch.float16).float(), h.float())
+        assert 2.0 ** 14 <= h[0].abs().max() < 2.0 ** 15 and math.log2(scale).is_integer()
+        err = (h.double().sum(0) * scale - planar).abs().max()
+        assert err <= planar.abs().max() * 2.0 ** -30
     s = codec.k.channel_scales
     want = 1 / s.double().cpu() if s is not None else torch.ones(head_dim, dtype=torch.float64)
     torch.testing.assert_close(ld.k_inv_scale.double().cpu()[:head_dim], want)
@@ -167,13 +177,13 @@ def test_store_rotation_terms_sum_to_the_planar_rotation(head_dim, kb, scales, o
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_compress_store_split_rotation_refuses_float16():
+def test_compress_store_split_rotation_refuses_float32():
     codec = TurboKVCodec(64, 4, device=DEV)
     ld = TkvLoader(codec, 1, 16)
     cache = ld.layout.allocate(2, DEV)
-    k = torch.randn(3, 1, 64).to(DEV, torch.float16)
+    k = torch.randn(3, 1, 64).to(DEV, torch.float32)
     slots = torch.arange(3, device=DEV)
-    with pytest.raises(ValueError, match="bfloat16 key"):
+    with pytest.raises(ValueError, match="bfloat16/float16 key"):
         compress_store(k, k, cache, slots, ld, rotation="split")
     with pytest.raises(ValueError, match="rotation must be"):
         compress_store(k, k, cache, slots, ld, rotation="fp64")

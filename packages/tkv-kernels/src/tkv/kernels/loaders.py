@@ -656,40 +656,46 @@ class TkvLoader:
     fetch = tkv_fetch
     dequant = tkv_dequant
 
-    def store_rotation(self, side: str, split: bool) -> torch.Tensor:
-        """compress_store's rotation operand for side ``"k"``/``"v"``: ``A`` (:attr:`k_in` /
-        :attr:`v_in`) with its columns in the side's code-group planar order
-        (:func:`~tkv.kernels._planes.planar_index` with :meth:`planes`; natural order for one
-        plane), so that each column chunk holds one position of consecutive code groups and
-        the packed bytes are OR-ed together in registers.
+    def store_rotation(self, side: str, dtype: torch.dtype | None) -> tuple[torch.Tensor, float]:
+        """compress_store's rotation operand for side ``"k"``/``"v"``: ``(terms, scale)`` with
+        ``x @ A = (x @ Σ terms) · scale``, ``A`` (:attr:`k_in` / :attr:`v_in`) with its columns
+        in the side's code-group planar order (:func:`~tkv.kernels._planes.planar_index` with
+        :meth:`planes`; natural order for one plane), so that each column chunk holds one
+        position of consecutive code groups and the packed bytes are OR-ed in registers.
 
-        ``split=False``: float32 ``(d_pad, d_pad)`` (the kernel's ``tf32x3`` dot).
-        ``split=True``: ``(3, d_pad, d_pad)`` bfloat16 terms with ``A = A₀ + A₁ + A₂`` exactly
-        (8 significand bits each: ``A₀ = bf16(A)``, ``A₁ = bf16(A − A₀)``, ``A₂ = bf16(A − A₀ −
-        A₁)``; 24 bits = float32's significand), so a bf16 vector times them on bf16 tensor
-        cores (exact products, float32 accumulation) is ``x @ A`` at float32 accuracy with
-        nothing split in the kernel — what ``tf32x3`` does per program (the split idea:
-        Ootomo & Yokota, "Recovering single precision accuracy from Tensor Cores while
-        surpassing the FP32 theoretical peak performance", IJHPCA 2022). Under the Triton
-        interpreter the terms are float32 tensors (its bf16 dot is not a float product).
-        Cached per (side, split)."""
-        key = side, split, interpreting()
+        ``dtype=None``: float32 ``(d_pad, d_pad)``, scale 1 (the kernel's ``tf32x3`` dot).
+        ``dtype`` bfloat16 / float16: ``(3, d_pad, d_pad)`` terms of that dtype,
+        ``A·2^e = A₀ + A₁ + A₂`` (``A₀ = rnd(A·2^e)``, ``A₁ = rnd(A·2^e − A₀)``, ...): 3 × 8
+        significand bits for bf16 (= float32's 24: exact), 3 × 11 for fp16, whose narrower
+        exponent range takes the power-of-two ``2^e`` (largest entry in [2^14, 2^15); ``scale
+        = 2^-e``, exact; only entries below ~2^-24 of the largest lose their last terms to
+        subnormals). A 16-bit vector times them on tensor cores (exact products, float32
+        accumulation) is ``x @ A`` at float32 accuracy with nothing split in the kernel — what
+        ``tf32x3`` does per program (the split idea: Ootomo & Yokota, "Recovering single
+        precision accuracy from Tensor Cores while surpassing the FP32 theoretical peak
+        performance", IJHPCA 2022). Under the Triton interpreter the terms are float32
+        tensors holding those values (its 16-bit dots are not float products). Cached."""
+        key = side, dtype, interpreting()
         if key not in self._store_rotation:
             a = (self.k_in if side == "k" else self.v_in).double()
             npl = self.planes(side)
             if npl > 1:
                 idx = planar_index(npl, self.head_dim, self.d_pad).to(a.device)
                 a = a[:, idx.clamp(min=0)] * (idx >= 0).to(a.dtype)[None, :]
-            if split:
+            scale = 1.0
+            if dtype is None:
+                a = a.float()
+            else:
+                if dtype == torch.float16:
+                    e = 14 - math.floor(math.log2(a.abs().max().item()))
+                    a, scale = a * 2.0 ** e, 2.0 ** -e
                 terms = []
                 for _ in range(3):
-                    terms.append(a.to(torch.bfloat16))
+                    terms.append(a.to(dtype))
                     a = a - terms[-1].double()
                 a = torch.stack(terms)
                 a = a.float() if interpreting() else a
-            else:
-                a = a.float()
-            self._store_rotation[key] = a.contiguous()
+            self._store_rotation[key] = a.contiguous(), scale
         return self._store_rotation[key]
 
     def planes(self, side: str) -> int:

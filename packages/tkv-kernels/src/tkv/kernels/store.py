@@ -151,18 +151,18 @@ def _chunk_cols(s, p, NPL: tl.constexpr, WID: tl.constexpr, CHW: tl.constexpr):
 
 
 @triton.jit
-def _rotated_chunk(x, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM: tl.constexpr,
+def _rotated_chunk(x, A, a_scale, q, coord, valid, MU_ROT, mu_off, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, SPLIT: tl.constexpr, SUB_MU: tl.constexpr):
     """Columns ``q`` of ``x @ A`` (float32 ``[T, CHW]``), minus the rotated key offset at
     coordinates ``coord`` when ``SUB_MU``. ``SPLIT``: ``A`` holds the three 16-bit terms of
-    :meth:`TkvLoader.store_rotation` and ``x`` is in their dtype — three plain dots, smallest
-    term first; else ``A`` and ``x`` are float32, one ``tf32x3`` dot (Triton splits both
+    :meth:`TkvLoader.store_rotation` (times the power of two ``a_scale``) and ``x`` is in their
+    dtype — three plain dots, smallest term first; else ``A`` and ``x`` are float32, one ``tf32x3`` dot (Triton splits both
     operands in every program)."""
     a = A + tl.arange(0, D_PAD)[:, None] * D_PAD + q[None, :]
     if SPLIT:
         y = tl.dot(x, tl.load(a + 2 * D_PAD * D_PAD))
         y = tl.dot(x, tl.load(a + D_PAD * D_PAD), y)
-        y = tl.dot(x, tl.load(a), y)
+        y = tl.dot(x, tl.load(a), y) * a_scale
     else:
         y = tl.dot(x, tl.load(a), input_precision="tf32x3")
     if SUB_MU:   # R((x − μ)/s) = x @ A − μ @ A
@@ -182,7 +182,7 @@ def _centroid_sums(y, inv, coord, bounds, table, HEAD_DIM: tl.constexpr, D_PAD: 
 
 
 @triton.jit
-def _pack_pass(xop, A, valid, MU_ROT, mu_off, SHIFT, pick, inv, bounds, table, cache, row,
+def _pack_pass(xop, A, a_scale, valid, MU_ROT, mu_off, SHIFT, pick, inv, bounds, table, cache, row,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
                CODE_BYTES: tl.constexpr, NORM_CORR: tl.constexpr, GROUP: tl.constexpr,
                GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr,
@@ -198,7 +198,7 @@ def _pack_pass(xop, A, valid, MU_ROT, mu_off, SHIFT, pick, inv, bounds, table, c
         word = tl.zeros([BLOCK_T, CHW], WT)
         for p in tl.static_range(NPL):
             q, coord = _chunk_cols(s, p, NPL, WID, CHW)
-            y = _rotated_chunk(xop, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
+            y = _rotated_chunk(xop, A, a_scale, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
                                SPLIT, SUB_MU)
             if SINK:
                 y = tl.where(pick[:, None], y - tl.load(SHIFT + coord)[None, :], y)
@@ -217,7 +217,7 @@ def _pack_pass(xop, A, valid, MU_ROT, mu_off, SHIFT, pick, inv, bounds, table, c
 
 
 @triton.jit
-def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, INV_S, bounds, table, MU,
+def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, bounds, table, MU,
                 mu_sh, MU_ROT, mu_rot_sh, blk, off, page_bytes, SHIFT, DELTA,
                 HAS_MU: tl.constexpr,
                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
@@ -243,7 +243,7 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, INV_S, bounds, t
     xs = xf * tl.load(INV_S + offs_d)[None, :]                       # (x − μ) / s
     ss = tl.sum(xs * xs, axis=1)                                     # ‖R((x − μ)/s)‖²
     n, inv = _norm_inv(ss, HEAD_DIM, BLOCK_T)
-    if SPLIT:   # x as stored (bf16: an exact operand); μ comes off after the rotation
+    if SPLIT:   # x as stored (16-bit: an exact operand); μ comes off after the rotation
         xop = x.to(A.dtype.element_ty)
     else:
         xop = xf
@@ -271,7 +271,7 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, INV_S, bounds, t
         for s in tl.static_range(WID // CHW):
             for p in tl.static_range(NPL):
                 q, coord = _chunk_cols(s, p, NPL, WID, CHW)
-                y = _rotated_chunk(xop, A, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
+                y = _rotated_chunk(xop, A, a_scale, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
                                    SPLIT, SUB_MU)
                 u, c = _centroid_sums(y, inv, coord, bounds, table, HEAD_DIM, D_PAD, BITS,
                                       BLOCK_T, CHW)
@@ -290,7 +290,7 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, INV_S, bounds, t
         ea = ha * ha * ua - 2.0 * ha * ca + ss          # ‖n̂·c[code] − y‖², expanded
         eb = hb * hb * ub - 2.0 * hb * cb + ssb
         pick = (eb < ea) | ((ea != ea) & (eb == eb))
-        _pack_pass(xop, A, valid, MU_ROT, mu_off, SHIFT + head * D_PAD, pick,
+        _pack_pass(xop, A, a_scale, valid, MU_ROT, mu_off, SHIFT + head * D_PAD, pick,
                    tl.where(pick, invb, inv), bounds, table, cache, row, HEAD_DIM, D_PAD, BITS,
                    CODE_BYTES, False, GROUP, GROUP_BYTES, BLOCK_T, SPLIT, SUB_MU, True, NPL,
                    WID, CHW, WT)
@@ -300,7 +300,7 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, INV_S, bounds, t
         bits = tl.where(pick, bits | 0x8000, bits)
         norm16 = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        usq = _pack_pass(xop, A, valid, MU_ROT, mu_off, SHIFT, valid, inv, bounds, table, cache,
+        usq = _pack_pass(xop, A, a_scale, valid, MU_ROT, mu_off, SHIFT, valid, inv, bounds, table, cache,
                          row, HEAD_DIM, D_PAD, BITS, CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES,
                          BLOCK_T, SPLIT, SUB_MU, False, NPL, WID, CHW, WT)
         if NORM_CORR:
@@ -313,7 +313,7 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, INV_S, bounds, t
 @triton.jit
 def _compress_store_kernel(
         K, skt, skh, V, svt, svh, slots, num_tokens, num_slots, cache, aux,
-        Ak, Av, kinv_s, vinv_s, kbounds, vbounds, ktable, vtable, kmu, kmu_sh, kmu_rot,
+        Ak, Av, ak_scale, av_scale, kinv_s, vinv_s, kbounds, vbounds, ktable, vtable, kmu, kmu_sh, kmu_rot,
         kmu_rot_sh, page_bytes, kshift, vshift, kdelta, vdelta,
         K_HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
@@ -338,13 +338,13 @@ def _compress_store_kernel(
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     if side == 0:
-        _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kinv_s, kbounds, ktable, kmu,
+        _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, ak_scale, kinv_s, kbounds, ktable, kmu,
                     kmu_sh, kmu_rot, kmu_rot_sh, blk, off, page_bytes, kshift, kdelta, K_HAS_MU,
                     HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES, K_NORM_CORR,
                     K_GROUP, K_GROUP_BYTES, BLOCK_T, K_HEAD_STRIDE, K_TOK_STRIDE,
                     NORM_HEAD_STRIDE, CH, K_SINK, K_SPLIT, K_NPL)
     else:
-        _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, vinv_s, vbounds, vtable, kmu,
+        _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, av_scale, vinv_s, vbounds, vtable, kmu,
                     0, kmu_rot, 0, blk, off, page_bytes, vshift, vdelta, False, HEAD_DIM, D_PAD,
                     V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES, V_NORM_CORR, V_GROUP,
                     V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH,
@@ -391,16 +391,16 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         num_warps: Triton warps per program; default 8 for 128+ tokens per program, else 4.
         chunk: rotation columns per tensor-core pass (a power of two ≥ 16): default 64 up to
             head_dim 128, 32 above (registers; planar chunks never exceed one code plane).
-        rotation: how ``x @ A`` runs on tensor cores. ``"split"``: bf16 ``x`` against the
-            loader's three bf16 terms of ``A`` (:meth:`TkvLoader.store_rotation`), float32
-            accuracy from three plain bf16 dots; ``"tf32x3"``: ``x`` in float32, one
+        rotation: how ``x @ A`` runs on tensor cores. ``"split"``: the 16-bit ``x`` against
+            the loader's three terms of ``A`` in its dtype (:meth:`TkvLoader.store_rotation`),
+            float32 accuracy from three plain 16-bit dots; ``"tf32x3"``: ``x`` in float32, one
             ``tf32x3`` dot (Triton splits ``x`` and the ``A`` tile into tf32 pieces in every
-            program: 1.9-3.6× slower at prefill sizes); ``"auto"`` (default): ``"split"`` for a
-            bfloat16 side, ``"tf32x3"`` for float16 / float32 (not exact in bf16).
+            program: 1.9-3.6× slower at prefill sizes); ``"auto"`` (default): ``"split"`` for
+            bfloat16 / float16 sides, ``"tf32x3"`` for float32.
 
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
-        no device sync). ValueError: unknown ``rotation``, or ``"split"`` with a non-bf16 side.
+        no device sync). ValueError: unknown ``rotation``, or ``"split"`` with a float32 side.
     """
     if not isinstance(loader, TkvLoader):
         raise TypeError(f"compress_store needs a TkvLoader, got {type(loader).__name__}")
@@ -437,12 +437,14 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         raise ShapeError(f"chunk must be a power of two >= 16, got {chunk}")
     if rotation not in _ROTATIONS:
         raise ValueError(f"rotation must be one of {_ROTATIONS}, got {rotation!r}")
-    splits = []
+    splits, operands = [], []
     for name, x in (("key", key), ("value", value)):
-        split = x.dtype == torch.bfloat16 if rotation == "auto" else rotation == "split"
-        if split and x.dtype != torch.bfloat16:
-            raise ValueError(f"rotation='split' needs bfloat16 {name}, got {x.dtype}")
+        half = x.dtype in (torch.bfloat16, torch.float16)
+        split = half if rotation == "auto" else rotation == "split"
+        if split and not half:
+            raise ValueError(f"rotation='split' needs bfloat16/float16 {name}, got {x.dtype}")
         splits.append(split)
+        operands.append(loader.store_rotation(name[0], x.dtype if split else None))
     kg, kgb = code_group(lay.k_bits)
     vg, vgb = code_group(lay.v_bits)
     mu = loader.k_mu             # (1 or num_kv_heads, d_pad) or None; so is mu_rot
@@ -456,7 +458,7 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     _compress_store_kernel[grid](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
         slot_mapping, n, num_blocks * lay.block_size, cache, cache.view(torch.bfloat16),
-        loader.store_rotation("k", splits[0]), loader.store_rotation("v", splits[1]),
+        operands[0][0], operands[1][0], operands[0][1], operands[1][1],
         loader.k_inv_scale, loader.v_inv_scale, loader.k_bounds, loader.v_bounds,
         loader.k_table, loader.v_table, opt(mu), mu_sh, opt(loader.k_mu_rot), mu_sh,
         lay.page_bytes, opt(loader.k_sink_shift), opt(loader.v_sink_shift),
