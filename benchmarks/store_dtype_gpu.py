@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_gpu import bench  # noqa: E402
+from kernels_gpu import bench
 
-from tkv.codec import TurboKVCodec  # noqa: E402
-from tkv.kernels import TkvLoader, compress_store  # noqa: E402
+from tkv.codec import TurboKVCodec
+from tkv.kernels import TkvLoader, compress_store
 
 
 def main() -> None:
