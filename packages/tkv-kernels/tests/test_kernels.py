@@ -812,3 +812,35 @@ def test_check_metadata_names_the_bad_entry():
     check_metadata(8, 16, slot_mapping=torch.tensor([-1, 0, 127]))
     with pytest.raises(MetadataError, match="slot_mapping"):
         check_metadata(8, 16, slot_mapping=torch.tensor([-1, 128]))
+
+
+@pytest.mark.skipif(not interpreting(), reason="flips the interpreter's search path")
+@pytest.mark.parametrize("kb,vb,sink", [(2, 5, False), (4, 3, True), (5, 2, True)])
+def test_store_search_trees_equal_the_gathers(monkeypatch, kb, vb, sink):
+    """Compiled kernels take the binary search's boundaries and the centroids from select trees
+    over scalars; the interpreter normally takes gathers. Both must write identical bytes
+    (codes, norms, sink flags) — checked here by running the trees under the interpreter."""
+    import tkv.kernels.store as store
+
+    g = _gen(21)
+    kw = {}
+    if sink:
+        kw = dict(k_sink_offset=torch.randn(2, 64, generator=g) * 3,
+                  v_sink_offset=torch.randn(2, 64, generator=g))
+    codec = TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV, seed=3, **kw)
+    ld = TkvLoader(codec, 2, 16)
+    k = (torch.randn(40, 2, 64, generator=g) * 3).to(DEV, torch.bfloat16)
+    v = torch.randn(40, 2, 64, generator=g).to(DEV, torch.bfloat16)
+    if sink:
+        k[:3] = codec.k.sink_offset.to(DEV, torch.bfloat16)
+    slots = torch.randperm(64, generator=g)[:40].to(DEV)
+    caches = []
+    for tree in (False, True):
+        monkeypatch.setattr(store, "_SEARCH_TREE", tree)
+        cache = ld.layout.allocate(4, DEV)
+        compress_store(k, v, cache, slots, ld)
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1])
+    if sink:   # the flags really vary (some tokens coded against the sink offset)
+        flags = torch.signbit(ld.layout.views(caches[1])["k_norms"].float())
+        assert flags.any() and not flags.all()

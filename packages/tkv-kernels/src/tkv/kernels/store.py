@@ -18,12 +18,18 @@ from ._util import (
     check_last_dim_contiguous,
     check_same_device,
     check_tensor,
+    interpreting,
 )
 from .loaders import TkvLoader
 
 __all__ = ["compress_store"]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+# Compiled: the binary search's boundaries and the centroids come from select trees over scalars
+# (no gathered tile to convert through shared memory). The Triton interpreter runs numpy ops per
+# tile, where a tree of 2**bits − 1 selects costs far more than one gather: it takes the
+# gathers (the same comparisons, the same values); tests flip this to check the trees on CPU.
+_SEARCH_TREE = tl.constexpr(not interpreting())
 _ROTATIONS = ("auto", "split", "tf32x3")
 
 
@@ -63,7 +69,7 @@ def _codes(y, inv, cols, bounds, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     code = tl.zeros([BLOCK_T, CH], dtype=tl.int32)
     preds = ()
     for step in tl.static_range(BITS):
-        if BITS <= 5:
+        if BITS <= 5 and _SEARCH_TREE:
             bnd = _bound_tree(preds, bounds, 0, step, 0, 2 << (BITS - 1 - step),
                               (1 << (BITS - 1 - step)) - 1)
         else:
@@ -82,7 +88,7 @@ def _centroid(code, preds, cols, table, HEAD_DIM: tl.constexpr, D_PAD: tl.conste
     """``table[code]`` (the scaled centroid of each code, 0 at padding columns): up to 5 bits
     a select tree over scalars on the search's decisions ``preds`` (2**BITS − 1 selects, no
     gather and its layout conversion), else a gather."""
-    if BITS <= 5:
+    if BITS <= 5 and _SEARCH_TREE:
         t = _bound_tree(preds, table, 0, BITS, 0, 1, 0)
     else:
         t = tl.load(table + code)
