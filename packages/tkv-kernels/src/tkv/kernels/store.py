@@ -161,14 +161,16 @@ def _rotated_chunk(x, A, a_scale, q, coord, valid, MU_ROT, mu_off, HEAD_DIM: tl.
                    D_PAD: tl.constexpr, SPLIT: tl.constexpr, SUB_MU: tl.constexpr):
     """Columns ``q`` of ``x @ A`` (float32 ``[T, CHW]``), minus the rotated key offset at
     coordinates ``coord`` when ``SUB_MU``. ``SPLIT``: ``A`` holds the three 16-bit terms of
-    :meth:`TkvLoader.store_rotation` (times the power of two ``a_scale``) and ``x`` is in their
-    dtype — three plain dots, smallest term first; else ``A`` and ``x`` are float32, one ``tf32x3`` dot (Triton splits both
+    :meth:`TkvLoader.store_rotation` (``SPLIT`` = 2: times the power of two ``a_scale``) and
+    ``x`` is in their dtype — three plain dots, smallest term first; else ``A`` and ``x`` are float32, one ``tf32x3`` dot (Triton splits both
     operands in every program)."""
     a = A + tl.arange(0, D_PAD)[:, None] * D_PAD + q[None, :]
     if SPLIT:
         y = tl.dot(x, tl.load(a + 2 * D_PAD * D_PAD))
         y = tl.dot(x, tl.load(a + D_PAD * D_PAD), y)
-        y = tl.dot(x, tl.load(a), y) * a_scale
+        y = tl.dot(x, tl.load(a), y)
+        if SPLIT == 2:   # fp16 terms: A was scaled by a power of two into fp16's range
+            y = y * a_scale
     else:
         y = tl.dot(x, tl.load(a), input_precision="tf32x3")
     if SUB_MU:   # R((x − μ)/s) = x @ A − μ @ A
@@ -253,7 +255,7 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, 
         xop = x.to(A.dtype.element_ty)
     else:
         xop = xf
-    SUB_MU: tl.constexpr = SPLIT and HAS_MU
+    SUB_MU: tl.constexpr = SPLIT > 0 and HAS_MU
     mu_off = head * mu_rot_sh
     row = blk * page_bytes + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
     WID: tl.constexpr = D_PAD // NPL
@@ -479,5 +481,6 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         K_TOK_STRIDE=st["k_token"], V_HEAD_STRIDE=st["v_head"], V_TOK_STRIDE=st["v_token"],
         NORM_HEAD_STRIDE=st["norm_head"], CH=min(loader.d_pad, chunk),
         K_SINK=loader.k_sink_shift is not None, V_SINK=loader.v_sink_shift is not None,
-        K_SPLIT=splits[0], V_SPLIT=splits[1], K_NPL=loader.planes("k"),
+        K_SPLIT=splits[0] * (2 if key.dtype == torch.float16 else 1),
+        V_SPLIT=splits[1] * (2 if value.dtype == torch.float16 else 1), K_NPL=loader.planes("k"),
         V_NPL=loader.planes("v"), num_warps=num_warps)
