@@ -746,6 +746,14 @@ def test_named_errors_on_bad_input():
         compress_store(k[..., :32], k, cache, torch.zeros(3, dtype=torch.int64, device=DEV), ld)
     with pytest.raises(DtypeError):
         compress_store(k.int(), k, cache, torch.zeros(3, dtype=torch.int64, device=DEV), ld)
+    strided = torch.arange(6, dtype=torch.int64, device=DEV)[::2]   # read as contiguous: wrong
+    with pytest.raises(ShapeError, match="unit stride"):
+        compress_store(k, k, cache, strided, ld)
+    with pytest.raises(ShapeError, match="unit stride"):
+        decode(q, cache, bt, torch.stack([sl, sl], 1)[:, 0], ld, ws)
+    for bad in (dict(block_t=True), dict(block_t=8.0), dict(num_warps=3), dict(chunk=48)):
+        with pytest.raises(ShapeError, match="power of two"):
+            compress_store(k, k, cache, torch.arange(3, device=DEV), ld, **bad)
     with pytest.raises(BitWidthError):
         TkvLoader(TurboKVCodec(64, 9), 2, 16)
     with pytest.raises(DtypeError):

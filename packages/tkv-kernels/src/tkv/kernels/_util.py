@@ -31,9 +31,14 @@ def check_dtype(x: torch.Tensor, name: str, dtypes) -> None:
 
 
 def check_int_tensor(x, name: str, dtype: torch.dtype, ndim: int) -> torch.Tensor:
-    """An index tensor of exactly ``dtype`` and ``ndim`` dims (engine metadata)."""
+    """An index tensor of exactly ``dtype`` and ``ndim`` dims with unit stride on its last dim
+    (engine metadata: the kernels index its last dim directly; a strided view, e.g.
+    ``slots[::2]``, would be read as if contiguous). Raises DtypeError / ShapeError."""
     check_tensor(x, name, ndim)
     check_dtype(x, name, (dtype,))
+    if x.numel() > 1 and x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ShapeError(f"{name} must have unit stride on its last dim (e.g. .contiguous()), "
+                         f"got strides {x.stride()}")
     return x
 
 

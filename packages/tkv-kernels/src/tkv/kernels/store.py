@@ -439,10 +439,9 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         num_warps = 8 if block_t >= 128 else 4
     if chunk is None:
         chunk = 64 if loader.d_pad <= 128 else 32
-    if block_t < 1 or block_t & (block_t - 1):
-        raise ShapeError(f"block_t must be a power of two, got {block_t}")
-    if chunk < 16 or chunk & (chunk - 1):
-        raise ShapeError(f"chunk must be a power of two >= 16, got {chunk}")
+    for name, val, lo in (("block_t", block_t, 1), ("chunk", chunk, 16), ("num_warps", num_warps, 1)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < lo or val & (val - 1):
+            raise ShapeError(f"{name} must be a power of two >= {lo} (int), got {val!r}")
     if rotation not in _ROTATIONS:
         raise ValueError(f"rotation must be one of {_ROTATIONS}, got {rotation!r}")
     splits, operands = [], []
