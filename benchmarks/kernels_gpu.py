@@ -9,7 +9,10 @@ measured in the same run. Baselines named in each row:
   vLLM 0.20.1's own TurboQuant decode at turboquant_4bit_nc when vLLM imports (cache filled
   by vLLM's store, call recorded from its backend's forward; else a "skipped: ..." row).
   GB/s counts the bytes the format must read (cache bytes of all tokens, all heads, K+V).
-* compress_store: GB/s over bytes read (bf16 K+V) + written (packed codes + norms).
+* compress_store: GB/s over bytes read (bf16 K+V) + written (packed codes + norms);
+  ``--store-sweep`` adds the tiling × rotation sweep at prefill and decode token counts
+  (Qwen3-8B-like, SmolLM2 and head_dim-256 heads, with and without sink offsets), each row's
+  ratio to the default call in the same loop.
 * prefill: TFLOP/s (causal FLOPs actually needed) for a 2K chunk over prefixes 0/8K/32K vs
   SDPA bf16 (flash, causal) at prefix 0 and SDPA with an explicit mask (efficient backend)
   over a prefix; tkv through TkvLoader (compressed prefix) and BypassLoader (bf16 prefix).
