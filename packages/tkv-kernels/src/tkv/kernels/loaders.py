@@ -59,7 +59,7 @@ from tkv.codec.errors import DtypeError, ShapeError
 from tkv.codec.layout import SlotLayout
 from tkv.codec.packing import code_group
 
-from ._planes import planar_index, to_planar_columns
+from ._planes import to_planar_columns
 from ._util import (
     check_dtype,
     check_last_dim_contiguous,
@@ -595,13 +595,14 @@ class TkvLoader:
 
         self.k_bounds, self.v_bounds = bounds(codec.k), bounds(codec.v)
 
+        def rows(m):   # (r, d) float64 -> (r, d_pad) float32 on the device, zero padding
+            out = torch.zeros(m.shape[0], dp, dtype=torch.float64)
+            out[:, :d] = m.cpu()
+            return out.to(dev, torch.float32).contiguous()
+
         def sink_shift(side):   # c_h = R((σ_h − μ_h)/s), natural order, zero-padded to d_pad
             c = side.sink_shift_rotated(torch.float64)
-            if c is None:
-                return None
-            out = torch.zeros(num_kv_heads, dp, dtype=torch.float64, device=c.device)
-            out[:, :d] = c if c.dim() == 2 else c.expand(num_kv_heads, d)
-            return out.to(dev, torch.float32).contiguous()
+            return None if c is None else rows(c.reshape(-1, d).expand(num_kv_heads, d))
 
         self.k_sink_shift, self.v_sink_shift = sink_shift(codec.k), sink_shift(codec.v)
         r = codec.rotation.matrix(torch.float64).cpu()  # R with R @ x = forward(x)
@@ -617,19 +618,14 @@ class TkvLoader:
             out[:d, :d] = m
             return out.to(dev, torch.float32).contiguous()
 
-        self.k_in = pad(torch.diag(1 / sk) @ r.T)       # x @ A = R (x / s_k)
+        a_k = torch.diag(1 / sk) @ r.T
+        self.k_in = pad(a_k)                            # x @ A = R (x / s_k)
         self.v_in = pad(torch.diag(1 / sv) @ r.T)
-
-        def rows(m):   # (r, d) float64 -> (r, d_pad) float32 on the device, zero padding
-            out = torch.zeros(m.shape[0], dp, dtype=torch.float64)
-            out[:, :d] = m
-            return out.to(dev, torch.float32).contiguous()
-
         mu = codec.k.channel_offset
         self.k_mu = self.k_mu_rot = None
         if mu is not None:             # compress_store: x − μ, or x @ A_k − μ @ A_k
             mu = mu.double().cpu().reshape(-1, d)
-            self.k_mu, self.k_mu_rot = rows(mu), rows(mu @ (torch.diag(1 / sk) @ r.T))
+            self.k_mu, self.k_mu_rot = rows(mu), rows(mu @ a_k)
         self.k_inv_scale, self.v_inv_scale = (rows((1 / sc)[None, :])[0] for sc in (sk, sv))
 
         def sink_delta(side, s):   # (σ − μ)/s in model space, one row per KV head
@@ -678,10 +674,8 @@ class TkvLoader:
         key = side, dtype, interpreting()
         if key not in self._store_rotation:
             a = (self.k_in if side == "k" else self.v_in).double()
-            npl = self.planes(side)
-            if npl > 1:
-                idx = planar_index(npl, self.head_dim, self.d_pad).to(a.device)
-                a = a[:, idx.clamp(min=0)] * (idx >= 0).to(a.dtype)[None, :]
+            a = to_planar_columns(a[:, :self.head_dim], self.planes(side), self.head_dim,
+                                  self.d_pad)
             scale = 1.0
             if dtype is None:
                 a = a.float()

@@ -162,8 +162,8 @@ def _rotated_chunk(x, A, a_scale, q, coord, valid, MU_ROT, mu_off, HEAD_DIM: tl.
     """Columns ``q`` of ``x @ A`` (float32 ``[T, CHW]``), minus the rotated key offset at
     coordinates ``coord`` when ``SUB_MU``. ``SPLIT``: ``A`` holds the three 16-bit terms of
     :meth:`TkvLoader.store_rotation` (``SPLIT`` = 2: times the power of two ``a_scale``) and
-    ``x`` is in their dtype — three plain dots, smallest term first; else ``A`` and ``x`` are float32, one ``tf32x3`` dot (Triton splits both
-    operands in every program)."""
+    ``x`` is in their dtype — three plain dots, smallest term first; else ``A`` and ``x`` are
+    float32, one ``tf32x3`` dot (Triton splits both operands in every program)."""
     a = A + tl.arange(0, D_PAD)[:, None] * D_PAD + q[None, :]
     if SPLIT:
         y = tl.dot(x, tl.load(a + 2 * D_PAD * D_PAD))
@@ -226,8 +226,7 @@ def _pack_pass(xop, A, a_scale, valid, MU_ROT, mu_off, SHIFT, pick, inv, bounds,
 
 @triton.jit
 def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, bounds, table, MU,
-                mu_sh, MU_ROT, mu_rot_sh, blk, off, page_bytes, SHIFT, DELTA,
-                HAS_MU: tl.constexpr,
+                MU_ROT, mu_sh, blk, off, page_bytes, SHIFT, DELTA, HAS_MU: tl.constexpr,
                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
                 CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr, CODE_BYTES: tl.constexpr,
                 NORM_CORR: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr,
@@ -245,7 +244,7 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, 
     x = tl.load(X + tok.to(tl.int64)[:, None] * sx_t + head * sx_h + offs_d[None, :],
                 mask=valid[:, None] & dmask[None, :], other=0.0)
     xf = x.to(tl.float32)
-    if HAS_MU:  # key centering (float32; mu_sh = 0: one μ shared by the KV heads)
+    if HAS_MU:  # key centering (float32 rows of MU and MU_ROT; mu_sh = 0: one μ for all heads)
         mu = tl.load(MU + head * mu_sh + offs_d, mask=dmask, other=0.0)
         xf = tl.where(valid[:, None] & dmask[None, :], xf - mu[None, :], 0.0)
     xs = xf * tl.load(INV_S + offs_d)[None, :]                       # (x − μ) / s
@@ -256,7 +255,7 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, 
     else:
         xop = xf
     SUB_MU: tl.constexpr = SPLIT > 0 and HAS_MU
-    mu_off = head * mu_rot_sh
+    mu_off = head * mu_sh
     row = blk * page_bytes + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
     WID: tl.constexpr = D_PAD // NPL
     CHW: tl.constexpr = CH if CH < WID else WID
@@ -321,8 +320,8 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, 
 @triton.jit
 def _compress_store_kernel(
         K, skt, skh, V, svt, svh, slots, num_tokens, num_slots, cache, aux,
-        Ak, Av, ak_scale, av_scale, kinv_s, vinv_s, kbounds, vbounds, ktable, vtable, kmu, kmu_sh, kmu_rot,
-        kmu_rot_sh, page_bytes, kshift, vshift, kdelta, vdelta,
+        Ak, Av, ak_scale, av_scale, kinv_s, vinv_s, kbounds, vbounds, ktable, vtable, kmu, kmu_rot,
+        kmu_sh, page_bytes, kshift, vshift, kdelta, vdelta,
         K_HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         K_BITS: tl.constexpr, K_CODES_OFF: tl.constexpr, K_NORMS_OFF: tl.constexpr,
@@ -346,14 +345,15 @@ def _compress_store_kernel(
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     if side == 0:
-        _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, ak_scale, kinv_s, kbounds, ktable, kmu,
-                    kmu_sh, kmu_rot, kmu_rot_sh, blk, off, page_bytes, kshift, kdelta, K_HAS_MU,
+        _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, ak_scale, kinv_s, kbounds,
+                    ktable, kmu, kmu_rot, kmu_sh, blk, off, page_bytes, kshift, kdelta, K_HAS_MU,
                     HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES, K_NORM_CORR,
                     K_GROUP, K_GROUP_BYTES, BLOCK_T, K_HEAD_STRIDE, K_TOK_STRIDE,
                     NORM_HEAD_STRIDE, CH, K_SINK, K_SPLIT, K_NPL)
     else:
-        _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, av_scale, vinv_s, vbounds, vtable, kmu,
-                    0, kmu_rot, 0, blk, off, page_bytes, vshift, vdelta, False, HEAD_DIM, D_PAD,
+        _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, av_scale, vinv_s, vbounds,
+                    vtable, kmu, kmu_rot, 0, blk, off, page_bytes, vshift, vdelta, False, HEAD_DIM,
+                    D_PAD,
                     V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES, V_NORM_CORR, V_GROUP,
                     V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH,
                     V_SINK, V_SPLIT, V_NPL)
@@ -444,13 +444,13 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             raise ShapeError(f"{name} must be a power of two >= {lo} (int), got {val!r}")
     if rotation not in _ROTATIONS:
         raise ValueError(f"rotation must be one of {_ROTATIONS}, got {rotation!r}")
-    splits, operands = [], []
+    modes, operands = [], []   # kernel SPLIT: 0 tf32x3, 1 bf16 terms, 2 scaled fp16 terms
     for name, x in (("key", key), ("value", value)):
         half = x.dtype in (torch.bfloat16, torch.float16)
         split = half if rotation == "auto" else rotation == "split"
         if split and not half:
             raise ValueError(f"rotation='split' needs bfloat16/float16 {name}, got {x.dtype}")
-        splits.append(split)
+        modes.append(0 if not split else 2 if x.dtype == torch.float16 else 1)
         operands.append(loader.store_rotation(name[0], x.dtype if split else None))
     kg, kgb = code_group(lay.k_bits)
     vg, vgb = code_group(lay.v_bits)
@@ -467,7 +467,7 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         slot_mapping, n, num_blocks * lay.block_size, cache, cache.view(torch.bfloat16),
         operands[0][0], operands[1][0], operands[0][1], operands[1][1],
         loader.k_inv_scale, loader.v_inv_scale, loader.k_bounds, loader.v_bounds,
-        loader.k_table, loader.v_table, opt(mu), mu_sh, opt(loader.k_mu_rot), mu_sh,
+        loader.k_table, loader.v_table, opt(mu), opt(loader.k_mu_rot), mu_sh,
         lay.page_bytes, opt(loader.k_sink_shift), opt(loader.v_sink_shift),
         opt(loader.k_sink_delta), opt(loader.v_sink_delta),
         K_HAS_MU=mu is not None, HEAD_DIM=lay.head_dim, D_PAD=loader.d_pad, BLOCK_SIZE=lay.block_size,
@@ -480,6 +480,5 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         K_TOK_STRIDE=st["k_token"], V_HEAD_STRIDE=st["v_head"], V_TOK_STRIDE=st["v_token"],
         NORM_HEAD_STRIDE=st["norm_head"], CH=min(loader.d_pad, chunk),
         K_SINK=loader.k_sink_shift is not None, V_SINK=loader.v_sink_shift is not None,
-        K_SPLIT=splits[0] * (2 if key.dtype == torch.float16 else 1),
-        V_SPLIT=splits[1] * (2 if value.dtype == torch.float16 else 1), K_NPL=loader.planes("k"),
+        K_SPLIT=modes[0], V_SPLIT=modes[1], K_NPL=loader.planes("k"),
         V_NPL=loader.planes("v"), num_warps=num_warps)
