@@ -67,7 +67,7 @@ def _decode_check(loader, lens, group, seed, window=0, dtype=torch.bfloat16, spl
     q = (torch.randn(len(lens), hq, loader.head_dim) * 2).to(DEV, dtype)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
     decode(q, cache, batch.block_table, batch.seq_lens, loader, ws or _ws(), out=out,
-           window=window, num_splits=splits, block_n=16, **kw)
+           window=window, num_splits=splits, block_n=loader.min_block_n, **kw)
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, loader, window=window)
     assert _rel(out, ref) < _tol(dtype)
     return out, q, cache, batch
@@ -143,7 +143,7 @@ def test_store_rotation_terms_sum_to_the_planar_rotation(head_dim, kb, scales, o
         kw["k_channel_offset"] = torch.randn(2, head_dim, generator=g) * 3
     codec = TurboKVCodec(head_dim, kb, device=DEV, **kw)
     ld = TkvLoader(codec, 2, 16)
-    dp, npl = ld.d_pad, ld.planes("k")
+    dp, npl = ld.d_pad, ld.group_planes("k")
     assert npl == (1 if kb == 8 else 8 // math.gcd(kb, 8))
     for side, a in (("k", ld.k_in), ("v", ld.v_in)):
         a = a.double().cpu()
@@ -302,7 +302,7 @@ def test_decode_lookup_variants(lookup, kb, vb, dtype):
     batch, cache = _scenario(ld, [37, 1, 20], 13)
     q = torch.randn(3, 8, 64).to(DEV, dtype)
     out = torch.full(q.shape, float("nan"), device=DEV)
-    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out, block_n=16)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out, block_n=ld.min_block_n)
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
     # pair tables round centroids to the query's 16-bit type (fp16 under the interpreter)
     tol = 2e-3 if interpreting() and lookup == "pair" else _tol(dtype)
@@ -335,24 +335,83 @@ def test_decode_odd_width_planes(lookup, kb, vb, d):
     (96) and 256."""
     codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV, seed=d)
     ld = TkvLoader(codec, 2, 16, lookup=lookup)
-    assert max(ld.planes("k"), ld.planes("v")) >= 4
+    assert max(ld.group_planes("k"), ld.group_planes("v")) >= 4
     batch, cache = _scenario(ld, [40, 1, 17], 15)
     q = torch.randn(3, 4, d).to(DEV, torch.float16)
     out = torch.full(q.shape, float("nan"), device=DEV)
-    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out, block_n=16)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out, block_n=ld.min_block_n)
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
     tol = 2e-3 if interpreting() and lookup == "pair" else _tol(torch.float16)
     assert _rel(out, ref) < tol
 
 
+@_GPU_ONLY
+@pytest.mark.parametrize("kb,vb,d,block_n,dtype", [
+    (3, 3, 128, 32, torch.bfloat16), (3, 2, 128, 64, torch.float16),
+    (2, 3, 256, 32, torch.bfloat16), (3, 4, 96, 32, torch.float16),
+    (2, 2, 128, 128, torch.bfloat16), (3, 4, 128, 16, torch.bfloat16)])
+def test_decode_group_prmt_lookup(kb, vb, d, block_n, dtype):
+    """The 2/3-bit byte-permute group lookup (``auto`` on CUDA): tiles of ≥ 512 groups run the
+    asm, smaller ones (a 3-bit K side, 16 tokens at head_dim 128) the float32 fallback; both equal the
+    float64 oracle, fp16 and bf16, head_dim 96 (padding) / 128 / 256."""
+    codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV, seed=d + kb)
+    ld = TkvLoader(codec, 2, 16)
+    assert "prmt" in {ld.lookup_name("k", dtype), ld.lookup_name("v", dtype)}
+    batch, cache = _scenario(ld, [150, 1, 33, 64], 16, dtype)
+    q = (torch.randn(4, 8, d) * 2).to(DEV, dtype)
+    out = torch.full(q.shape, float("nan"), device=DEV)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out, block_n=block_n)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    assert _rel(out, ref) < _tol(dtype)
+
+
 def test_planes_follow_widths():
-    """2/4/8-bit sides decode as 4/2/1 planes, odd widths per element; planes keep >= 16
-    coordinates (tensor-core K)."""
+    """Code groups: 2/4/8-bit sides fetch 4/2/1 codes per group, 3/5/7 bits 8, 6 bits 4, while
+    a group plane keeps >= 16 coordinates (tensor-core K), else per element; the kernels take
+    at most ``planes`` of them, interleaved (default: 8-code groups to 2, others kept); bad
+    ``planes`` is a ValueError."""
     for kb, vb, d, want in [(4, 2, 64, (2, 4)), (8, 3, 128, (1, 8)), (2, 5, 96, (4, 8)),
                             (2, 4, 32, (1, 2)), (3, 3, 64, (1, 1)), (3, 7, 256, (8, 8)),
                             (6, 5, 128, (4, 8)), (6, 7, 64, (4, 1))]:
-        ld = TkvLoader(TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV), 1, 16)
-        assert (ld.planes("k"), ld.planes("v")) == want
+        codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV)
+        ld = TkvLoader(codec, 1, 16)
+        assert (ld.group_planes("k"), ld.group_planes("v")) == want
+        assert (ld.planes("k"), ld.planes("v")) == tuple(2 if w == 8 else w for w in want)
+        for cap in (1, 4, 8):
+            ld = TkvLoader(codec, 1, 16, planes=cap)
+            assert (ld.planes("k"), ld.planes("v")) == tuple(min(w, cap) for w in want)
+    for bad in (0, 3, 16, True, 2.0):
+        with pytest.raises(ValueError, match="planes"):
+            TkvLoader(TurboKVCodec(64, 4, device=DEV), 1, 16, planes=bad)
+
+
+def test_prefill_loader_keeps_group_planes():
+    """prefill reads through ``prefill_loader()``: the loader itself when nothing is
+    interleaved, else a view (built at construction) with the group planes kept, the same
+    tables and cache layout, and V tiles of 16 tokens allowed again."""
+    plain = TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=2, device=DEV), 2, 16)
+    assert plain.prefill_loader() is plain and plain.min_block_n == 16
+    ld = TkvLoader(TurboKVCodec(128, k_bits=3, v_bits=5, device=DEV), 2, 16)
+    view = ld.prefill_loader()
+    assert (ld.planes("k"), ld.planes("v"), ld.min_block_n) == (2, 2, 32)
+    assert (view.planes("k"), view.planes("v"), view.min_block_n) == (8, 8, 16)
+    assert view.k_table is ld.k_table and view.layout == ld.layout
+    assert view.prefill_loader() is view and view.preferred_block_n == 32
+    assert ld.preferred_block_n == 128
+    assert not torch.equal(view.q_in_planar, ld.q_in_planar)
+
+
+@pytest.mark.parametrize("planes", [1, 2, 8, None])
+@pytest.mark.parametrize("kb,vb", [(3, 5), (2, 6), (7, 4)])
+def test_decode_and_prefill_any_plane_cap(planes, kb, vb):
+    """The group planes interleaved down to 1 / 2 planes (or kept: 8; None: the default rule)
+    give the same attention as the float64 oracle, decode and prefill (which reads through
+    ``prefill_loader``: group planes kept)."""
+    n = planes or 3
+    codec = TurboKVCodec(128, k_bits=kb, v_bits=vb, device=DEV, seed=n + kb)
+    ld = TkvLoader(codec, 2, 16, planes=planes)
+    _decode_check(ld, [40, 1, 17], 2, seed=kb * 10 + vb + n)
+    _prefill_check(ld, [21, 5], [6, 3], 2, seed=n)
 
 
 def test_decode_splits_and_rotated_io():
@@ -367,7 +426,7 @@ def test_decode_splits_and_rotated_io():
     for sp, w in ((1, ws), (4, ws), (16, Workspace(2, 8, 64, DEV, max_splits=16, target_programs=512))):
         o = torch.full(q.shape, float("nan"), device=DEV)
         outs.append(decode(q, cache, batch.block_table, batch.seq_lens, ld, w, out=o,
-                           num_splits=sp, block_n=16))
+                           num_splits=sp, block_n=ld.min_block_n))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(outs[0], outs[2], rtol=1e-3, atol=1e-3)
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
@@ -459,7 +518,7 @@ def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.flo
     cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=DEV)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
     prefill(q, k, v, cu, batch.seq_lens, max(qlens), cache, batch.block_table, loader, out=out,
-            window=window, block_m=16 * min(group, 2), block_n=16, **kw)
+            window=window, block_m=16 * min(group, 2), block_n=loader.min_block_n, **kw)
     ref = prefill_reference(q, k, v, cu, batch.seq_lens, cache, batch.block_table, loader,
                             window=window)
     assert _rel(out, ref) < _tol(dtype)
@@ -654,12 +713,14 @@ def test_prefill_tkv(head_dim, group, prefix, qlens, window):
     _prefill_check(ld, prefix, qlens, group, seed=head_dim + group, window=window)
 
 
-@pytest.mark.parametrize("lookup", ["shuffle", pytest.param("prmt", marks=_GPU_ONLY),
-                                    pytest.param("prmt1", marks=_GPU_ONLY),
-                                    pytest.param("prmti", marks=_GPU_ONLY)])
-def test_prefill_tkv_lookups(lookup):
-    """The register lookups in the prefill kernel's compressed-prefix loop (K4V4)."""
-    codec = TurboKVCodec(128, k_bits=4, v_bits=4, device=DEV, seed=6)
+@pytest.mark.parametrize("lookup,kb,vb", [
+    ("shuffle", 4, 4), pytest.param("prmt", 4, 4, marks=_GPU_ONLY),
+    pytest.param("prmt1", 4, 4, marks=_GPU_ONLY), pytest.param("prmti", 4, 4, marks=_GPU_ONLY),
+    pytest.param("auto", 3, 2, marks=_GPU_ONLY)])
+def test_prefill_tkv_lookups(lookup, kb, vb):
+    """The register lookups in the prefill kernel's compressed-prefix loop (K4V4; K3V2: the
+    2/3-bit group prmt)."""
+    codec = TurboKVCodec(128, k_bits=kb, v_bits=vb, device=DEV, seed=6)
     ld = TkvLoader(codec, 2, 16, lookup=lookup)
     _prefill_check(ld, [37, 5], [6, 11], 4, seed=41)
 

@@ -7,9 +7,11 @@ import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tkv.kernels.loaders import _PRMT_LUT16 as _ASM
-from tkv.kernels.loaders import _prmt_table
+from tkv.kernels.loaders import _prmt_table, tkv_dequant
 
 _PRMT_LUT16 = _ASM.value
 
@@ -43,7 +45,7 @@ def _run(asm: str, operands: dict[str, int]) -> dict[str, int]:
         return regs[tok]
 
     ops = {"and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
-           "shr.b32": lambda a, b: a >> b}
+           "shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: a << b}
     if "mov.b32" in asm:
         ops["mov.b32"] = lambda a: a
     for line in asm.splitlines():
@@ -154,7 +156,7 @@ def test_lookup_selection_per_width_and_backend(monkeypatch):
     4-bit side with the shared default codebook, prmt for one with its own codebook (prmti
     would compile per codebook), pair tables for 2/3-bit sides; float32 gathers for float32
     dots (the interpreter) and for one-plane sides; an explicit prmt under the interpreter is
-    a named error. decode's register cap (TKV_PRMTI_MAXNREG, off by default): with prmti on
+    a named error. 2/3-bit sides take the group prmt lookup (pair tables with ``lookup="pair"``). decode's register cap (TKV_PRMTI_MAXNREG, off by default): with prmti on
     a full grid only."""
     import tkv.kernels.loaders as L
     from tkv.codec import TurboKVCodec
@@ -171,8 +173,10 @@ def test_lookup_selection_per_width_and_backend(monkeypatch):
     auto = L.TkvLoader(codec, 2, 16)
     assert code(auto, "k", torch.bfloat16) == L.LOOKUP_PRMTI_BF16
     assert code(auto, "k", torch.float16) == L.LOOKUP_PRMTI_F16
-    assert code(auto, "v", torch.bfloat16) == L.LOOKUP_PAIR_BF16      # 3 bits: pair table
-    assert (auto.lookup_name("k"), auto.lookup_name("v")) == ("prmti", "pair")
+    assert code(auto, "v", torch.bfloat16) == L.LOOKUP_PRMTG_BF16     # 3 bits: group prmt
+    assert code(auto, "v", torch.float16) == L.LOOKUP_PRMTG_F16
+    assert (auto.lookup_name("k"), auto.lookup_name("v")) == ("prmti", "prmt")
+    assert code(L.TkvLoader(codec, 2, 16, lookup="pair"), "v", torch.bfloat16) == L.LOOKUP_PAIR_BF16
     monkeypatch.setattr(L, "PRMTI_MAXNREG", 0)                        # the default: no cap
     assert auto.decode_maxnreg(1024, 528) is None
     monkeypatch.setattr(L, "PRMTI_MAXNREG", 128)                      # TKV_PRMTI_MAXNREG=128
@@ -198,8 +202,8 @@ def test_lookup_selection_per_width_and_backend(monkeypatch):
 
 def test_prmt1_selection_packs_the_tables_and_swaps_qk(monkeypatch):
     """prmt1 on a 4-bit side: LOOKUP 6/7 in P0's low bits, the side's 8 byte-table words
-    above bit 24, and decode told to use K as the A operand; a 3-bit side falls back to the
-    pair table (and no swap is asked when K is not prmt1)."""
+    above bit 24, and decode told to use K as the A operand; a 3-bit side takes the group
+    prmt lookup, tables as operands (and no swap is asked when K is not prmt1)."""
     import tkv.kernels.loaders as L
     from tkv.codec import TurboKVCodec
 
@@ -212,7 +216,7 @@ def test_prmt1_selection_packs_the_tables_and_swaps_qk(monkeypatch):
     words = [int(w) & M32 for w in _prmt_table(ld.k_table.cpu(), torch.bfloat16)]
     assert [(p0 >> (L._TABLE_SHIFT + 32 * i)) & M32 for i in range(8)] == words
     assert (ld.side_args(cache, "k", torch.float16)[6] // 65536) % 256 == L.LOOKUP_PRMT1_F16
-    assert (ld.side_args(cache, "v", torch.bfloat16)[6] // 65536) % 256 == L.LOOKUP_PAIR_BF16
+    assert (ld.side_args(cache, "v", torch.bfloat16)[6] // 65536) % 256 == L.LOOKUP_PRMTG_BF16
     assert ld.lookup_name("k") == "prmt1" and ld.k_operand_a(torch.bfloat16)
     assert not L.TkvLoader(codec, 2, 16).k_operand_a(torch.bfloat16)
     swapped = L.TkvLoader(TurboKVCodec(128, k_bits=3, v_bits=4, device="cpu"), 2, 16,
@@ -222,7 +226,7 @@ def test_prmt1_selection_packs_the_tables_and_swaps_qk(monkeypatch):
 
 def test_prmti_selection_packs_the_tables_without_swapping(monkeypatch):
     """prmti on a 4-bit side: LOOKUP 8/9 in P0, the 8 table words above bit 24 (as prmt1),
-    scores stay q·K^T (no swap asked), a 3-bit side falls back to the pair table, and the
+    scores stay q·K^T (no swap asked), a 3-bit side takes the group prmt lookup, and the
     interpreter refuses it by name (PTX inline assembly)."""
     import tkv.kernels.loaders as L
     from tkv.codec import TurboKVCodec
@@ -237,7 +241,7 @@ def test_prmti_selection_packs_the_tables_without_swapping(monkeypatch):
     words = [int(w) & M32 for w in _prmt_table(ld.k_table.cpu(), torch.float16)]
     assert [(p0 >> (L._TABLE_SHIFT + 32 * i)) & M32 for i in range(8)] == words
     assert (ld.side_args(cache, "k", torch.bfloat16)[6] // 65536) % 256 == L.LOOKUP_PRMTI_BF16
-    assert ld.lookup_name("k") == "prmti" and ld.lookup_name("v") == "pair"
+    assert ld.lookup_name("k") == "prmti" and ld.lookup_name("v") == "prmt"
     assert not ld.k_operand_a(torch.bfloat16)
     monkeypatch.setattr(L, "interpreting", lambda: True)
     with pytest.raises(DtypeError, match="prmti"):
@@ -297,3 +301,68 @@ def test_immediate_table_lookup_with_a_fitted_codebook_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         L.TkvLoader(fitted, 1, 16, lookup="prmti")      # once per process
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_group_lut_asm_matches_codebook(bits, half):
+    """The 2/3-bit group lookups (``_lut_asm``, ``pack=2``: two code groups per call, one
+    output word per plane holding both groups' centroids) emulated on random group words and
+    codebooks, plus the all-zero / all-one groups: every plane of both groups equals the
+    codebook's 16-bit centroid."""
+    from tkv.kernels._lut_asm import LUT_PACK, byte_table_words, lut_asm, lut_constraints
+
+    asm = lut_asm(bits)
+    used = set(re.findall(r"^\s*([a-z]+\.[a-z0-9]+)\s", asm, re.M))
+    assert used <= {"and.b32", "or.b32", "shr.b32", "shl.b32", "prmt.b32"}, used
+    np_, group_bits = {2: (4, 8), 3: (8, 24)}[bits]
+    n_ops = len(lut_constraints(bits).split(","))
+    assert n_ops == np_ + LUT_PACK * (1 + len(byte_table_words(torch.zeros(1 << bits))))
+    g = torch.Generator().manual_seed(bits)
+    for trial in range(3):
+        table = torch.randn(1 << bits, generator=g) * (0.1 + trial)
+        want = (table.to(half).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+        words = [int(w) & M32 for w in _prmt_table(table, half)]
+        operands = {f"${np_ + LUT_PACK * (1 + i)}": w for i, w in enumerate(words)}
+        groups = torch.randint(0, 1 << group_bits, (200, 2), generator=g).tolist()
+        groups += [[0, (1 << group_bits) - 1], [(1 << group_bits) - 1, 0]]
+        for a, b in groups:
+            r = _run(asm, {**operands, f"${np_}": a, f"${np_ + 1}": b})
+            for p in range(np_):
+                ca, cb = (a >> (bits * p)) & ((1 << bits) - 1), (b >> (bits * p)) & ((1 << bits) - 1)
+                assert r[f"${p}"] == want[ca] | want[cb] << 16, (bits, p, a, b)
+    with pytest.raises(ValueError):
+        lut_asm(5)
+
+
+@triton.jit
+def _dequant_tile(raw_ptr, table, out, P0: tl.constexpr, NP: tl.constexpr, N: tl.constexpr,
+                  G: tl.constexpr):
+    """``tkv_dequant`` of one ``[N, G]`` tile of code groups; plane p stored at ``out[p]``."""
+    r = tl.arange(0, N)[:, None] * G + tl.arange(0, G)[None, :]
+    planes = tkv_dequant(tl.load(raw_ptr + r), table, P0, 0, 0, 0, NP, G * NP, tl.float32)
+    for p in tl.static_range(NP):
+        tl.store(out + p * N * G + r, planes[p])
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_group_lookup_small_tile_fallback_gathers(bits):
+    """A tile of fewer than 512 code groups (where ``pack=2`` could leave a thread one
+    element) takes the float32 centroids stored after the byte tables: the dequant function
+    itself, run under the interpreter on random groups, equals the codebook."""
+    import tkv.kernels.loaders as L
+    from tkv.kernels._util import interpreting
+
+    if not interpreting():
+        pytest.skip("the fallback is checked under TRITON_INTERPRET=1")
+    np_, group_bits = {2: (4, 8), 3: (8, 24)}[bits]
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(1 << bits, generator=g)
+    tab = L._prmt_group_table(table, torch.bfloat16)
+    n, gr = 16, 16
+    raw = torch.randint(0, 1 << group_bits, (n, gr), generator=g, dtype=torch.int32)
+    out = torch.full((np_, n, gr), float("nan"))
+    p0 = bits + 16 * 48 + 65536 * L.LOOKUP_PRMTG_BF16 + ((np_.bit_length() - 1) << L._GROUP_SHIFT)
+    _dequant_tile[(1,)](raw, tab, out, P0=p0, NP=np_, N=n, G=gr)
+    codes = torch.stack([(raw >> (bits * p)) & ((1 << bits) - 1) for p in range(np_)])
+    assert torch.equal(out, table[codes.long()])

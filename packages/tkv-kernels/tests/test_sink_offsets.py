@@ -165,7 +165,7 @@ def test_compress_store_flags_a_vector_equal_to_the_sink_offset():
     q = torch.randn(1, 2 * h, d, generator=g).to(DEV, torch.bfloat16)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
     decode(q, cache, batch.block_table, batch.seq_lens, ld, Workspace(8, 32, 256, DEV),
-           out=out, block_n=16)
+           out=out, block_n=ld.min_block_n)
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
     assert relative_error(out, ref) < tolerance(torch.bfloat16)
 
@@ -199,7 +199,7 @@ def test_decode_with_sink_offsets_matches_reference(head_dim, kb, vb, group, hea
     for splits in (1, 4):
         out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
         decode(q, cache, batch.block_table, batch.seq_lens, ld, Workspace(8, 32, 256, DEV),
-               out=out, block_n=16, num_splits=splits, window=window)
+               out=out, block_n=ld.min_block_n, num_splits=splits, window=window)
         ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld, window=window)
         # pair tables hold 16-bit centroids even under the interpreter (test_kernels' bound)
         tol = 2e-3 if interpreting() and lookup == "pair" else tolerance(torch.bfloat16)
@@ -224,7 +224,7 @@ def test_decode_reads_a_flagged_zero_norm():
     q = torch.randn(1, 4, 64, generator=g).to(DEV, torch.bfloat16) * 3
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
     decode(q, cache, batch.block_table, batch.seq_lens, ld, Workspace(8, 32, 256, DEV),
-           out=out, block_n=16)
+           out=out, block_n=ld.min_block_n)
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
     assert relative_error(out, ref) < tolerance(torch.bfloat16)
 
@@ -240,7 +240,7 @@ def _prefill_case(ld, prefix, qlens, group, g, **kw):
     cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=DEV)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
     prefill(q, k, v, cu, batch.seq_lens, max(qlens), cache, batch.block_table, ld, out=out,
-            block_m=16 * min(group, 2), block_n=16, **kw)
+            block_m=16 * min(group, 2), block_n=ld.min_block_n, **kw)
     ref = prefill_reference(q, k, v, cu, batch.seq_lens, cache, batch.block_table, ld,
                             window=kw.get("window", 0))
     assert relative_error(out, ref) < tolerance(torch.float16)

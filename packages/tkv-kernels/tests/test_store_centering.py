@@ -120,7 +120,7 @@ def test_decode_with_key_offset_matches_reference(per_head):
     q = torch.randn(len(lens), hkv * group, d, generator=g).to(DEV, torch.bfloat16)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
     decode(q, cache, batch.block_table, batch.seq_lens, ld, Workspace(8, 32, 256, DEV),
-           out=out, block_n=16)
+           out=out, block_n=ld.min_block_n)
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
     assert _rel(out, ref) < _tol(torch.bfloat16)
 
@@ -142,7 +142,7 @@ def _prefill_case(ld, prefix, qlens, group, g, shift, dtype=torch.float16, **kw)
     cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=DEV)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
     prefill(q, k, v, cu, batch.seq_lens, max(qlens), cache, batch.block_table, ld, out=out,
-            block_m=16 * min(group, 2), block_n=16, **kw)
+            block_m=16 * min(group, 2), block_n=ld.min_block_n, **kw)
     ref = prefill_reference(q, k, v, cu, batch.seq_lens, cache, batch.block_table, ld)
     return out, ref, (q, k, v, cu, batch, cache)
 

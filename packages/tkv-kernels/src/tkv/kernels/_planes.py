@@ -79,6 +79,34 @@ def store_planes(ptr, rows, rmask, planes, scale, NP: tl.constexpr, D_PAD: tl.co
 
 
 @triton.jit
+def merge_planes(planes, GP: tl.constexpr, NP: tl.constexpr):
+    """``GP`` group planes → ``NP`` planes (``NP`` divides ``GP``, both ≤ 8 powers of two):
+    group plane ``r`` holds coordinates ``GP*g + r``, output plane ``p`` coordinates
+    ``NP*j + p`` — so it is group planes ``r = NP*s + p`` (s = 0 … GP/NP − 1) interleaved with
+    ``s`` fastest (``j = (GP/NP)*g + s``). ``tl.interleave`` of even and odd ``s`` recursively
+    (a register-level join + reshape): a packed format fetches whole code groups but hands
+    the kernels fewer, wider planes (fewer, larger tensor-core dots)."""
+    out = ()
+    for p in tl.static_range(NP):
+        if GP == NP:
+            x = planes[p]
+        elif GP // NP == 2:
+            x = tl.interleave(planes[p], planes[NP + p])
+        elif GP // NP == 4:
+            x = tl.interleave(tl.interleave(planes[p], planes[2 * NP + p]),
+                              tl.interleave(planes[NP + p], planes[3 * NP + p]))
+        else:
+            tl.static_assert(GP // NP == 8, "merge_planes: GP / NP must be 2, 4 or 8")
+            x = tl.interleave(
+                tl.interleave(tl.interleave(planes[p], planes[4 * NP + p]),
+                              tl.interleave(planes[2 * NP + p], planes[6 * NP + p])),
+                tl.interleave(tl.interleave(planes[NP + p], planes[5 * NP + p]),
+                              tl.interleave(planes[3 * NP + p], planes[7 * NP + p])))
+        out = out + (x,)
+    return out
+
+
+@triton.jit
 def scores(q, k, NP: tl.constexpr):
     """``Σ_p q_p k_pᵀ``: ``[M, N]`` float32 from tuples of ``[M, D/NP]`` query and
     ``[N, D/NP]`` key planes (one tensor-core dot per plane, accumulated in place)."""

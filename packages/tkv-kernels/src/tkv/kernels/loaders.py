@@ -44,6 +44,7 @@ Formats here:
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -59,7 +60,8 @@ from tkv.codec.errors import DtypeError, ShapeError
 from tkv.codec.layout import SlotLayout
 from tkv.codec.packing import code_group
 
-from ._planes import to_planar_columns
+from ._lut_asm import byte_table_words, lut_asm, lut_constraints
+from ._planes import merge_planes, to_planar_columns
 from ._util import (
     check_dtype,
     check_last_dim_contiguous,
@@ -117,14 +119,18 @@ LOOKUP_GATHER, LOOKUP_PAIR_F16, LOOKUP_PAIR_BF16 = 0, 1, 2
 LOOKUP_SHUFFLE, LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16 = 3, 4, 5
 LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16 = 6, 7
 LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16 = 8, 9
+LOOKUP_PRMTG_F16, LOOKUP_PRMTG_BF16 = 10, 11   # 2/3-bit groups (_lut_asm), tables as operands
 _LOOKUP_NAMES = {LOOKUP_GATHER: "gather", LOOKUP_PAIR_F16: "pair", LOOKUP_PAIR_BF16: "pair",
                  LOOKUP_SHUFFLE: "shuffle", LOOKUP_PRMT_F16: "prmt", LOOKUP_PRMT_BF16: "prmt",
                  LOOKUP_PRMT1_F16: "prmt1", LOOKUP_PRMT1_BF16: "prmt1",
-                 LOOKUP_PRMTI_F16: "prmti", LOOKUP_PRMTI_BF16: "prmti"}
+                 LOOKUP_PRMTI_F16: "prmti", LOOKUP_PRMTI_BF16: "prmti",
+                 LOOKUP_PRMTG_F16: "prmt", LOOKUP_PRMTG_BF16: "prmt"}
 # lookups whose byte tables travel as immediates in the asm text (packed into P0)
 _IMMEDIATE_TABLES = (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16, LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16)
-# P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP (+ the prmt1 table words from bit _TABLE_SHIFT)
-_TABLE_SHIFT = 24
+# P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP + 2**_GROUP_SHIFT * log2(group planes)
+#      (+ the prmt1 / prmti table words from bit _TABLE_SHIFT)
+_GROUP_SHIFT = 24
+_TABLE_SHIFT = 28
 
 
 @triton.constexpr_function   # plain Python when called from Python; see _prmt1_asm
@@ -223,6 +229,44 @@ def _prmti_asm(p0):
 _PRMT_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 32)
 
 
+_LUT2: tl.constexpr = tl.constexpr(lut_asm(2))
+_LUT3: tl.constexpr = tl.constexpr(lut_asm(3))
+_LUT2_CONSTRAINTS: tl.constexpr = tl.constexpr(lut_constraints(2))
+_LUT3_CONSTRAINTS: tl.constexpr = tl.constexpr(lut_constraints(3))
+# the group lookups' pack=2 needs ≥ 2 elements per thread: tiles of ≥ 512 groups are safe up to
+# 8 warps; smaller ones gather from the float32 centroids stored after the byte tables
+_LUT_MIN_GROUPS: tl.constexpr = tl.constexpr(512)
+
+
+@triton.jit
+def _prmt_group_planes(raw, table, BITS: tl.constexpr, NP: tl.constexpr, HALF: tl.constexpr,
+                       OUT_DTYPE: tl.constexpr):
+    """2/3-bit code groups (int32 tile) → ``NP`` planes by the byte-permute asm of
+    :mod:`._lut_asm` (``table``: int32 byte-table words, then the float32 centroids)."""
+    NW: tl.constexpr = 2 * max(1, (1 << BITS) // 4)   # byte-table words (lo + hi)
+    w = raw.to(tl.int32)
+    planes = ()
+    if w.numel >= _LUT_MIN_GROUPS:
+        t = ()
+        for i in tl.static_range(NW):
+            t = t + (tl.load(table + i),)
+        if BITS == 2:
+            bits16 = tl.inline_asm_elementwise(_LUT2, _LUT2_CONSTRAINTS, [w, t[0], t[1]],
+                                               dtype=(tl.int16,) * NP, is_pure=True, pack=2)
+        else:
+            bits16 = tl.inline_asm_elementwise(_LUT3, _LUT3_CONSTRAINTS,
+                                               [w, t[0], t[1], t[2], t[3]],
+                                               dtype=(tl.int16,) * NP, is_pure=True, pack=2)
+        for p in tl.static_range(NP):
+            planes = planes + (bits16[p].to(HALF, bitcast=True).to(OUT_DTYPE),)
+    else:
+        cent = table.to(tl.pointer_type(tl.float32), bitcast=True) + NW
+        for p in tl.static_range(NP):
+            code = (w >> (BITS * p)) & ((1 << BITS) - 1)
+            planes = planes + (tl.load(cent + code).to(OUT_DTYPE),)
+    return planes
+
+
 @triton.jit
 def _half_pair(w, HALF: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """int32 holding two 16-bit floats (``HALF`` bit patterns) -> (low, high) in OUT_DTYPE."""
@@ -239,25 +283,27 @@ def tkv_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_hea
 
     base: the uint8 cache; aux: the same cache viewed as bf16 (norms). Codes are LSB-first
     (tkv.codec.packing): code i = bits [i*BITS, (i+1)*BITS) of the token's code bytes.
-    Constants: ``P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP``, ``P1`` codes offset, ``P2``
+    Constants: ``P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP + 2**24 * log2(GP)`` (GP: the
+    side's group planes, :meth:`TkvLoader.group_planes`), ``P1`` codes offset, ``P2``
     norms offset (bytes in the page), ``P3`` norms per head.
 
-    Planar widths (``NP > 1``, or 8 bits): the token's codes come in *groups* of ``NP`` codes
-    in ``BITS * NP / 8`` whole bytes (one byte for 2/4/8 bits; 3 bytes of 4 codes for 6 bits;
-    3/5/7 bytes of 8 codes for 3/5/7 bits); ``raw`` = the groups ``[BLOCK_N, D_PAD // NP]``
+    Planar widths (``GP > 1``, or 8 bits): the token's codes come in *groups* of ``GP`` codes
+    in ``BITS * GP / 8`` whole bytes (one byte for 2/4/8 bits; 3 bytes of 4 codes for 6 bits;
+    3/5/7 bytes of 8 codes for 3/5/7 bits); ``raw`` = the groups ``[BLOCK_N, D_PAD // GP]``
     (the bytes themselves, one contiguous row per token, or the little-endian group words:
-    int32 up to 4 bytes, int64 above). Otherwise (``NP = 1``, head_dim too small for 16
+    int32 up to 4 bytes, int64 above). Otherwise (``GP = 1``, head_dim too small for 16
     coordinates per plane): ``raw`` = the codes ``[BLOCK_N, D_PAD]`` uint8, read per element
     (one or two bytes each: a code may straddle two bytes).
     """
     BITS: tl.constexpr = P0 % 16
     CODE_BYTES: tl.constexpr = (P0 // 16) % 4096
-    GROUP_BYTES: tl.constexpr = BITS * NP // 8
+    GP: tl.constexpr = 1 << ((P0 // 16777216) % 16)   # group planes (codes per fetched group)
+    GROUP_BYTES: tl.constexpr = BITS * GP // 8
     page = blk.to(tl.int64) * stride_block                                  # [N] bytes
     row = page + P1 + head * stride_head + off.to(tl.int64) * stride_tok
     nidx = (page + P2) // 2 + head * P3 + off
     norm = tl.load(aux + nidx, mask=mask_n, other=0.0).to(tl.float32)
-    if NP == 1 and BITS != 8:
+    if GP == 1 and BITS != 8:
         offs_d = tl.arange(0, D_PAD)
         bit = offs_d * BITS
         byte = bit // 8
@@ -271,7 +317,7 @@ def tkv_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_hea
             w = w | (hi << 8)
         raw = ((w >> sh[None, :]) & ((1 << BITS) - 1)).to(tl.uint8)
     elif GROUP_BYTES <= 1:
-        offs_j = tl.arange(0, D_PAD // NP)
+        offs_j = tl.arange(0, D_PAD // GP)
         bmask = mask_n[:, None] & (offs_j < CODE_BYTES)[None, :]
         raw = tl.load(base + (row[:, None] + offs_j[None, :]), mask=bmask, other=0)
     else:
@@ -279,7 +325,7 @@ def tkv_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_hea
             WT: tl.constexpr = tl.int32
         else:  # 5/7 bits: 8 codes in 5/7 bytes
             WT: tl.constexpr = tl.int64
-        gb = tl.arange(0, D_PAD // NP) * GROUP_BYTES
+        gb = tl.arange(0, D_PAD // GP) * GROUP_BYTES
         gmask = mask_n[:, None] & (gb < CODE_BYTES)[None, :]
         ptr = base + (row[:, None] + gb[None, :])
         raw = tl.load(ptr, mask=gmask, other=0).to(WT)
@@ -295,52 +341,60 @@ def tkv_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr
     """tkv packed tile, arithmetic half: ``raw`` (:func:`tkv_fetch`) → tuple of ``NP`` planes
     of ``centroid[code] / sqrt(d)`` (rotated space; ``row_scale`` = the norm).
 
-    Plane ``p`` of group ``j`` (coordinate ``NP*j + p``) is one shift and mask of the group
-    word — no re-interleave. LOOKUP 1/2 (2/3/4 bits): one gather per *two* codes from a
-    ``2**(2*BITS)``-entry table of fp16/bf16 centroid pairs yields planes ``p, p+1``.
-    LOOKUP 0: one gather per code from the float32 centroid table (``table``).
+    The lookup first yields the ``GP`` *group planes* (GP from ``P0``: the codes per fetched
+    group): group plane ``r`` of group ``g`` (coordinate ``GP*g + r``) is one shift and mask
+    of the group word. LOOKUP 1/2 (2/3/4 bits): one gather per *two* codes from a
+    ``2**(2*BITS)``-entry table of fp16/bf16 centroid pairs yields group planes ``r, r+1``.
+    LOOKUP 0: one gather per code from the float32 centroid table (``table``). LOOKUP ≥ 4:
+    PTX byte permutes (4-bit bytes; 2/3-bit groups: :mod:`._lut_asm`). When the kernels take
+    fewer planes than the groups hold (``NP < GP``, :meth:`TkvLoader.planes`), the group
+    planes are interleaved into ``NP`` wider ones (:func:`._planes.merge_planes`).
     """
     BITS: tl.constexpr = P0 % 16
     LOOKUP: tl.constexpr = (P0 // 65536) % 256
+    GP: tl.constexpr = 1 << ((P0 // 16777216) % 16)   # group planes the fetch delivered
     MASK: tl.constexpr = (1 << BITS) - 1
-    if BITS * NP > 32:   # 5/7-bit groups: 40/56-bit words
+    if BITS * GP > 32:   # 5/7-bit groups: 40/56-bit words
         w = raw.to(tl.int64)
     else:
         w = raw.to(tl.int32)
     planes = ()
-    if LOOKUP >= 4:   # the prmt family, 4 bits: 2 planes from the byte tile, no memory access
+    if LOOKUP >= 4:   # the prmt family: planes from the code tile, no memory access
         if LOOKUP % 2 == 0:   # LOOKUP_PRMT*_F16 are even, *_BF16 odd
             HALF: tl.constexpr = tl.float16
         else:
             HALF: tl.constexpr = tl.bfloat16
-        if LOOKUP >= 8:   # LOOKUP_PRMTI_*: the two-plane asm of prmt, tables as immediates
-            bits16 = tl.inline_asm_elementwise(
-                _prmti_asm(P0), "=r,=r,=r,=r,r", [raw.to(tl.uint8)],
-                dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
-        elif LOOKUP >= 6:   # LOOKUP_PRMT1_*: one unary asm per plane, tables as immediates
-            bits16 = ()
+        if LOOKUP >= 10:   # LOOKUP_PRMTG_*: 2/3-bit groups, tables as operands
+            planes = _prmt_group_planes(raw, table, BITS, GP, HALF, OUT_DTYPE)
+        else:   # 4 bits: 2 planes from the byte tile
+            if LOOKUP >= 8:   # LOOKUP_PRMTI_*: the two-plane asm of prmt, tables as immediates
+                bits16 = tl.inline_asm_elementwise(
+                    _prmti_asm(P0), "=r,=r,=r,=r,r", [raw.to(tl.uint8)],
+                    dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
+            elif LOOKUP >= 6:   # LOOKUP_PRMT1_*: one unary asm per plane, tables as immediates
+                bits16 = ()
+                for p in tl.static_range(2):
+                    bits16 = bits16 + (tl.inline_asm_elementwise(
+                        _prmt1_asm(P0, p), "=r,=r,r", [raw], dtype=tl.int16, is_pure=True, pack=4),)
+            else:   # LOOKUP_PRMT_*: the table words as operands
+                t = ()
+                for i in tl.static_range(8):
+                    t = t + (tl.load(table + i),)
+                bits16 = tl.inline_asm_elementwise(
+                    _PRMT_LUT16, _PRMT_CONSTRAINTS,
+                    [raw.to(tl.uint8), t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]],
+                    dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
             for p in tl.static_range(2):
-                bits16 = bits16 + (tl.inline_asm_elementwise(
-                    _prmt1_asm(P0, p), "=r,=r,r", [raw], dtype=tl.int16, is_pure=True, pack=4),)
-        else:   # LOOKUP_PRMT_*: the table words as operands
-            t = ()
-            for i in tl.static_range(8):
-                t = t + (tl.load(table + i),)
-            bits16 = tl.inline_asm_elementwise(
-                _PRMT_LUT16, _PRMT_CONSTRAINTS,
-                [raw.to(tl.uint8), t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]],
-                dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
-        for p in tl.static_range(2):
-            planes = planes + (bits16[p].to(HALF, bitcast=True).to(OUT_DTYPE),)
+                planes = planes + (bits16[p].to(HALF, bitcast=True).to(OUT_DTYPE),)
     elif LOOKUP == 3:   # LOOKUP_SHUFFLE, ≤ 5 bits: per-code tl.gather from a register table
         NE: tl.constexpr = 1 << BITS
         tab = tl.load(table + tl.arange(0, NE)[:, None]
-                      + tl.zeros([NE, D_PAD // NP], tl.int32)).to(OUT_DTYPE)
-        for p in tl.static_range(NP):
+                      + tl.zeros([NE, D_PAD // GP], tl.int32)).to(OUT_DTYPE)
+        for p in tl.static_range(GP):
             code = ((w >> (BITS * p)) & MASK).to(tl.int32)
             planes = planes + (tl.gather(tab, code, 0),)
     elif LOOKUP == 0:
-        for p in tl.static_range(NP):
+        for p in tl.static_range(GP):
             code = ((w >> (BITS * p)) & MASK).to(tl.int32)
             planes = planes + (tl.load(table + code).to(OUT_DTYPE),)
     else:
@@ -349,10 +403,10 @@ def tkv_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr
         else:
             HALF: tl.constexpr = tl.bfloat16
         PMASK: tl.constexpr = (1 << (2 * BITS)) - 1
-        for p in tl.static_range(0, NP, 2):
+        for p in tl.static_range(0, GP, 2):
             lo, hi = _half_pair(tl.load(table + ((w >> (BITS * p)) & PMASK)), HALF, OUT_DTYPE)
             planes = planes + (lo, hi)
-    return planes
+    return merge_planes(planes, GP, NP)
 
 
 def _half_bits(scaled: torch.Tensor, half: torch.dtype) -> torch.Tensor:
@@ -372,14 +426,18 @@ def _pair_table(scaled: torch.Tensor, bits: int, half: torch.dtype) -> torch.Ten
 
 
 def _prmt_table(scaled: torch.Tensor, half: torch.dtype) -> torch.Tensor:
-    """int32 ``(8,)`` byte tables of a 16-entry codebook for ``_PRMT_LUT16``: words 0-3 the
-    low bytes of the 16-bit float ``half`` centroids (entry ``i`` = byte ``i % 4`` of word
-    ``i // 4``), words 4-7 their high bytes."""
-    h = _half_bits(scaled, half)
-    lo, hi = (h & 0xFF).view(4, 4), (h >> 8).view(4, 4)
-    sh = torch.tensor([0, 8, 16, 24])
-    words = torch.cat([(lo << sh).sum(1), (hi << sh).sum(1)])
-    return words.to(torch.int64).where(words < 2**31, words - 2**32).to(torch.int32)
+    """int32 byte tables of a codebook for the prmt lookups: for 16 entries (``_PRMT_LUT16``)
+    words 0-3 the low bytes of the 16-bit float ``half`` centroids (entry ``i`` = byte
+    ``i % 4`` of word ``i // 4``), words 4-7 their high bytes; 4 / 8 entries: 1 + 1 / 2 + 2
+    words (:func:`._lut_asm.byte_table_words`)."""
+    return byte_table_words(_half_bits(scaled, half))
+
+
+def _prmt_group_table(scaled: torch.Tensor, half: torch.dtype) -> torch.Tensor:
+    """int32 table of the 2/3-bit group lookup (LOOKUP_PRMTG_*): the byte-table words, then
+    the float32 centroids' bit patterns (the small-tile fallback gathers them)."""
+    return torch.cat([_prmt_table(scaled, half),
+                      scaled.detach().cpu().float().contiguous().view(torch.int32)])
 
 
 _PRMT_FAMILY = ("prmt", "prmt1", "prmti")   # 4-bit byte-permute lookups (PTX, CUDA only)
@@ -476,16 +534,18 @@ class TkvLoader:
         lookup: codebook lookup in the tile loader. ``"pair"``: 2-, 3- and 4-bit sides with
             planes gather 16-bit *pairs* of centroids (one lookup per two codes, in the
             query's 16-bit float type), other widths gather float32 centroids; with float32
-            dots (the interpreter) it uses float16 pairs. ``"prmt"``: 4-bit sides with planes
-            and 16-bit dots decode 8 codes with 22 integer instructions and no memory access
-            (PTX byte permutes over 16-entry byte tables; CUDA only, DtypeError under the
-            interpreter); other sides as ``"pair"``. ``"auto"`` (default): on CUDA, a 4-bit
-            side with the shared default codebook uses ``"prmti"`` (below), one with its own
-            (fitted) codebook ``"prmt"`` — ``"prmti"`` compiles one kernel per distinct
-            codebook, so per-layer codebooks would compile once per layer and split count;
-            2/3-bit sides ``"pair"`` (K4V4 decode on the H200: prmt 0.300 ms vs 0.378 ms with
-            pairs, ``benchmarks/results/kernels_gpu_2026-11-30_lookups.md``); float32 gathers
-            under the interpreter. ``"gather"``: one float32 gather per code for every width.
+            dots (the interpreter) it uses float16 pairs. ``"prmt"``: 2-, 3- and 4-bit sides
+            with planes and 16-bit dots look codes up with PTX byte permutes over the
+            centroids' byte tables held in registers (no memory access; CUDA only, DtypeError
+            under the interpreter): 4 bits 22 integer instructions per 8 codes, 3 bits 44 per
+            16, 2 bits 6 per 2 (:mod:`._lut_asm`); other sides as ``"pair"``. ``"auto"``
+            (default): on CUDA, a 4-bit side with the shared default codebook uses
+            ``"prmti"`` (below), one with its own (fitted) codebook ``"prmt"`` — ``"prmti"``
+            compiles one kernel per distinct codebook, so per-layer codebooks would compile
+            once per layer and split count; 2/3-bit sides ``"prmt"`` (any codebook: the
+            tables are operands) — they used ``"pair"`` until session 10 (K4V4 decode on the
+            H200: prmt 0.300 ms vs 0.378 ms with pairs, ``benchmarks/results/
+            kernels_gpu_2026-11-30_lookups.md``); float32 gathers under the interpreter. ``"gather"``: one float32 gather per code for every width.
             ``"shuffle"``: 3-, 4- and 5-bit sides with planes look codes up in a register copy
             of the codebook (``tl.gather``, warp shuffles): 1.15 vs 1.38 ms at K5V5, slower
             at K4V4 (2-bit tables crashed Triton 3.6's ThreadLocality pass, hence not offered).
@@ -506,8 +566,14 @@ class TkvLoader:
             prmt's 5,035 / 7,223 in the same session. An optional register cap
             (:meth:`decode_maxnreg`) is off by default.
 
+        planes: at most this many coordinate planes per side for the attention kernels
+            (1, 2, 4 or 8; default None: 2 for 3/5/7-bit sides, else the group's codes): a
+            side whose code groups hold more codes (2 bits: 4, 3/5/7 bits: 8, 6 bits: 4) has
+            its group planes interleaved in registers after the lookup (:meth:`planes`).
+
     Raises:
-        ValueError: unknown ``lookup``. DtypeError: ``codec`` is not a TurboKVCodec.
+        ValueError: unknown ``lookup``, ``planes`` not 1/2/4/8. DtypeError: ``codec`` is not
+            a TurboKVCodec.
         ShapeError: a per-head ``k_channel_offset`` whose head count is not ``num_kv_heads``.
         ShapeError also for a per-head sink offset with another head count.
 
@@ -537,13 +603,26 @@ class TkvLoader:
 
     name = "tkv"
     rotated = True
-    min_block_n = 16
+
+    @property
+    def min_block_n(self) -> int:
+        """Smallest token tile: 32 when the V side's group planes are interleaved (planes <
+        group planes) — Triton 3.6 on sm_90 computes ``P @ V`` wrongly when V is an interleaved
+        tile and the dot's K dimension (the tile's tokens) is 16 (found and bracketed on the
+        H200 in session 10: 16 tokens wrong at every width / warp count, 32+ exact;
+        ``benchmarks/triton_interleave_dot_bug.py`` reproduces it); else 16."""
+        return 32 if self.planes("v") < self.group_planes("v") else 16
 
     def __init__(self, codec: TurboKVCodec, num_kv_heads: int, block_size: int,
-                 lookup: str = "auto"):
+                 lookup: str = "auto", planes: int | None = None):
         if lookup not in _LOOKUPS:
             raise ValueError(f"lookup must be one of {_LOOKUPS}, got {lookup!r}")
+        if planes is not None and (isinstance(planes, bool) or not isinstance(planes, int)
+                                   or planes not in (1, 2, 4, 8)):
+            raise ValueError(f"planes must be None, 1, 2, 4 or 8, got {planes!r}")
         self.lookup = lookup
+        self.max_planes = planes
+        self._prefill_view = None
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")
         for side in (codec.k, codec.v):
@@ -573,6 +652,10 @@ class TkvLoader:
                 for half, code in ((torch.float16, LOOKUP_PAIR_F16),
                                    (torch.bfloat16, LOOKUP_PAIR_BF16)):
                     self._pairs[side, half] = (_pair_table(table, bits, half).to(dev), code)
+            if bits in (2, 3) and lookup in ("auto", *_PRMT_FAMILY):
+                for half, code in ((torch.float16, LOOKUP_PRMTG_F16),
+                                   (torch.bfloat16, LOOKUP_PRMTG_BF16)):
+                    self._prmt[side, half] = (_prmt_group_table(table, half).to(dev), code)
             if bits == 4 and lookup in ("auto", *_PRMT_FAMILY):
                 eff = lookup
                 if lookup == "auto":   # prmti compiles per codebook: only the shared default
@@ -643,6 +726,18 @@ class TkvLoader:
         self.k_norm_correction = bool(codec.k.norm_correction)
         self.v_norm_correction = bool(codec.v.norm_correction)
         # the same maps with columns in each side's planar layout (prefill: contiguous planes)
+        self._planar_maps()
+        # prefill's view (group planes kept) built now, not at a first prefill that could fall
+        # inside an engine's CUDA-graph capture; it shares every table but the planar maps
+        if any(self.planes(s) != self.group_planes(s) for s in "kv"):
+            view = copy.copy(self)
+            view.max_planes = 8
+            view._planar_maps()
+            self._prefill_view = view
+
+    def _planar_maps(self) -> None:
+        """q_in / k_in / v_in / out_mat with columns in the kernels' planar layout (:meth:`planes`)."""
+        d, dp = self.head_dim, self.d_pad
         knp, vnp = self.planes("k"), self.planes("v")
         self.q_in_planar = to_planar_columns(self.q_in[:d, :d], knp, d, dp).contiguous()
         self.k_in_planar = to_planar_columns(self.k_in[:d, :d], knp, d, dp).contiguous()
@@ -656,7 +751,7 @@ class TkvLoader:
         """compress_store's rotation operand for side ``"k"``/``"v"``: ``(terms, scale)`` with
         ``x @ A = (x @ Σ terms) · scale``, ``A`` (:attr:`k_in` / :attr:`v_in`) with its columns
         in the side's code-group planar order (:func:`~tkv.kernels._planes.planar_index` with
-        :meth:`planes`; natural order for one plane), so that each column chunk holds one
+        :meth:`group_planes`; natural order for one plane), so that each column chunk holds one
         position of consecutive code groups and the packed bytes are OR-ed in registers.
 
         ``dtype=None``: float32 ``(d_pad, d_pad)``, scale 1 (the kernel's ``tf32x3`` dot).
@@ -674,7 +769,7 @@ class TkvLoader:
         key = side, dtype, interpreting()
         if key not in self._store_rotation:
             a = (self.k_in if side == "k" else self.v_in).double()
-            a = to_planar_columns(a[:, :self.head_dim], self.planes(side), self.head_dim,
+            a = to_planar_columns(a[:, :self.head_dim], self.group_planes(side), self.head_dim,
                                   self.d_pad)
             scale = 1.0
             if dtype is None:
@@ -692,20 +787,44 @@ class TkvLoader:
             self._store_rotation[key] = a.contiguous(), scale
         return self._store_rotation[key]
 
-    def planes(self, side: str) -> int:
-        """Coordinate planes of a side's tiles: the codes of one whole-byte group,
+    def group_planes(self, side: str) -> int:
+        """Codes per fetched group of a side (``GP``): one whole-byte group,
         ``8 / gcd(bits, 8)`` (2→4, 3→8, 4→2, 5→8, 6→4, 7→8, 8→1), while a plane keeps ≥ 16
-        coordinates (tensor-core K); else 1 (per-element reads, e.g. 3 bits at head_dim 64)."""
+        coordinates (tensor-core K); else 1 (per-element reads, e.g. 3 bits at head_dim 64).
+        compress_store packs in this order (:meth:`store_rotation`)."""
         bits = self.k_bits if side == "k" else self.v_bits
         np_, _ = code_group(bits)
         return np_ if self.d_pad // np_ >= 16 else 1
 
+    def prefill_loader(self) -> TkvLoader:
+        """The loader :func:`~tkv.kernels.prefill` reads the compressed prefix through: this
+        one when no side interleaves its group planes, else a view of it that keeps them
+        (``planes=8``, same tables and cache format; built at construction). Triton 3.6 fails
+        to compile the prefill kernel with interleaved 3- or 6-bit group planes
+        (``TritonGPUOptimizeDotOperands``, every tile size, H200 session 10), so only decode
+        takes the interleaved planes."""
+        return self if self._prefill_view is None else self._prefill_view
+
+    def planes(self, side: str) -> int:
+        """Coordinate planes the attention kernels take for a side (``NP``): the group planes
+        (:meth:`group_planes`) interleaved down to at most ``planes`` (constructor). By
+        default 8-code groups (3/5/7 bits) are interleaved to 2 planes and 4-code groups (2/6
+        bits) kept: on the H200 (``benchmarks/results/kernels_gpu_2026-11-30_s10_planes.md``,
+        B=32, L=8K) K3V3 decode 1.02 → 0.50 ms, K4V3 1.03 → 0.36, K5V5 1.38 → 0.82, while
+        2-bit sides were slower interleaved (K2V2 0.24 → 0.40) and 6-bit ones unchanged."""
+        gp = self.group_planes(side)
+        cap = self.max_planes if self.max_planes is not None else (2 if gp == 8 else gp)
+        return min(gp, cap)
+
     @property
     def preferred_block_n(self) -> int:
-        """Decode tile length (tokens, head_dim ≤ 128) that fits the registers: 128 when both
-        sides are 2/4/8-bit (fastest measured on the H200), 32 when a side is 3/5/6/7-bit
-        (8 planes or per-element codes: 64+ token tiles spill, from ptxas on sm_90a)."""
-        return 128 if self.k_bits in (2, 4, 8) and self.v_bits in (2, 4, 8) else 32
+        """Decode tile length (tokens, head_dim ≤ 128) that fits the registers: 128 when every
+        side is 2-bit or takes ≤ 2 planes (4/8 bits, and 3/5/7 bits interleaved to 2: K3V3
+        0.50 ms at 128 vs 0.55 at 64 and 0.66 at 32 on the H200, session 10); 32 for 6-bit
+        sides and un-interleaved 8-code groups (64+ token tiles spill, ptxas sm_90a)."""
+        ok = all(self.planes(s) <= 2 or b == 2 for s, b in (("k", self.k_bits),
+                                                              ("v", self.v_bits)))
+        return 128 if ok else 32
 
     def check_cache(self, cache) -> int:
         """``cache`` uint8 ``(num_blocks, page_bytes)`` contiguous, on the codec's device."""
@@ -723,7 +842,7 @@ class TkvLoader:
         half = torch.bfloat16 if dot_dtype == torch.bfloat16 else torch.float16
         if dot_dtype == torch.float32 and self.lookup == "auto":
             half = None   # float32 dots (interpreter): exact float32 centroids
-        if self.planes(side) == 1:
+        if self.group_planes(side) == 1:
             half = None   # one plane: per-code gathers from the float32 table
         interp = interpreting()
         if self.lookup in _PRMT_FAMILY and interp and (side, half) in self._prmt:
@@ -735,7 +854,7 @@ class TkvLoader:
         elif (side, half) in self._pairs:
             table, code = self._pairs[side, half]
         bits = self.k_bits if side == "k" else self.v_bits
-        if self.lookup == "shuffle" and bits in (3, 4, 5) and self.planes(side) > 1:
+        if self.lookup == "shuffle" and bits in (3, 4, 5) and self.group_planes(side) > 1:
             code = LOOKUP_SHUFFLE
         return table, code
 
@@ -777,7 +896,8 @@ class TkvLoader:
         table, code = self._lookup(side, dot_dtype)
         bits = lay.k_bits if side == "k" else lay.v_bits
         code_bytes = lay.k_code_bytes if side == "k" else lay.v_code_bytes
-        p0 = bits + 16 * code_bytes + 65536 * code
+        gp = self.group_planes(side)
+        p0 = bits + 16 * code_bytes + 65536 * code + (gp.bit_length() - 1 << _GROUP_SHIFT)
         if (side, code) in self._prmt_words:   # prmt1/prmti: the tables travel in the constexpr
             p0 += self._prmt_words[side, code] << _TABLE_SHIFT
         if side == "k":

@@ -328,6 +328,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     check_tensor(query, "query", 3)
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     tq, hq, d = query.shape
+    # a loader may read tiles differently here than in decode (TkvLoader: its group planes
+    # not interleaved, prefill_loader's docstring says why)
+    loader = getattr(loader, "prefill_loader", lambda: loader)()
     hkv = loader.num_kv_heads
     if d != loader.head_dim or hq % hkv:
         raise ShapeError(f"query {tuple(query.shape)} does not fit loader (kv_heads={hkv}, "

@@ -480,5 +480,5 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         K_TOK_STRIDE=st["k_token"], V_HEAD_STRIDE=st["v_head"], V_TOK_STRIDE=st["v_token"],
         NORM_HEAD_STRIDE=st["norm_head"], CH=min(loader.d_pad, chunk),
         K_SINK=loader.k_sink_shift is not None, V_SINK=loader.v_sink_shift is not None,
-        K_SPLIT=modes[0], V_SPLIT=modes[1], K_NPL=loader.planes("k"),
-        V_NPL=loader.planes("v"), num_warps=num_warps)
+        K_SPLIT=modes[0], V_SPLIT=modes[1], K_NPL=loader.group_planes("k"),
+        V_NPL=loader.group_planes("v"), num_warps=num_warps)
