@@ -839,16 +839,25 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
             vp.view(-1, hkv, d).index_copy_(0, slots, v)
             return decode(q, (kp, vp), bt, sl, bl, ws, out=out)
     else:
-        ld = TkvLoader(TurboKVCodec(d, 4, device=device), hkv, block,
-                       lookup=attn.get("lookup", "auto"))
-        cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8,
-                              device=device, generator=g)
-        views = ld.layout.views(cache)
-        for name in ("k_norms", "v_norms"):
-            views[name].copy_(torch.rand(views[name].shape, device=device, generator=g) + 8)
-        opts = {k: v for k, v in attn.items() if k != "lookup"}
+        # per-layer (k_bits, v_bits): "widths" (cycled over the layers), default K4V4; one
+        # loader and one cache per distinct pair, shared by the layers that use it
+        widths = attn.get("widths", [(4, 4)])
+        per = {}
+        for kb, vb in dict.fromkeys(widths):
+            ld = TkvLoader(TurboKVCodec(d, k_bits=kb, v_bits=vb, device=device), hkv, block,
+                           lookup=attn.get("lookup", "auto"), planes=attn.get("planes"))
+            cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8,
+                                  device=device, generator=g)
+            views = ld.layout.views(cache)
+            for name in ("k_norms", "v_norms"):
+                views[name].copy_(torch.rand(views[name].shape, device=device, generator=g) + 8)
+            per[kb, vb] = ld, cache
+        opts = {k: v for k, v in attn.items() if k not in ("lookup", "widths", "planes")}
+        layer_no = [0]
 
         def attend(q, k, v):
+            ld, cache = per[widths[layer_no[0] % len(widths)]]
+            layer_no[0] += 1
             compress_store(k, v, cache, slots, ld)
             return decode(q, cache, bt, sl, ld, ws, out=out, **opts)
 
@@ -858,6 +867,8 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
 
     def step():
         x = x0
+        if attn not in ("none", "bf16"):
+            layer_no[0] = 0
         for _ in range(layers):
             qkv = rms(x) @ wqkv
             q = qkv[:, : hq * d].view(B, hq, d)
@@ -871,6 +882,58 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
     return step
 
 
+def _bundle_row_widths(row: str) -> list[tuple[int, int]]:
+    """Per-layer (k_bits, v_bits) of a TKV_BITS row of the committed SmolLM2 calibration
+    bundle (30 layers; the model step cycles them over its 36)."""
+    path = Path(__file__).parent / "results/calibrate_smollm2_sink_offset_2026-11-30/tkv_bundle.json"
+    t = json.loads(path.read_text())["byte_budget_table"][row]
+    return list(zip(t["k_bits"], t["v_bits"], strict=True))
+
+
+def width_rows(copy_gbs, shapes=((32, 8192), (256, 640))):
+    """Decode at widths other than K4V4 (the SmartMix rows' layers: 2/3/5/6-bit sides): the
+    session-9 path (pair tables for 2/3 bits, every code group its own plane: 8 planes at
+    3/5 bits) against session 10's (register byte-permute lookup for 2/3 bits, group planes
+    interleaved to ``planes`` = 2 by default, or 1), at 32/64/128-token tiles; then
+    engine-like model steps (:func:`make_model_step`) whose 36 layers take the widths of the
+    SmolLM2 bundle's 3.0 / 4.0 / 5.0 rows, old vs new path, beside bf16 and uniform K4V4."""
+    ws = Workspace(256, 64, 256, DEV)
+    pairs = [(3, 3), (2, 2), (3, 2), (4, 3), (5, 3), (5, 5), (6, 6)]
+    opts = [("pair", 8, None), ("auto", 2, None), ("auto", 2, 64), ("auto", 2, 128),
+            ("auto", 1, 64)]
+    for B, L in shapes:
+        bt, sl, nblk = paged(B, L, 16)
+        q = torch.randn(B, 32, 128, device=DEV, dtype=torch.bfloat16)
+        base = dict(kernel="decode", B=B, L=L, Hq=32, Hkv=8, D=128)
+        for kb, vb in [(4, 4), *pairs]:
+            codec = TurboKVCodec(128, k_bits=kb, v_bits=vb, device=DEV)
+            cache = None
+            for lk, npl, bn in opts:
+                ld = TkvLoader(codec, 8, 16, lookup=lk, planes=npl)
+                if (kb, vb) == (4, 4) and (lk, npl) != ("auto", 2):
+                    continue
+                cache = tkv_cache(ld, nblk) if cache is None else cache
+                nbytes = B * L * ld.layout.bytes_per_token
+                o = {} if bn is None else {"block_n": bn}
+                label = f"tkv_K{kb}V{vb}_{lookup_label(ld)}_{ld.planes('k')}x{ld.planes('v')}pl"
+                try:
+                    ms = bench(lambda o=o, ld=ld: decode(q, cache, bt, sl, ld, ws, **o))
+                except Exception as e:
+                    log({**base, "impl": label, **o, "error": str(e)[:160]})
+                    continue
+                log({**base, "impl": label, **o, "ms": ms, "GBps": nbytes / ms / 1e6,
+                     "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+            del cache
+        torch.cuda.empty_cache()
+    arms = [("bf16 store + bypass decode", "bf16"), ("tkv K4V4 (default)", {})]
+    for row in ("3.0", "4.0", "5.0"):
+        w = _bundle_row_widths(row)
+        arms += [(f"tkv SmolLM2 {row} row widths, session-9 path (pair, 8 planes)",
+                  {"widths": w, "lookup": "pair", "planes": 8}),
+                 (f"tkv SmolLM2 {row} row widths, default", {"widths": w})]
+    _model_step_arms(arms, ((64, 640), (256, 640)), 36)
+
+
 def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
     """Engine-like decode steps (:func:`make_model_step`, Qwen3-8B-like, 36 layers, one CUDA
     graph per step) for bf16 and tkv K4V4 configurations, ``x_bf16`` = bf16's step time over
@@ -881,6 +944,11 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
     arms = [("GEMMs only (no attention)", "none"), ("bf16 store + bypass decode", "bf16"),
             ("tkv K4V4 prmt", {"lookup": "prmt"}), ("tkv K4V4 prmti (default)", {}),
             ("tkv K4V4 prmti, maxnreg 128", {"lookup": "prmti", "maxnreg": 128})]
+    _model_step_arms(arms, shapes, layers)
+
+
+def _model_step_arms(arms, shapes, layers):
+    """Time each (label, attn) arm's model step per (B, L); ``x_bf16`` against the bf16 arm."""
     for B, L in shapes:
         base = dict(kernel="model_step", B=B, L=L, Hq=32, Hkv=8, D=128, layers=layers)
         ref = None
@@ -926,6 +994,9 @@ def main():
                          "without and with sink offsets)")
     ap.add_argument("--store-sweep", action="store_true",
                     help="also the compress_store tiling x rotation sweep first")
+    ap.add_argument("--widths", action="store_true",
+                    help="only decode at 2/3/5-bit sides, pair vs register lookup, and model "
+                         "steps with the SmolLM2 bundle rows' per-layer widths (width_rows)")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
@@ -952,6 +1023,11 @@ def main():
             store_sweep_rows(copy_gbs)
         except Exception as e:  # must not cost the rest of the run
             log({"kernel": "store_sweep", "impl": "store sweep", "error": str(e)[:160]})
+    if a.widths:   # the width rows alone
+        width_rows(copy_gbs)
+        table(copy_gbs, out / f"kernels_gpu{tag}.md")
+        (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+        return
     if a.variants:   # the sweep alone
         variant_rows(copy_gbs)
         table(copy_gbs, out / f"kernels_gpu{tag}.md")

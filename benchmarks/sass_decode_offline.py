@@ -51,15 +51,26 @@ VARIANTS = [("prmt (default to session 5)", "prmt", 4, 128, None, None),
             ("prmti, maxnreg 128 (default, large grids)", "prmti", 4, 128, None, 128)]
 
 
-def compile_variant(lookup, warps, block_n, swap, maxnreg, tmp: Path):
+# --widths: 2/3-bit sides, pair tables vs the register byte-permute group lookup, and the
+# group planes the kernels take (session 10)
+# (label, lookup, num_warps, BLOCK_N, swap_qk, maxnreg, (k_bits, v_bits), planes)
+WIDTH_VARIANTS = [(f"K{kb}V{vb} {lk}, {npl} planes, {bn}-token tiles", lk, 4, bn, None, None,
+                   (kb, vb), npl)
+                  for kb, vb, bns in ((3, 3, (32, 64)), (2, 2, (128,)), (4, 3, (64,)))
+                  for lk, npls in (("pair", (8,)), ("auto", (8, 2, 1))) for npl in npls
+                  for bn in bns]
+
+
+def compile_variant(lookup, warps, block_n, swap, maxnreg, tmp: Path, widths=(4, 4), planes=2):
     """ptxas info line, shared bytes and the SASS text of one variant."""
-    ld = TkvLoader(TurboKVCodec(128, 4), 8, 16, lookup=lookup)
+    ld = TkvLoader(TurboKVCodec(128, k_bits=widths[0], v_bits=widths[1]), 8, 16, lookup=lookup,
+                   planes=planes)
     cache = torch.zeros(4, ld.layout.page_bytes, dtype=torch.uint8)
     ka, va = (ld.side_args(cache, s, torch.bfloat16) for s in ("k", "v"))
     consts = dict(FETCH=ld.fetch, DEQUANT=ld.dequant, KP0=ka[6], KP1=ka[7], KP2=ka[8],
                   KP3=ka[9], KNP=ka[10], VP0=va[6], VP1=va[7], VP2=va[8], VP3=va[9], VNP=va[10],
                   G=4, BLOCK_H=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=block_n,
-                  NUM_SPLITS=2, DOT_DTYPE=tl.bfloat16, PREFETCH=False,
+                  NUM_SPLITS=2, DOT_DTYPE=tl.bfloat16, PREFETCH=False, K_SINK=False, V_SINK=False,
                   SWAP_QK=ld.k_operand_a(torch.bfloat16) if swap is None else swap)
     names = _decode_split_kernel.arg_names
     sig = {a: PTRS.get(a, "constexpr" if a in consts else "fp32" if a == "scale_log2" else "i32")
@@ -98,18 +109,24 @@ def loop_ops(sass: str) -> tuple[int, collections.Counter, int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/sass_decode_offline.md")
+    ap.add_argument("--widths", action="store_true",
+                    help="2/3-bit sides: pair tables vs the group prmt lookup (WIDTH_VARIANTS)")
     a = ap.parse_args()
+    variants = WIDTH_VARIANTS if a.widths else [(*v, (4, 4), 2) for v in VARIANTS]
     # the prmt lookups refuse the interpreter; here nothing runs, the kernel is only compiled
     loaders_mod.interpreting = util.interpreting = lambda: False
-    rows = ["# Split-K decode kernel, offline sm_90a anatomy (K4V4, head_dim 128, G=4, bf16)", "",
-            f"Triton {triton.__version__}; ptxas/cuobjdump from Triton's bundle. Command: "
-            "`uv run --frozen python benchmarks/sass_decode_offline.py`.", "",
+    what = "2/3-bit sides" if a.widths else "K4V4"
+    rows = [f"# Split-K decode kernel, offline sm_90a anatomy ({what}, head_dim 128, G=4, bf16)",
+            "", f"Triton {triton.__version__}; ptxas/cuobjdump from Triton's bundle. Command: "
+            "`uv run --frozen python benchmarks/sass_decode_offline.py"
+            f"{' --widths' if a.widths else ''}`.", "",
             "| variant | registers | spills (B) | shared (B) | loop instr / thread | "
             "warp-instr per 128 tokens | PRMT | IMAD.U32 | IMAD.MOV | LDS+STS+LDSM | HMMA |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as d:
-        for label, lookup, warps, block_n, swap, maxnreg in VARIANTS:
-            info, shared, sass = compile_variant(lookup, warps, block_n, swap, maxnreg, Path(d))
+        for label, lookup, warps, block_n, swap, maxnreg, widths, planes in variants:
+            info, shared, sass = compile_variant(lookup, warps, block_n, swap, maxnreg, Path(d),
+                                                 widths, planes)
             regs = re.search(r"Used (\d+) registers", info).group(1)
             spill = re.search(r"(\d+) bytes spill stores", info).group(1)
             n, ops, imad_u, imad_mov = loop_ops(sass)

@@ -54,7 +54,7 @@ def compile_store(block_t, warps, split, sink, head_dim=128, bits=4):
                        f"{s}_NORM_CORR": getattr(ld, f"{lo}_norm_correction"),
                        f"{s}_GROUP": kg, f"{s}_GROUP_BYTES": kgb,
                        f"{s}_HEAD_STRIDE": st[f"{lo}_head"], f"{s}_TOK_STRIDE": st[f"{lo}_token"],
-                       f"{s}_SINK": sink, f"{s}_SPLIT": split, f"{s}_NPL": ld.planes(lo)})
+                       f"{s}_SINK": sink, f"{s}_SPLIT": split, f"{s}_NPL": ld.group_planes(lo)})
     a = "*bf16" if split else F32
     ptrs = {"K": "*bf16", "V": "*bf16", "slots": "*i64", "cache": "*u8", "aux": "*bf16",
             "Ak": a, "Av": a}
