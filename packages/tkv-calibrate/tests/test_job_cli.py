@@ -60,6 +60,26 @@ def test_job_writes_valid_bundle_and_report(job, tiny):
         assert f in text
 
 
+def test_mix_widths_restrict_the_bundle_and_fail_early(tiny, tmp_path):
+    """``mix_widths`` (``--mix-widths``): every row of the bundle uses only those widths and the
+    provenance records them; a budget they cannot meet fails before any collection."""
+    from tkv.codec.errors import TkvBitsError
+
+    cfg = JobConfig(out=str(tmp_path), budgets=(3.0,), calib_window=64, collect_windows=2,
+                    sensitivity_windows=1, verify_windows=1, eval_window=64, eval_windows=1,
+                    decode=False, mix_widths=(4, 2), show_progress=False)
+    run_job(cfg, loaded=tiny)
+    b = CalibrationBundle.load(tmp_path / "tkv_bundle.json")
+    alloc = b.allocation(3.0)
+    assert set(alloc.k_bits) | set(alloc.v_bits) <= {2, 4}
+    assert b.provenance["mix_widths"] == [2, 4]
+    bad = JobConfig(out=str(tmp_path / "x"), budgets=(3.0,), mix_widths=(4, 8),
+                    show_progress=False)
+    with pytest.raises(TkvBitsError, match=r"TKV_BITS=3 cannot be met.*\[4, 8\]"):
+        run_job(bad, loaded=tiny)
+    assert not (tmp_path / "x").exists()
+
+
 def test_cli_errors_are_one_line(capsys, tmp_path):
     assert main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -71,6 +91,11 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     for bad, msg in (("2", "outside [0, 1)"), ("-0.1", "outside [0, 1)"), ("lots", "a fraction")):
         with pytest.raises(SystemExit) as e:
             main(["run", "--codebook-min-gain", bad])
+        assert e.value.code == 2
+        assert msg in capsys.readouterr().err
+    for bad, msg in (("2,9", "in 2..8"), ("4,x", "in 2..8"), ("1", "in 2..8"), (",", "at least")):
+        with pytest.raises(SystemExit) as e:
+            main(["run", "--mix-widths", bad])
         assert e.value.code == 2
         assert msg in capsys.readouterr().err
     (tmp_path / "cfg").mkdir()

@@ -73,6 +73,33 @@ def test_solver_respects_budget_and_beats_uniform_prediction(budget):
         assert plan.predicted_kl <= predicted_drift(pred, (kb,) * n, (vb,) * n) + 1e-12
 
 
+@pytest.mark.parametrize("widths,budget", [((2, 4), 3.0), ((2, 4, 8), 5.0), ((4,), 4.0),
+                                           ((3, 5), 4.0)])
+def test_solver_keeps_to_the_allowed_widths(widths, budget):
+    """``widths`` (``--mix-widths``): every side of the solved mix and every uniform candidate
+    uses only those widths, within the byte cap; a cap no allocation of them fits is a
+    TkvBitsError naming the widths; bad width sets are TkvBitsErrors."""
+    from tkv.calibrate.smartmix import check_widths
+
+    g = torch.Generator().manual_seed(len(widths))
+    geo = ModelGeometry(5, 2, 32)
+    decay = 4.0 ** -torch.arange(7, dtype=torch.float64)
+    pred = {s: torch.rand(5, 1, generator=g, dtype=torch.float64) * decay for s in "kv"}
+    cap = budget_cap_bytes(geo, budget)
+    plan = solve_mix(pred, geo, cap, widths)
+    assert set(plan.allocation.k_bits) | set(plan.allocation.v_bits) <= set(widths)
+    assert plan.bytes_per_token <= cap + 1e-9
+    full = solve_mix(pred, geo, cap)
+    assert full.predicted_kl <= plan.predicted_kl + 1e-12     # fewer choices never predict better
+    assert all(kb in widths and vb in widths for kb, vb in uniform_candidates(geo, cap, widths))
+    with pytest.raises(TkvBitsError, match=r"widths \[8\]"):
+        solve_mix(pred, geo, budget_cap_bytes(geo, 3.0), (8,))
+    assert check_widths([8, 2, 4, 2]) == (2, 4, 8)
+    for bad in ([], [1], [9], [4.0], [True]):
+        with pytest.raises(TkvBitsError):
+            check_widths(bad)
+
+
 def test_solver_exact_on_small_problem():
     """Brute force over all allocations of 2 layers agrees with the DP."""
     import itertools

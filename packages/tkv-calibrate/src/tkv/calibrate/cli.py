@@ -33,6 +33,21 @@ def _fraction(s: str) -> float:
     return x
 
 
+def _widths(s: str) -> tuple[int, ...]:
+    """``--mix-widths``: comma-separated code widths in 2..8 (torch-free, answers at once; the
+    job checks them again with tkv.calibrate.smartmix.check_widths)."""
+    out = set()
+    for x in (t.strip() for t in s.split(",")):
+        if not x:
+            continue
+        if not (x.isascii() and x.isdigit() and 2 <= int(x) <= 8):
+            raise argparse.ArgumentTypeError(f"widths must be integers in 2..8, got {x!r}")
+        out.add(int(x))
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one width, e.g. 2,4,8")
+    return tuple(sorted(out))
+
+
 def _budgets(s: str) -> tuple[float, ...]:
     # Torch-free on purpose (argument errors answer at once); the same [2.0, 8.0] rule as
     # tkv.calibrate.smartmix.check_budget, which the job applies again.
@@ -106,6 +121,11 @@ def _parser() -> argparse.ArgumentParser:
                    "code every vector against its side's offset or the sink's, whichever is "
                    "closer, flagged by its norm's sign bit: same bytes, 0.72-0.74x KL at 4.0 on "
                    "held-out SmolLM2 text (default on; --no-sink-offset: one offset per side)")
+    r.add_argument("--mix-widths", type=_widths, metavar="BITS",
+                   help="code widths SmartMix and the uniform rows may give K and V (default "
+                   "2,3,4,5,6,7,8). Decode speed differs by width (H200, B=32, L=8K: K2V2 "
+                   "0.24 ms, K4V4 0.26, K3V3 0.50, K8V8 0.63, K5V5 0.82, K6V6 1.1): e.g. 2,4 "
+                   "keeps every layer on the two fastest, at some fidelity per byte")
     r.add_argument("--threads", type=int, help="torch CPU threads")
     r.add_argument("--seed", type=int, default=0, help="rotation seed")
     r.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -147,7 +167,7 @@ def _run(a) -> int:
               center_keys=a.center_keys, seed=a.seed, sink_offset=a.sink_offset,
               threads=a.threads, show_progress=not a.quiet)
     for name in ("budgets", "eval_windows", "sensitivity_windows", "verify_windows",
-                 "codebook_min_gain"):
+                 "codebook_min_gain", "mix_widths"):
         v = getattr(a, name)
         if v is not None:
             kw[name] = v

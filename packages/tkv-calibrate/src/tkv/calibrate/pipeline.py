@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tkv.codec import CalibrationBundle, LayerAllocation, ModelGeometry, ModelLayout
+from tkv.codec.errors import TkvBitsError
 
 from .calibrate import Calibration, draft_bundle, fit_calibration
 from .collect import window_sink_tokens
@@ -31,9 +32,11 @@ from .scales import center_mode
 from .sensitivity import Sensitivity, measure_sensitivity
 from .smartmix import (
     DEFAULT_BUDGETS,
+    WIDTHS,
     allocation_bytes,
     budget_cap_bytes,
     check_budget,
+    check_widths,
     predicted_drift,
     solve_mix,
     uniform_candidates,
@@ -68,6 +71,7 @@ class JobConfig:
     center_keys: bool | str = "per-head"  # "per-head" | "shared" | "off" (True/False accepted)
     codebook_min_gain: float = MIN_FITTED_GAIN  # a fit ships only above this held-out MSE gain
     sink_offset: bool = True    # per-layer sink offsets (flagged by the norm's sign bit)
+    mix_widths: tuple[int, ...] = WIDTHS  # widths SmartMix (and the uniform rows) may use
     seed: int = 0
     threads: int | None = None
     show_progress: bool = True
@@ -81,8 +85,10 @@ class JobConfig:
         return cls(**base)
 
     def validate(self) -> None:
-        """Raises TkvBitsError for a budget outside [2, 8]; ValueError for bad counts."""
+        """Raises TkvBitsError for a budget outside [2, 8] or bad ``mix_widths``; ValueError
+        for bad counts."""
         self.budgets = tuple(sorted({check_budget(b) for b in self.budgets}))
+        self.mix_widths = check_widths(self.mix_widths)
         for name in ("calib_window", "collect_windows", "sensitivity_windows", "verify_windows",
                      "eval_window", "eval_windows"):
             if getattr(self, name) < 1:
@@ -165,6 +171,11 @@ def _uniform_alloc(n: int, kb: int, vb: int) -> LayerAllocation:
     return LayerAllocation.uniform(n, kb, vb, "uniform")
 
 
+def _uniform_alloc_bytes(geo, bits: int) -> float:
+    """Bytes per token of K``bits``V``bits`` in every layer (layout-priced)."""
+    return allocation_bytes(geo, _uniform_alloc(geo.num_layers, bits, bits))
+
+
 def _describe(alloc: LayerAllocation) -> str:
     pairs = list(zip(alloc.k_bits, alloc.v_bits, strict=True))
     if len(set(pairs)) == 1:
@@ -175,7 +186,7 @@ def _describe(alloc: LayerAllocation) -> str:
 
 def decide_budgets(model, bundle: CalibrationBundle, sens: Sensitivity, budgets,
                    verify: torch.Tensor, show_progress: bool = True,
-                   uniform_tries: int = 2) -> list[BudgetDecision]:
+                   uniform_tries: int = 2, widths=WIDTHS) -> list[BudgetDecision]:
     """Solve SmartMix per budget and verify it against the best uniform allocation that fits
     the same byte cap, on held-out calibration windows ``verify``; ship the mix only if its
     measured KL is lower."""
@@ -194,8 +205,8 @@ def decide_budgets(model, bundle: CalibrationBundle, sens: Sensitivity, budgets,
 
     for b in budgets:
         cap = budget_cap_bytes(geo, b)
-        plan = solve_mix(pred, geo, cap)
-        cands = sorted(uniform_candidates(geo, cap),
+        plan = solve_mix(pred, geo, cap, widths)
+        cands = sorted(uniform_candidates(geo, cap, widths),
                        key=lambda kv: predicted_drift(pred, (kv[0],) * n, (kv[1],) * n))
         # Always try the plain K=V uniform at floor(budget) too, and the top predicted ones.
         lo = int(b)
@@ -241,6 +252,12 @@ def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
     lm = loaded or load_model(cfg.model)
     times["load_model"] = time.perf_counter() - t
     geo = lm.geometry
+    low = min(cfg.mix_widths)
+    for b in cfg.budgets:   # before minutes of collection: every budget must fit some mix
+        if _uniform_alloc_bytes(geo, low) > budget_cap_bytes(geo, b) + 1e-9:
+            raise TkvBitsError(f"TKV_BITS={b:g} cannot be met with SmartMix widths "
+                               f"{list(cfg.mix_widths)}: even K{low}V{low} everywhere exceeds "
+                               "its bytes; add a narrower width or drop the budget")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -272,7 +289,8 @@ def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
     times["sensitivity"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    decisions = decide_budgets(lm.model, draft, sens, cfg.budgets, verify_ids, cfg.show_progress)
+    decisions = decide_budgets(lm.model, draft, sens, cfg.budgets, verify_ids, cfg.show_progress,
+                               widths=cfg.mix_widths)
     times["smartmix_verify"] = time.perf_counter() - t
 
     prov = {
@@ -285,6 +303,7 @@ def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
         "torch": torch.__version__,
         "key_centering": center_mode(cfg.center_keys),
         "sink_offset": bool(cfg.sink_offset),
+        "mix_widths": list(cfg.mix_widths),
         "budget_semantics": "TKV_BITS=b buys the bytes of a uniform cache with b-bit K and V "
                             "codes plus bf16 norms (interpolated between floor(b) and ceil(b)), "
                             "priced by tkv.codec.layout",

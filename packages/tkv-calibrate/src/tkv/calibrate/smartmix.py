@@ -33,6 +33,7 @@ __all__ = [
     "allocation_bytes",
     "budget_cap_bytes",
     "check_budget",
+    "check_widths",
     "solve_mix",
     "uniform_candidates",
 ]
@@ -66,9 +67,27 @@ def allocation_bytes(geo: ModelGeometry, alloc: LayerAllocation) -> float:
                                        PRICE_BLOCK_SIZE).bytes_per_token
 
 
-def uniform_candidates(geo: ModelGeometry, cap: float) -> list[tuple[int, int]]:
-    """Every uniform ``(k_bits, v_bits)`` whose bytes fit ``cap``."""
-    return [(kb, vb) for kb in WIDTHS for vb in WIDTHS if _uniform_bytes(geo, kb, vb) <= cap + 1e-9]
+def uniform_candidates(geo: ModelGeometry, cap: float,
+                       widths=WIDTHS) -> list[tuple[int, int]]:
+    """Every uniform ``(k_bits, v_bits)`` with both widths in ``widths`` whose bytes fit
+    ``cap``."""
+    return [(kb, vb) for kb in widths for vb in widths if _uniform_bytes(geo, kb, vb) <= cap + 1e-9]
+
+
+def check_widths(widths) -> tuple[int, ...]:
+    """The widths SmartMix may give a side (``--mix-widths``): a non-empty set of ints in
+    2..8, returned sorted. Decode speed depends on the widths (H200, session 10, B=32, L=8K:
+    K2V2 0.24 ms, K4V4 0.26, K3V3 0.50, K8V8 0.63, K5V5 0.82, K6V6 1.1; ``docs/kernels.md``):
+    ``(2, 4)`` keeps every layer on the two fastest, trading some fidelity per byte.
+
+    Raises:
+        TkvBitsError: empty, or a width that is not an int in 2..8.
+    """
+    out = sorted(set(widths))
+    if not out or any(isinstance(w, bool) or not isinstance(w, int) or not 2 <= w <= 8
+                      for w in out):
+        raise TkvBitsError(f"SmartMix widths must be ints in 2..8, got {list(widths)!r}")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -93,9 +112,10 @@ def solve_mix(pred: dict[str, torch.Tensor], geo: ModelGeometry, cap: float,
 
     Args:
         pred: ``{"k": (L, 7), "v": (L, 7)}`` predicted KL per layer for widths 2..8.
+        widths: the widths a side may take (default all, 2..8).
 
     Raises:
-        TkvBitsError: no allocation fits ``cap``.
+        TkvBitsError: no allocation of those widths fits ``cap``.
     """
     n = geo.num_layers
     opts = [(kb, vb, round(SlotLayout(geo.head_dim, geo.num_kv_heads, kb, vb,
@@ -120,7 +140,8 @@ def solve_mix(pred: dict[str, torch.Tensor], geo: ModelGeometry, cap: float,
                                              choice[layer, cu:])
         dp = new
     if not torch.isfinite(dp).any():
-        raise TkvBitsError(f"no allocation fits {cap:g} bytes per token")
+        raise TkvBitsError(f"no allocation with widths {list(widths)} fits {cap:g} bytes per "
+                           "token")
     u = int(torch.argmin(dp))
     best = float(dp[u])
     ks, vs = [0] * n, [0] * n
