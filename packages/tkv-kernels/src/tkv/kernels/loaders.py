@@ -129,7 +129,7 @@ _LOOKUP_NAMES = {LOOKUP_GATHER: "gather", LOOKUP_PAIR_F16: "pair", LOOKUP_PAIR_B
 _IMMEDIATE_TABLES = (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16, LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16)
 # P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP + 2**_GROUP_SHIFT * log2(group planes)
 #      (+ the prmt1 / prmti table words from bit _TABLE_SHIFT)
-_GROUP_SHIFT = 24
+_GROUP_SHIFT = 24   # the jit functions read it as P0 // 16777216 (= 2**24)
 _TABLE_SHIFT = 28
 
 
