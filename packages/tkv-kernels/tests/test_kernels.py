@@ -798,6 +798,11 @@ def test_named_errors_on_bad_input():
         decode(q, cache, bt, sl, ld, ws, num_splits=3)
     with pytest.raises(WorkspaceTooSmallError):
         decode(q, cache, bt, sl, ld, Workspace(1, 8, 64, DEV))
+    for bad in (48, 24, 32.0, True, -16):   # before the kernel, not inside tl.arange
+        with pytest.raises(ValueError, match="power of two"):
+            decode(q, cache, bt, sl, ld, ws, block_n=bad)
+    with pytest.raises(ValueError, match=">= 16"):
+        decode(q, cache, bt, sl, ld, ws, block_n=8)
     k = torch.randn(3, 2, 64, device=DEV)
     with pytest.raises(DtypeError):
         compress_store(k, k, cache, torch.zeros(3, dtype=torch.int32, device=DEV), ld)

@@ -75,10 +75,13 @@ def tile_tokens(block_n: int | None, head_dim: int, min_block_n: int,
     benchmarks/results/kernels_gpu_2026-11-29_planes.md).
 
     Raises:
-        ValueError: an explicit ``block_n`` below ``min_block_n``.
+        ValueError: an explicit ``block_n`` that is not an int power of two (Triton tiles), or
+            is below ``min_block_n``.
     """
     if block_n is None:
         return max(small_head if head_dim <= 128 else 32, min_block_n)
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be an int power of two, got {block_n!r}")
     if block_n < min_block_n:
         raise ValueError(f"this loader needs block_n >= {min_block_n} here, got {block_n}")
     return block_n
