@@ -289,7 +289,9 @@ def print_summary(res, console=None) -> None:
         missed = [v for v in verdicts if not v[-1].startswith("yes")]
         console.print(f"goals (issue reference, report.md): {len(verdicts) - len(missed)} of "
                       f"{len(verdicts)} met" + ("; not met: " if missed else "")
-                      + "; ".join(f"{b} {goal}: {got} ({met})" for b, _, goal, got, met in missed))
+                      + "; ".join(f"{b} {goal}: {got} " + (met[3:] if met.startswith("no (")
+                                                            else f"({met})")
+                                  for b, _, goal, got, met in missed))
     out = res.bundle_path.parent
     console.print(f"bundle: {res.bundle_path}   report: {out / 'report.md'}, "
                   f"{out / 'report.png'}   metrics: {out / 'metrics.json'}")
