@@ -909,9 +909,9 @@ def width_rows(copy_gbs, shapes=((32, 8192), (256, 640))):
             codec = TurboKVCodec(128, k_bits=kb, v_bits=vb, device=DEV)
             cache = None
             for lk, npl, bn in opts:
-                ld = TkvLoader(codec, 8, 16, lookup=lk, planes=npl)
                 if (kb, vb) == (4, 4) and (lk, npl) != ("auto", 2):
                     continue
+                ld = TkvLoader(codec, 8, 16, lookup=lk, planes=npl)
                 cache = tkv_cache(ld, nblk) if cache is None else cache
                 nbytes = B * L * ld.layout.bytes_per_token
                 o = {} if bn is None else {"block_n": bn}

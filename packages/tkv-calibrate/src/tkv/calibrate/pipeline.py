@@ -171,11 +171,6 @@ def _uniform_alloc(n: int, kb: int, vb: int) -> LayerAllocation:
     return LayerAllocation.uniform(n, kb, vb, "uniform")
 
 
-def _uniform_alloc_bytes(geo, bits: int) -> float:
-    """Bytes per token of K``bits``V``bits`` in every layer (layout-priced)."""
-    return allocation_bytes(geo, _uniform_alloc(geo.num_layers, bits, bits))
-
-
 def _describe(alloc: LayerAllocation) -> str:
     pairs = list(zip(alloc.k_bits, alloc.v_bits, strict=True))
     if len(set(pairs)) == 1:
@@ -254,7 +249,8 @@ def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
     geo = lm.geometry
     low = min(cfg.mix_widths)
     for b in cfg.budgets:   # before minutes of collection: every budget must fit some mix
-        if _uniform_alloc_bytes(geo, low) > budget_cap_bytes(geo, b) + 1e-9:
+        # (uniform K{low}V{low} is the cheapest allocation: no uniform fits ⇔ no mix fits)
+        if not uniform_candidates(geo, budget_cap_bytes(geo, b), cfg.mix_widths):
             raise TkvBitsError(f"TKV_BITS={b:g} cannot be met with SmartMix widths "
                                f"{list(cfg.mix_widths)}: even K{low}V{low} everywhere exceeds "
                                "its bytes; add a narrower width or drop the budget")
