@@ -385,6 +385,22 @@ def test_planes_follow_widths():
             TkvLoader(TurboKVCodec(64, 4, device=DEV), 1, 16, planes=bad)
 
 
+@pytest.mark.parametrize("kb,vb", [(3, 4), (5, 2), (4, 3), (6, 7), (3, 3), (7, 8)])
+def test_per_element_sides_keep_32_token_tiles(kb, vb):
+    """A per-element side (3/5/6/7 bits at head_dim 64: a group plane would hold < 16
+    coordinates) keeps decode and prefill-prefix tiles at 32 tokens: 64-token prefix tiles
+    with such a side fault on the H200 (session 8's tile bug; session 10's tile rule let these
+    loaders pick 128 and the GPU suite failed with illegal addresses in session 11)."""
+    from tkv.kernels.prefill import _prefix_tile
+    ld = TkvLoader(TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV), 3, 16)
+    assert 1 in (ld.group_planes("k"), ld.group_planes("v"))
+    assert ld.preferred_block_n == 32
+    assert _prefix_tile(ld.prefill_loader()) == 32
+    # the same widths at head_dim 128 are whole-byte groups again
+    wide = TkvLoader(TurboKVCodec(128, k_bits=kb, v_bits=vb, device=DEV), 3, 16)
+    assert 1 not in (wide.group_planes("k"), wide.group_planes("v")) or 8 in (kb, vb)
+
+
 def test_prefill_loader_keeps_group_planes():
     """prefill reads through ``prefill_loader()``: the loader itself when nothing is
     interleaved, else a view (built at construction) with the group planes kept, the same

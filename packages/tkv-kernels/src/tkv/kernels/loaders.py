@@ -821,10 +821,17 @@ class TkvLoader:
         """Decode tile length (tokens, head_dim ≤ 128) that fits the registers: 128 when every
         side is 2-bit or takes ≤ 2 planes (4/8 bits, and 3/5/7 bits interleaved to 2: K3V3
         0.50 ms at 128 vs 0.55 at 64 and 0.66 at 32 on the H200, session 10); 32 for 6-bit
-        sides and un-interleaved 8-code groups (64+ token tiles spill, ptxas sm_90a)."""
-        ok = all(self.planes(s) <= 2 or b == 2 for s, b in (("k", self.k_bits),
-                                                              ("v", self.v_bits)))
-        return 128 if ok else 32
+        sides and un-interleaved 8-code groups (64+ token tiles spill, ptxas sm_90a), and for
+        per-element sides (3/5/6/7 bits whose group plane would hold < 16 coordinates, e.g.
+        head_dim 64): prefill's prefix tile follows this value (``prefill._prefix_tile``), and
+        64-token prefix tiles with a per-element side next to a planar one fault on the H200
+        (illegal address; ``benchmarks/results/prefill_tile_bug_2026-11-30.md``, session 8 —
+        re-found in session 11 after session 10's rule had let such loaders pick 128)."""
+        def fits(side: str, bits: int) -> bool:
+            if self.group_planes(side) == 1 and bits != 8:
+                return False   # per-element reads
+            return self.planes(side) <= 2 or bits == 2
+        return 128 if fits("k", self.k_bits) and fits("v", self.v_bits) else 32
 
     def check_cache(self, cache) -> int:
         """``cache`` uint8 ``(num_blocks, page_bytes)`` contiguous, on the codec's device."""
