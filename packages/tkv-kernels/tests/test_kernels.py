@@ -934,3 +934,24 @@ def test_store_search_trees_equal_the_gathers(monkeypatch, kb, vb, sink):
     if sink:   # the flags really vary (some tokens coded against the sink offset)
         flags = torch.signbit(ld.layout.views(caches[1])["k_norms"].float())
         assert flags.any() and not flags.all()
+
+
+def test_gluon_kernel_refuses_what_it_cannot_serve():
+    """``decode(kernel=...)``: an unknown name is a ValueError; the Gluon kernel refuses the
+    CPU / interpreter, non-4-bit sides, other lookups and sink offsets by name, before any
+    launch."""
+    from tkv.kernels.gluon_decode import UnsupportedKernelError, check_supported
+    ld = TkvLoader(TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV), 2, 16)
+    batch = make_paged_batch([5, 9], 16, DEV)
+    cache = make_cache(ld, batch.num_blocks, DEV)
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16, device=DEV)
+    ws = Workspace(2, 4, 64, DEV)
+    with pytest.raises(ValueError, match="kernel must be"):
+        decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, kernel="cuda")
+    with pytest.raises(UnsupportedKernelError, match="CUDA device"):
+        decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, kernel="gluon")
+    odd = TkvLoader(TurboKVCodec(64, k_bits=3, v_bits=4, device=DEV), 2, 16)
+    with pytest.raises(UnsupportedKernelError, match="4-bit"):
+        check_supported(odd, "cuda", 64, 2, torch.bfloat16)
+    with pytest.raises(UnsupportedKernelError):
+        check_supported(ld, "cuda", 96, 2, torch.bfloat16)

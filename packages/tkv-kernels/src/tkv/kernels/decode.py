@@ -10,6 +10,7 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
+from . import gluon_decode
 from ._planes import (
     accumulate,
     add_shift,
@@ -263,7 +264,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
            output_rotated: bool = False, num_splits: int | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int = 1,
            prefetch: bool = False, swap_qk: bool | None = None,
-           maxnreg: int | None = None) -> torch.Tensor:
+           maxnreg: int | None = None, kernel: str = "triton") -> torch.Tensor:
     """Paged decode attention, one query token per sequence, reading the cache through
     ``loader`` with inline dequant (split-K over the sequence, LSE merge of the splits).
 
@@ -306,6 +307,11 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         swap_qk: compute scores as ``K · q^T`` (K tiles as the tensor-core A operand)
             instead of ``q · K^T``; default: the loader's ``k_operand_a(dot_dtype)`` if it
             has one (TkvLoader with ``lookup="prmt1"``), else False. Same result.
+        kernel: ``"triton"`` (default) or ``"gluon"``: the experimental one-warp Gluon split
+            kernel (:mod:`tkv.kernels.gluon_decode`; K4V4 with ``lookup="prmt"``, bf16, CUDA;
+            :class:`~tkv.kernels.gluon_decode.UnsupportedKernelError` otherwise). Same
+            result; slower on the H200 so far (0.78× the Triton kernel at B=32, L=8K,
+            session 11).
         prefetch: fetch tile ``t+1``'s bytes while tile ``t`` is computed (software
             pipeline). Off by default: on the H200 it helped 32-token tiles (0.46 vs 0.49 ms)
             but not the faster 128-token ones (0.44 vs 0.38 ms), K4V4 B=32 L=8K.
@@ -336,6 +342,10 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         raise ShapeError("block_table must have unit stride on its last dim")
     dev = query.device
     dot_dtype = dot_dtype_for(query.dtype)
+    if kernel not in ("triton", "gluon"):
+        raise ValueError(f"kernel must be 'triton' or 'gluon', got {kernel!r}")
+    if kernel == "gluon":
+        gluon_decode.check_supported(loader, dev, d, hq // hkv, dot_dtype)
     kargs = loader.side_args(cache, "k", dot_dtype)
     vargs = loader.side_args(cache, "v", dot_dtype)
     check_same_device(dev, block_table=block_table, seq_lens=seq_lens, cache_k=kargs[0],
@@ -365,6 +375,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         _rotate_rows_kernel[(triton.cdiv(ns * hq, br),)](
             query, query.stride(0), query.stride(1), loader.q_in, q, ns * hq, HQ=hq,
             BLOCK_R=br, HEAD_DIM=d, D_PAD=d_pad, KC=_slab(d_pad), num_warps=8)
+    if kernel == "gluon" and block_n is None:
+        block_n = 32   # one warp: 64-token tiles spill at head_dim 128 (ptxas sm_90a)
     block_n = tile_tokens(block_n, d, loader.min_block_n,
                           small_head=getattr(loader, "preferred_block_n", 64))
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
@@ -375,17 +387,23 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     if maxnreg is None and not interpreting():
         maxnreg = getattr(loader, "decode_maxnreg", lambda *_: None)(
             ns * hkv * splits, workspace.target_programs, dot_dtype)
-    _decode_split_kernel[(ns, hkv, splits)](
-        q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
-        block_table.shape[1], num_blocks, *kargs[:6], *vargs[:6], part_o, part_lse,
-        scale * _LOG2E, window, k_shift, v_shift,
-        FETCH=loader.fetch, DEQUANT=loader.dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
-        KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
-        VP3=vargs[9], VNP=vargs[10], G=g, BLOCK_H=block_h, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=loader.block_size,
-        BLOCK_N=block_n, NUM_SPLITS=splits, DOT_DTYPE=_TL[dot_dtype],
-        PREFETCH=bool(prefetch), SWAP_QK=bool(swap_qk), K_SINK=k_sink, V_SINK=v_sink,
-        num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": int(maxnreg)} if maxnreg else {}))
+    if kernel == "gluon":
+        gluon_decode.launch_split(
+            q, block_table, seq_lens, num_blocks, kargs, vargs, part_o, part_lse,
+            scale * _LOG2E, window, num_kv_heads=hkv, group=g, head_dim=d,
+            block_size=loader.block_size, splits=splits, block_n=block_n)
+    else:
+        _decode_split_kernel[(ns, hkv, splits)](
+            q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
+            block_table.shape[1], num_blocks, *kargs[:6], *vargs[:6], part_o, part_lse,
+            scale * _LOG2E, window, k_shift, v_shift,
+            FETCH=loader.fetch, DEQUANT=loader.dequant, KP0=kargs[6], KP1=kargs[7],
+            KP2=kargs[8], KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7],
+            VP2=vargs[8], VP3=vargs[9], VNP=vargs[10], G=g, BLOCK_H=block_h, HEAD_DIM=d,
+            D_PAD=d_pad, BLOCK_SIZE=loader.block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
+            DOT_DTYPE=_TL[dot_dtype], PREFETCH=bool(prefetch), SWAP_QK=bool(swap_qk),
+            K_SINK=k_sink, V_SINK=v_sink, num_warps=num_warps, num_stages=num_stages,
+            **({"maxnreg": int(maxnreg)} if maxnreg else {}))
     unrotate = bool(loader.rotated and not output_rotated)
     u = loader.out_mat if unrotate else part_lse
     _decode_reduce_kernel[(triton.cdiv(ns * hq, br),)](
