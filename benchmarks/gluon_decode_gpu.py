@@ -32,11 +32,7 @@ def setup(lens, hq, hkv, d, bs, g, lookup="prmt"):
     ld = TkvLoader(TurboKVCodec(d, k_bits=4, v_bits=4, device=DEV), hkv, bs, lookup=lookup)
     pb = make_paged_batch(lens, bs, DEV, generator=g)
     cache = make_cache(ld, pb.num_blocks, DEV, generator=g)
-    slots = []
-    for i, n in enumerate(lens):
-        pos = torch.arange(n)
-        slots.append(pb.block_table[i].cpu().long()[pos // bs] * bs + pos % bs)
-    slots = torch.cat(slots).to(DEV)
+    slots = torch.cat([pb.slots(i) for i in range(len(lens))])
     n = slots.numel()
     k = torch.randn(n, hkv, d, generator=g).to(DEV, torch.bfloat16)
     v = torch.randn(n, hkv, d, generator=g).to(DEV, torch.bfloat16)

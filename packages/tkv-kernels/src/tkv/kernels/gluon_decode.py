@@ -18,16 +18,18 @@ chosen by hand so that none of that happens:
 
 Same inputs and partial outputs as the Triton split kernel (the reduce kernel is shared).
 Scope: both sides 4-bit with the prmt lookup, head_dim 32..256 a power of two, G ≤ 16 query
-heads per KV head, no sink offsets; :func:`supports` says whether a loader qualifies.
+heads per KV head, no sink offsets; :func:`check_supported` says whether a call qualifies.
 """
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .loaders import _PRMT_CONSTRAINTS, _PRMT_LUT16
+from ._util import interpreting
+from .loaders import _PRMT_CONSTRAINTS, _PRMT_LUT16, LOOKUP_PRMT_BF16, TkvLoader
 
 __all__ = ["UnsupportedKernelError", "check_supported", "k_layout", "launch_split", "v_layout"]
 
@@ -136,9 +138,8 @@ def gluon_decode_split_kernel(
     for t in range(my0, my1):
         base = t * BLOCK_N
         # K codes: [N, NB] -> relabel bytes -> [NB, N] in the B-operand layout (no movement)
-        mk, bk = _blocks(bt_row, base + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LK)),
-                         L, start, num_blocks, BLOCK_SIZE)
         pk = base + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LK))
+        mk, bk = _blocks(bt_row, pk, L, start, num_blocks, BLOCK_SIZE)
         rk = bk * k_sb + KP1 + kvh * k_sh + (pk % BLOCK_SIZE) * k_st
         kc = gl.load(k_base + rk[:, None] + kb[None, :], mask=mk[:, None], other=0)
         kc = gl.permute(gl.reshape(kc, [BLOCK_N, 4, TB // 4, 2, 2]), [0, 2, 3, 1, 4])
@@ -163,9 +164,8 @@ def gluon_decode_split_kernel(
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         # V codes: [N, NB] -> relabel bytes (lane g's bytes become columns g, g+8, ...)
-        mv, bv = _blocks(bt_row, base + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LV)),
-                         L, start, num_blocks, BLOCK_SIZE)
         pv = base + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LV))
+        mv, bv = _blocks(bt_row, pv, L, start, num_blocks, BLOCK_SIZE)
         rv = bv * v_sb + VP1 + kvh * v_sh + (pv % BLOCK_SIZE) * v_st
         vc = gl.load(v_base + rv[:, None] + vb[None, :], mask=mv[:, None], other=0)
         vc = gl.permute(gl.reshape(vc, [BLOCK_N, 8, VB]), [0, 2, 1])
@@ -198,10 +198,6 @@ def check_supported(loader, device, head_dim: int, group: int, dot_dtype) -> Non
     :class:`~tkv.kernels.TkvLoader` with 4-bit K and V sides using the ``prmt`` lookup (so
     ``lookup="prmt"``), bf16 queries, head_dim 32..256 a power of two, at most 16 query heads
     per KV head, no sink offsets."""
-    import torch
-
-    from ._util import interpreting
-    from .loaders import LOOKUP_PRMT_BF16, TkvLoader
     why = None
     if not isinstance(loader, TkvLoader) or (loader.k_bits, loader.v_bits) != (4, 4):
         why = "needs a TkvLoader with 4-bit K and V sides"
@@ -223,7 +219,7 @@ def check_supported(loader, device, head_dim: int, group: int, dot_dtype) -> Non
 
 def launch_split(q, block_table, seq_lens, num_blocks, kargs, vargs, part_o, part_lse,
                  scale_log2: float, window: int, *, num_kv_heads: int, group: int,
-                 head_dim: int, block_size: int, splits: int, block_n: int = 32) -> None:
+                 head_dim: int, block_size: int, splits: int, block_n: int) -> None:
     """Launch :func:`gluon_decode_split_kernel` on grid ``(num_seqs, num_kv_heads, splits)``
     (arguments as ``decode._decode_split_kernel``'s)."""
     gluon_decode_split_kernel[(q.shape[0], num_kv_heads, splits)](
