@@ -838,6 +838,26 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
             kp.view(-1, hkv, d).index_copy_(0, slots, k)
             vp.view(-1, hkv, d).index_copy_(0, slots, v)
             return decode(q, (kp, vp), bt, sl, bl, ws, out=out)
+    elif "codecs" in attn:
+        # one codec per layer (e.g. a calibration bundle row: fitted codebooks, channel
+        # scales, key / sink offsets, per-layer widths), each layer its own loader and cache
+        # as in an engine
+        per_layer = []
+        for codec in attn["codecs"]:
+            ld = TkvLoader(codec, hkv, block, lookup=attn.get("lookup", "auto"))
+            cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8,
+                                  device=device, generator=g)
+            views = ld.layout.views(cache)
+            for name in ("k_norms", "v_norms"):
+                views[name].copy_(torch.rand(views[name].shape, device=device, generator=g) + 8)
+            per_layer.append((ld, cache))
+        layer_no = [0]
+
+        def attend(q, k, v):
+            ld, cache = per_layer[layer_no[0] % len(per_layer)]
+            layer_no[0] += 1
+            compress_store(k, v, cache, slots, ld)
+            return decode(q, cache, bt, sl, ld, ws, out=out)
     else:
         # per-layer (k_bits, v_bits): "widths" (cycled over the layers), default K4V4; one
         # loader and one cache per distinct pair, shared by the layers that use it
@@ -880,6 +900,59 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
         return x
 
     return step
+
+
+# SmolLM2-135M decoder layer (hidden, q heads, KV heads, head_dim, MLP width), 30 layers
+SMOLLM2_DIMS = (576, 9, 3, 64, 1536)
+SMOLLM2_BUNDLE = "results/calibrate_smollm2_sink_offset_2026-11-30/tkv_bundle.json"
+
+
+def smollm2_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), rows=("4.0", "3.0")):
+    """Engine-like decode steps at SmolLM2-135M's geometry (30 layers, head_dim 64, 9 q / 3
+    KV heads, GQA 3) — the model of the vLLM SmartMix run where tkv@4.0 ran 0.20× bf16 at
+    256 sequences: GEMMs alone, bf16 (store + bypass decode), uniform K4V4 (Gaussian
+    codebooks) and the committed bundle's rows with their own per-layer codecs (widths,
+    fitted codebooks, channel scales, key / sink offsets). Then, at the largest batch, the
+    per-kernel device time of one step (torch.profiler) for bf16 and each bundle row: where
+    the step's time goes, by kernel."""
+    from tkv.codec import CalibrationBundle
+    bundle = CalibrationBundle.load(Path(__file__).parent / SMOLLM2_BUNDLE)
+    layers = 30
+    arms = [("GEMMs only (no attention)", "none"), ("bf16 store + bypass decode", "bf16"),
+            ("tkv K4V4 uniform", {})]
+    for row in rows:
+        w = bundle.allocation(row)
+        arms.append((f"tkv bundle {row} row widths, Gaussian codebooks",
+                     {"widths": list(zip(w.k_bits, w.v_bits, strict=True))}))
+        arms.append((f"tkv bundle {row} row codecs", {"codecs": bundle.codecs(row, DEV)}))
+    for i, (B, L) in enumerate(shapes):
+        base = dict(kernel="model_step", B=B, L=L, Hq=9, Hkv=3, D=64, layers=layers,
+                    model="smollm2")
+        ref = None
+        for label, attn in arms:
+            try:
+                step = make_model_step(B, L, attn, layers=layers, dims=SMOLLM2_DIMS)
+                ms = bench(step)
+            except Exception as e:
+                log({**base, "impl": label, "error": str(e)[:300]})
+                continue
+            if attn == "bf16":
+                ref = ms
+            row = {**base, "impl": label, "ms": ms}
+            if ref is not None:
+                row["x_bf16"] = round(ref / ms, 3)
+            log(row)
+            profiled = attn == "bf16" or (isinstance(attn, dict) and ("codecs" in attn or not attn))
+            if i == len(shapes) - 1 and profiled:
+                try:
+                    kb = _kernel_breakdown(step, calls=5)
+                    log({**base, "kernel": "model_step_breakdown", "impl": label,
+                         "us_per_kernel": {k: round(v, 1) for k, v in list(kb.items())[:25]}})
+                except Exception as e:
+                    log({**base, "kernel": "model_step_breakdown", "impl": label,
+                         "error": str(e)[:300]})
+            del step
+            torch.cuda.empty_cache()
 
 
 def _bundle_row_widths(row: str) -> list[tuple[int, int]]:
@@ -997,6 +1070,9 @@ def main():
     ap.add_argument("--widths", action="store_true",
                     help="only decode at 2/3/5-bit sides, pair vs register lookup, and model "
                          "steps with the SmolLM2 bundle rows' per-layer widths (width_rows)")
+    ap.add_argument("--smollm2-step", action="store_true",
+                    help="only engine-like decode steps at SmolLM2's geometry with the "
+                         "committed bundle's per-layer codecs, and their per-kernel breakdown")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
@@ -1023,6 +1099,11 @@ def main():
             store_sweep_rows(copy_gbs)
         except Exception as e:  # must not cost the rest of the run
             log({"kernel": "store_sweep", "impl": "store sweep", "error": str(e)[:160]})
+    if a.smollm2_step:   # the SmolLM2-geometry steps alone
+        smollm2_step_rows(copy_gbs)
+        table(copy_gbs, out / f"kernels_gpu{tag}.md")
+        (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+        return
     if a.widths:   # the width rows alone
         width_rows(copy_gbs)
         table(copy_gbs, out / f"kernels_gpu{tag}.md")

@@ -478,6 +478,9 @@ def worker(args: argparse.Namespace) -> None:
               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
               **MODES[args.mode])
     no_tok = args.weights != "real"  # generated models have no tokenizer
+    if args.profile:
+        # the engine core in this process, so torch.profiler sees its host work and kernels
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.weights == "dummy":
         kw.update(load_format="dummy")
     if no_tok:
@@ -542,12 +545,56 @@ def worker(args: argparse.Namespace) -> None:
             llm.generate(random_batch(n), SamplingParams(max_tokens=16, ignore_eos=True, **detok),
                          use_tqdm=False)
             res["throughput"][str(n)] = timed(lambda n=n: random_batch(n), n)
+        if args.profile:
+            n = max(args.batches)
+            res["profile"] = profile_decode(
+                llm, lambda: random_batch(n),
+                SamplingParams(temperature=0.0, max_tokens=args.profile, ignore_eos=True,
+                               **detok), Path(args.result).with_suffix(".profile.txt"))
         if args.long_prompt and args.max_model_len >= args.long_prompt + 256:
             def long():
                 return [TokensPrompt(prompt_token_ids=random_prompt_ids(
                     rng, 1, args.long_prompt)[0])]
             res["throughput"][f"1x{args.long_prompt}"] = timed(long, 1)
     Path(args.result).write_text(json.dumps(res, indent=1))
+
+
+def profile_decode(llm, make_prompts, params, path: Path) -> dict:
+    """torch.profiler (CPU + CUDA) over one ``llm.generate(make_prompts(), params)`` after an
+    unprofiled one of the same shape (fresh prompts each: no prefix-cache hits, and no
+    compile lands in the profile). Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+    set by the worker's ``--profile``). Writes ``path``: the operator table sorted by self
+    CPU time and by device time (top 40 each). Returns the wall seconds of both calls, the
+    profiled steps' count of CUDA-graph launches and kernel launches, and the device time of
+    the kernels in total and per generated token step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = params.max_tokens
+    prompts = make_prompts()
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    plain_s = time.perf_counter() - t
+    prompts = make_prompts()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        prof_s = time.perf_counter() - t
+    ka = prof.key_averages()
+    count = {e.key: e.count for e in ka}
+    dev = sum(getattr(e, "self_device_time_total", 0) for e in ka)
+    path.write_text(
+        f"# {len(prompts)} prompts x {steps} tokens: {plain_s:.3f} s unprofiled, "
+        f"{prof_s:.3f} s profiled\n\n## by self CPU time\n"
+        + ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90)
+        + "\n\n## by device time\n"
+        + ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
+    return {"prompts": len(prompts), "tokens": steps, "seconds": round(plain_s, 4),
+            "seconds_profiled": round(prof_s, 4),
+            "cuda_graph_launches": count.get("cudaGraphLaunch", 0),
+            "kernel_launches": count.get("cudaLaunchKernel", 0)
+            + count.get("cuLaunchKernel", 0) + count.get("cuLaunchKernelEx", 0),
+            "device_ms": round(dev / 1e3, 3), "device_ms_per_step": round(dev / 1e3 / steps, 3),
+            "table": path.name}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -605,7 +652,8 @@ def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Pat
            "--max-model-len", str(max_len), "--max-num-seqs", str(max(opts.batches)),
            "--long-prompt", str(long_prompt), "--tp", str(tp),
            "--batches", *map(str, opts.batches), "--weights", weights,
-           "--repeats", str(getattr(opts, "repeats", 3))]
+           "--repeats", str(getattr(opts, "repeats", 3)),
+           "--profile", str(getattr(opts, "profile", 0))]
     if greedy_only:
         cmd.append("--greedy-only")
     if eager:
@@ -1261,6 +1309,11 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--bits", default="4.0", help="TKV_BITS of the throughput run")
             a.add_argument("--bundle", default=None, help="calibration bundle (default: uniform)")
             a.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+            a.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                           help="after the throughput runs, torch.profiler over one "
+                           "generate of the largest batch × TOKENS tokens, engine core "
+                           "in-process (every run of the job: timings then include the "
+                           "front end's host work too); table next to each run's JSON")
             a.add_argument("--long-prompt", type=int, default=32768)
             a.add_argument("--long-max-model-len", type=int, default=33280)
             a.add_argument("--long-real", action="store_true",
@@ -1302,6 +1355,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--enforce-eager", action="store_true")
     w.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
     w.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    w.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                   help="profile_decode over the largest batch × TOKENS tokens (0: off)")
     args = p.parse_args(argv)
     rc = {"all": run_all, "smoke": smoke, "tp": run_tp, "serve-check": serve_check,
           "worker": worker, "write-checkpoint": write_checkpoint_cmd,
