@@ -155,7 +155,9 @@ def _decode_split_kernel(
     tl.store(part_lse + row, lse, mask=hmask)
 
 
-@triton.jit
+# num_rows = num_seqs · num_q_heads changes with every eager batch (mixed prefill + decode
+# steps): no specialization on its value (see prefill._VARYING_INTS); it only masks rows.
+@triton.jit(do_not_specialize=["num_rows"])
 def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U, num_rows,
                           HQ: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
                           D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, KC: tl.constexpr,
@@ -211,7 +213,7 @@ def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U, num_rows,
                  mask=rmask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _rotate_rows_kernel(X, sx_s, sx_h, M, Y, num_rows, HQ: tl.constexpr,
                         BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                         KC: tl.constexpr):

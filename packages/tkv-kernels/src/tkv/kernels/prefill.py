@@ -80,7 +80,21 @@ def _dense_planes(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constex
     return out
 
 
-@triton.jit
+# Runtime arguments that change from step to step must not pick a Triton specialization,
+# or a step whose values fall in a new class (an int equal to 1 or divisible by 16, a pointer
+# 16-byte aligned or not) stalls on a compile — seconds, once per layer width pair, inside a
+# serving run — and a warm-up (warm_prefix_variant) cannot cover every later step:
+# * engines pass slices of their per-step metadata (e.g. vLLM's seq_lens[num_decodes:]),
+#   whose start is aligned or not depending on the batch; both are read once per program;
+# * the decompress-once path's block table is built per call: its stride / width
+#   (``maxp // block_size``) and page count follow the batch's longest prefix (measured:
+#   five compiles, 4 s, in the second of two identical vLLM SmartMix runs at 256 sequences,
+#   H200 2026-11-30, session 12); they only index and bound-check the table.
+_VARYING_INTS = ["s_bt", "max_blocks", "num_blocks"]
+
+
+@triton.jit(do_not_specialize=[*_VARYING_INTS, "max_prefix"],
+            do_not_specialize_on_alignment=["cu_q", "seq_lens"])
 def _dequant_prefix_kernel(
         cu_q, seq_lens, block_table, s_bt, max_blocks, num_blocks,
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
@@ -137,11 +151,7 @@ def _scaled(planes, scale, NP: tl.constexpr):
     return out
 
 
-# Engines pass slices of their per-step metadata (e.g. vLLM's seq_lens[num_decodes:]), whose
-# start is 16-byte aligned or not depending on the batch: without this, Triton compiles one
-# variant per alignment, so a warm-up (warm_prefix_variant) could not cover every later step.
-# Both are read once per program, so alignment buys nothing here.
-@triton.jit(do_not_specialize_on_alignment=["cu_q", "seq_lens"])
+@triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=["cu_q", "seq_lens"])
 def _prefill_kernel(
         Q, sq_t, sq_h, KN, sk_t, sk_h, VN, sv_t, sv_h, Out, so_t, so_h,
         cu_q, seq_lens, block_table, s_bt, max_blocks, num_blocks,

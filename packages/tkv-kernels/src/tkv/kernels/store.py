@@ -317,7 +317,10 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, 
     tl.store(aux + nidx, norm16, mask=valid)
 
 
-@triton.jit
+# num_tokens changes with every eager batch, and a caller may pass slot_mapping as a slice at
+# any offset: no specialization on either (one variant per width pair, compiled at the first
+# call; see prefill._VARYING_INTS). num_tokens only masks tokens; slots are read once.
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slots"])
 def _compress_store_kernel(
         K, skt, skh, V, svt, svh, slots, num_tokens, num_slots, cache, aux,
         Ak, Av, ak_scale, av_scale, kinv_s, vinv_s, kbounds, vbounds, ktable, vtable, kmu, kmu_rot,
