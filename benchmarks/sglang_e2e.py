@@ -64,10 +64,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # shared with the vLLM benchmark: same prompts, models, bundle and agreement metric
 from vllm_e2e import (
     GREEDY_TOKENS,
+    JIT_LEGEND,
+    JIT_LOG_ENV,
     PREFIX_PROMPT_TOKENS,
     PROMPTS,
     REPEATS_HELP,
     agreement,
+    jit_mark,
     prefix_cache_cell,
     random_prompt_ids,
     ratio_cell,
@@ -238,7 +241,10 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
         cmd.append("--greedy-only")
     if o.eager:
         cmd.append("--eager")
-    env = {**tkv_env(mode, bits, bundle), "PYTHONUNBUFFERED": "1"}
+    jit_log = out / f"{tag}.jit.tsv"
+    jit_log.unlink(missing_ok=True)
+    # the tkv plugin logs every SGLang process's Triton JIT events (timed_repeats counts them)
+    env = {**tkv_env(mode, bits, bundle), "PYTHONUNBUFFERED": "1", JIT_LOG_ENV: str(jit_log)}
     log = out / f"{tag}.log"
     print(f"== {tag}: TKV_BITS={env.get('TKV_BITS', '-')} {' '.join(cmd[2:])}", flush=True)
     t = time.perf_counter()
@@ -287,14 +293,15 @@ def table(model: str, res: dict[str, dict]) -> str:
         vs = [ratio_cell(c, bt.get(k), "output_tok_s") for c, k in zip(tc, ks, strict=True)]
         vd = [ratio_cell(c, bt.get(k), "decode_tok_s") for c, k in zip(tc, ks, strict=True)]
         cells = [name, f"{kv:,}" if kv else "?", ratio, agree,
-                 *(f"{t:,.0f}" if t else "-" for t in tps), " / ".join(vs) or "-",
+                 *(f"{t:,.0f}{jit_mark(c)}" if t else "-" for t, c in zip(tps, tc, strict=True)),
+                 " / ".join(vs) or "-",
                  " / ".join(vd) or "-", prefix_cache_cell(r), str(r.get("startup_s", "-"))]
         rows.append("| " + " | ".join(cells) + " |")
     texts = [(n, r["greedy_text"][0]) for n, r in res.items() if r.get("greedy_text")]
     if texts:
         rows += ["", f"Greedy text, prompt 1 ({PROMPTS[0]!r}):", ""]
         rows += [f"* {n}: {t!r}" for n, t in texts]
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + "\n\n" + JIT_LEGEND + "\n"
 
 
 def run_models(o: argparse.Namespace, bits_full: list[str], bits_greedy: list[str]) -> None:

@@ -659,6 +659,9 @@ def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Pat
     if eager:
         cmd.append("--enforce-eager")
     env = tkv_env(mode, bits, bundle)
+    jit_log = out / f"{tag}.jit.tsv"
+    jit_log.unlink(missing_ok=True)
+    env[JIT_LOG_ENV] = str(jit_log)   # the tkv plugin logs every process's Triton JIT events
     if max_len > 32768:
         env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     log = out / f"{tag}.log"
@@ -700,12 +703,17 @@ def timed_repeats(n: int, out_len: int, run_full, run_prefill, repeats: int) -> 
     prompts. Returns the cell of the run with the MEDIAN ``output_tok_s`` (a real run, so
     its prefill and decode figures belong together), plus ``runs`` (every cell, in order,
     each with ``jit_compiles``: Triton cache entries added while it was timed, None if
-    unknown) and ``statistic``. One run is what earlier results recorded: a one-time cost
+    unknown; with ``$TKV_JIT_LOG`` also ``jit_events`` / ``jit_seconds``: every Triton compile
+    or disk-cache load of any process of the engine that started in the window — disk hits
+    included, which ``jit_compiles`` cannot see) and ``statistic``. One run is what earlier
+    results recorded: a one-time cost
     (a kernel variant compiled inside the timed window, an allocator growing) then lands in
     the number; the median of three does not carry it."""
+    log = os.environ.get(JIT_LOG_ENV)
     runs = []
     for _ in range(max(1, repeats)):
         c0 = triton_cache_entries()
+        w0 = time.time()
         t = time.perf_counter()
         run_full()
         full = time.perf_counter() - t
@@ -714,6 +722,11 @@ def timed_repeats(n: int, out_len: int, run_full, run_prefill, repeats: int) -> 
         cell = throughput_entry(n, out_len, full, time.perf_counter() - t)
         c1 = triton_cache_entries()
         cell["jit_compiles"] = c1 - c0 if c0 is not None and c1 is not None else None
+        if log:
+            from tkv.kernels.jit_log import read_events
+            ev = read_events(log, w0, time.time())
+            cell["jit_events"] = len(ev)
+            cell["jit_seconds"] = round(sum(e.seconds for e in ev), 3)
         runs.append(cell)
     mid = sorted(runs, key=lambda c: c["output_tok_s"])[len(runs) // 2]
     return {**mid, "runs": runs,
@@ -847,10 +860,20 @@ def table(model: str, res: dict[str, dict]) -> str:
                 for c, k in zip(cells, keys, strict=True)]
         kv_s = f"{kv(r):,}" if kv(r) else "?"
         rows.append(f"| {name} | {kv_s} | {ratio} | {agree} | "
-                    + " | ".join(f"{t:,.0f}" if t else "-" for t in tps)
+                    + " | ".join(f"{t:,.0f}{jit_mark(c)}" if t else "-"
+                                 for t, c in zip(tps, cells, strict=True))
                     + f" | {' / '.join(vs_b)} | {' / '.join(vs_d)} | {' / '.join(vs_t)} | {div} "
                     f"| {prefix_cache_cell(r)} |")
-    return "\n".join(rows) + "\n\n" + DIVERGENCE_LEGEND.format(ref="bf16") + "\n"
+    return ("\n".join(rows) + "\n\n" + DIVERGENCE_LEGEND.format(ref="bf16") + "\n\n"
+            + JIT_LEGEND + "\n")
+
+
+def jit_mark(cell: dict | None) -> str:
+    """`` †n/m`` after a throughput cell when Triton JIT events (compiles or disk loads,
+    ``$TKV_JIT_LOG``) or new cache entries landed in n of its m timed runs; ``""`` if none."""
+    runs = (cell or {}).get("runs") or []
+    hit = sum(1 for r in runs if (r.get("jit_events") or 0) or (r.get("jit_compiles") or 0))
+    return f" †{hit}/{len(runs)}" if hit else ""
 
 
 def run_all(opts: argparse.Namespace) -> int:
@@ -1258,6 +1281,11 @@ def divergence_cpu(opts: argparse.Namespace) -> int:
         Path(opts.out).write_text(json.dumps(analysis, indent=1))
     return 0
 
+
+JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the driver runs without tkv)
+JIT_LEGEND = ("`†n/m`: Triton compiled or loaded a kernel inside n of the cell's m timed runs "
+              "(`jit_events` / `jit_compiles` in the JSON): a one-time stall in the timed "
+              "window; the reported cell is the median run.")
 
 REPEATS_HELP = ("timed runs per throughput cell, fresh prompts each; the median is reported, "
                 "every run kept with its JIT-compile count (timed_repeats)")

@@ -98,6 +98,37 @@ def test_timed_repeats_reports_the_median_run_and_counts_jit_compiles(e2e, tmp_p
     assert one["statistic"] == "one run" and one["runs"][0]["jit_compiles"] is None
 
 
+def test_timed_repeats_counts_jit_log_events_and_the_table_marks_them(e2e, tmp_path,
+                                                                       monkeypatch):
+    """With $TKV_JIT_LOG (written by the engine's processes through tkv.kernels.jit_log),
+    each timed run records the Triton events that started inside it — disk-cache loads too,
+    which the cache-folder count misses — and the table marks the cell."""
+    import os
+    import time
+
+    log = tmp_path / "run.jit.tsv"
+    monkeypatch.setenv(e2e.JIT_LOG_ENV, str(log))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "absent"))
+    log.write_text(f"{time.time() - 100:.6f}\t2.0\t1\tm:before_the_window\n")
+    fulls = []
+
+    def full():
+        fulls.append(1)
+        if len(fulls) == 2:   # the second run meets two loads (another process compiled them)
+            with open(log, "a") as f:
+                for name in ("_prefill_kernel", "_dequant_prefix_kernel"):
+                    f.write(f"{time.time():.6f}\t0.75\t{os.getpid() + 1}\tm:{name}\n")
+
+    c = e2e.timed_repeats(256, 256, full, lambda: None, 3)
+    assert [r["jit_events"] for r in c["runs"]] == [0, 2, 0]
+    assert [r["jit_seconds"] for r in c["runs"]] == [0.0, 1.5, 0.0]
+    assert e2e.jit_mark(c) == " †1/3" and e2e.jit_mark({"runs": [{"jit_events": 0}]}) == ""
+    base = {"kv_tokens_reported": 10, "throughput": {"256": {"output_tok_s": 900.0}}}
+    run = {"kv_tokens_reported": 38, "throughput": {"256": {**c, "output_tok_s": 1000.0}}}
+    t = e2e.table("m", {"bf16": base, "tkv@4.0": run})
+    assert "| 1,000 †1/3 |" in t and "`†n/m`" in t
+
+
 def test_tp_refusal_follows_vllm_rules(e2e, tmp_path):
     """SmolLM2-135M (9 query heads, 3 KV heads) cannot run TP=2 in vLLM 0.20.1; the
     Qwen3-8B-like geometry (32/8) can, and so can replication (1 KV head, TP=2)."""

@@ -55,7 +55,13 @@ def register() -> None:
     Raises:
         SglangVersionError: sglang missing or not 0.5.11.
         PatchError: the patch series is not applied.
+
+    With ``TKV_JIT_LOG`` set, also logs this process's Triton JIT events there
+    (:mod:`tkv.kernels.jit_log`).
     """
+    from tkv.kernels import jit_log
+
+    jit_log.install_from_env()
     _check_version()
     try:
         from sglang.srt.mem_cache import kv_cache_dtype_registry as reg

@@ -5,7 +5,9 @@ workers) before it parses ``--kv-cache-dtype`` / ``--attention-backend``. It reg
 
 * the KV-cache dtype ``tkv`` (storage ``torch.uint8``: ``(num_blocks, page_bytes)`` pages),
 * the attention backend ``TURBO_ATTN`` (``--attention-backend turbo-attn``) →
-  :class:`tkv.vllm.backend.TurboAttnBackend`.
+  :class:`tkv.vllm.backend.TurboAttnBackend`;
+* with ``TKV_JIT_LOG=FILE``, a log of every Triton compile / disk-cache load of the process
+  (:mod:`tkv.kernels.jit_log`: finds compile stalls inside a serving run).
 
 Both need the tkv patch series in vLLM (``tkv-vllm patch apply``). On an unpatched vLLM
 this logs an error saying so and registers nothing: a plugin must not break vLLM for users
@@ -76,7 +78,12 @@ def validate(vllm_config) -> None:
 
 
 def register() -> None:
-    """Register the ``tkv`` KV-cache dtype and the ``TURBO_ATTN`` backend (idempotent)."""
+    """Register the ``tkv`` KV-cache dtype and the ``TURBO_ATTN`` backend (idempotent).
+    With ``TKV_JIT_LOG`` set, also log this process's Triton JIT events there
+    (:mod:`tkv.kernels.jit_log`)."""
+    from tkv.kernels import jit_log
+
+    jit_log.install_from_env()
     try:
         check_patched()
     except PatchesNotAppliedError as e:
