@@ -925,34 +925,12 @@ def smollm2_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), rows=("4.0", "3.
         arms.append((f"tkv bundle {row} row widths, Gaussian codebooks",
                      {"widths": list(zip(w.k_bits, w.v_bits, strict=True))}))
         arms.append((f"tkv bundle {row} row codecs", {"codecs": bundle.codecs(row, DEV)}))
-    for i, (B, L) in enumerate(shapes):
-        base = dict(kernel="model_step", B=B, L=L, Hq=9, Hkv=3, D=64, layers=layers,
-                    model="smollm2")
-        ref = None
-        for label, attn in arms:
-            try:
-                step = make_model_step(B, L, attn, layers=layers, dims=SMOLLM2_DIMS)
-                ms = bench(step)
-            except Exception as e:
-                log({**base, "impl": label, "error": str(e)[:300]})
-                continue
-            if attn == "bf16":
-                ref = ms
-            row = {**base, "impl": label, "ms": ms}
-            if ref is not None:
-                row["x_bf16"] = round(ref / ms, 3)
-            log(row)
-            profiled = attn == "bf16" or (isinstance(attn, dict) and ("codecs" in attn or not attn))
-            if i == len(shapes) - 1 and profiled:
-                try:
-                    kb = _kernel_breakdown(step, calls=5)
-                    log({**base, "kernel": "model_step_breakdown", "impl": label,
-                         "us_per_kernel": {k: round(v, 1) for k, v in list(kb.items())[:25]}})
-                except Exception as e:
-                    log({**base, "kernel": "model_step_breakdown", "impl": label,
-                         "error": str(e)[:300]})
-            del step
-            torch.cuda.empty_cache()
+
+    def profiled(attn) -> bool:   # bf16, uniform K4V4 and the bundle rows' own codecs
+        return attn == "bf16" or (isinstance(attn, dict) and ("codecs" in attn or not attn))
+
+    _model_step_arms(arms, shapes, layers, dims=SMOLLM2_DIMS, model="smollm2",
+                     breakdown=profiled)
 
 
 def _bundle_row_widths(row: str) -> list[tuple[int, int]]:
@@ -1020,17 +998,22 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
     _model_step_arms(arms, shapes, layers)
 
 
-def _model_step_arms(arms, shapes, layers):
-    """Time each (label, attn) arm's model step per (B, L); ``x_bf16`` against the bf16 arm."""
-    for B, L in shapes:
-        base = dict(kernel="model_step", B=B, L=L, Hq=32, Hkv=8, D=128, layers=layers)
+def _model_step_arms(arms, shapes, layers, dims=MODEL_DIMS, model=None, breakdown=None):
+    """Time each (label, attn) arm's model step per (B, L); ``x_bf16`` against the bf16 arm.
+    ``breakdown(attn)``: also log the per-kernel device time of one step of that arm at the
+    last shape (:func:`_kernel_breakdown`)."""
+    _, hq, hkv, d, _ = dims
+    for i, (B, L) in enumerate(shapes):
+        base = dict(kernel="model_step", B=B, L=L, Hq=hq, Hkv=hkv, D=d, layers=layers)
+        if model:
+            base["model"] = model
         ref = None
         for label, attn in arms:
             try:
-                step = make_model_step(B, L, attn, layers=layers)
+                step = make_model_step(B, L, attn, layers=layers, dims=dims)
                 ms = bench(step)
             except Exception as e:
-                log({**base, "impl": label, "error": str(e)[:160]})
+                log({**base, "impl": label, "error": str(e)[:300]})
                 continue
             if attn == "bf16":
                 ref = ms
@@ -1038,6 +1021,14 @@ def _model_step_arms(arms, shapes, layers):
             if ref is not None:
                 row["x_bf16"] = round(ref / ms, 3)
             log(row)
+            if breakdown is not None and i == len(shapes) - 1 and breakdown(attn):
+                try:
+                    kb = _kernel_breakdown(step, calls=5)
+                    log({**base, "kernel": "model_step_breakdown", "impl": label,
+                         "us_per_kernel": {k: round(v, 1) for k, v in list(kb.items())[:25]}})
+                except Exception as e:
+                    log({**base, "kernel": "model_step_breakdown", "impl": label,
+                         "error": str(e)[:300]})
             del step
             torch.cuda.empty_cache()
 

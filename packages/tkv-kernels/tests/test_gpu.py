@@ -245,8 +245,9 @@ def test_batch_shaped_arguments_compile_one_variant():
     from tkv.kernels import dense_prefix_bytes
 
     # the modules (the package exports functions of the same names)
-    decode_mod, prefill_mod, store_mod = (importlib.import_module(f"tkv.kernels.{m}")
-                                          for m in ("decode", "prefill", "store"))
+    decode_mod, prefill_mod, rotate_mod, store_mod = (
+        importlib.import_module(f"tkv.kernels.{m}")
+        for m in ("decode", "prefill", "rotate", "store"))
 
     torch.manual_seed(5)
     d, hkv, group, block = 64, 3, 3, 16   # SmolLM2's heads; K5V4: a per-element side
@@ -273,7 +274,7 @@ def test_batch_shaped_arguments_compile_one_variant():
 
     # decode (rotation + reduce kernels): 1, 7, 16 sequences (9, 63, 144 rows), splits fixed
     ws = Workspace(16, hq, d, "cuda")
-    rot, red = decode_mod._rotate_rows_kernel, decode_mod._decode_reduce_kernel
+    rot, red = rotate_mod._rotate_rows_kernel, decode_mod._decode_reduce_kernel
     for k, ns in enumerate((1, 7, 16)):
         rows = torch.arange(ns, device="cuda") % len(lens)
         q = torch.randn(ns, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -302,3 +303,33 @@ def test_batch_shaped_arguments_compile_one_variant():
         if k == 0:
             p0, q0 = _variants(pre), _variants(deq)
     assert (_variants(pre), _variants(deq)) == (p0, q0)
+
+
+def test_jit_log_records_a_real_compile(tmp_path):
+    """A kernel's first launch in this process (a compile, or a load from Triton's disk
+    cache) lands in the log; its second launch does not."""
+    import triton
+    import triton.language as tl
+    from triton import knobs
+
+    from tkv.kernels import jit_log
+
+    @triton.jit
+    def _jit_log_probe(x, SALT: tl.constexpr):
+        tl.store(x, tl.load(x) + SALT)
+
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    jit_log._INSTALLED.clear()
+    try:
+        jit_log.install(tmp_path / "jit.tsv")
+        x = torch.zeros(1, device="cuda")
+        salt = 3   # the kernel object is new: its first launch is an in-memory miss
+        _jit_log_probe[(1,)](x, SALT=salt)
+        _jit_log_probe[(1,)](x, SALT=salt)   # in-memory hit: no second event
+        torch.cuda.synchronize()
+        ev = jit_log.read_events(tmp_path / "jit.tsv")
+        assert [e.kernel.rsplit(":", 1)[1] for e in ev] == ["_jit_log_probe"]
+        assert ev[0].seconds > 0 and x.item() == 2 * salt
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+        jit_log._INSTALLED.clear()

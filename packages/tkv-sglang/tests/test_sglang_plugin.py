@@ -542,18 +542,7 @@ def test_tensor_parallel_rank_holds_its_heads_share(sgl, fakes, tkv_env, bundle_
 
 def test_plugin_installs_the_jit_log_from_env(sgl, tmp_path, monkeypatch):
     """TKV_JIT_LOG: the plugin logs the process's Triton JIT events (tkv.kernels.jit_log)."""
-    from triton import knobs
-
-    from tkv.kernels import jit_log
+    from tkv.kernels.testing import check_register_installs_jit_log
     from tkv.sglang import plugin
 
-    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
-    jit_log._INSTALLED.clear()
-    try:
-        monkeypatch.setenv(jit_log.ENV, str(tmp_path / "jit.tsv"))
-        plugin.register()
-        assert jit_log._INSTALLED["path"] == str(tmp_path / "jit.tsv")
-        assert (tmp_path / "jit.tsv").is_file()
-    finally:
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
-        jit_log._INSTALLED.clear()
+    check_register_installs_jit_log(plugin.register, tmp_path / "jit.tsv", monkeypatch)

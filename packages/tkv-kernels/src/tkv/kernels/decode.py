@@ -37,6 +37,7 @@ from ._util import (
     tile_tokens,
 )
 from .loaders import Loader, sink_shift
+from .rotate import rotate_rows, row_block, slab
 from .workspace import Workspace
 
 __all__ = ["decode"]
@@ -213,44 +214,6 @@ def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U, num_rows,
                  mask=rmask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _rotate_rows_kernel(X, sx_s, sx_h, M, Y, num_rows, HQ: tl.constexpr,
-                        BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                        KC: tl.constexpr):
-    """``Y[r] = X[r] @ M[:HEAD_DIM, :HEAD_DIM]`` in float32 (tf32x3 tensor-core passes over
-    KC-row slabs of M) for rows ``r = seq · HQ + head`` of a (seq, head, head_dim)
-    half-precision tensor: the cast and the product in one launch."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < num_rows
-    xrow = X + (r // HQ).to(tl.int64)[:, None] * sx_s + (r % HQ)[:, None] * sx_h
-    offs_d = tl.arange(0, D_PAD)
-    dmask = offs_d < HEAD_DIM
-    acc = tl.zeros([BLOCK_R, D_PAD], tl.float32)
-    for c in tl.static_range(D_PAD // KC):
-        kc = c * KC + tl.arange(0, KC)
-        kmask = kc < HEAD_DIM
-        x = tl.load(xrow + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        m = tl.load(M + kc[:, None] * D_PAD + offs_d[None, :],
-                    mask=kmask[:, None] & dmask[None, :], other=0.0)
-        acc = tl.dot(x.to(tl.float32), m, acc, input_precision="tf32x3")
-    tl.store(Y + r.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], acc,
-             mask=rmask[:, None] & dmask[None, :])
-
-
-def _row_block(num_rows: int, d_pad: int) -> int:
-    """Rows per program of the reduce / rotation kernels: 32 (U or the rotation matrix read
-    once per 32 rows); 16 for small batches, so that they still spread over a few programs,
-    and at head_dim 256 (ptxas sm_90a, 8 warps: 16 rows fit the registers, 32 spill KBs)."""
-    return 32 if num_rows >= 1024 and d_pad <= 128 else 16
-
-
-def _slab(d_pad: int) -> int:
-    """Rows of U / M per tf32x3 tensor-core pass in the reduce / rotation kernels (the fp32
-    slab ``[KC, d_pad]`` is split hi/lo in registers): 32 (at most d_pad), 16 at head_dim
-    256."""
-    return min(32, d_pad) if d_pad <= 128 else 16
-
-
 def _split_unroll(splits: int, d_pad: int) -> int:
     """Splits merged per unrolled step of the reduce kernel (their loads in flight together):
     8 partial rows of 16 × 128 float32 = 64 registers per thread at 8 warps; 4 at head_dim
@@ -371,12 +334,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         raise ShapeError(f"num_splits must be a power of two in [1, {workspace.max_splits}]")
     part_o, part_lse = workspace.partials(ns, hq, splits, d_pad)
     q = query
-    br = _row_block(ns * hq, d_pad)   # (sequence, head) rows per rotation / reduce program
+    br = row_block(ns * hq, d_pad)   # (sequence, head) rows per reduce program
     if loader.rotated and not query_rotated:
-        q = workspace.rotated_queries(ns, hq, d)
-        _rotate_rows_kernel[(triton.cdiv(ns * hq, br),)](
-            query, query.stride(0), query.stride(1), loader.q_in, q, ns * hq, HQ=hq,
-            BLOCK_R=br, HEAD_DIM=d, D_PAD=d_pad, KC=_slab(d_pad), num_warps=8)
+        q = rotate_rows(query, loader.q_in[:d, :d], workspace.rotated_queries(ns, hq, d))
     if kernel == "gluon" and block_n is None:
         block_n = 32   # one warp: 64-token tiles spill at head_dim 128 (ptxas sm_90a)
     block_n = tile_tokens(block_n, d, loader.min_block_n,
@@ -410,6 +370,6 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     u = loader.out_mat if unrotate else part_lse
     _decode_reduce_kernel[(triton.cdiv(ns * hq, br),)](
         part_o, part_lse, out, out.stride(0), out.stride(1), u, ns * hq,
-        HQ=hq, BLOCK_R=br, HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=splits, KC=_slab(d_pad),
+        HQ=hq, BLOCK_R=br, HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=splits, KC=slab(d_pad),
         SPLIT_UNROLL=_split_unroll(splits, d_pad), UNROTATE=unrotate, num_warps=8)
     return out

@@ -593,6 +593,8 @@ class TkvLoader:
         q_in_planar, k_in_planar, v_in_planar: ``(head_dim, d_pad)``: q_in / k_in / v_in with
             the output columns in the side's planar layout (``_planes.planar_index``).
         out_planar: ``(d_pad, head_dim)``: out_mat taking planar-layout (V planes) rows.
+        k_mu_planar: ``(1 or num_kv_heads, d_pad)`` ``μ @ k_in_planar`` (prefill centers the
+            chunk's keys as ``k @ k_in_planar − k_mu_planar``), or None without a key offset.
         k_sink_shift, v_sink_shift: ``(num_kv_heads, d_pad)`` (natural coordinate order, zero
             padding) rotated shift ``c_h = R((σ_h − μ_h)/s)`` of the side's *flagged* vectors
             (codec ``sink_shift_rotated``), or None when the side has no sink offset. A
@@ -743,6 +745,8 @@ class TkvLoader:
         self.k_in_planar = to_planar_columns(self.k_in[:d, :d], knp, d, dp).contiguous()
         self.v_in_planar = to_planar_columns(self.v_in[:d, :d], vnp, d, dp).contiguous()
         self.out_planar = to_planar_columns(self.out_mat[:d, :d].T, vnp, d, dp).T.contiguous()
+        self.k_mu_planar = None if self.k_mu is None else (
+            self.k_mu[:, :d].double() @ self.k_in_planar.double()).float().contiguous()
 
     fetch = tkv_fetch
     dequant = tkv_dequant

@@ -36,6 +36,7 @@ from ._util import (
     tile_tokens,
 )
 from .loaders import Loader, bypass_fetch, identity_dequant, sink_shift
+from .rotate import rotate_rows
 
 __all__ = ["DENSE_PREFIX_CAP", "dense_prefix_bytes", "prefill"]
 
@@ -402,12 +403,6 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # read through a rotated (tkv) loader, two for plain tiles
         num_stages = 1 if loader.rotated and not no_prefix else 2
     final = None
-    mu = getattr(getattr(loader, "codec", None), "k", None)
-    mu = None if mu is None else mu.channel_offset
-    if mu is not None and not no_prefix:
-        # key centering: the prefix is cached as k − μ, so center the chunk's keys too; then
-        # every score of a query row drops by the same q·μ, which softmax ignores (float32)
-        key = key.float() - mu.to(dev, torch.float32)
     fetch, dequant = loader.fetch, loader.dequant
     planar = bool(loader.rotated) and not no_prefix
     if no_prefix:
@@ -417,11 +412,15 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kargs = vargs = (query, query, query, 0, 0, 0, d, 0, 0, 0, 1)
     elif planar:
         # rotated space, laid out as the loader's planes (contiguous plane loads):
-        # <R(q*s_k), R(k/s_k)> = <q, k>; sum_j p_j R(v_j/s_v) unrotates to sum_j p_j v_j
-        def rot(x, m, nh):
-            return (x.reshape(-1, d).float() @ m).to(dot_dtype).view(tq, nh, d_pad)
+        # <R(q*s_k), R(k/s_k)> = <q, k>; sum_j p_j R(v_j/s_v) unrotates to sum_j p_j v_j.
+        # Key centering: the prefix is cached as R((k − μ)/s_k), so the chunk's keys are
+        # centered too (k @ A − μ @ A); every score of a query row then drops by the same
+        # q·μ, which softmax ignores.
+        def rot(x, m, nh, mu=None):
+            return rotate_rows(x, m, torch.empty(tq, nh, d_pad, dtype=dot_dtype, device=dev), mu)
 
-        query, key, value = (rot(query, loader.q_in_planar, hq), rot(key, loader.k_in_planar, hkv),
+        query, key, value = (rot(query, loader.q_in_planar, hq),
+                             rot(key, loader.k_in_planar, hkv, loader.k_mu_planar),
                              rot(value, loader.v_in_planar, hkv))
         final, out = out, torch.empty(tq, hq, d_pad, dtype=torch.float32, device=dev)
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
@@ -442,8 +441,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                           max_prefix_len, maxp, rows, scratch, block_table,
                                           num_blocks, kargs, vargs, fetch, dequant, loader,
                                           scale, dot_dtype)):
-            final.copy_((out.view(-1, d_pad) @ loader.out_planar).view(tq, hq, d))
-            return final
+            return rotate_rows(out, loader.out_planar, final)
     if dense:
         flat = scratch.view(-1).view(torch.uint8)[:need].view(dot_dtype)
         pk, pv = flat.view(2, ns * maxp * hkv * d_pad)
@@ -481,7 +479,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         PLANAR=planar, NO_PREFIX=bool(no_prefix), DENSE=bool(dense), K_SINK=k_sink,
         V_SINK=v_sink, num_warps=num_warps, num_stages=num_stages)
     if final is not None:
-        final.copy_((out.view(-1, d_pad) @ loader.out_planar).view(tq, hq, d))
+        rotate_rows(out, loader.out_planar, final)
         out = final
     return out
 

@@ -1,15 +1,18 @@
 """Helpers to build random paged-cache scenarios (for tests, benchmarks and engine adapters'
-tests): random non-contiguous block tables, slot mappings, poisoned caches."""
+tests): random non-contiguous block tables, slot mappings, poisoned caches; and a check of
+the engine plugins' JIT log hook."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from .loaders import BypassLoader, Fp8Loader, TkvLoader
 from .store import compress_store
 
-__all__ = ["PagedBatch", "fill_cache", "make_cache", "make_paged_batch", "relative_error",
-           "tolerance"]
+__all__ = ["PagedBatch", "check_register_installs_jit_log", "fill_cache", "make_cache",
+           "make_paged_batch", "relative_error", "tolerance"]
 
 
 class PagedBatch:
@@ -94,3 +97,27 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     entry (an unwritten or poisoned output)."""
     assert torch.isfinite(out).all(), "non-finite output (unwritten or poisoned)"
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_register_installs_jit_log(register, path, monkeypatch) -> None:
+    """Engine-plugin test helper: with ``TKV_JIT_LOG=path`` (set through pytest's
+    ``monkeypatch``), ``register()`` installs :mod:`tkv.kernels.jit_log` at ``path``. Triton's
+    JIT hooks and the module's state are restored afterwards.
+
+    Raises:
+        AssertionError: the log was not installed there.
+    """
+    from triton import knobs
+
+    from . import jit_log
+
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    jit_log._INSTALLED.clear()
+    try:
+        monkeypatch.setenv(jit_log.ENV, str(path))
+        register()
+        assert jit_log._INSTALLED.get("path") == str(path), jit_log._INSTALLED
+        assert Path(path).is_file()
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+        jit_log._INSTALLED.clear()

@@ -1,0 +1,112 @@
+"""Rows of ``(tokens or sequences, heads, features)`` tensors times a small matrix, in one
+launch: the query rotation of decode, and prefill's rotations into the loader's planar space
+and back.
+
+``Y[t, h] = X[t, h] @ M − μ[h]`` in float32 on tensor cores (``tf32x3``: three TF32 passes,
+float32 accuracy), read in the input's dtype and written in the output's — no float32
+copies of the activations in between. Until session 12 prefill used ``x.float() @ M`` then
+``.to(dtype)``: a float32 copy, a float32 cuBLAS GEMM without tensor cores
+(``sm80_xmma_gemm_f32f32…ffma``) and a cast. In a profiled vLLM run (SmolLM2, 256 prompts ×
+64 tokens, H200, ``benchmarks/results/vllm_e2e_2026-11-30_s12_jit/1_profile/``) the GEMM and
+copy time above the bf16 run's was ~40 ms of device time, against 37 ms for the prefill
+attention kernel itself. (This kernel has not been timed on the GPU yet.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tkv.codec.errors import ShapeError
+
+from ._util import next_pow2
+
+__all__ = ["rotate_rows", "row_block", "slab"]
+
+
+# num_rows = tokens (or sequences) · heads changes with every eager batch: no specialization
+# on its value (prefill._VARYING_INTS); it only masks rows.
+@triton.jit(do_not_specialize=["num_rows"])
+def _rotate_rows_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu, num_rows,
+                        HQ: tl.constexpr, BLOCK_R: tl.constexpr, K_IN: tl.constexpr,
+                        K_PAD: tl.constexpr, N_OUT: tl.constexpr, N_PAD: tl.constexpr,
+                        KC: tl.constexpr, HAS_MU: tl.constexpr):
+    """``Y[r] = X[r] @ M[:K_IN, :N_OUT] (− MU[r % HQ])`` for rows ``r = t · HQ + h``: float32
+    tf32x3 tensor-core passes over KC-row slabs of M (the fp32 slab is split hi/lo in
+    registers), output cast to Y's dtype."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < num_rows
+    t = (r // HQ).to(tl.int64)
+    h = r % HQ
+    xrow = X + t[:, None] * sx_t + h[:, None] * sx_h
+    offs_n = tl.arange(0, N_PAD)
+    nmask = offs_n < N_OUT
+    acc = tl.zeros([BLOCK_R, N_PAD], tl.float32)
+    for c in tl.static_range(K_PAD // KC):
+        kc = c * KC + tl.arange(0, KC)
+        kmask = kc < K_IN
+        x = tl.load(xrow + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        m = tl.load(M + kc[:, None] * sm + offs_n[None, :],
+                    mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(x.to(tl.float32), m, acc, input_precision="tf32x3")
+    if HAS_MU:
+        acc -= tl.load(MU + h[:, None] * s_mu + offs_n[None, :],
+                       mask=rmask[:, None] & nmask[None, :], other=0.0)
+    tl.store(Y + t[:, None] * sy_t + h[:, None] * sy_h + offs_n[None, :],
+             acc.to(Y.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+def row_block(num_rows: int, n_pad: int) -> int:
+    """Rows per program of the rotation (and decode's reduce) kernels: 32 (the matrix read
+    once per 32 rows); 16 for small batches, so that they still spread over a few programs,
+    and for 256-wide rows (ptxas sm_90a, 8 warps: 16 rows fit the registers, 32 spill KBs)."""
+    return 32 if num_rows >= 1024 and n_pad <= 128 else 16
+
+
+def slab(n_pad: int) -> int:
+    """Rows of the matrix per tf32x3 tensor-core pass (the fp32 slab ``[KC, n_pad]`` is split
+    hi/lo in registers): 32 (at most n_pad), 16 for 256-wide rows."""
+    return min(32, n_pad) if n_pad <= 128 else 16
+
+
+def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
+                mu: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t, h] = x[t, h] @ m − mu[h]`` (float32 accuracy, one launch).
+
+    Args:
+        x: ``(T, H, K)`` float16 / bfloat16 / float32, unit stride on the last dim.
+        m: float32 ``(K, N)``, unit stride on the last dim (rows of ``K`` features, ``N``
+            outputs; e.g. the top-left block of a padded matrix).
+        out: ``(T, H, N)`` any float dtype, unit stride on the last dim (written).
+        mu: optional float32 ``(1 or H, N)`` contiguous, subtracted per head (``1``: shared).
+
+    Returns:
+        ``out``. Raises ShapeError on mismatched shapes or strides (host-side checks).
+    """
+    if x.dim() != 3 or out.dim() != 3 or m.dim() != 2:
+        raise ShapeError(f"rotate_rows needs x (T, H, K), m (K, N), out (T, H, N); got "
+                         f"{tuple(x.shape)}, {tuple(m.shape)}, {tuple(out.shape)}")
+    t, h, k = x.shape
+    if m.shape[0] != k or tuple(out.shape) != (t, h, m.shape[1]):
+        raise ShapeError(f"rotate_rows: x {tuple(x.shape)} @ m {tuple(m.shape)} does not give "
+                         f"out {tuple(out.shape)}")
+    if x.stride(2) != 1 or out.stride(2) != 1 or m.stride(1) != 1 or m.dtype != torch.float32:
+        raise ShapeError("rotate_rows needs unit-stride rows and a float32 matrix with unit "
+                         "column stride")
+    n = m.shape[1]
+    if mu is not None and (mu.dim() != 2 or mu.shape[0] not in (1, h) or mu.shape[1] != n
+                           or not mu.is_contiguous() or mu.dtype != torch.float32):
+        raise ShapeError(f"rotate_rows: mu must be contiguous float32 (1 or {h}, {n}), got "
+                         f"{tuple(mu.shape)} {mu.dtype}")
+    rows = t * h
+    if rows == 0:
+        return out
+    k_pad, n_pad = max(16, next_pow2(k)), max(16, next_pow2(n))
+    br = row_block(rows, n_pad)
+    _rotate_rows_kernel[(triton.cdiv(rows, br),)](
+        x, x.stride(0), x.stride(1), m, m.stride(0), out, out.stride(0), out.stride(1),
+        m if mu is None else mu, 0 if mu is None or mu.shape[0] == 1 else n, rows,
+        HQ=h, BLOCK_R=br, K_IN=k, K_PAD=k_pad, N_OUT=n, N_PAD=n_pad,
+        KC=min(slab(n_pad), k_pad), HAS_MU=mu is not None, num_warps=8)
+    return out

@@ -1,0 +1,62 @@
+"""tkv.kernels.rotate.rotate_rows against a float64 reference (CPU under TRITON_INTERPRET=1)."""
+
+import pytest
+import torch
+
+from tkv.codec.errors import ShapeError
+from tkv.kernels._util import interpreting
+from tkv.kernels.rotate import rotate_rows
+
+DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+pytestmark = pytest.mark.skipif(DEV == "cpu" and not interpreting(),
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize(("t", "h", "k", "n", "xdt", "odt", "mu_rows"), [
+    (37, 3, 64, 64, torch.bfloat16, torch.bfloat16, 3),    # keys: per-head centering
+    (5, 9, 64, 64, torch.float16, torch.float32, None),    # decode queries -> float32
+    (11, 2, 96, 128, torch.bfloat16, torch.bfloat16, 1),   # head_dim 96 into 128 planar columns
+    (7, 4, 128, 96, torch.float32, torch.bfloat16, None),  # planar float32 rows back to 96
+])
+def test_rotate_rows_matches_float64(t, h, k, n, xdt, odt, mu_rows):
+    g = torch.Generator().manual_seed(t * 131 + k)
+    big = torch.randn(t, h + 1, k + 8, generator=g).to(xdt)
+    x = big[:, 1:, 3:3 + k]                      # strided rows, unit stride inside a row
+    m = torch.randn(k, n, generator=g) / k ** 0.5
+    mu = None if mu_rows is None else torch.randn(mu_rows, n, generator=g)
+    out_big = torch.full((t, h, n + 5), float("nan"), dtype=odt)
+    out = out_big[:, :, 2:2 + n]
+    args = [a.to(DEV) if a is not None else None for a in (x, m, out, mu)]
+    res = rotate_rows(*args).cpu()
+    ref = x.double() @ m.double() - (0 if mu is None else mu.double()[:, None, :].transpose(0, 1))
+    err = ((res.double() - ref).norm() / ref.norm()).item()
+    assert err < (4e-3 if odt != torch.float32 else 1e-5), err
+
+
+def test_rotate_rows_writes_only_its_columns():
+    x = torch.randn(4, 2, 64).to(DEV)
+    m = torch.randn(64, 64).to(DEV)
+    out_big = torch.full((4, 2, 70), float("nan"), device=DEV)
+    rotate_rows(x, m, out_big[:, :, 3:67])
+    assert torch.isnan(out_big[:, :, :3]).all() and torch.isnan(out_big[:, :, 67:]).all()
+    assert torch.isfinite(out_big[:, :, 3:67]).all()
+
+
+@pytest.mark.parametrize("bad", ["k", "out", "mu", "dtype", "stride"])
+def test_rotate_rows_refuses_malformed_input(bad):
+    x = torch.randn(4, 2, 64)
+    m = torch.randn(64, 32)
+    out = torch.empty(4, 2, 32)
+    mu = None
+    if bad == "k":
+        m = torch.randn(48, 32)
+    elif bad == "out":
+        out = torch.empty(4, 3, 32)
+    elif bad == "mu":
+        mu = torch.randn(3, 32)
+    elif bad == "dtype":
+        m = m.double()
+    else:
+        x = torch.randn(4, 2, 128)[:, :, ::2]
+    with pytest.raises(ShapeError):
+        rotate_rows(x, m, out, mu)
