@@ -34,10 +34,12 @@ from tkv.kernels.testing import fill_cache, make_cache, make_paged_batch, relati
 DEFAULT_BUNDLE = "benchmarks/results/calibrate_smollm2_sink_offset_2026-11-30/tkv_bundle.json"
 
 
-def check_layer(codec, num_kv_heads: int, group: int, device: str, g: torch.Generator):
-    """Relative errors ``(decode, [inline, decompress-once, sdpa])`` of one layer's codec."""
+def check_layer(codec, num_kv_heads: int, group: int, device: str, g: torch.Generator,
+                small_head_groups: bool = False):
+    """Relative errors ``(decode, [inline, decompress-once, sdpa])`` of one layer's codec
+    (``small_head_groups``: the experimental TkvLoader option)."""
     d = codec.head_dim
-    ld = TkvLoader(codec, num_kv_heads, 16)
+    ld = TkvLoader(codec, num_kv_heads, 16, small_head_groups=small_head_groups)
     lens = [40, 1, 17]
     batch = make_paged_batch(lens, 16, device, generator=g)
     cache = make_cache(ld, batch.num_blocks, device, generator=g)
@@ -108,6 +110,9 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=None,
                     help="query heads per KV head (default: num_kv_heads, e.g. 3 for SmolLM2)")
     ap.add_argument("--tol", type=float, default=2.5e-2)
+    ap.add_argument("--small-head-groups", action="store_true",
+                    help="loaders with the experimental small_head_groups option (3/5/7-bit "
+                         "sides at head_dim 64 fetched as 8-code groups)")
     a = ap.parse_args(argv)
     b = CalibrationBundle.load(a.bundle)
     hkv = b.geometry.num_kv_heads
@@ -122,7 +127,8 @@ def main(argv=None) -> int:
                 continue
             seen.add(widths)
             codec = b.codec(layer, *widths, a.device, check_finite=False)
-            ld, r_dec, r_pre = check_layer(codec, hkv, group, a.device, g)
+            ld, r_dec, r_pre = check_layer(codec, hkv, group, a.device, g,
+                                           a.small_head_groups)
             worst = max(worst, r_dec, *r_pre)
             agree, ndiff, flags = check_store(codec, ld, a.device, g)
             store_ok = store_ok and agree >= 0.999 and ndiff <= 8e-3 and flags >= 0.98

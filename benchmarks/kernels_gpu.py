@@ -844,7 +844,8 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
         # as in an engine
         per_layer = []
         for codec in attn["codecs"]:
-            ld = TkvLoader(codec, hkv, block, lookup=attn.get("lookup", "auto"))
+            ld = TkvLoader(codec, hkv, block, lookup=attn.get("lookup", "auto"),
+                           small_head_groups=attn.get("small_head_groups", False))
             cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8,
                                   device=device, generator=g)
             views = ld.layout.views(cache)
@@ -865,14 +866,16 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
         per = {}
         for kb, vb in dict.fromkeys(widths):
             ld = TkvLoader(TurboKVCodec(d, k_bits=kb, v_bits=vb, device=device), hkv, block,
-                           lookup=attn.get("lookup", "auto"), planes=attn.get("planes"))
+                           lookup=attn.get("lookup", "auto"), planes=attn.get("planes"),
+                           small_head_groups=attn.get("small_head_groups", False))
             cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8,
                                   device=device, generator=g)
             views = ld.layout.views(cache)
             for name in ("k_norms", "v_norms"):
                 views[name].copy_(torch.rand(views[name].shape, device=device, generator=g) + 8)
             per[kb, vb] = ld, cache
-        opts = {k: v for k, v in attn.items() if k not in ("lookup", "widths", "planes")}
+        opts = {k: v for k, v in attn.items()
+                if k not in ("lookup", "widths", "planes", "small_head_groups")}
         layer_no = [0]
 
         def attend(q, k, v):
@@ -912,9 +915,10 @@ def smollm2_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), rows=("4.0", "3.
     KV heads, GQA 3) — the model of the vLLM SmartMix run where tkv@4.0 ran 0.20× bf16 at
     256 sequences: GEMMs alone, bf16 (store + bypass decode), uniform K4V4 (Gaussian
     codebooks) and the committed bundle's rows with their own per-layer codecs (widths,
-    fitted codebooks, channel scales, key / sink offsets). Then, at the largest batch, the
-    per-kernel device time of one step (torch.profiler) for bf16 and each bundle row: where
-    the step's time goes, by kernel."""
+    fitted codebooks, channel scales, key / sink offsets), each also with the experimental
+    ``small_head_groups`` loaders (3/5/7-bit sides fetched as 8-code groups, not per element).
+    Then, at the largest batch, the per-kernel device time of one step (torch.profiler) for
+    bf16 and each bundle row: where the step's time goes, by kernel."""
     from tkv.codec import CalibrationBundle
     bundle = CalibrationBundle.load(Path(__file__).parent / SMOLLM2_BUNDLE)
     layers = 30
@@ -925,6 +929,8 @@ def smollm2_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), rows=("4.0", "3.
         arms.append((f"tkv bundle {row} row widths, Gaussian codebooks",
                      {"widths": list(zip(w.k_bits, w.v_bits, strict=True))}))
         arms.append((f"tkv bundle {row} row codecs", {"codecs": bundle.codecs(row, DEV)}))
+        arms.append((f"tkv bundle {row} row codecs, small-head groups (experimental)",
+                     {"codecs": bundle.codecs(row, DEV), "small_head_groups": True}))
 
     def profiled(attn) -> bool:   # bf16, uniform K4V4 and the bundle rows' own codecs
         return attn == "bf16" or (isinstance(attn, dict) and ("codecs" in attn or not attn))

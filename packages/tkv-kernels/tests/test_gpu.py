@@ -202,6 +202,50 @@ def test_prefill_head_dim_64_mixed_planes_default_tiles(kb, vb):
         assert rel < 2.5e-2, (kw.keys(), rel)
 
 
+@pytest.mark.parametrize("kb,vb", [(3, 3), (5, 4), (4, 3), (3, 2), (5, 5), (7, 6)])
+def test_small_head_groups_match_oracle_at_head_dim_64(kb, vb):
+    """The experimental ``small_head_groups`` loaders (3/5/7-bit sides at head_dim 64 fetched
+    as 8-code groups, interleaved to 2 planes of 32, 128-token decode tiles) on CUDA with the
+    default lookups: decode through a CUDA graph and prefill (inline, decompress-once) equal
+    the float64 oracle at SmolLM2's heads, as the per-element loader does."""
+    from tkv.kernels import dense_prefix_bytes
+    from tkv.kernels.reference import prefill_reference
+
+    torch.manual_seed(kb * 10 + vb)
+    d, hkv, group = 64, 3, 3
+    codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device="cuda")
+    ld = TkvLoader(codec, hkv, 16, small_head_groups=True)
+    lens = [700, 1, 333, 129]
+    batch = make_paged_batch(lens, 16, "cuda")
+    cache = make_cache(ld, batch.num_blocks, "cuda")
+    for i, n in enumerate(lens):
+        kv = torch.randn(2, n, hkv, d, device="cuda", dtype=torch.bfloat16)
+        fill_cache(ld, cache, kv[0], kv[1], batch.slots(i))
+    q = torch.randn(len(lens), hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    ws = Workspace(8, hkv * group, d, "cuda")
+    out = torch.empty_like(q)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    assert relative_error(out.float(), ref) < 2.5e-2
+    qc = torch.randn(140, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(140, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, 140], dtype=torch.int32, device="cuda")
+    sl = batch.seq_lens[:1] + 140
+    ref = prefill_reference(qc, kc, vc, cu, sl, cache, batch.block_table[:1], ld)
+    scratch = torch.empty(dense_prefix_bytes(1, 840, hkv, d, block_size=16), dtype=torch.uint8,
+                          device="cuda")
+    for kw in ({}, dict(max_prefix_len=700, scratch=scratch)):
+        o = prefill(qc, kc, vc, cu, sl, 140, cache, batch.block_table[:1], ld, **kw)
+        torch.cuda.synchronize()
+        assert relative_error(o.float(), ref) < 2.5e-2, kw.keys()
+
+
 @pytest.mark.parametrize("d,hkv,group,block,window", [(128, 8, 4, 16, 0), (64, 3, 3, 16, 100),
                                                      (128, 2, 7, 32, 0), (64, 4, 8, 64, 0)])
 def test_gluon_decode_matches_oracle_and_triton(d, hkv, group, block, window):

@@ -401,6 +401,39 @@ def test_per_element_sides_keep_32_token_tiles(kb, vb):
     assert 1 not in (wide.group_planes("k"), wide.group_planes("v")) or 8 in (kb, vb)
 
 
+@pytest.mark.parametrize(("kb", "vb", "group"), [(3, 3, 3), (5, 4, 3), (4, 3, 1), (7, 5, 2),
+                                              (3, 2, 3), (6, 5, 4)])
+def test_small_head_groups_decode_matches_oracle(kb, vb, group):
+    """``small_head_groups`` (experimental): at head_dim 64 decode fetches whole 8-code groups
+    of 3/5/7-bit sides (interleaved to 2 planes of 32) instead of reading them per element;
+    same cache bytes (compress_store unchanged), prefill still per element. Decode and prefill
+    both match the float64 oracle; the plain loader reads the same cache the same way."""
+    codec = TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV)
+    ld = TkvLoader(codec, 2, 16, small_head_groups=True)
+    plain = TkvLoader(codec, 2, 16)
+    for side, bits in (("k", kb), ("v", vb)):
+        odd = bits in (3, 5, 7)
+        assert plain.group_planes(side) == ld.group_planes(side)   # the store is unchanged
+        assert ld.fetch_group_planes(side) == (8 if odd else plain.fetch_group_planes(side))
+        assert ld.planes(side) == (2 if odd else plain.planes(side))
+        assert ld.prefill_loader().planes(side) == plain.prefill_loader().planes(side)
+    view = ld.prefill_loader()
+    assert view.preferred_block_n == 32 and view.fetch_group_planes("k") == plain.group_planes("k")
+    out, q, cache, batch = _decode_check(ld, [70, 1, 33], group, seed=kb * 10 + vb)
+    again = torch.empty_like(out)
+    decode(q, cache, batch.block_table, batch.seq_lens, plain, _ws(), out=again)
+    assert _rel(again, out) < _tol(torch.bfloat16)
+    n = 9
+    qc = (torch.randn(n, 2 * group, 64) * 2).to(DEV, torch.bfloat16)
+    kc, vc = (torch.randn(n, 2, 64).to(DEV, torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, n], dtype=torch.int32, device=DEV)
+    sl = batch.seq_lens[:1] + n
+    res = torch.full(qc.shape, float("nan"), dtype=torch.float32, device=DEV)
+    prefill(qc, kc, vc, cu, sl, n, cache, batch.block_table[:1], ld, out=res)
+    ref = prefill_reference(qc, kc, vc, cu, sl, cache, batch.block_table[:1], ld)
+    assert _rel(res, ref) < _tol(torch.bfloat16)
+
+
 def test_prefill_loader_keeps_group_planes():
     """prefill reads through ``prefill_loader()``: the loader itself when nothing is
     interleaved, else a view (built at construction) with the group planes kept, the same

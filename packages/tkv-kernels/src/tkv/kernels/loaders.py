@@ -570,6 +570,11 @@ class TkvLoader:
             (1, 2, 4 or 8; default None: 2 for 3/5/7-bit sides, else the group's codes): a
             side whose code groups hold more codes (2 bits: 4, 3/5/7 bits: 8, 6 bits: 4) has
             its group planes interleaved in registers after the lookup (:meth:`planes`).
+        small_head_groups: (experimental, not yet run on a GPU) decode fetches whole 8-code
+            groups of 3/5/7-bit sides also where a group plane holds fewer than 16
+            coordinates (head_dim 64: 8), interleaved to 2 planes of 32
+            (:meth:`fetch_group_planes`); default False: such sides are read per element.
+            The cache bytes are the same; prefill keeps reading them per element.
 
     Raises:
         ValueError: unknown ``lookup``, ``planes`` not 1/2/4/8. DtypeError: ``codec`` is not
@@ -613,10 +618,11 @@ class TkvLoader:
         tile and the dot's K dimension (the tile's tokens) is 16 (found and bracketed on the
         H200 in session 10: 16 tokens wrong at every width / warp count, 32+ exact;
         ``benchmarks/triton_interleave_dot_bug.py`` reproduces it); else 16."""
-        return 32 if self.planes("v") < self.group_planes("v") else 16
+        return 32 if self.planes("v") < self.fetch_group_planes("v") else 16
 
     def __init__(self, codec: TurboKVCodec, num_kv_heads: int, block_size: int,
-                 lookup: str = "auto", planes: int | None = None):
+                 lookup: str = "auto", planes: int | None = None,
+                 small_head_groups: bool = False):
         if lookup not in _LOOKUPS:
             raise ValueError(f"lookup must be one of {_LOOKUPS}, got {lookup!r}")
         if planes is not None and (isinstance(planes, bool) or not isinstance(planes, int)
@@ -624,6 +630,7 @@ class TkvLoader:
             raise ValueError(f"planes must be None, 1, 2, 4 or 8, got {planes!r}")
         self.lookup = lookup
         self.max_planes = planes
+        self.small_head_groups = bool(small_head_groups)
         self._prefill_view = None
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")
@@ -731,7 +738,7 @@ class TkvLoader:
         self._planar_maps()
         # prefill's view (group planes kept) built now, not at a first prefill that could fall
         # inside an engine's CUDA-graph capture; it shares every table but the planar maps
-        if any(self.planes(s) != self.group_planes(s) for s in "kv"):
+        if any(self.planes(s) != self.fetch_group_planes(s) for s in "kv"):
             view = copy.copy(self)
             view.max_planes = 8
             view._planar_maps()
@@ -792,13 +799,26 @@ class TkvLoader:
         return self._store_rotation[key]
 
     def group_planes(self, side: str) -> int:
-        """Codes per fetched group of a side (``GP``): one whole-byte group,
-        ``8 / gcd(bits, 8)`` (2→4, 3→8, 4→2, 5→8, 6→4, 7→8, 8→1), while a plane keeps ≥ 16
-        coordinates (tensor-core K); else 1 (per-element reads, e.g. 3 bits at head_dim 64).
-        compress_store packs in this order (:meth:`store_rotation`)."""
+        """Codes per packed group of a side as compress_store writes them (``GP``): one
+        whole-byte group, ``8 / gcd(bits, 8)`` (2→4, 3→8, 4→2, 5→8, 6→4, 7→8, 8→1), while a
+        plane keeps ≥ 16 coordinates (tensor-core K); else 1 (per-element, e.g. 3 bits at
+        head_dim 64). compress_store packs in this order (:meth:`store_rotation`); either way
+        the bytes are the same LSB-first stream (code ``i`` = coordinate ``i``)."""
         bits = self.k_bits if side == "k" else self.v_bits
         np_, _ = code_group(bits)
         return np_ if self.d_pad // np_ >= 16 else 1
+
+    def fetch_group_planes(self, side: str) -> int:
+        """Codes per fetched group in the attention kernels' tile loader: :meth:`group_planes`,
+        except with ``small_head_groups`` where that is 1 for a 3/5/7-bit side but the planes
+        the groups are interleaved into (:meth:`planes`' cap, 2 by default) hold ≥ 16
+        coordinates: then whole 8-code groups (head_dim 64: 8 group planes of 8 → 2 of 32)."""
+        gp = self.group_planes(side)
+        if not self.small_head_groups or gp != 1:
+            return gp
+        np_, _ = code_group(self.k_bits if side == "k" else self.v_bits)
+        cap = self.max_planes if self.max_planes is not None else (2 if np_ == 8 else np_)
+        return np_ if np_ > 1 and self.d_pad // min(np_, cap) >= 16 else gp
 
     def prefill_loader(self) -> TkvLoader:
         """The loader :func:`~tkv.kernels.prefill` reads the compressed prefix through: this
@@ -816,7 +836,7 @@ class TkvLoader:
         bits) kept: on the H200 (``benchmarks/results/kernels_gpu_2026-11-30_s10_planes.md``,
         B=32, L=8K) K3V3 decode 1.02 → 0.50 ms, K4V3 1.03 → 0.36, K5V5 1.38 → 0.82, while
         2-bit sides were slower interleaved (K2V2 0.24 → 0.40) and 6-bit ones unchanged."""
-        gp = self.group_planes(side)
+        gp = self.fetch_group_planes(side)
         cap = self.max_planes if self.max_planes is not None else (2 if gp == 8 else gp)
         return min(gp, cap)
 
@@ -832,7 +852,7 @@ class TkvLoader:
         (illegal address; ``benchmarks/results/prefill_tile_bug_2026-11-30.md``, session 8 —
         re-found in session 11 after session 10's rule had let such loaders pick 128)."""
         def fits(side: str, bits: int) -> bool:
-            if self.group_planes(side) == 1 and bits != 8:
+            if self.fetch_group_planes(side) == 1 and bits != 8:
                 return False   # per-element reads
             return self.planes(side) <= 2 or bits == 2
         return 128 if fits("k", self.k_bits) and fits("v", self.v_bits) else 32
@@ -853,7 +873,7 @@ class TkvLoader:
         half = torch.bfloat16 if dot_dtype == torch.bfloat16 else torch.float16
         if dot_dtype == torch.float32 and self.lookup == "auto":
             half = None   # float32 dots (interpreter): exact float32 centroids
-        if self.group_planes(side) == 1:
+        if self.fetch_group_planes(side) == 1:
             half = None   # one plane: per-code gathers from the float32 table
         interp = interpreting()
         if self.lookup in _PRMT_FAMILY and interp and (side, half) in self._prmt:
@@ -865,7 +885,7 @@ class TkvLoader:
         elif (side, half) in self._pairs:
             table, code = self._pairs[side, half]
         bits = self.k_bits if side == "k" else self.v_bits
-        if self.lookup == "shuffle" and bits in (3, 4, 5) and self.group_planes(side) > 1:
+        if self.lookup == "shuffle" and bits in (3, 4, 5) and self.fetch_group_planes(side) > 1:
             code = LOOKUP_SHUFFLE
         return table, code
 
@@ -907,7 +927,7 @@ class TkvLoader:
         table, code = self._lookup(side, dot_dtype)
         bits = lay.k_bits if side == "k" else lay.v_bits
         code_bytes = lay.k_code_bytes if side == "k" else lay.v_code_bytes
-        gp = self.group_planes(side)
+        gp = self.fetch_group_planes(side)
         p0 = bits + 16 * code_bytes + 65536 * code + (gp.bit_length() - 1 << _GROUP_SHIFT)
         if (side, code) in self._prmt_words:   # prmt1/prmti: the tables travel in the constexpr
             p0 += self._prmt_words[side, code] << _TABLE_SHIFT
