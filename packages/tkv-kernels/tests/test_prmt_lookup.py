@@ -261,6 +261,23 @@ def test_lookup_from_env_validates_tkv_lookup():
         lookup_from_env({ENV_LOOKUP: "prmt2"})
 
 
+def test_small_head_groups_from_env():
+    """TKV_SMALL_HEAD_GROUPS: unset / blank / 0 → off, 1 → on, anything else a named error."""
+    from tkv.kernels import (
+        ENV_SMALL_HEAD_GROUPS,
+        SmallHeadGroupsConfigError,
+        small_head_groups_from_env,
+    )
+
+    assert small_head_groups_from_env({}) is False
+    assert small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: " "}) is False
+    assert small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: "0"}) is False
+    assert small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: " 1 "}) is True
+    for bad in ("yes", "2", "true"):
+        with pytest.raises(SmallHeadGroupsConfigError, match="TKV_SMALL_HEAD_GROUPS"):
+            small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: bad})
+
+
 @pytest.mark.parametrize("raw,want", [("", 0), ("0", 0), (" 128 ", 128), ("255", 255),
                                       ("12", None), ("300", None), ("lots", None), ("-1", None),
                                       ("1e2", None), ("12.0", None), ("²", None), ("１２８", None),

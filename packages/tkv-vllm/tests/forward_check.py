@@ -114,6 +114,8 @@ def run(spec_k: int) -> float:
         assert (spec.tkv_k_bits, spec.tkv_v_bits) == (alloc.k_bits[li], alloc.v_bits[li])
         want = os.environ.get("TKV_LOOKUP", "auto")
         assert impl._tkv_state.loader(bs).lookup == want, (impl._tkv_state.lookup, want)
+        shg = os.environ.get("TKV_SMALL_HEAD_GROUPS", "0") == "1"
+        assert impl._tkv_state.loader(bs).small_head_groups == shg
         shape = B.TurboAttnBackend.get_kv_cache_shape_for_spec(num_blocks, bs, spec)
         cache = torch.zeros(shape, dtype=torch.uint8)
         # cached context, stored the way vLLM stores it

@@ -12,14 +12,17 @@ from . import _interpreter_compat
 from .decode import decode
 from .loaders import (
     ENV_LOOKUP,
+    ENV_SMALL_HEAD_GROUPS,
     BypassLoader,
     Fp8Loader,
     Loader,
     LookupConfigError,
     MaxnregConfigError,
     PerCodebookCompileWarning,
+    SmallHeadGroupsConfigError,
     TkvLoader,
     lookup_from_env,
+    small_head_groups_from_env,
 )
 from .prefill import DENSE_PREFIX_CAP, dense_prefix_bytes, prefill, warm_prefix_variant
 from .store import compress_store
@@ -35,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DENSE_PREFIX_CAP",
     "ENV_LOOKUP",
+    "ENV_SMALL_HEAD_GROUPS",
     "BypassLoader",
     "Fp8Loader",
     "Loader",
@@ -42,6 +46,7 @@ __all__ = [
     "MaxnregConfigError",
     "MetadataError",
     "PerCodebookCompileWarning",
+    "SmallHeadGroupsConfigError",
     "TkvLoader",
     "Workspace",
     "WorkspaceTooSmallError",
@@ -51,5 +56,6 @@ __all__ = [
     "dense_prefix_bytes",
     "lookup_from_env",
     "prefill",
+    "small_head_groups_from_env",
     "warm_prefix_variant",
 ]

@@ -449,6 +449,29 @@ class LookupConfigError(ValueError):
     """``TKV_LOOKUP`` names no codebook lookup of :class:`TkvLoader`."""
 
 
+ENV_SMALL_HEAD_GROUPS = "TKV_SMALL_HEAD_GROUPS"
+
+
+class SmallHeadGroupsConfigError(ValueError):
+    """``TKV_SMALL_HEAD_GROUPS`` is neither ``0`` nor ``1``."""
+
+
+def small_head_groups_from_env(environ=None) -> bool:
+    """The experimental :class:`TkvLoader` option ``small_head_groups`` an operator turns on
+    for the engines' loaders with ``TKV_SMALL_HEAD_GROUPS=1`` (default ``0``: off).
+
+    Raises:
+        SmallHeadGroupsConfigError: any other value.
+    """
+    env = os.environ if environ is None else environ
+    v = env.get(ENV_SMALL_HEAD_GROUPS, "0").strip() or "0"
+    if v not in ("0", "1"):
+        raise SmallHeadGroupsConfigError(
+            f"{ENV_SMALL_HEAD_GROUPS}={v!r}: use 1 (fetch 3/5/7-bit sides at head_dim 64 as "
+            "8-code groups, experimental) or 0 (default)")
+    return v == "1"
+
+
 def lookup_from_env(environ=None) -> str:
     """The codebook lookup an operator picks for the engines' loaders with ``TKV_LOOKUP``
     (default ``"auto"``; the choices are :class:`TkvLoader`'s ``lookup`` values — an

@@ -244,11 +244,13 @@ class LayerState:
     loaders: dict[int, Any]
     default_block_size: int
     lookup: str = "auto"
+    small_head_groups: bool = False
 
     def loader(self, block_size: int) -> Any:
         ld = self.loaders.get(block_size)
         if ld is None:  # only if vLLM changed the kernel block size after binding
-            ld = kernels.TkvLoader(self.codec, self.num_kv_heads, block_size, lookup=self.lookup)
+            ld = kernels.TkvLoader(self.codec, self.num_kv_heads, block_size, lookup=self.lookup,
+                                   small_head_groups=self.small_head_groups)
             self.loaders[block_size] = ld
         return ld
 
@@ -290,8 +292,9 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
                 f"the TP shard {shard.num_local_heads} (heads {list(shard.heads)}): the "
                 "bundle's per-head offsets cannot be sliced to this rank")
     codec = layer_codec(cfg, idx, k_bits, v_bits, dev, shard)
+    # TKV_LOOKUP / TKV_SMALL_HEAD_GROUPS, validated here (startup)
     state = LayerState(idx, k_bits, v_bits, int(impl.num_kv_heads), codec, {}, block,
-                       kernels.lookup_from_env())   # TKV_LOOKUP, validated here (startup)
+                       kernels.lookup_from_env(), kernels.small_head_groups_from_env())
     state.loader(block)
     sc = vllm_config.scheduler_config
     shared_workspace(dev, int(sc.max_num_seqs), int(impl.num_heads), int(impl.head_size))
