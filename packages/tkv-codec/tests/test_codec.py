@@ -189,6 +189,13 @@ def test_cuda_matches_cpu():
         gpu.compress_k(x)
 
 
+# MSE of the Lloyd-Max quantizer of a unit Gaussian at 2..8 bits (J. Max, "Quantizing for
+# minimum distortion", IRE Trans. Inf. Theory 6(1), 1960, Table I; 6-8 bits by the same
+# iteration): the per-coordinate error a rotated coordinate is expected to carry.
+LLOYD_MAX_MSE = {2: 0.1175, 3: 0.03454, 4: 0.009497, 5: 0.002499, 6: 0.000642, 7: 0.000163,
+                 8: 0.0000411}
+
+
 @settings(max_examples=40, deadline=None)
 @given(d=st.sampled_from([16, 48, 64, 80, 96, 100, 128]), kb=st.integers(2, 8),
        vb=st.integers(2, 8), n=st.integers(1, 50), seed=st.integers(0, 1000))
@@ -201,8 +208,15 @@ def test_round_trip_property(d, kb, vb, n, seed):
         rec = side.decompress(packed, norms)
         # Deterministic: re-compressing the same input gives the same bytes.
         assert torch.equal(side.compress(x)[0], packed)
-        rel = ((rec - x) ** 2).sum() / (x**2).sum()
-        assert float(rel) < 0.2
+        rel = float(((rec - x) ** 2).sum() / (x**2).sum())
+        # the relative error is a mean over n·d coordinates of the Lloyd-Max error, whose
+        # spread shrinks as 1/sqrt(n·d), plus, rarely, one rotated coordinate far beyond the
+        # outermost centroid (~1e-3 of 64-dim vectors at 7 bits: that vector alone up to
+        # ~0.02): 0.05/n. Over 18,000 random draws of this space the worst error was 0.67 of
+        # the bound; the old fixed bound 0.2 failed one 16-dim vector at 2 bits (0.217) and
+        # meant nothing at 8 bits, where the error is 3,000x smaller.
+        bound = LLOYD_MAX_MSE[b] * max(2.0, 1 + 24 / math.sqrt(n * d)) + 0.05 / n
+        assert rel < bound, (b, n, d, rel, bound)
 
 
 def test_key_centering_is_exact_for_attention_and_cuts_error():
