@@ -172,11 +172,13 @@ def step_inputs(B, L, hq, hkv, d, block, device=DEV):
     return bt, sl, nblk, last_slots(bt, L, block), q, kn, torch.randn_like(kn)
 
 
-def tkv_cache(ld, nblocks):
-    cache = torch.randint(0, 256, (nblocks, ld.layout.page_bytes), dtype=torch.uint8, device=DEV)
+def tkv_cache(ld, nblocks, device=DEV, generator=None):
+    """A tkv cache of random code bytes with finite positive norms (8..12): timing input."""
+    cache = torch.randint(0, 256, (nblocks, ld.layout.page_bytes), dtype=torch.uint8,
+                          device=device, generator=generator)
     v = ld.layout.views(cache)
-    v["k_norms"].copy_(torch.rand_like(v["k_norms"], dtype=torch.float32) * 4 + 8)
-    v["v_norms"].copy_(torch.rand_like(v["v_norms"], dtype=torch.float32) * 4 + 8)
+    for name in ("k_norms", "v_norms"):
+        v[name].copy_(torch.rand(v[name].shape, device=device, generator=generator) * 4 + 8)
     return cache
 
 
@@ -846,12 +848,7 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
         for codec in attn["codecs"]:
             ld = TkvLoader(codec, hkv, block, lookup=attn.get("lookup", "auto"),
                            small_head_groups=attn.get("small_head_groups", False))
-            cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8,
-                                  device=device, generator=g)
-            views = ld.layout.views(cache)
-            for name in ("k_norms", "v_norms"):
-                views[name].copy_(torch.rand(views[name].shape, device=device, generator=g) + 8)
-            per_layer.append((ld, cache))
+            per_layer.append((ld, tkv_cache(ld, nblk, device, g)))
         layer_no = [0]
 
         def attend(q, k, v):
@@ -868,12 +865,7 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
             ld = TkvLoader(TurboKVCodec(d, k_bits=kb, v_bits=vb, device=device), hkv, block,
                            lookup=attn.get("lookup", "auto"), planes=attn.get("planes"),
                            small_head_groups=attn.get("small_head_groups", False))
-            cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8,
-                                  device=device, generator=g)
-            views = ld.layout.views(cache)
-            for name in ("k_norms", "v_norms"):
-                views[name].copy_(torch.rand(views[name].shape, device=device, generator=g) + 8)
-            per[kb, vb] = ld, cache
+            per[kb, vb] = ld, tkv_cache(ld, nblk, device, g)
         opts = {k: v for k, v in attn.items()
                 if k not in ("lookup", "widths", "planes", "small_head_groups")}
         layer_no = [0]

@@ -27,13 +27,10 @@ def _setup(seed=0, lens=(1000, 1, 333, 4097), d=128, hkv=8, group=4, block=16):
     return ld, batch, cache, hkv * group
 
 
-def test_decode_cuda_graph_replay_equals_eager():
-    ld, batch, cache, hq = _setup()
-    ns = batch.seq_lens.shape[0]
-    ws = Workspace(16, 64, 256, "cuda")
-    q = torch.randn(ns, hq, 128, device="cuda", dtype=torch.bfloat16)
-    out = torch.full((ns, hq, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
-    decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out)  # warm-up/compile
+def _decode_graph(q, cache, batch, ld, ws, out):
+    """``(graph, eager)``: decode run eagerly (compile; ``eager`` = its output), warmed on a
+    side stream, then captured into a CUDA graph whose output ``out`` is NaN-filled."""
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out)
     eager = out.clone()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -44,6 +41,16 @@ def test_decode_cuda_graph_replay_equals_eager():
     with torch.cuda.graph(g):
         decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out)
     out.fill_(float("nan"))
+    return g, eager
+
+
+def test_decode_cuda_graph_replay_equals_eager():
+    ld, batch, cache, hq = _setup()
+    ns = batch.seq_lens.shape[0]
+    ws = Workspace(16, 64, 256, "cuda")
+    q = torch.randn(ns, hq, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((ns, hq, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g, eager = _decode_graph(q, cache, batch, ld, ws, out)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
@@ -224,15 +231,11 @@ def test_small_head_groups_match_oracle_at_head_dim_64(kb, vb):
     q = torch.randn(len(lens), hkv * group, d, device="cuda", dtype=torch.bfloat16)
     ws = Workspace(8, hkv * group, d, "cuda")
     out = torch.empty_like(q)
-    decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out)
-    out.fill_(float("nan"))
+    g, eager = _decode_graph(q, cache, batch, ld, ws, out)
     g.replay()
     torch.cuda.synchronize()
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
-    assert relative_error(out.float(), ref) < 2.5e-2
+    assert relative_error(out.float(), ref) < 2.5e-2 and torch.equal(out, eager)
     qc = torch.randn(140, hkv * group, d, device="cuda", dtype=torch.bfloat16)
     kc, vc = (torch.randn(140, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     cu = torch.tensor([0, 140], dtype=torch.int32, device="cuda")
