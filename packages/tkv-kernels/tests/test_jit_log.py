@@ -20,14 +20,25 @@ def hooks():
     jit_log._INSTALLED.clear()
 
 
+_KERNELS: dict[str, object] = {}   # stand-ins for JITFunction objects, one per name
+
+
 def _fire(name: str, key: str, delay: float = 0.0):
-    """What Triton does around one compile: the cache hook, the compile, the post hook."""
-    fn = SimpleNamespace(module=SimpleNamespace(__name__="tkv.kernels.prefill"), name=name)
-    skipped = knobs.runtime.jit_cache_hook(key=key, repr=name, fn=fn, compile={},
-                                           is_manual_warmup=False, already_compiled=False)
+    """What Triton 3.6 does around one compile: the cache hook, the compile, the post hook —
+    each hook call with a NEW ``fn`` info object (``JitFunctionInfo(module, name, self)``)
+    around the same JITFunction, while the compile keeps other objects alive."""
+    jf = _KERNELS.setdefault(name, object())
+
+    def info():
+        return SimpleNamespace(module=SimpleNamespace(__name__="tkv.kernels.prefill"),
+                               name=name, jit_function=jf)
+
+    kw = dict(key=key, repr=name, compile={}, is_manual_warmup=False, already_compiled=False)
+    skipped = knobs.runtime.jit_cache_hook(fn=info(), **kw)
+    busy = [SimpleNamespace(i=i) for i in range(1000)]   # a compile allocates meanwhile
     time.sleep(delay)
-    knobs.runtime.jit_post_compile_hook(key=key, repr=name, fn=fn, compile={},
-                                        is_manual_warmup=False, already_compiled=False)
+    knobs.runtime.jit_post_compile_hook(fn=info(), **kw)
+    del busy
     return skipped
 
 
@@ -55,6 +66,19 @@ def test_existing_hooks_are_kept(tmp_path, hooks):
     assert _fire("_compress_store_kernel", "k") is True   # the earlier hook's verdict stands
     assert seen == [("before", "k"), ("after", "k")]
     assert len(jit_log.read_events(tmp_path / "jit.tsv")) == 1
+
+
+def test_installing_another_path_replaces_the_first(tmp_path, hooks):
+    """A second install moves the log (no event written twice); hooks that were there before
+    tkv's stay chained once."""
+    seen = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["key"])
+    jit_log.install(tmp_path / "a.tsv")
+    jit_log.install(tmp_path / "b.tsv")
+    _fire("_decode_split_kernel", "k", delay=0.01)
+    assert jit_log.read_events(tmp_path / "a.tsv") == []
+    (ev,) = jit_log.read_events(tmp_path / "b.tsv")
+    assert ev.seconds >= 0.01 and seen == ["k"]
 
 
 def test_install_from_env(tmp_path, hooks, monkeypatch):

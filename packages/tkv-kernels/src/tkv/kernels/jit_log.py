@@ -29,7 +29,7 @@ from pathlib import Path
 __all__ = ["ENV", "JitEvent", "install", "install_from_env", "read_events"]
 
 ENV = "TKV_JIT_LOG"
-_INSTALLED: dict[str, str] = {}
+_INSTALLED: dict = {}   # "path": the file; "prev": the hooks found at the first install
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,17 @@ def _kernel_name(fn) -> str:
     return f"{module}:{getattr(fn, 'name', '?')}"
 
 
+def _event_key(kw) -> tuple:
+    """What identifies one compile across the two hooks: Triton builds a new ``fn`` info
+    object for each hook call, so the kernel (its JITFunction) and the specialization key."""
+    fn = kw.get("fn")
+    return id(getattr(fn, "jit_function", fn)), str(kw.get("key"))
+
+
 def install(path: str | os.PathLike) -> None:
     """Append this process's Triton JIT events to ``path`` (created with its parent folder;
-    idempotent per process).
+    idempotent per process; installing another path replaces the first, keeping any hooks
+    that were there before tkv's).
 
     Raises:
         OSError: ``path`` cannot be opened for appending.
@@ -64,16 +72,21 @@ def install(path: str | os.PathLike) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a"):
         pass
-    starts: dict[tuple[int, str], float] = {}
-    prev_before = knobs.runtime.jit_cache_hook
-    prev_after = knobs.runtime.jit_post_compile_hook
+    starts: dict[tuple, float] = {}
+    if "prev" not in _INSTALLED:   # the hooks someone else installed, before tkv's
+        _INSTALLED["prev"] = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    prev_before, prev_after = _INSTALLED["prev"]
 
     def before(**kw):
-        starts[(id(kw.get("fn")), str(kw.get("key")))] = time.time()
-        return prev_before(**kw) if prev_before else False
+        key = _event_key(kw)
+        starts[key] = time.time()
+        skip = prev_before(**kw) if prev_before else False
+        if skip:   # an earlier hook skips the compile: no post hook will come
+            starts.pop(key, None)
+        return skip
 
     def after(**kw):
-        t0 = starts.pop((id(kw.get("fn")), str(kw.get("key"))), None)
+        t0 = starts.pop(_event_key(kw), None)
         now = time.time()
         t0 = now if t0 is None else t0
         with open(path, "a") as f:
