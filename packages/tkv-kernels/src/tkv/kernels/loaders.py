@@ -840,8 +840,13 @@ class TkvLoader:
         if not self.small_head_groups or gp != 1:
             return gp
         np_, _ = code_group(self.k_bits if side == "k" else self.v_bits)
-        cap = self.max_planes if self.max_planes is not None else (2 if np_ == 8 else np_)
-        return np_ if np_ > 1 and self.d_pad // min(np_, cap) >= 16 else gp
+        return np_ if np_ > 1 and self.d_pad // self._merged_planes(np_) >= 16 else gp
+
+    def _merged_planes(self, gp: int) -> int:
+        """Planes that ``gp`` group planes are interleaved into: at most the constructor's
+        ``planes``, by default 2 for 8-code groups, else all ``gp`` kept."""
+        cap = self.max_planes if self.max_planes is not None else (2 if gp == 8 else gp)
+        return min(gp, cap)
 
     def prefill_loader(self) -> TkvLoader:
         """The loader :func:`~tkv.kernels.prefill` reads the compressed prefix through: this
@@ -859,9 +864,7 @@ class TkvLoader:
         bits) kept: on the H200 (``benchmarks/results/kernels_gpu_2026-11-30_s10_planes.md``,
         B=32, L=8K) K3V3 decode 1.02 → 0.50 ms, K4V3 1.03 → 0.36, K5V5 1.38 → 0.82, while
         2-bit sides were slower interleaved (K2V2 0.24 → 0.40) and 6-bit ones unchanged."""
-        gp = self.fetch_group_planes(side)
-        cap = self.max_planes if self.max_planes is not None else (2 if gp == 8 else gp)
-        return min(gp, cap)
+        return self._merged_planes(self.fetch_group_planes(side))
 
     @property
     def preferred_block_n(self) -> int:
