@@ -911,15 +911,13 @@ def smollm2_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), rows=("4.0", "3.
     ``small_head_groups`` loaders (3/5/7-bit sides fetched as 8-code groups, not per element).
     Then, at the largest batch, the per-kernel device time of one step (torch.profiler) for
     bf16 and each bundle row: where the step's time goes, by kernel."""
-    from tkv.codec import CalibrationBundle
-    bundle = CalibrationBundle.load(Path(__file__).parent / SMOLLM2_BUNDLE)
+    bundle = _smollm2_bundle()
     layers = 30
     arms = [("GEMMs only (no attention)", "none"), ("bf16 store + bypass decode", "bf16"),
             ("tkv K4V4 uniform", {})]
     for row in rows:
-        w = bundle.allocation(row)
         arms.append((f"tkv bundle {row} row widths, Gaussian codebooks",
-                     {"widths": list(zip(w.k_bits, w.v_bits, strict=True))}))
+                     {"widths": _bundle_row_widths(row)}))
         arms.append((f"tkv bundle {row} row codecs", {"codecs": bundle.codecs(row, DEV)}))
         arms.append((f"tkv bundle {row} row codecs, small-head groups (experimental)",
                      {"codecs": bundle.codecs(row, DEV), "small_head_groups": True}))
@@ -931,12 +929,17 @@ def smollm2_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), rows=("4.0", "3.
                      breakdown=profiled)
 
 
+def _smollm2_bundle():
+    """The committed SmolLM2 calibration bundle (:data:`SMOLLM2_BUNDLE`)."""
+    from tkv.codec import CalibrationBundle
+    return CalibrationBundle.load(Path(__file__).parent / SMOLLM2_BUNDLE)
+
+
 def _bundle_row_widths(row: str) -> list[tuple[int, int]]:
     """Per-layer (k_bits, v_bits) of a TKV_BITS row of the committed SmolLM2 calibration
-    bundle (30 layers; the model step cycles them over its 36)."""
-    path = Path(__file__).parent / "results/calibrate_smollm2_sink_offset_2026-11-30/tkv_bundle.json"
-    t = json.loads(path.read_text())["byte_budget_table"][row]
-    return list(zip(t["k_bits"], t["v_bits"], strict=True))
+    bundle (30 layers; a 36-layer model step cycles them)."""
+    a = _smollm2_bundle().allocation(row)
+    return list(zip(a.k_bits, a.v_bits, strict=True))
 
 
 def width_rows(copy_gbs, shapes=((32, 8192), (256, 640))):
