@@ -357,17 +357,15 @@ def test_jit_log_records_a_real_compile(tmp_path):
     cache) lands in the log; its second launch does not."""
     import triton
     import triton.language as tl
-    from triton import knobs
 
     from tkv.kernels import jit_log
+    from tkv.kernels.testing import jit_hooks_isolated
 
     @triton.jit
     def _jit_log_probe(x, SALT: tl.constexpr):
         tl.store(x, tl.load(x) + SALT)
 
-    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
-    jit_log._INSTALLED.clear()
-    try:
+    with jit_hooks_isolated():
         jit_log.install(tmp_path / "jit.tsv")
         x = torch.zeros(1, device="cuda")
         salt = 3   # the kernel object is new: its first launch is an in-memory miss
@@ -377,6 +375,3 @@ def test_jit_log_records_a_real_compile(tmp_path):
         ev = jit_log.read_events(tmp_path / "jit.tsv")
         assert [e.kernel.rsplit(":", 1)[1] for e in ev] == ["_jit_log_probe"]
         assert ev[0].seconds > 0 and x.item() == 2 * salt
-    finally:
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
-        jit_log._INSTALLED.clear()

@@ -8,16 +8,14 @@ import pytest
 from triton import knobs
 
 from tkv.kernels import jit_log
+from tkv.kernels.testing import jit_hooks_isolated
 
 
 @pytest.fixture
 def hooks():
     """Restore Triton's JIT hooks and the module's install state after each test."""
-    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
-    jit_log._INSTALLED.clear()
-    yield
-    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
-    jit_log._INSTALLED.clear()
+    with jit_hooks_isolated():
+        yield
 
 
 _KERNELS: dict[str, object] = {}   # stand-ins for JITFunction objects, one per name

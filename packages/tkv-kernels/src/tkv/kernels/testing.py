@@ -4,6 +4,7 @@ the engine plugins' JIT log hook."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -11,8 +12,8 @@ import torch
 from .loaders import BypassLoader, Fp8Loader, TkvLoader
 from .store import compress_store
 
-__all__ = ["PagedBatch", "check_register_installs_jit_log", "fill_cache", "make_cache",
-           "make_paged_batch", "relative_error", "tolerance"]
+__all__ = ["PagedBatch", "check_register_installs_jit_log", "fill_cache", "jit_hooks_isolated",
+           "make_cache", "make_paged_batch", "relative_error", "tolerance"]
 
 
 class PagedBatch:
@@ -99,14 +100,10 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def check_register_installs_jit_log(register, path, monkeypatch) -> None:
-    """Engine-plugin test helper: with ``TKV_JIT_LOG=path`` (set through pytest's
-    ``monkeypatch``), ``register()`` installs :mod:`tkv.kernels.jit_log` at ``path``. Triton's
-    JIT hooks and the module's state are restored afterwards.
-
-    Raises:
-        AssertionError: the log was not installed there.
-    """
+@contextlib.contextmanager
+def jit_hooks_isolated():
+    """Run a block with :mod:`tkv.kernels.jit_log` uninstalled and restore Triton's JIT hooks
+    and the module's install state afterwards (tests install the log, then leave no trace)."""
     from triton import knobs
 
     from . import jit_log
@@ -114,10 +111,24 @@ def check_register_installs_jit_log(register, path, monkeypatch) -> None:
     saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
     jit_log._INSTALLED.clear()
     try:
+        yield
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+        jit_log._INSTALLED.clear()
+
+
+def check_register_installs_jit_log(register, path, monkeypatch) -> None:
+    """Engine-plugin test helper: with ``TKV_JIT_LOG=path`` (set through pytest's
+    ``monkeypatch``), ``register()`` installs :mod:`tkv.kernels.jit_log` at ``path``. Triton's
+    JIT hooks and the module's state are restored afterwards (:func:`jit_hooks_isolated`).
+
+    Raises:
+        AssertionError: the log was not installed there.
+    """
+    from . import jit_log
+
+    with jit_hooks_isolated():
         monkeypatch.setenv(jit_log.ENV, str(path))
         register()
         assert jit_log._INSTALLED.get("path") == str(path), jit_log._INSTALLED
         assert Path(path).is_file()
-    finally:
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
-        jit_log._INSTALLED.clear()
