@@ -35,9 +35,9 @@ DEFAULT_BUNDLE = "benchmarks/results/calibrate_smollm2_sink_offset_2026-11-30/tk
 
 
 def check_layer(codec, num_kv_heads: int, group: int, device: str, g: torch.Generator,
-                small_head_groups: bool = False):
+                small_head_groups: bool = True):
     """Relative errors ``(decode, [inline, decompress-once, sdpa])`` of one layer's codec
-    (``small_head_groups``: the experimental TkvLoader option)."""
+    (``small_head_groups``: the TkvLoader option, default on)."""
     d = codec.head_dim
     ld = TkvLoader(codec, num_kv_heads, 16, small_head_groups=small_head_groups)
     lens = [40, 1, 17]
@@ -110,9 +110,9 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=None,
                     help="query heads per KV head (default: num_kv_heads, e.g. 3 for SmolLM2)")
     ap.add_argument("--tol", type=float, default=2.5e-2)
-    ap.add_argument("--small-head-groups", action="store_true",
-                    help="loaders with the experimental small_head_groups option (3/5/7-bit "
-                         "sides at head_dim 64 fetched as 8-code groups)")
+    ap.add_argument("--per-element", action="store_true",
+                    help="loaders with small_head_groups=False (3/5/7-bit sides at head_dim "
+                         "64 read per element instead of as 8-code groups)")
     a = ap.parse_args(argv)
     b = CalibrationBundle.load(a.bundle)
     hkv = b.geometry.num_kv_heads
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
             seen.add(widths)
             codec = b.codec(layer, *widths, a.device, check_finite=False)
             ld, r_dec, r_pre = check_layer(codec, hkv, group, a.device, g,
-                                           a.small_head_groups)
+                                           not a.per_element)
             worst = max(worst, r_dec, *r_pre)
             agree, ndiff, flags = check_store(codec, ld, a.device, g)
             store_ok = store_ok and agree >= 0.999 and ndiff <= 8e-3 and flags >= 0.98

@@ -847,7 +847,7 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
         per_layer = []
         for codec in attn["codecs"]:
             ld = TkvLoader(codec, hkv, block, lookup=attn.get("lookup", "auto"),
-                           small_head_groups=attn.get("small_head_groups", False))
+                           small_head_groups=attn.get("small_head_groups", True))
             per_layer.append((ld, tkv_cache(ld, nblk, device, g)))
         layer_no = [0]
 
@@ -864,7 +864,7 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
         for kb, vb in dict.fromkeys(widths):
             ld = TkvLoader(TurboKVCodec(d, k_bits=kb, v_bits=vb, device=device), hkv, block,
                            lookup=attn.get("lookup", "auto"), planes=attn.get("planes"),
-                           small_head_groups=attn.get("small_head_groups", False))
+                           small_head_groups=attn.get("small_head_groups", True))
             per[kb, vb] = ld, tkv_cache(ld, nblk, device, g)
         opts = {k: v for k, v in attn.items()
                 if k not in ("lookup", "widths", "planes", "small_head_groups")}
@@ -907,8 +907,9 @@ def smollm2_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), rows=("4.0", "3.
     KV heads, GQA 3) — the model of the vLLM SmartMix run where tkv@4.0 ran 0.20× bf16 at
     256 sequences: GEMMs alone, bf16 (store + bypass decode), uniform K4V4 (Gaussian
     codebooks) and the committed bundle's rows with their own per-layer codecs (widths,
-    fitted codebooks, channel scales, key / sink offsets), each also with the experimental
-    ``small_head_groups`` loaders (3/5/7-bit sides fetched as 8-code groups, not per element).
+    fitted codebooks, channel scales, key / sink offsets), each also with
+    ``small_head_groups=False`` loaders (3/5/7-bit sides at head_dim 64 read per element, as
+    before session 13; the default fetches them as 8-code groups).
     Then, at the largest batch, the per-kernel device time of one step (torch.profiler) for
     bf16 and each bundle row: where the step's time goes, by kernel."""
     bundle = _smollm2_bundle()
@@ -919,8 +920,8 @@ def smollm2_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), rows=("4.0", "3.
         arms.append((f"tkv bundle {row} row widths, Gaussian codebooks",
                      {"widths": _bundle_row_widths(row)}))
         arms.append((f"tkv bundle {row} row codecs", {"codecs": bundle.codecs(row, DEV)}))
-        arms.append((f"tkv bundle {row} row codecs, small-head groups (experimental)",
-                     {"codecs": bundle.codecs(row, DEV), "small_head_groups": True}))
+        arms.append((f"tkv bundle {row} row codecs, per-element 3/5/7-bit sides",
+                     {"codecs": bundle.codecs(row, DEV), "small_head_groups": False}))
 
     def profiled(attn) -> bool:   # bf16, uniform K4V4 and the bundle rows' own codecs
         return attn == "bf16" or (isinstance(attn, dict) and ("codecs" in attn or not attn))

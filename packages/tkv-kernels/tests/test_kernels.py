@@ -404,13 +404,15 @@ def test_per_element_sides_keep_32_token_tiles(kb, vb):
 @pytest.mark.parametrize(("kb", "vb", "group"), [(3, 3, 3), (5, 4, 3), (4, 3, 1), (7, 5, 2),
                                               (3, 2, 3), (6, 5, 4)])
 def test_small_head_groups_decode_matches_oracle(kb, vb, group):
-    """``small_head_groups`` (experimental): at head_dim 64 decode fetches whole 8-code groups
-    of 3/5/7-bit sides (interleaved to 2 planes of 32) instead of reading them per element;
-    same cache bytes (compress_store unchanged), prefill still per element. Decode and prefill
-    both match the float64 oracle; the plain loader reads the same cache the same way."""
+    """``small_head_groups`` (the default): at head_dim 64 decode fetches whole 8-code groups
+    of 3/5/7-bit sides (interleaved to 2 planes of 32) instead of reading them per element
+    (``small_head_groups=False``); same cache bytes (compress_store unchanged), prefill still
+    per element. Decode and prefill both match the float64 oracle; the per-element loader
+    reads the same cache the same way."""
     codec = TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV)
-    ld = TkvLoader(codec, 2, 16, small_head_groups=True)
-    plain = TkvLoader(codec, 2, 16)
+    ld = TkvLoader(codec, 2, 16)
+    assert ld.small_head_groups
+    plain = TkvLoader(codec, 2, 16, small_head_groups=False)
     for side, bits in (("k", kb), ("v", vb)):
         odd = bits in (3, 5, 7)
         assert plain.group_planes(side) == ld.group_planes(side)   # the store is unchanged
@@ -981,7 +983,10 @@ def test_gluon_kernel_refuses_what_it_cannot_serve():
     ws = Workspace(2, 4, 64, DEV)
     with pytest.raises(ValueError, match="kernel must be"):
         decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, kernel="cuda")
-    with pytest.raises(UnsupportedKernelError, match="CUDA device"):
+    # On the CPU / interpreter the device is refused first; on a GPU this loader's default
+    # lookup (not prmt) is.
+    refusal = "CUDA device" if DEV == "cpu" else "prmt lookup"
+    with pytest.raises(UnsupportedKernelError, match=refusal):
         decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, kernel="gluon")
     odd = TkvLoader(TurboKVCodec(64, k_bits=3, v_bits=4, device=DEV), 2, 16)
     with pytest.raises(UnsupportedKernelError, match="4-bit"):

@@ -262,15 +262,16 @@ def test_lookup_from_env_validates_tkv_lookup():
 
 
 def test_small_head_groups_from_env():
-    """TKV_SMALL_HEAD_GROUPS: unset / blank / 0 → off, 1 → on, anything else a named error."""
+    """TKV_SMALL_HEAD_GROUPS: unset / blank / 1 → on (the default), 0 → off, anything else a
+    named error."""
     from tkv.kernels import (
         ENV_SMALL_HEAD_GROUPS,
         SmallHeadGroupsConfigError,
         small_head_groups_from_env,
     )
 
-    assert small_head_groups_from_env({}) is False
-    assert small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: " "}) is False
+    assert small_head_groups_from_env({}) is True
+    assert small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: " "}) is True
     assert small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: "0"}) is False
     assert small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: " 1 "}) is True
     for bad in ("yes", "2", "true"):

@@ -244,7 +244,7 @@ class LayerState:
     loaders: dict[int, Any]
     default_block_size: int
     lookup: str = "auto"
-    small_head_groups: bool = False
+    small_head_groups: bool = True
 
     def loader(self, block_size: int) -> Any:
         ld = self.loaders.get(block_size)
