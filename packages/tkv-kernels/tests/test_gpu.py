@@ -362,15 +362,19 @@ def test_jit_log_records_a_real_compile(tmp_path):
     from tkv.kernels.testing import jit_hooks_isolated
 
     @triton.jit
-    def _jit_log_probe(x, SALT: tl.constexpr):
-        tl.store(x, tl.load(x) + SALT)
+    def _plus(x, SALT: tl.constexpr):
+        return x + SALT
+
+    @triton.jit   # a function constexpr, as tkv's FETCH / DEQUANT (broke the runtime hooks)
+    def _jit_log_probe(x, F: tl.constexpr, SALT: tl.constexpr):
+        tl.store(x, F(tl.load(x), SALT))
 
     with jit_hooks_isolated():
         jit_log.install(tmp_path / "jit.tsv")
         x = torch.zeros(1, device="cuda")
         salt = 3   # the kernel object is new: its first launch is an in-memory miss
-        _jit_log_probe[(1,)](x, SALT=salt)
-        _jit_log_probe[(1,)](x, SALT=salt)   # in-memory hit: no second event
+        _jit_log_probe[(1,)](x, F=_plus, SALT=salt)
+        _jit_log_probe[(1,)](x, F=_plus, SALT=salt)   # in-memory hit: no second event
         torch.cuda.synchronize()
         ev = jit_log.read_events(tmp_path / "jit.tsv")
         # the name is module:qualname (here ...test_jit_log_records_a_real_compile.<locals>.)

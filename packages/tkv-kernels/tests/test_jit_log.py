@@ -13,70 +13,105 @@ from tkv.kernels.testing import jit_hooks_isolated
 
 @pytest.fixture
 def hooks():
-    """Restore Triton's JIT hooks and the module's install state after each test."""
+    """Restore Triton's compilation listener and the module's install state after each
+    test."""
     with jit_hooks_isolated():
         yield
 
 
-_KERNELS: dict[str, object] = {}   # stand-ins for JITFunction objects, one per name
-
-
-def _fire(name: str, key: str, delay: float = 0.0):
-    """What Triton 3.6 does around one compile: the cache hook, the compile, the post hook —
-    each hook call with a NEW ``fn`` info object (``JitFunctionInfo(module, name, self)``)
-    around the same JITFunction, while the compile keeps other objects alive."""
-    jf = _KERNELS.setdefault(name, object())
-
-    def info():
-        return SimpleNamespace(module=SimpleNamespace(__name__="tkv.kernels.prefill"),
-                               name=name, jit_function=jf)
-
-    kw = dict(key=key, repr=name, compile={}, is_manual_warmup=False, already_compiled=False)
-    skipped = knobs.runtime.jit_cache_hook(fn=info(), **kw)
-    busy = [SimpleNamespace(i=i) for i in range(1000)]   # a compile allocates meanwhile
+def _fire(name: str, delay: float = 0.0, cache_hit: bool = False):
+    """What ``triton.compile`` (3.6) does at the end of one compile or disk-cache load: call
+    ``knobs.compilation.listener`` with the source (an ASTSource holding the JITFunction)
+    and the phase times in microseconds."""
+    fn = SimpleNamespace(module="tkv.kernels.prefill", __qualname__=name, __name__=name)
+    us = int(delay * 1e6)
+    times = knobs.CompileTimes(ir_initialization=us // 2, lowering_stages=[("ttir", us // 4)],
+                               store_results=us - us // 2 - us // 4)
     time.sleep(delay)
-    knobs.runtime.jit_post_compile_hook(fn=info(), **kw)
-    del busy
-    return skipped
+    knobs.compilation.listener(src=SimpleNamespace(fn=fn, name=name), metadata={},
+                               metadata_group={}, times=times, cache_hit=cache_hit)
 
 
-def test_events_are_logged_with_duration_pid_and_name(tmp_path, hooks):
+def test_events_are_logged_with_duration_pid_name_and_source(tmp_path, hooks):
     path = tmp_path / "sub" / "jit.tsv"
     jit_log.install(path)
     jit_log.install(path)   # idempotent: one line per event, not two
     t0 = time.time()
-    assert not _fire("_prefill_kernel", "k1", delay=0.02)
-    _fire("_dequant_prefix_kernel", "k2")
+    _fire("_prefill_kernel", delay=0.02)
+    _fire("_dequant_prefix_kernel", cache_hit=True)
     ev = jit_log.read_events(path)
     assert [e.kernel for e in ev] == ["tkv.kernels.prefill:_prefill_kernel",
                                       "tkv.kernels.prefill:_dequant_prefix_kernel"]
-    assert ev[0].seconds >= 0.02 and ev[0].start >= t0 - 1e-3
+    assert [e.source for e in ev] == ["compile", "disk"]
+    assert abs(ev[0].seconds - 0.02) < 1e-5 and t0 - 1e-3 <= ev[0].start <= ev[1].start
     assert {e.pid for e in ev} == {os.getpid()}
     assert jit_log.read_events(path, since=ev[1].start) == [ev[1]]
     assert jit_log.read_events(path, until=ev[0].start) == [ev[0]]
 
 
-def test_existing_hooks_are_kept(tmp_path, hooks):
-    seen = []
-    knobs.runtime.jit_cache_hook = lambda **kw: seen.append(("before", kw["key"])) or True
-    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(("after", kw["key"]))
+def test_runtime_jit_hooks_stay_unset(tmp_path, hooks):
+    """The runtime JIT hooks make Triton json.dumps every launch's constexprs, which fails
+    for kernels taking @triton.jit functions as constexprs (tkv's FETCH / DEQUANT): the log
+    must not set them."""
+    before = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
     jit_log.install(tmp_path / "jit.tsv")
-    assert _fire("_compress_store_kernel", "k") is True   # the earlier hook's verdict stands
-    assert seen == [("before", "k"), ("after", "k")]
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
+    assert knobs.compilation.listener is not None
+
+
+def test_a_real_compile_and_disk_load_of_a_kernel_with_a_function_constexpr(tmp_path, hooks,
+                                                                            monkeypatch):
+    """``triton.compile`` for sm_90 runs on the CPU (no launch): the real listener path logs
+    the compile, then the disk-cache load of the same kernel, a kernel that takes a
+    ``@triton.jit`` function as a constexpr as tkv's attention kernels do."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    # JITFunction directly: under TRITON_INTERPRET=1 @triton.jit gives an interpreted function
+    def _plus_one(x):
+        return x + 1
+
+    def _jit_log_probe(x_ptr, F: tl.constexpr, SALT: tl.constexpr):
+        tl.store(x_ptr, F(tl.load(x_ptr)) + SALT)
+
+    _plus_one, _jit_log_probe = JITFunction(_plus_one), JITFunction(_jit_log_probe)
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path / "triton-cache"))
+    jit_log.install(tmp_path / "jit.tsv")
+    src = ASTSource(_jit_log_probe, {"x_ptr": "*fp32", "F": "constexpr", "SALT": "constexpr"},
+                    constexprs={"F": _plus_one, "SALT": 3})
+    for _ in range(2):
+        triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    ev = jit_log.read_events(tmp_path / "jit.tsv")
+    assert [e.kernel.rsplit(".", 1)[-1] for e in ev] == ["_jit_log_probe"] * 2
+    assert ev[0].kernel.startswith(f"{__name__}:")
+    assert [e.source for e in ev] == ["compile", "disk"]
+    assert ev[0].seconds > 0 and ev[0].start <= ev[1].start
+
+
+def test_an_existing_listener_is_kept(tmp_path, hooks):
+    seen = []
+    knobs.compilation.listener = lambda **kw: seen.append(kw["cache_hit"])
+    jit_log.install(tmp_path / "jit.tsv")
+    _fire("_compress_store_kernel", cache_hit=True)
+    assert seen == [True]
     assert len(jit_log.read_events(tmp_path / "jit.tsv")) == 1
 
 
 def test_installing_another_path_replaces_the_first(tmp_path, hooks):
-    """A second install moves the log (no event written twice); hooks that were there before
-    tkv's stay chained once."""
+    """A second install moves the log (no event written twice); a listener that was there
+    before tkv's stays chained once."""
     seen = []
-    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["key"])
+    knobs.compilation.listener = lambda **kw: seen.append(kw["src"].name)
     jit_log.install(tmp_path / "a.tsv")
     jit_log.install(tmp_path / "b.tsv")
-    _fire("_decode_split_kernel", "k", delay=0.01)
+    _fire("_decode_split_kernel", delay=0.01)
     assert jit_log.read_events(tmp_path / "a.tsv") == []
     (ev,) = jit_log.read_events(tmp_path / "b.tsv")
-    assert ev.seconds >= 0.01 and seen == ["k"]
+    assert ev.seconds >= 0.01 - 1e-6 and seen == ["_decode_split_kernel"]
 
 
 def test_install_from_env(tmp_path, hooks, monkeypatch):
@@ -85,13 +120,15 @@ def test_install_from_env(tmp_path, hooks, monkeypatch):
     assert jit_log._INSTALLED == {}
     monkeypatch.setenv(jit_log.ENV, str(tmp_path / "j.tsv"))
     assert jit_log.install_from_env() == str(tmp_path / "j.tsv")
-    _fire("_decode_split_kernel", "k")
+    _fire("_decode_split_kernel")
     assert len(jit_log.read_events(tmp_path / "j.tsv")) == 1
 
 
 def test_read_events_missing_and_malformed(tmp_path):
     assert jit_log.read_events(tmp_path / "none.tsv") == []
     bad = tmp_path / "bad.tsv"
-    bad.write_text("1.0\t0.5\t12\tm:k\nnot a line\n")
-    with pytest.raises(ValueError, match=r"bad\.tsv:2"):
+    bad.write_text("1.0\t0.5\t12\tm:k\n2.0\t0.1\t12\tm:k\tdisk\nnot a line\n")
+    with pytest.raises(ValueError, match=r"bad\.tsv:3"):
         jit_log.read_events(bad)
+    bad.write_text("1.0\t0.5\t12\tm:k\n2.0\t0.1\t12\tm:k\tdisk\n")   # old 4-field lines too
+    assert [e.source for e in jit_log.read_events(bad)] == ["compile", "disk"]

@@ -5,18 +5,23 @@ classes, pointer alignment) — seconds for the tkv kernels, once per layer widt
 an engine that is a step that suddenly takes seconds. Counting new entries of the on-disk
 Triton cache misses every kernel an earlier process already compiled (a disk hit still goes
 through the same path, only faster), and engines compile in their own worker processes. This
-module installs Triton's JIT hooks (``triton.knobs.runtime.jit_cache_hook`` before, and
-``jit_post_compile_hook`` after, every in-memory cache miss: compile or disk load) in the
-process that runs the kernels and appends one line per event to a file shared by all
-processes of a run.
+module installs Triton's compilation listener (``triton.knobs.compilation.listener``, called
+by ``triton.compile`` at the end of every compile and of every load from the disk cache —
+i.e. on every in-memory cache miss of a kernel launch) in the process that runs the kernels
+and appends one line per event to a file shared by all processes of a run.
+
+Not the runtime JIT hooks (``knobs.runtime.jit_cache_hook`` / ``jit_post_compile_hook``):
+with one set, Triton 3.6 first serializes the launch's constexprs with ``json.dumps``, which
+raises ``TypeError`` for a kernel taking a ``@triton.jit`` function as a constexpr — as
+every tkv attention kernel does (the Loader protocol's ``FETCH`` / ``DEQUANT``). Session 13
+found that inside vLLM: the first engine with ``TKV_JIT_LOG`` set died at its first decode.
 
 Engines: set ``TKV_JIT_LOG=/path/file.tsv``; the tkv vLLM and SGLang plugins call
 :func:`install_from_env` in every process they are loaded in. Line format (tab-separated):
 ``start`` (Unix time, seconds), ``seconds`` (compile or load time), ``pid``, ``kernel``
-(``module:qualname``). :func:`read_events` parses it.
+(``module:qualname``), ``source`` (``compile`` or ``disk``). :func:`read_events` parses it.
 
-Hooks already installed by someone else are kept and called first (their return value is
-returned, so a hook that skips compilation still does).
+A listener already installed by someone else is kept and called after tkv's.
 """
 
 from __future__ import annotations
@@ -29,37 +34,42 @@ from pathlib import Path
 __all__ = ["ENV", "JitEvent", "install", "install_from_env", "read_events"]
 
 ENV = "TKV_JIT_LOG"
-_INSTALLED: dict = {}   # "path": the file; "prev": the hooks found at the first install
+_INSTALLED: dict = {}   # "path": the file; "prev": the listener found at the first install
 
 
 @dataclass(frozen=True)
 class JitEvent:
     """One Triton JIT cache miss: ``start`` Unix time (s), ``seconds`` it took, ``pid``,
-    ``kernel`` as ``module:qualname``."""
+    ``kernel`` as ``module:qualname``, ``source``: ``"compile"`` (built) or ``"disk"``
+    (loaded from Triton's cache folder)."""
 
     start: float
     seconds: float
     pid: int
     kernel: str
+    source: str = "compile"
 
 
-def _kernel_name(fn) -> str:
-    module = getattr(fn, "module", None)
-    module = getattr(module, "__name__", module)
-    return f"{module}:{getattr(fn, 'name', '?')}"
+def _kernel_name(src) -> str:
+    """``module:qualname`` of the kernel a ``triton.compile`` source holds (an ASTSource's
+    JITFunction), else the source's ``name``."""
+    fn = getattr(src, "fn", None)
+    if fn is not None:
+        qual = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "?")
+        return f"{getattr(fn, 'module', '?')}:{qual}"
+    return f"?:{getattr(src, 'name', '?')}"
 
 
-def _event_key(kw) -> tuple:
-    """What identifies one compile across the two hooks: Triton builds a new ``fn`` info
-    object for each hook call, so the kernel (its JITFunction) and the specialization key."""
-    fn = kw.get("fn")
-    return id(getattr(fn, "jit_function", fn)), str(kw.get("key"))
+def _seconds(times) -> float:
+    """Total of a ``triton.knobs.CompileTimes`` (microseconds per phase) in seconds."""
+    total = times.ir_initialization + sum(d for _, d in times.lowering_stages)
+    return (total + times.store_results) / 1e6
 
 
 def install(path: str | os.PathLike) -> None:
     """Append this process's Triton JIT events to ``path`` (created with its parent folder;
-    idempotent per process; installing another path replaces the first, keeping any hooks
-    that were there before tkv's).
+    idempotent per process; installing another path replaces the first, keeping a listener
+    that was there before tkv's).
 
     Raises:
         OSError: ``path`` cannot be opened for appending.
@@ -72,29 +82,21 @@ def install(path: str | os.PathLike) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a"):
         pass
-    starts: dict[tuple, float] = {}
-    if "prev" not in _INSTALLED:   # the hooks someone else installed, before tkv's
-        _INSTALLED["prev"] = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
-    prev_before, prev_after = _INSTALLED["prev"]
+    if "prev" not in _INSTALLED:   # the listener someone else installed, before tkv's
+        _INSTALLED["prev"] = knobs.compilation.listener
+    prev = _INSTALLED["prev"]
 
-    def before(**kw):
-        key = _event_key(kw)
-        starts[key] = time.time()
-        skip = prev_before(**kw) if prev_before else False
-        if skip:   # an earlier hook skips the compile: no post hook will come
-            starts.pop(key, None)
-        return skip
-
-    def after(**kw):
-        t0 = starts.pop(_event_key(kw), None)
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
         now = time.time()
-        t0 = now if t0 is None else t0
+        secs = _seconds(times)
         with open(path, "a") as f:
-            f.write(f"{t0:.6f}\t{now - t0:.6f}\t{os.getpid()}\t{_kernel_name(kw.get('fn'))}\n")
-        return prev_after(**kw) if prev_after else None
+            f.write(f"{now - secs:.6f}\t{secs:.6f}\t{os.getpid()}\t{_kernel_name(src)}\t"
+                    f"{'disk' if cache_hit else 'compile'}\n")
+        if prev is not None:
+            prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                 cache_hit=cache_hit)
 
-    knobs.runtime.jit_cache_hook = before
-    knobs.runtime.jit_post_compile_hook = after
+    knobs.compilation.listener = listener
     _INSTALLED["path"] = path
 
 
@@ -123,9 +125,9 @@ def read_events(path: str | os.PathLike, since: float | None = None,
         if not line.strip():
             continue
         parts = line.split("\t")
-        if len(parts) != 4:
-            raise ValueError(f"{p}:{n}: expected 4 tab-separated fields, got {line!r}")
-        ev = JitEvent(float(parts[0]), float(parts[1]), int(parts[2]), parts[3])
+        if len(parts) not in (4, 5):   # 4: logs written before the source field
+            raise ValueError(f"{p}:{n}: expected 5 tab-separated fields, got {line!r}")
+        ev = JitEvent(float(parts[0]), float(parts[1]), int(parts[2]), *parts[3:])
         if (since is None or ev.start >= since) and (until is None or ev.start <= until):
             out.append(ev)
     return out

@@ -102,25 +102,27 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def jit_hooks_isolated():
-    """Run a block with :mod:`tkv.kernels.jit_log` uninstalled and restore Triton's JIT hooks
-    and the module's install state afterwards (tests install the log, then leave no trace)."""
+    """Run a block with :mod:`tkv.kernels.jit_log` uninstalled and restore Triton's
+    compilation listener and the module's install state afterwards (tests install the log,
+    then leave no trace)."""
     from triton import knobs
 
     from . import jit_log
 
-    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    saved = knobs.compilation.listener
     jit_log._INSTALLED.clear()
     try:
         yield
     finally:
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+        knobs.compilation.listener = saved
         jit_log._INSTALLED.clear()
 
 
 def check_register_installs_jit_log(register, path, monkeypatch) -> None:
     """Engine-plugin test helper: with ``TKV_JIT_LOG=path`` (set through pytest's
     ``monkeypatch``), ``register()`` installs :mod:`tkv.kernels.jit_log` at ``path``. Triton's
-    JIT hooks and the module's state are restored afterwards (:func:`jit_hooks_isolated`).
+    compilation listener and the module's state are restored afterwards
+    (:func:`jit_hooks_isolated`).
 
     Raises:
         AssertionError: the log was not installed there.
