@@ -362,8 +362,8 @@ def test_jit_log_records_a_real_compile(tmp_path):
     from tkv.kernels.testing import jit_hooks_isolated
 
     @triton.jit
-    def _plus(x, SALT: tl.constexpr):
-        return x + SALT
+    def _plus(x, y):
+        return x + y
 
     @triton.jit   # a function constexpr, as tkv's FETCH / DEQUANT (broke the runtime hooks)
     def _jit_log_probe(x, F: tl.constexpr, SALT: tl.constexpr):
