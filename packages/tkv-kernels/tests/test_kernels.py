@@ -311,11 +311,15 @@ def test_decode_lookup_variants(lookup, kb, vb, dtype):
         TkvLoader(codec, 2, 16, lookup="select")
 
 
-@pytest.mark.parametrize("prefetch,block_n", [(False, 16), (True, 32)])
-def test_decode_prefetch_variants(prefetch, block_n):
-    """With and without the software-pipelined fetch (tile t+1 loaded during tile t)."""
+@pytest.mark.parametrize("prefetch,block_n,groups", [(False, 16, False), (True, 32, True),
+                                                     (False, 32, True)])
+def test_decode_prefetch_variants(prefetch, block_n, groups):
+    """With and without the software-pipelined fetch (tile t+1 loaded during tile t); the
+    3-bit V side per element (16-token tiles allowed) or as interleaved 8-code groups (the
+    default at head_dim 64: tiles of at least 32 tokens, ``min_block_n``)."""
     codec = TurboKVCodec(64, k_bits=4, v_bits=3, device=DEV, seed=12)
-    ld = TkvLoader(codec, 2, 16)
+    ld = TkvLoader(codec, 2, 16, small_head_groups=groups)
+    assert ld.min_block_n == (32 if groups else 16)
     batch, cache = _scenario(ld, [70, 1, 33], 14)
     q = torch.randn(3, 8, 64).to(DEV, torch.float16)
     out = torch.full(q.shape, float("nan"), device=DEV)
@@ -367,19 +371,29 @@ def test_decode_group_prmt_lookup(kb, vb, d, block_n, dtype):
 
 def test_planes_follow_widths():
     """Code groups: 2/4/8-bit sides fetch 4/2/1 codes per group, 3/5/7 bits 8, 6 bits 4, while
-    a group plane keeps >= 16 coordinates (tensor-core K), else per element; the kernels take
-    at most ``planes`` of them, interleaved (default: 8-code groups to 2, others kept); bad
-    ``planes`` is a ValueError."""
+    a group plane keeps >= 16 coordinates (tensor-core K), else per element
+    (``small_head_groups=False``); the kernels take at most ``planes`` of them, interleaved
+    (default: 8-code groups to 2, others kept); bad ``planes`` is a ValueError. By default
+    (``small_head_groups``) a 3/5/7-bit side too narrow for its 8 group planes is still
+    fetched as 8-code groups when 2 interleaved planes keep >= 16 coordinates."""
     for kb, vb, d, want in [(4, 2, 64, (2, 4)), (8, 3, 128, (1, 8)), (2, 5, 96, (4, 8)),
                             (2, 4, 32, (1, 2)), (3, 3, 64, (1, 1)), (3, 7, 256, (8, 8)),
                             (6, 5, 128, (4, 8)), (6, 7, 64, (4, 1))]:
         codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV)
-        ld = TkvLoader(codec, 1, 16)
+        ld = TkvLoader(codec, 1, 16, small_head_groups=False)
         assert (ld.group_planes("k"), ld.group_planes("v")) == want
+        assert (ld.fetch_group_planes("k"), ld.fetch_group_planes("v")) == want
         assert (ld.planes("k"), ld.planes("v")) == tuple(2 if w == 8 else w for w in want)
         for cap in (1, 4, 8):
-            ld = TkvLoader(codec, 1, 16, planes=cap)
+            ld = TkvLoader(codec, 1, 16, planes=cap, small_head_groups=False)
             assert (ld.planes("k"), ld.planes("v")) == tuple(min(w, cap) for w in want)
+        grouped = TkvLoader(codec, 1, 16)   # the default: same store order, other fetch
+        assert (grouped.group_planes("k"), grouped.group_planes("v")) == want
+        fetch = tuple(8 if w == 1 and b in (3, 5, 7) and d // 2 >= 16 else w
+                      for w, b in zip(want, (kb, vb), strict=True))
+        assert (grouped.fetch_group_planes("k"), grouped.fetch_group_planes("v")) == fetch
+        assert (grouped.planes("k"), grouped.planes("v")) == tuple(
+            2 if w == 8 else w for w in fetch)
     for bad in (0, 3, 16, True, 2.0):
         with pytest.raises(ValueError, match="planes"):
             TkvLoader(TurboKVCodec(64, 4, device=DEV), 1, 16, planes=bad)
@@ -392,10 +406,15 @@ def test_per_element_sides_keep_32_token_tiles(kb, vb):
     with such a side fault on the H200 (session 8's tile bug; session 10's tile rule let these
     loaders pick 128 and the GPU suite failed with illegal addresses in session 11)."""
     from tkv.kernels.prefill import _prefix_tile
-    ld = TkvLoader(TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV), 3, 16)
+    ld = TkvLoader(TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV), 3, 16,
+                   small_head_groups=False)
     assert 1 in (ld.group_planes("k"), ld.group_planes("v"))
     assert ld.preferred_block_n == 32
     assert _prefix_tile(ld.prefill_loader()) == 32
+    # the default loader decodes such sides as 8-code groups, but its prefill view still
+    # reads them per element: the same 32-token prefix tiles
+    grouped = TkvLoader(TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV), 3, 16)
+    assert _prefix_tile(grouped.prefill_loader()) == 32
     # the same widths at head_dim 128 are whole-byte groups again
     wide = TkvLoader(TurboKVCodec(128, k_bits=kb, v_bits=vb, device=DEV), 3, 16)
     assert 1 not in (wide.group_planes("k"), wide.group_planes("v")) or 8 in (kb, vb)
