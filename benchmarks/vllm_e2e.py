@@ -705,7 +705,8 @@ def timed_repeats(n: int, out_len: int, run_full, run_prefill, repeats: int) -> 
     each with ``jit_compiles``: Triton cache entries added while it was timed, None if
     unknown; with ``$TKV_JIT_LOG`` also ``jit_events`` / ``jit_seconds``: every Triton compile
     or disk-cache load of any process of the engine that started in the window — disk hits
-    included, which ``jit_compiles`` cannot see) and ``statistic``. One run is what earlier
+    included, which ``jit_compiles`` cannot see — and ``jit_disk_loads``: how many of those
+    events were disk-cache loads) and ``statistic``. One run is what earlier
     results recorded: a one-time cost
     (a kernel variant compiled inside the timed window, an allocator growing) then lands in
     the number; the median of three does not carry it."""
@@ -726,6 +727,7 @@ def timed_repeats(n: int, out_len: int, run_full, run_prefill, repeats: int) -> 
             from tkv.kernels.jit_log import read_events
             ev = read_events(log, w0, time.time())
             cell["jit_events"] = len(ev)
+            cell["jit_disk_loads"] = sum(e.source == "disk" for e in ev)
             cell["jit_seconds"] = round(sum(e.seconds for e in ev), 3)
         runs.append(cell)
     mid = sorted(runs, key=lambda c: c["output_tok_s"])[len(runs) // 2]

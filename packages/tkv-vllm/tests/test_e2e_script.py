@@ -116,12 +116,14 @@ def test_timed_repeats_counts_jit_log_events_and_the_table_marks_them(e2e, tmp_p
         fulls.append(1)
         if len(fulls) == 2:   # the second run meets two loads (another process compiled them)
             with open(log, "a") as f:
-                for name in ("_prefill_kernel", "_dequant_prefix_kernel"):
-                    f.write(f"{time.time():.6f}\t0.75\t{os.getpid() + 1}\tm:{name}\n")
+                for name, src in (("_prefill_kernel", "compile"),
+                                  ("_dequant_prefix_kernel", "disk")):
+                    f.write(f"{time.time():.6f}\t0.75\t{os.getpid() + 1}\tm:{name}\t{src}\n")
 
     c = e2e.timed_repeats(256, 256, full, lambda: None, 3)
     assert [r["jit_events"] for r in c["runs"]] == [0, 2, 0]
     assert [r["jit_seconds"] for r in c["runs"]] == [0.0, 1.5, 0.0]
+    assert [r["jit_disk_loads"] for r in c["runs"]] == [0, 1, 0]
     assert e2e.jit_mark(c) == " †1/3" and e2e.jit_mark({"runs": [{"jit_events": 0}]}) == ""
     base = {"kv_tokens_reported": 10, "throughput": {"256": {"output_tok_s": 900.0}}}
     run = {"kv_tokens_reported": 38, "throughput": {"256": {**c, "output_tok_s": 1000.0}}}
