@@ -46,6 +46,25 @@ def test_fit_codebook_recovers_gaussian_and_beats_it_on_skewed_data():
     assert fl.distortion(skew) < gaussian_codebook(3).distortion(skew)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 5, 8])
+def test_symmetric_fit(bits):
+    """``symmetric=True``: exactly mirror-symmetric; on a skewed sample the free fit is better
+    on that sample and the symmetric one on its mirror image and on both together (its own
+    Lloyd-Max problem); the free fit of a skewed sample is not symmetric; Gaussian / Beta
+    tables are."""
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.distributions.Gamma(2.0, 2.0).sample((200_000,)) - 1.0   # skewed, mean 0
+    free = fit_codebook(x, bits, iters=100, generator=gen)
+    sym = fit_codebook(x, bits, iters=100, generator=gen, symmetric=True)
+    assert sym.symmetric and not free.symmetric
+    assert gaussian_codebook(bits).symmetric and beta_codebook(64, min(bits, 4)).symmetric
+    assert free.distortion(x) < sym.distortion(x)
+    assert sym.distortion(-x) < free.distortion(-x)
+    both = torch.cat([x, -x])   # the mirrored sample: the symmetric fit is its Lloyd-Max fit
+    assert sym.distortion(both) <= free.distortion(both)
+    assert sym.distortion(both) < gaussian_codebook(bits).distortion(both)
+
+
 def test_codebook_validation():
     with pytest.raises(CodebookError):
         Codebook(torch.tensor([0.0, 1.0, 2.0]), 2)
