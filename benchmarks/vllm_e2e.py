@@ -706,7 +706,8 @@ def timed_repeats(n: int, out_len: int, run_full, run_prefill, repeats: int) -> 
     unknown; with ``$TKV_JIT_LOG`` also ``jit_events`` / ``jit_seconds``: every Triton compile
     or disk-cache load of any process of the engine that started in the window — disk hits
     included, which ``jit_compiles`` cannot see — and ``jit_disk_loads``: how many of those
-    events were disk-cache loads) and ``statistic``. One run is what earlier
+    events were disk-cache loads; every ``triton.compile`` counts, tkv's, vLLM's and
+    TorchInductor's kernels alike) and ``statistic``. One run is what earlier
     results recorded: a one-time cost
     (a kernel variant compiled inside the timed window, an allocator growing) then lands in
     the number; the median of three does not carry it."""

@@ -63,6 +63,20 @@ def test_symmetric_fit(bits):
     both = torch.cat([x, -x])   # the mirrored sample: the symmetric fit is its Lloyd-Max fit
     assert sym.distortion(both) <= free.distortion(both)
     assert sym.distortion(both) < gaussian_codebook(bits).distortion(both)
+    # ties at 0 (30 % exact zeros, on the middle boundary): still symmetric, and a fixed point
+    # of Lloyd's conditions for the folded problem — each positive centroid the mean of the
+    # |z| in its cell (cells from 0, boundaries at the midpoints)
+    z = torch.where(torch.rand(x.shape, generator=gen) < 0.3, 0.0, x)
+    zs = fit_codebook(z, bits, iters=2000, generator=gen, symmetric=True)
+    assert zs.symmetric
+    pos = zs.centroids.double()[1 << (bits - 1):]
+    edges = torch.cat([torch.zeros(1, dtype=torch.float64), (pos[1:] + pos[:-1]) / 2,
+                       torch.full((1,), float("inf"), dtype=torch.float64)])
+    a = z.abs().double()
+    for j in range(pos.numel()):
+        cell = a[(a >= edges[j]) & (a < edges[j + 1])]
+        if cell.numel():
+            assert float(cell.mean()) == pytest.approx(float(pos[j]), abs=1e-5)
 
 
 def test_codebook_validation():

@@ -209,19 +209,20 @@ def test_prefill_head_dim_64_mixed_planes_default_tiles(kb, vb):
         assert rel < 2.5e-2, (kw.keys(), rel)
 
 
+@pytest.mark.parametrize("groups", [True, False])
 @pytest.mark.parametrize("kb,vb", [(3, 3), (5, 4), (4, 3), (3, 2), (5, 5), (7, 6)])
-def test_small_head_groups_match_oracle_at_head_dim_64(kb, vb):
-    """The ``small_head_groups`` loaders (the default) (3/5/7-bit sides at head_dim 64 fetched
-    as 8-code groups, interleaved to 2 planes of 32, 128-token decode tiles) on CUDA with the
-    default lookups: decode through a CUDA graph and prefill (inline, decompress-once) equal
-    the float64 oracle at SmolLM2's heads, as the per-element loader does."""
+def test_small_head_groups_match_oracle_at_head_dim_64(kb, vb, groups):
+    """At head_dim 64 (SmolLM2's heads), on CUDA with the default lookups, both decode paths of
+    3/5/7-bit sides — ``small_head_groups=True`` (the default: 8-code groups interleaved to 2
+    planes of 32, 128-token decode tiles) and ``False`` (per element, the A/B setting): decode
+    through a CUDA graph and prefill (inline, decompress-once) equal the float64 oracle."""
     from tkv.kernels import dense_prefix_bytes
     from tkv.kernels.reference import prefill_reference
 
     torch.manual_seed(kb * 10 + vb)
     d, hkv, group = 64, 3, 3
     codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device="cuda")
-    ld = TkvLoader(codec, hkv, 16, small_head_groups=True)
+    ld = TkvLoader(codec, hkv, 16, small_head_groups=groups)
     lens = [700, 1, 333, 129]
     batch = make_paged_batch(lens, 16, "cuda")
     cache = make_cache(ld, batch.num_blocks, "cuda")
@@ -297,7 +298,8 @@ def test_batch_shaped_arguments_compile_one_variant():
         for m in ("decode", "prefill", "rotate", "store"))
 
     torch.manual_seed(5)
-    d, hkv, group, block = 64, 3, 3, 16   # SmolLM2's heads; K5V4: a per-element side
+    d, hkv, group, block = 64, 3, 3, 16   # SmolLM2's heads; K5V4: decode fetches the 5-bit
+    # side as 8-code groups (the default), prefill reads it per element
     hq = hkv * group
     ld = TkvLoader(TurboKVCodec(d, k_bits=5, v_bits=4, device="cuda"), hkv, block)
     lens = [700, 600, 520, 17, 1]

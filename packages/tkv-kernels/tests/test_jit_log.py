@@ -131,4 +131,61 @@ def test_read_events_missing_and_malformed(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.tsv:3"):
         jit_log.read_events(bad)
     bad.write_text("1.0\t0.5\t12\tm:k\n2.0\t0.1\t12\tm:k\tdisk\n")   # old 4-field lines too
-    assert [e.source for e in jit_log.read_events(bad)] == ["compile", "disk"]
+    assert [e.source for e in jit_log.read_events(bad)] == ["unknown", "disk"]
+    bad.write_text("2.0\t0.1\t12\tm:k\tcache\n")
+    with pytest.raises(ValueError, match="compile or disk"):
+        jit_log.read_events(bad)
+
+
+def test_a_failed_write_warns_once_and_never_fails_the_compile(tmp_path, hooks):
+    """The listener runs inside ``triton.compile``: a log it cannot write (folder removed,
+    disk full) must not fail the kernel — one RuntimeWarning, the chained listener still
+    called, logging resumes once the file can be written again."""
+    import shutil
+
+    seen = []
+    knobs.compilation.listener = lambda **kw: seen.append(kw["src"].name)
+    jit_log.install(tmp_path / "gone" / "jit.tsv")
+    shutil.rmtree(tmp_path / "gone")
+    with pytest.warns(RuntimeWarning, match="cannot append"):
+        _fire("_decode_split_kernel")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fire("_decode_reduce_kernel")   # warned once only
+    assert seen == ["_decode_split_kernel", "_decode_reduce_kernel"]
+    jit_log.install(tmp_path / "back.tsv")
+    _fire("_compress_store_kernel")
+    assert [e.kernel.rsplit(":", 1)[1] for e in jit_log.read_events(tmp_path / "back.tsv")] \
+        == ["_compress_store_kernel"]
+
+
+def test_a_listener_wrapped_around_tkvs_survives_a_second_install(tmp_path, hooks):
+    jit_log.install(tmp_path / "a.tsv")
+    inner, seen = knobs.compilation.listener, []
+
+    def wrapper(**kw):
+        seen.append(kw["src"].name)
+        inner(**kw)
+
+    knobs.compilation.listener = wrapper
+    jit_log.install(tmp_path / "b.tsv")   # moves the log, keeps the wrapper
+    assert knobs.compilation.listener is wrapper
+    _fire("_prefill_kernel")
+    assert seen == ["_prefill_kernel"] and len(jit_log.read_events(tmp_path / "b.tsv")) == 1
+    assert jit_log.read_events(tmp_path / "a.tsv") == []
+
+
+def test_isolation_restores_an_earlier_install(tmp_path):
+    """``jit_hooks_isolated`` gives a block a clean slate and puts back the listener and the
+    install state found on entry (one line per event afterwards, not two)."""
+    with jit_hooks_isolated():
+        jit_log.install(tmp_path / "outer.tsv")
+        with jit_hooks_isolated():
+            assert knobs.compilation.listener is None and jit_log._INSTALLED == {}
+            jit_log.install(tmp_path / "inner.tsv")
+        jit_log.install(tmp_path / "outer.tsv")
+        _fire("_decode_split_kernel")
+        assert len(jit_log.read_events(tmp_path / "outer.tsv")) == 1
+        assert jit_log.read_events(tmp_path / "inner.tsv") == []

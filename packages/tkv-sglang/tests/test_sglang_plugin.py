@@ -423,22 +423,25 @@ def test_triton_impl_store_and_decode_match_the_reference(sgl, fakes, tkv_env, b
 
 
 @pytest.mark.skipif(not _TRITON_OK, reason="needs a CUDA GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("small_head_groups", ["0", "1"])
+@pytest.mark.parametrize("small_head_groups", ["0", None])
 def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, bundle_file,
                                                            monkeypatch, small_head_groups):
     """Extend through tkv.kernels.prefill: first chunk, then a second chunk whose prefix is
     read compressed from the pages the first chunk stored (TKV_SMALL_HEAD_GROUPS reaches the
-    pool's loaders too)."""
+    pool's loaders too: unset = the default, on; 0 = per element)."""
     kernels = pytest.importorskip("tkv.kernels")
     if not hasattr(kernels, "prefill"):
         pytest.skip("tkv.kernels lacks prefill")
     tkv_env("4.5", bundle_file)
     monkeypatch.setenv("TKV_SGLANG_IMPL", "triton")
     monkeypatch.setenv("TKV_LOOKUP", "gather")   # reaches the pool's loaders (exact here)
-    monkeypatch.setenv("TKV_SMALL_HEAD_GROUPS", small_head_groups)
+    if small_head_groups is None:
+        monkeypatch.delenv("TKV_SMALL_HEAD_GROUPS", raising=False)
+    else:
+        monkeypatch.setenv("TKV_SMALL_HEAD_GROUPS", small_head_groups)
     w = World(sgl, fakes, monkeypatch)
     assert w.pool.loader(w.layer.layer_id).lookup == "gather"
-    assert w.pool.loader(w.layer.layer_id).small_head_groups is (small_head_groups == "1")
+    assert w.pool.loader(w.layer.layer_id).small_head_groups is (small_head_groups != "0")
     FM = sgl.ForwardMode
     bf = torch.bfloat16
     for row, pages in ((1, [6, 1]), (2, [2, 9])):

@@ -61,6 +61,7 @@ def run(spec_k: int) -> float:
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from tkv.codec.bundle import LayerAllocation
+    from tkv.kernels import small_head_groups_from_env
     from tkv.kernels.reference import gather_kv
 
     load_general_plugins()
@@ -114,7 +115,7 @@ def run(spec_k: int) -> float:
         assert (spec.tkv_k_bits, spec.tkv_v_bits) == (alloc.k_bits[li], alloc.v_bits[li])
         want = os.environ.get("TKV_LOOKUP", "auto")
         assert impl._tkv_state.loader(bs).lookup == want, (impl._tkv_state.lookup, want)
-        shg = os.environ.get("TKV_SMALL_HEAD_GROUPS", "0") == "1"
+        shg = small_head_groups_from_env()   # unset: on (the default)
         assert impl._tkv_state.loader(bs).small_head_groups == shg
         shape = B.TurboAttnBackend.get_kv_cache_shape_for_spec(num_blocks, bs, spec)
         cache = torch.zeros(shape, dtype=torch.uint8)

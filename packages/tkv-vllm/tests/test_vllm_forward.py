@@ -11,13 +11,17 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.parametrize("small_head_groups", ["0", "1"])
+@pytest.mark.parametrize("small_head_groups", ["0", None])
 def test_mixed_batch_forward_matches_float64_reference(patched_vllm, small_head_groups):
     script = Path(__file__).with_name("forward_check.py")
     # TKV_LOOKUP reaches every layer's loader (gather: exact, as auto is under the interpreter);
-    # so does TKV_SMALL_HEAD_GROUPS (head_dim 32: the 3-bit side then decodes as 8-code groups)
+    # so does TKV_SMALL_HEAD_GROUPS: unset = the default (on; head_dim 32: the 3-bit side then
+    # decodes as 8-code groups), 0 = per element
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "TKV_LOOKUP": "gather", "TKV_SMALL_HEAD_GROUPS": small_head_groups}
+           "TKV_LOOKUP": "gather"}
+    env.pop("TKV_SMALL_HEAD_GROUPS", None)
+    if small_head_groups is not None:
+        env["TKV_SMALL_HEAD_GROUPS"] = small_head_groups
     env.pop("TKV_BITS", None)
     env.pop("TKV_CALIBRATION_FILE", None)
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,

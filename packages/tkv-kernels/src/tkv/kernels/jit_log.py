@@ -21,33 +21,39 @@ Engines: set ``TKV_JIT_LOG=/path/file.tsv``; the tkv vLLM and SGLang plugins cal
 ``start`` (Unix time, seconds), ``seconds`` (compile or load time), ``pid``, ``kernel``
 (``module:qualname``), ``source`` (``compile`` or ``disk``). :func:`read_events` parses it.
 
-A listener already installed by someone else is kept and called after tkv's.
+A listener already installed by someone else is kept and called after tkv's. Logging never
+breaks a compile: a failed write (disk full, folder removed) warns once and is dropped.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["ENV", "JitEvent", "install", "install_from_env", "read_events"]
 
 ENV = "TKV_JIT_LOG"
-_INSTALLED: dict = {}   # "path": the file; "prev": the listener found at the first install
+# "path": the file tkv's listener appends to (read at every event); "listener": tkv's
+# listener (one per process, installed once); "warned": a write failure was reported
+_INSTALLED: dict = {}
+SOURCES = ("compile", "disk")
 
 
 @dataclass(frozen=True)
 class JitEvent:
     """One Triton JIT cache miss: ``start`` Unix time (s), ``seconds`` it took, ``pid``,
-    ``kernel`` as ``module:qualname``, ``source``: ``"compile"`` (built) or ``"disk"``
-    (loaded from Triton's cache folder)."""
+    ``kernel`` as ``module:qualname``, ``source``: ``"compile"`` (built), ``"disk"`` (loaded
+    from Triton's cache folder) or ``"unknown"`` (a line written before session 13, when the
+    log did not record it)."""
 
     start: float
     seconds: float
     pid: int
     kernel: str
-    source: str = "compile"
+    source: str = "unknown"
 
 
 def _kernel_name(src) -> str:
@@ -66,10 +72,33 @@ def _seconds(times) -> float:
     return (total + times.store_results) / 1e6
 
 
+def _listener(*, src, metadata, metadata_group, times, cache_hit):
+    """tkv's ``knobs.compilation.listener``: append one line to the current log path, then
+    call the listener that was installed before tkv's (if any)."""
+    path = _INSTALLED.get("path")
+    if path is not None:
+        try:
+            secs = _seconds(times)
+            line = (f"{time.time() - secs:.6f}\t{secs:.6f}\t{os.getpid()}\t{_kernel_name(src)}"
+                    f"\t{SOURCES[1] if cache_hit else SOURCES[0]}\n")
+            with open(path, "a") as f:
+                f.write(line)
+        except Exception as e:   # the log must never fail a kernel's compile
+            if not _INSTALLED.get("warned"):
+                _INSTALLED["warned"] = True
+                warnings.warn(f"tkv.kernels.jit_log: cannot append to {path} ({e!r}); "
+                              "JIT events are not logged", RuntimeWarning, stacklevel=2)
+    prev = _INSTALLED.get("prev")
+    if prev is not None:
+        prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+             cache_hit=cache_hit)
+
+
 def install(path: str | os.PathLike) -> None:
-    """Append this process's Triton JIT events to ``path`` (created with its parent folder;
-    idempotent per process; installing another path replaces the first, keeping a listener
-    that was there before tkv's).
+    """Append this process's Triton JIT events to ``path`` (created with its parent folder).
+    Idempotent; installing another path only moves the log. tkv's listener is installed once
+    per process, chaining the listener found then; a listener someone installs later around
+    tkv's stays in place.
 
     Raises:
         OSError: ``path`` cannot be opened for appending.
@@ -77,27 +106,15 @@ def install(path: str | os.PathLike) -> None:
     from triton import knobs
 
     path = str(Path(path))
-    if _INSTALLED.get("path") == path:
-        return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a"):
         pass
-    if "prev" not in _INSTALLED:   # the listener someone else installed, before tkv's
-        _INSTALLED["prev"] = knobs.compilation.listener
-    prev = _INSTALLED["prev"]
-
-    def listener(*, src, metadata, metadata_group, times, cache_hit):
-        now = time.time()
-        secs = _seconds(times)
-        with open(path, "a") as f:
-            f.write(f"{now - secs:.6f}\t{secs:.6f}\t{os.getpid()}\t{_kernel_name(src)}\t"
-                    f"{'disk' if cache_hit else 'compile'}\n")
-        if prev is not None:
-            prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
-                 cache_hit=cache_hit)
-
-    knobs.compilation.listener = listener
     _INSTALLED["path"] = path
+    _INSTALLED.pop("warned", None)
+    if _INSTALLED.get("listener") is None:
+        _INSTALLED["prev"] = knobs.compilation.listener
+        _INSTALLED["listener"] = _listener
+        knobs.compilation.listener = _listener
 
 
 def install_from_env() -> str | None:
@@ -125,8 +142,10 @@ def read_events(path: str | os.PathLike, since: float | None = None,
         if not line.strip():
             continue
         parts = line.split("\t")
-        if len(parts) not in (4, 5):   # 4: logs written before the source field
-            raise ValueError(f"{p}:{n}: expected 5 tab-separated fields, got {line!r}")
+        if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] not in SOURCES):
+            # 4 fields: a log written before the source field (source "unknown")
+            raise ValueError(f"{p}:{n}: expected 5 tab-separated fields ending in compile or "
+                             f"disk, got {line!r}")
         ev = JitEvent(float(parts[0]), float(parts[1]), int(parts[2]), *parts[3:])
         if (since is None or ev.start >= since) and (until is None or ev.start <= until):
             out.append(ev)

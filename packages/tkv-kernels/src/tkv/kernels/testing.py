@@ -109,13 +109,15 @@ def jit_hooks_isolated():
 
     from . import jit_log
 
-    saved = knobs.compilation.listener
+    saved, state = knobs.compilation.listener, dict(jit_log._INSTALLED)
+    knobs.compilation.listener = None
     jit_log._INSTALLED.clear()
     try:
         yield
     finally:
         knobs.compilation.listener = saved
         jit_log._INSTALLED.clear()
+        jit_log._INSTALLED.update(state)
 
 
 def check_register_installs_jit_log(register, path, monkeypatch) -> None:
