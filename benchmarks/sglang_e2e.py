@@ -65,11 +65,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_e2e import (
     GREEDY_TOKENS,
     JIT_LEGEND,
-    JIT_LOG_ENV,
     PREFIX_PROMPT_TOKENS,
     PROMPTS,
     REPEATS_HELP,
     agreement,
+    fresh_jit_log,
     jit_mark,
     prefix_cache_cell,
     random_prompt_ids,
@@ -241,10 +241,7 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
         cmd.append("--greedy-only")
     if o.eager:
         cmd.append("--eager")
-    jit_log = out / f"{tag}.jit.tsv"
-    jit_log.unlink(missing_ok=True)
-    # the tkv plugin logs every SGLang process's Triton JIT events (timed_repeats counts them)
-    env = {**tkv_env(mode, bits, bundle), "PYTHONUNBUFFERED": "1", JIT_LOG_ENV: str(jit_log)}
+    env = {**tkv_env(mode, bits, bundle), "PYTHONUNBUFFERED": "1", **fresh_jit_log(out, tag)}
     log = out / f"{tag}.log"
     print(f"== {tag}: TKV_BITS={env.get('TKV_BITS', '-')} {' '.join(cmd[2:])}", flush=True)
     t = time.perf_counter()

@@ -659,9 +659,7 @@ def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Pat
     if eager:
         cmd.append("--enforce-eager")
     env = tkv_env(mode, bits, bundle)
-    jit_log = out / f"{tag}.jit.tsv"
-    jit_log.unlink(missing_ok=True)
-    env[JIT_LOG_ENV] = str(jit_log)   # the tkv plugin logs every process's Triton JIT events
+    env.update(fresh_jit_log(out, tag))
     if max_len > 32768:
         env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     log = out / f"{tag}.log"
@@ -869,6 +867,15 @@ def table(model: str, res: dict[str, dict]) -> str:
                     f"| {prefix_cache_cell(r)} |")
     return ("\n".join(rows) + "\n\n" + DIVERGENCE_LEGEND.format(ref="bf16") + "\n\n"
             + JIT_LEGEND + "\n")
+
+
+def fresh_jit_log(out: Path, tag: str) -> dict[str, str]:
+    """``{TKV_JIT_LOG: out/<tag>.jit.tsv}`` for one engine run, the file removed first: the
+    tkv plugin logs every engine process's Triton JIT events there and :func:`timed_repeats`
+    counts the ones inside each timed run."""
+    path = out / f"{tag}.jit.tsv"
+    path.unlink(missing_ok=True)
+    return {JIT_LOG_ENV: str(path)}
 
 
 def jit_mark(cell: dict | None) -> str:
