@@ -10,8 +10,9 @@ Same data path as the calibration (``tkv.calibrate.calibrate.calibrate_model``):
 over the calibration windows of WikiText-2 *valid* (never the test split), per-layer channel
 scales and key centering chosen the same way, standardized rotated coordinates, the last 25 %
 of the tokens held out. Per layer, side and width: the held-out MSE of the Gaussian codebook,
-of the unconstrained fit (what bundles ship) and of a symmetric fit (Lloyd on the sample and
-its mirror image, then exactly symmetrized). Run from the repository root::
+of the unconstrained fit (what bundles ship) and of a symmetric fit
+(``tkv.codec.fit_codebook(symmetric=True)``: Lloyd-Max on ``|x|`` for the positive half,
+mirrored — the optimum for the sample and its mirror image). Run from the repository root::
 
     uv run --frozen python benchmarks/symmetric_codebooks_cpu.py
 """
@@ -29,16 +30,9 @@ from tkv.calibrate.data import default_calib_text, tokenize_windows
 from tkv.calibrate.fitting import standardized_coords
 from tkv.calibrate.model import load_model
 from tkv.calibrate.scales import choose_scales
-from tkv.codec import Codebook, HadamardRotation, fit_codebook, gaussian_codebook
+from tkv.codec import HadamardRotation, fit_codebook, gaussian_codebook
 
 WIDTHS = tuple(range(2, 9))
-
-
-def symmetric_fit(x: torch.Tensor, bits: int, generator: torch.Generator) -> Codebook:
-    """Lloyd-Max fit on ``x`` and ``−x`` together (a symmetric sample with a symmetric
-    Gaussian start stays symmetric), then ``(c − flip(c)) / 2`` to make it exact."""
-    c = fit_codebook(torch.cat([x, -x]), bits, iters=60, generator=generator).centroids.double()
-    return Codebook((c - c.flip(0)) / 2, bits)
 
 
 def main() -> None:
@@ -72,7 +66,7 @@ def main() -> None:
             he = he[torch.randperm(he.numel(), generator=g)[:cap]]
             for b in WIDTHS:
                 fit = fit_codebook(tr, b, iters=60, generator=g)
-                sym = symmetric_fit(tr, b, g)
+                sym = fit_codebook(tr, b, iters=60, generator=g, symmetric=True)
                 rows[b][side].append((gaussian_codebook(b).distortion(he), fit.distortion(he),
                                       sym.distortion(he)))
     lines = ["# Symmetric fitted codebooks — SmolLM2-135M-Instruct (held-out MSE)", "",
