@@ -680,8 +680,8 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
     """One layer's attention work in a decode step as the engines run it, at the shapes of the
     e2e throughput runs (Qwen3-8B-like geometry; 512-token prompts + 256 generated → ~640
     tokens of context on average; and one 32K sequence): store the B new K/V tokens into the
-    paged cache, then decode. tkv = compress_store (+ the query rotation in the same launch,
-    as the engines run it) + decode (split-K, reduce + unrotate); bf16 = index_copy_ into a paged bf16 cache + tkv's BypassLoader decode
+    paged cache, then decode. tkv = compress_store + decode (query rotation, split-K,
+    reduce + unrotate); bf16 = index_copy_ into a paged bf16 cache + tkv's BypassLoader decode
     (same skeleton); cuDNN SDPA bf16 on contiguous KV (no store) as the named reference.
     Each tkv step also gets a per-kernel device-time breakdown (torch.profiler)."""
     hq, hkv, d, block = 32, 8, 128, 16
@@ -722,10 +722,8 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
         nbytes = B * L * ld.layout.bytes_per_token
 
         def tkv_step():
-            store_and_decode(q, kn, vn, cache, slots, bt, sl, ld, ws)
-
-        def tkv_step_unfused():
-            store_and_decode(q, kn, vn, cache, slots, bt, sl, ld, ws, fused=False)
+            compress_store(kn, vn, cache, slots, ld)
+            decode(q, cache, bt, sl, ld, ws)
 
         def timed(impl, fn, moved=nbytes, **fields):
             timed_row(base, impl, fn, moved=moved, copy_gbs=copy_gbs, **fields)
@@ -735,21 +733,11 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
         timed("tkv K4V4 compress_store", lambda: compress_store(kn, vn, cache, slots, ld),
               moved=store_bytes(B, hkv, d, ld), **auto)
         timed("tkv K4V4 decode", lambda: decode(q, cache, bt, sl, ld, ws), **auto)
-        qr = ws.rotated_queries(*q.shape)
-        timed("tkv K4V4 compress_store + query rotation (one launch)",
-              lambda: compress_store(kn, vn, cache, slots, ld, query=q, query_out=qr),
-              moved=store_bytes(B, hkv, d, ld), **auto)
         timed("tkv K4V4 store + decode", tkv_step, **auto)
-        timed("tkv K4V4 store + decode, query rotation in its own launch", tkv_step_unfused,
-              **auto)
         # the session-5 default for comparison: prmt (table words as operands), no register
         # cap (the variants sweep, --variants, has the full grid)
         timed("tkv K4V4 decode prmt", lambda: decode(q, cache, bt, sl, ldp, ws, maxnreg=0),
               lookup="prmt")
-        for rr in (16, 32):   # rows per program of the split merge + unrotation
-            timed("tkv K4V4 decode", lambda rr=rr: decode(q, cache, bt, sl, ld, ws,
-                                                          reduce_rows=rr),
-                  reduce_rows=rr, **auto)
         if (B, L) == (256, 640):   # split-K x tile sweep at the throughput runs' shape
             for sp in (1, 2, 4, 8):
                 for bn in (64, 128):
@@ -815,19 +803,6 @@ def variant_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768
 MODEL_DIMS = (4096, 32, 8, 128, 12288)
 
 
-def store_and_decode(q, k, v, cache, slots, bt, sl, ld, ws, *, fused=True, out=None, **opts):
-    """The engines' tkv decode step for one layer: compress_store of the new K/V, then
-    decode. ``fused`` (what tkv-vllm / tkv-sglang do since session 14): the store launch
-    also rotates the queries into the workspace and decode takes them rotated; else decode
-    rotates them in its own launch."""
-    if not fused:
-        compress_store(k, v, cache, slots, ld)
-        return decode(q, cache, bt, sl, ld, ws, out=out, **opts)
-    q_rot = ws.rotated_queries(*q.shape)
-    compress_store(k, v, cache, slots, ld, query=q, query_out=q_rot)
-    return decode(q_rot, cache, bt, sl, ld, ws, out=out, query_rotated=True, **opts)
-
-
 def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=DEV,
                     seed=0):
     """An engine-like decode step: ``layers`` × (RMS norm, QKV GEMM, attention, o_proj GEMM,
@@ -838,8 +813,7 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
 
     ``attn``: ``"bf16"`` (index_copy_ store + BypassLoader decode, the same skeleton), ``"none"``
     (the GEMMs alone: attention's share) or a dict of a tkv configuration ``{"lookup": ...,
-    "maxnreg": ..., "fused": ...}`` (K4V4, :func:`store_and_decode`; ``fused`` default True, as
-    the engines run it). Returns ``step()`` → the last hidden
+    "maxnreg": ...}`` (K4V4, compress_store + decode). Returns ``step()`` → the last hidden
     state, float-finite (RMS-normed each layer)."""
     hidden, hq, hkv, d, inter = dims
     g = torch.Generator(device=device).manual_seed(seed)
@@ -880,8 +854,8 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
         def attend(q, k, v):
             ld, cache = per_layer[layer_no[0] % len(per_layer)]
             layer_no[0] += 1
-            return store_and_decode(q, k, v, cache, slots, bt, sl, ld, ws, out=out,
-                                    fused=attn.get("fused", True))
+            compress_store(k, v, cache, slots, ld)
+            return decode(q, cache, bt, sl, ld, ws, out=out)
     else:
         # per-layer (k_bits, v_bits): "widths" (cycled over the layers), default K4V4; one
         # loader and one cache per distinct pair, shared by the layers that use it
@@ -893,14 +867,14 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
                            small_head_groups=attn.get("small_head_groups", True))
             per[kb, vb] = ld, tkv_cache(ld, nblk, device, g)
         opts = {k: v for k, v in attn.items()
-                if k not in ("lookup", "widths", "planes", "small_head_groups", "fused")}
+                if k not in ("lookup", "widths", "planes", "small_head_groups")}
         layer_no = [0]
 
         def attend(q, k, v):
             ld, cache = per[widths[layer_no[0] % len(widths)]]
             layer_no[0] += 1
-            return store_and_decode(q, k, v, cache, slots, bt, sl, ld, ws, out=out,
-                                    fused=attn.get("fused", True), **opts)
+            compress_store(k, v, cache, slots, ld)
+            return decode(q, cache, bt, sl, ld, ws, out=out, **opts)
 
     def rms(x):
         xf = x.float()
@@ -1022,8 +996,6 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
     defaults."""
     arms = [("GEMMs only (no attention)", "none"), ("bf16 store + bypass decode", "bf16"),
             ("tkv K4V4 prmt", {"lookup": "prmt"}), ("tkv K4V4 prmti (default)", {}),
-            ("tkv K4V4 prmti, query rotation in its own launch (before session 14)",
-             {"fused": False}),
             ("tkv K4V4 prmti, maxnreg 128", {"lookup": "prmti", "maxnreg": 128})]
     _model_step_arms(arms, shapes, layers)
 

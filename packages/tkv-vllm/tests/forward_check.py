@@ -4,7 +4,7 @@ Run by test_vllm_forward.py in a subprocess with ``TRITON_INTERPRET=1`` and
 ``CUDA_VISIBLE_DEVICES=""`` (the interpreter must be on before Triton kernels are defined).
 Builds two layers with different (k_bits, v_bits) from a SmartMix-like bundle row (one of
 them sliding-window), stores a cached context through ``do_kv_cache_update``, then runs one
-mixed batch (``forward`` stores its K/V and rotates the decode queries in one launch) — a decode (or a spec-decode verify of 1 + 2 tokens), a chunked-prefill
+mixed batch — a decode (or a spec-decode verify of 1 + 2 tokens), a chunked-prefill
 continuation and a first prefill — through the real vLLM metadata builder and ``forward``,
 then a CUDA-graph-style padded decode batch, and compares with a float64 reference
 (dequantized cached prefix + raw current chunk, causal, GQA, window). Exits non-zero on
@@ -132,7 +132,7 @@ def run(spec_k: int) -> float:
         v = torch.randn(n, hkv, hd, dtype=torch.bfloat16)
         sm = torch.cat([slots(r, range(c, c + ql))
                         for r, (c, ql) in enumerate(zip(ctx_lens, q_lens, strict=True))])
-        # forward stores the step's K/V itself (forward_includes_kv_cache_update)
+        impl.do_kv_cache_update(layer, k, v, cache, sm)
         qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
         cam = CommonAttentionMetadata(
             query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
@@ -195,6 +195,7 @@ def long_continuation_step(impl, layer, shape, builder, window, CommonAttentionM
     k = torch.randn(ql, hkv, hd, dtype=torch.bfloat16)
     v = torch.randn(ql, hkv, hd, dtype=torch.bfloat16)
     sm = slots(range(ctx, ctx + ql))
+    impl.do_kv_cache_update(layer, k, v, cache, sm)
     qsl = torch.tensor([0, ql], dtype=torch.int32)
     sl = torch.tensor([ctx + ql], dtype=torch.int32)
     cam = CommonAttentionMetadata(
@@ -270,6 +271,7 @@ def padded_decode_step(B, impl, layer, cache, bt, seq_lens, slots, window, build
     sl = [seq_lens[0] + 1, seq_lens[1] + 1, 0, 0]
     sm = torch.cat([slots(0, [seq_lens[0]]), slots(1, [seq_lens[1]]),
                     torch.full((2,), -1, dtype=torch.int64)])
+    impl.do_kv_cache_update(layer, k, v, cache, sm)
     pbt = torch.cat([bt[:2], torch.zeros(2, bt.shape[1], dtype=torch.int32)])
     qsl = torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32)
     cam = CommonAttentionMetadata(

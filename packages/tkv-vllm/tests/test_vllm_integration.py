@@ -218,8 +218,7 @@ def test_backend_contract(patched_vllm):
 
     B = TurboAttnBackend
     assert B.get_impl_cls() is TurboAttnImpl and B.get_builder_cls() is TurboAttnMetadataBuilder
-    # forward stores the step's K/V (one launch with the decode queries' rotation)
-    assert B.forward_includes_kv_cache_update is True and B.accept_output_buffer is True
+    assert B.forward_includes_kv_cache_update is False and B.accept_output_buffer is True
     assert B.supports_block_size(16) and B.supports_block_size(32) and not B.supports_block_size(8)
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
@@ -269,7 +268,7 @@ def test_forward_path_has_no_host_sync(patched_vllm):
     banned = re.compile(r"\.item\(|\.tolist\(|\.cpu\(|\.numpy\(|torch\.tensor\(|"
                         r"\.nonzero\(|torch\.where\([^,]*\)$|\.max\(\)\.|synchronize")
     for fn in (backend.TurboAttnImpl.forward, backend.TurboAttnImpl.do_kv_cache_update,
-               backend.TurboAttnImpl._store, backend.LayerState.loader):
+               backend.LayerState.loader):
         src = inspect.getsource(fn)
         code = "\n".join(line for line in src.splitlines()
                          if not line.strip().startswith(("#", '"""')))

@@ -323,8 +323,8 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, 
 def _rotate_queries(Q, sq_t, sq_h, QOUT, so_t, so_h, QM, sqm, num_q_tokens, pid, head,
                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, KC: tl.constexpr):
-    """The fused query rotation: rows (token, query head) of the ``BLOCK_T`` tokens of this
-    program and the ``G`` query heads of KV head ``head`` (its GQA group), ``QOUT = Q @ QM``
+    """The fused query rotation: rows (token, query head) of the ``BLOCK_T`` (= QT) tokens of
+    this program and the ``G`` query heads of KV head ``head`` (its GQA group), ``QOUT = Q @ QM``
     (:func:`rotate_tile`: the same tf32x3 passes as :func:`rotate_rows`)."""
     QR: tl.constexpr = BLOCK_T * G_PAD
     r = tl.arange(0, QR)
@@ -361,35 +361,40 @@ def _compress_store_kernel(
         NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr, K_SINK: tl.constexpr,
         V_SINK: tl.constexpr, K_SPLIT: tl.constexpr, V_SPLIT: tl.constexpr,
         K_NPL: tl.constexpr, V_NPL: tl.constexpr, HAS_Q: tl.constexpr, G: tl.constexpr,
-        G_PAD: tl.constexpr, QKC: tl.constexpr):
+        G_PAD: tl.constexpr, QT: tl.constexpr, QKC: tl.constexpr):
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    # 0: K, 1: V — separate programs: half the dependent chain each; 2 (HAS_Q): the queries
+    # 0: K, 1: V — separate programs: half the dependent chain each; 2 (HAS_Q): the queries,
+    # QT tokens per program (the grid's first axis covers both token counts; K/V programs
+    # past num_tokens do nothing)
     side = tl.program_id(2)
-    tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    tm = tok < num_tokens
-    slot = tl.load(slots + tok, mask=tm, other=-1)
-    valid = tm & (slot >= 0) & (slot < num_slots)
-    slot = tl.where(valid, slot, 0)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    if side == 0:
-        _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, ak_scale, kinv_s, kbounds,
-                    ktable, kmu, kmu_rot, kmu_sh, blk, off, page_bytes, kshift, kdelta, K_HAS_MU,
-                    HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES, K_NORM_CORR,
-                    K_GROUP, K_GROUP_BYTES, BLOCK_T, K_HEAD_STRIDE, K_TOK_STRIDE,
-                    NORM_HEAD_STRIDE, CH, K_SINK, K_SPLIT, K_NPL)
-    elif side == 1:
-        _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, av_scale, vinv_s, vbounds,
-                    vtable, kmu, kmu_rot, 0, blk, off, page_bytes, vshift, vdelta, False, HEAD_DIM,
-                    D_PAD,
-                    V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES, V_NORM_CORR, V_GROUP,
-                    V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH,
-                    V_SINK, V_SPLIT, V_NPL)
+    if side < 2:
+        if pid * BLOCK_T < num_tokens:
+            tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+            tm = tok < num_tokens
+            slot = tl.load(slots + tok, mask=tm, other=-1)
+            valid = tm & (slot >= 0) & (slot < num_slots)
+            slot = tl.where(valid, slot, 0)
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            if side == 0:
+                _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, ak_scale, kinv_s,
+                            kbounds, ktable, kmu, kmu_rot, kmu_sh, blk, off, page_bytes, kshift,
+                            kdelta, K_HAS_MU, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF,
+                            K_CODE_BYTES, K_NORM_CORR, K_GROUP, K_GROUP_BYTES, BLOCK_T,
+                            K_HEAD_STRIDE, K_TOK_STRIDE, NORM_HEAD_STRIDE, CH, K_SINK, K_SPLIT,
+                            K_NPL)
+            else:
+                _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, av_scale, vinv_s,
+                            vbounds, vtable, kmu, kmu_rot, 0, blk, off, page_bytes, vshift,
+                            vdelta, False, HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF, V_NORMS_OFF,
+                            V_CODE_BYTES, V_NORM_CORR, V_GROUP, V_GROUP_BYTES, BLOCK_T,
+                            V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH, V_SINK, V_SPLIT,
+                            V_NPL)
     else:
         if HAS_Q:
             _rotate_queries(Q, sq_t, sq_h, QOUT, so_t, so_h, QM, sqm, num_q_tokens, pid, head,
-                            G, G_PAD, BLOCK_T, HEAD_DIM, D_PAD, QKC)
+                            G, G_PAD, QT, HEAD_DIM, D_PAD, QKC)
 
 
 def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -516,7 +521,12 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     q_args = (query, query.stride(0), query.stride(1), query_out, query_out.stride(0),
               query_out.stride(1), qm, qm.stride(0), nq) if has_q else \
         (dummy, 0, 0, dummy, 0, 0, dummy, 0, 0)
-    grid = (max(1, triton.cdiv(max(n, nq), block_t)), lay.num_kv_heads, 3 if has_q else 2)
+    # query programs: QT tokens × the GQA group's heads = 16-32 rows each (64 rows at 4 warps
+    # took 45 µs for 256 queries on the H200, 32 rows: see docs/kernels.md, session 14)
+    g_pad = next_pow2(g)
+    qt = max(1, 32 // g_pad)
+    grid = (max(1, triton.cdiv(n, block_t), triton.cdiv(nq, qt)), lay.num_kv_heads,
+            3 if has_q else 2)
     _compress_store_kernel[grid](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
         slot_mapping, n, num_blocks * lay.block_size, cache, cache.view(torch.bfloat16),
@@ -537,8 +547,8 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         NORM_HEAD_STRIDE=st["norm_head"], CH=min(loader.d_pad, chunk),
         K_SINK=loader.k_sink_shift is not None, V_SINK=loader.v_sink_shift is not None,
         K_SPLIT=modes[0], V_SPLIT=modes[1], K_NPL=loader.group_planes("k"),
-        V_NPL=loader.group_planes("v"), HAS_Q=has_q, G=g,
-        G_PAD=max(next_pow2(g), -(-16 // block_t)), QKC=slab(loader.d_pad),
+        V_NPL=loader.group_planes("v"), HAS_Q=has_q, G=g, G_PAD=g_pad, QT=qt,
+        QKC=slab(loader.d_pad),
         num_warps=num_warps)
 
 

@@ -3,8 +3,7 @@
 Per layer and forward pass:
 
 * the new tokens' K/V are compressed into their slots (``TkvTokenToKVPool.set_kv_buffer``:
-  ``tkv.kernels.compress_store``, one launch; in decode the same launch also rotates the
-  queries into the workspace, ``TkvTokenToKVPool.store(query=...)``);
+  ``tkv.kernels.compress_store``, one launch);
 * decode: ``tkv.kernels.decode`` — split-K paged decode with inline dequant, scratch from one
   :class:`tkv.kernels.Workspace` shared by every layer;
 * extend (prefill, chunked prefill, prefix-cache hits, mixed batches): ``tkv.kernels.prefill``
@@ -314,6 +313,7 @@ class TurboAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True,
                        **kwargs):
         self._check_layer(layer, kwargs)
+        self._store(layer, forward_batch, k, v, save_kv_cache)
         md = self.forward_metadata
         hq, d = layer.tp_q_head_num, layer.head_dim
         q3 = q.view(-1, hq, d)
@@ -321,16 +321,10 @@ class TurboAttnBackend(AttentionBackend):
         if self.impl == "triton":
             from tkv.kernels import decode
 
-            q_in = q3
-            if save_kv_cache and k is not None:   # one launch: store K/V + rotate the queries
-                q_in = self.workspace.rotated_queries(q3.shape[0], hq, d)
-                self.pool.store(layer.layer_id, forward_batch.out_cache_loc, k, v,
-                                query=q3, query_out=q_in)
-            decode(q_in, self.pool.get_key_buffer(layer.layer_id), md.block_table, md.seq_lens,
+            decode(q3, self.pool.get_key_buffer(layer.layer_id), md.block_table, md.seq_lens,
                    self.pool.loader(layer.layer_id), self.workspace, out=out.view(-1, hq, d),
-                   sm_scale=layer.scaling, window=_window(layer), query_rotated=q_in is not q3)
+                   sm_scale=layer.scaling, window=_window(layer))
         else:
-            self._store(layer, forward_batch, k, v, save_kv_cache)
             locs = self._token_locs(forward_batch)
             out.view(-1, hq, d).copy_(reference_attention(
                 self.pool, layer.layer_id, q3, None, None, locs, [1] * len(locs),

@@ -22,7 +22,6 @@ from sglang.srt.mem_cache.memory_pool import KVCache
 from tkv.codec.config import TkvConfig
 from tkv.codec.layout import SlotLayout
 
-from .errors import UnsupportedFeatureError
 from .impl import select_impl
 from .paged_cache import TkvPagedCache
 
@@ -133,15 +132,6 @@ class TkvTokenToKVPool(KVCache):
         at token locations ``loc`` (int64 ``(num_tokens,)``). fp8 ``k_scale``/``v_scale`` of
         the checkpoint do not apply (tkv keeps its own per-vector norms) and are ignored."""
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
-        self.store(layer_id, loc, cache_k, cache_v)
-
-    def store(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor,
-              cache_v: torch.Tensor, query: torch.Tensor | None = None,
-              query_out: torch.Tensor | None = None) -> None:
-        """:meth:`set_kv_buffer` by layer id; with ``query`` ``(num_seqs, num_q_heads,
-        head_dim)`` and ``query_out`` (triton impl only), the same launch also writes the
-        rotated decode queries ``query @ loader.q_in`` into ``query_out``
-        (:func:`tkv.kernels.compress_store`)."""
         i = self._idx(layer_id)
         lay = self.layouts[i]
         k = cache_k.reshape(-1, lay.num_kv_heads, lay.head_dim)
@@ -149,10 +139,7 @@ class TkvTokenToKVPool(KVCache):
         if self.impl == "triton":
             from tkv.kernels import compress_store
 
-            compress_store(k, v, self.paged.buffers[i], loc.to(torch.int64),
-                           self.loader(layer_id), query=query, query_out=query_out)
-        elif query is not None:
-            raise UnsupportedFeatureError("the fused query rotation needs the triton impl")
+            compress_store(k, v, self.paged.buffers[i], loc.to(torch.int64), self.loader(layer_id))
         else:
             self.paged.store_reference(i, loc, k, v, self.codec(layer_id))
 

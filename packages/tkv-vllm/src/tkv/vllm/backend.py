@@ -4,11 +4,8 @@
 
 Thin glue over :mod:`tkv.kernels`:
 
-* **store** (inside ``forward``: ``forward_includes_kv_cache_update = True``):
-  :func:`tkv.kernels.compress_store` writes every new token's K/V (rotate, quantize, pack,
-  norms) into its slot and, in the same launch, rotates the decode rows' queries into the
-  shared workspace — one launch per layer instead of two (store, then the query rotation
-  inside ``decode``); ``do_kv_cache_update`` stores without attention.
+* **store** (``do_kv_cache_update``): :func:`tkv.kernels.compress_store` writes every new
+  token's K/V (rotate, quantize, pack, norms) into its slot — one launch per layer.
 * **decode** rows (query length 1, first in the batch thanks to the batch reordering):
   :func:`tkv.kernels.decode` — split-K paged attention with inline dequant, GQA, sliding
   window, scratch from the one shared :class:`tkv.kernels.Workspace`.
@@ -67,8 +64,7 @@ class TurboAttnBackend(AttentionBackend):
     """vLLM attention backend ``TURBO_ATTN`` for ``--kv-cache-dtype tkv``."""
 
     accept_output_buffer: bool = True
-    # forward stores the step's K/V itself: one launch stores them and rotates the queries
-    forward_includes_kv_cache_update: bool = True
+    forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
     supported_kv_cache_dtypes: ClassVar[list[str]] = [TKV_DTYPE]
 
@@ -363,37 +359,22 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
     def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Compress and store ``key``/``value`` ``(num_tokens, num_kv_heads, head_dim)`` at
-        ``slot_mapping`` (int64, -1 = skip) without attention. vLLM does not call it for
-        this backend (``forward`` stores the step's K/V); it stores a context, e.g. in
-        tests."""
-        st = self._state(layer)
-        self._store(key, value, kv_cache, slot_mapping, st.loader(st.default_block_size))
-
-    @staticmethod
-    def _store(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-               slot_mapping: torch.Tensor, loader: Any, query: torch.Tensor | None = None,
-               query_out: torch.Tensor | None = None) -> None:
-        """compress_store of the first ``len(slot_mapping)`` tokens (vLLM pads the slot
-        mapping with -1 up to the key rows under full CUDA graphs, or slices it to the real
-        tokens), plus the fused query rotation when ``query`` is given."""
+        ``slot_mapping`` (int64; vLLM already sliced it to the real tokens, -1 = skip)."""
         n = slot_mapping.shape[0]
-        if n > key.shape[0]:
-            raise UnsupportedModelError(f"slot_mapping has {n} entries for {key.shape[0]} "
-                                        "new tokens")
-        if n == 0 and (query is None or query.shape[0] == 0):
+        if n == 0:
             return
-        kernels.compress_store(key[:n], value[:n], kv_cache, slot_mapping, loader,
-                               query=query, query_out=query_out)
+        st = self._state(layer)
+        kernels.compress_store(key[:n], value[:n], kv_cache, slot_mapping,
+                               st.loader(st.default_block_size))
 
     # -- attention ------------------------------------------------------------------------
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TurboAttnMetadata,
                 output: torch.Tensor | None = None, output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Store the step's ``key``/``value`` ``(num_tokens, num_kv_heads, head_dim)`` at
-        ``attn_metadata.slot_mapping`` (rotating the decode rows' queries in the same launch),
-        then attention for ``query`` ``(num_tokens, num_heads, head_dim)`` reading K/V from
-        the tkv cache; writes ``output`` ``(num_tokens, num_heads, head_dim)``."""
+        """Attention for ``query`` ``(num_tokens, num_heads, head_dim)``, reading K/V from
+        the tkv cache (already updated by :meth:`do_kv_cache_update`); writes ``output``
+        ``(num_tokens, num_heads, head_dim)``."""
         if output is None:
             raise UnsupportedModelError("turbo-attn needs vLLM's output buffer")
         if output_scale is not None or output_block_scale is not None:
@@ -409,14 +390,9 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
         q = query.view(query.shape[0], self.num_heads, self.head_size)
         kv_shape = (key.shape[0], self.num_kv_heads, self.head_size)
         k, v = key.view(kv_shape), value.view(kv_shape)
-        # decode rows' queries: rotated by the store launch into the shared workspace
-        nq = nd if nd and md.decode_query_len == 1 else 0
-        q_rot = ws.rotated_queries(nq, self.num_heads, self.head_size)
-        self._store(k, v, kv_cache, md.slot_mapping, loader, q[:nq], q_rot)
-        if nq:
-            kernels.decode(q_rot, kv_cache, md.block_table[:nd], md.seq_lens[:nd], loader, ws,
-                           out=out[:nd], sm_scale=self.scale, window=self._window,
-                           query_rotated=True)
+        if nd and md.decode_query_len == 1:
+            kernels.decode(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], loader, ws,
+                           out=out[:nd], sm_scale=self.scale, window=self._window)
         elif nd:  # spec-decode verify: 1 + k new tokens per request, causal among them
             kernels.prefill(q[:ndt], k[:ndt], v[:ndt], md.query_start_loc[:nd + 1],
                             md.seq_lens[:nd], md.decode_query_len, kv_cache,
