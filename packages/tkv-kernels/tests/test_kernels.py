@@ -128,76 +128,6 @@ def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
         assert torch.equal(vb_[~written], va_[~written])
 
 
-@pytest.mark.parametrize("head_dim,group,nq,n,qdt,block_t", [
-    (64, 3, 5, 37, torch.bfloat16, None),    # SmolLM2's GQA 3; decode rows < stored tokens
-    (128, 4, 37, 37, torch.float16, None),   # every stored token a query
-    (96, 1, 9, 0, torch.bfloat16, 8),        # MHA (rows padded to 16), nothing to store
-    (64, 7, 40, 11, torch.float32, 16)])     # GQA 7, more queries than stored tokens
-def test_compress_store_fused_query_rotation(head_dim, group, nq, n, qdt, block_t):
-    """compress_store(query=, query_out=) writes exactly ``query @ loader.q_in`` (float64
-    reference) and stores the same bytes as without it; decode of the rotated queries equals
-    decode of the model-space ones."""
-    g = _gen(3 + head_dim + group)
-    codec = TurboKVCodec(head_dim, k_bits=4, v_bits=3, device=DEV, seed=11,
-                         k_channel_scales=torch.rand(head_dim, generator=g).to(DEV) + 0.5)
-    hkv = 2
-    ld = TkvLoader(codec, hkv, 16)
-    nblk = 6
-    cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8, generator=g)
-    cache = cache.to(DEV)
-    k = (torch.randn(n, hkv, head_dim, generator=g) * 3).to(DEV, torch.bfloat16)
-    v = torch.randn(n, hkv, head_dim, generator=g).to(DEV, torch.bfloat16)
-    slots = torch.randperm(nblk * 16, generator=g)[:n].to(DEV)
-    big = torch.randn(nq, hkv * group + 1, head_dim + 4, generator=g) * 2
-    q = big[:, 1:, 2:2 + head_dim].to(DEV, qdt)          # strided rows, unit stride inside
-    q_out = torch.full((nq, hkv * group, head_dim), float("nan"), device=DEV)
-    plain = cache.clone()
-    compress_store(k, v, plain, slots, ld, block_t=block_t)
-    compress_store(k, v, cache, slots, ld, query=q, query_out=q_out, block_t=block_t)
-    assert torch.equal(cache, plain)
-    ref = q.double() @ ld.q_in[:head_dim, :head_dim].double()
-    err = ((q_out.double() - ref).norm() / ref.norm()).item()
-    assert err < 1e-5, err
-    if n == 0 or nq > 8:
-        return
-    batch, cache2 = _scenario(ld, [n + 3] * nq, 9)
-    out_a = torch.full(q.shape, float("nan"), device=DEV)
-    out_b = torch.full(q.shape, float("nan"), device=DEV)
-    decode(q, cache2, batch.block_table, batch.seq_lens, ld, _ws(), out=out_a)
-    decode(q_out, cache2, batch.block_table, batch.seq_lens, ld, _ws(), out=out_b,
-           query_rotated=True)
-    torch.testing.assert_close(out_a, out_b, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("bad", ["alone", "out_alone", "heads", "head_dim", "out_shape",
-                                 "dtype", "stride"])
-def test_compress_store_fused_query_refuses_malformed(bad):
-    codec = TurboKVCodec(64, 4, device=DEV)
-    ld = TkvLoader(codec, 2, 16)
-    cache = torch.zeros(2, ld.layout.page_bytes, dtype=torch.uint8, device=DEV)
-    k = torch.randn(3, 2, 64, device=DEV)
-    slots = torch.arange(3, device=DEV)
-    q = torch.randn(3, 6, 64, device=DEV)
-    out = torch.empty(3, 6, 64, device=DEV)
-    kw = {"query": q, "query_out": out}
-    if bad == "alone":
-        kw = {"query": q}
-    elif bad == "out_alone":
-        kw = {"query_out": out}
-    elif bad == "heads":
-        kw = {"query": torch.randn(3, 5, 64, device=DEV), "query_out": torch.empty(3, 5, 64)}
-    elif bad == "head_dim":
-        kw = {"query": torch.randn(3, 6, 32, device=DEV), "query_out": torch.empty(3, 6, 32)}
-    elif bad == "out_shape":
-        kw["query_out"] = torch.empty(2, 6, 64, device=DEV)
-    elif bad == "dtype":
-        kw["query"] = q.double()
-    else:
-        kw["query"] = torch.randn(3, 6, 128, device=DEV)[:, :, ::2]
-    with pytest.raises((ShapeError, DtypeError)):
-        compress_store(k, k, cache, slots, ld, **kw)
-
-
 @pytest.mark.parametrize("head_dim,kb,scales,offset", [(64, 4, False, False),
                                                      (96, 3, True, True), (128, 8, False, True)])
 def test_store_rotation_terms_sum_to_the_planar_rotation(head_dim, kb, scales, offset):
@@ -569,13 +499,6 @@ def test_decode_splits_and_rotated_io():
                            num_splits=sp, block_n=ld.min_block_n))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(outs[0], outs[2], rtol=1e-3, atol=1e-3)
-    for rr in (16, 32):   # rows per merge program: same result
-        o = torch.full(q.shape, float("nan"), device=DEV)
-        decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=o, num_splits=4,
-               block_n=ld.min_block_n, reduce_rows=rr)
-        torch.testing.assert_close(o, outs[1], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ShapeError):
-        decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, reduce_rows=8)
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
     assert _rel(outs[2].float(), ref) < _tol(torch.float16)
     # rotated in / rotated out round trip through the codec's own rotation

@@ -229,8 +229,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
            output_rotated: bool = False, num_splits: int | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int = 1,
            prefetch: bool = False, swap_qk: bool | None = None,
-           maxnreg: int | None = None, kernel: str = "triton",
-           reduce_rows: int | None = None) -> torch.Tensor:
+           maxnreg: int | None = None, kernel: str = "triton") -> torch.Tensor:
     """Paged decode attention, one query token per sequence, reading the cache through
     ``loader`` with inline dequant (split-K over the sequence, LSE merge of the splits).
 
@@ -278,9 +277,6 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             :class:`~tkv.kernels.gluon_decode.UnsupportedKernelError` otherwise). Same
             result; slower on the H200 so far (0.78× the Triton kernel at B=32, L=8K,
             session 11).
-        reduce_rows: (sequence, query head) rows per program of the split merge + unrotation
-            kernel, 16 or 32 (default :func:`~tkv.kernels.rotate.row_block`: 32 from 1,024
-            rows at head_dim ≤ 128, else 16).
         prefetch: fetch tile ``t+1``'s bytes while tile ``t`` is computed (software
             pipeline). Off by default: on the H200 it helped 32-token tiles (0.46 vs 0.49 ms)
             but not the faster 128-token ones (0.44 vs 0.38 ms), K4V4 B=32 L=8K.
@@ -338,9 +334,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         raise ShapeError(f"num_splits must be a power of two in [1, {workspace.max_splits}]")
     part_o, part_lse = workspace.partials(ns, hq, splits, d_pad)
     q = query
-    br = row_block(ns * hq, d_pad) if reduce_rows is None else reduce_rows
-    if br not in (16, 32):
-        raise ShapeError(f"reduce_rows must be 16 or 32, got {reduce_rows!r}")
+    br = row_block(ns * hq, d_pad)   # (sequence, head) rows per reduce program
     if loader.rotated and not query_rotated:
         q = rotate_rows(query, loader.q_in[:d, :d], workspace.rotated_queries(ns, hq, d))
     if kernel == "gluon" and block_n is None:

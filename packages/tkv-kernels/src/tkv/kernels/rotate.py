@@ -22,18 +22,24 @@ from tkv.codec.errors import ShapeError
 
 from ._util import next_pow2
 
-__all__ = ["rotate_rows", "rotate_tile", "row_block", "slab"]
+__all__ = ["rotate_rows", "row_block", "slab"]
 
 
-@triton.jit
-def rotate_tile(xrow, rmask, M, sm, BLOCK_R: tl.constexpr, K_IN: tl.constexpr,
-                K_PAD: tl.constexpr, N_OUT: tl.constexpr, N_PAD: tl.constexpr,
-                KC: tl.constexpr):
-    """``X @ M[:K_IN, :N_OUT]`` for one tile of rows, float32 ``[BLOCK_R, N_PAD]`` (zero past
-    N_OUT): ``xrow`` ``[BLOCK_R, 1]`` pointers to the rows' first feature (unit stride),
-    ``rmask`` ``[BLOCK_R]`` the valid rows; tf32x3 tensor-core passes over KC-row slabs of
-    ``M`` (row stride ``sm``; the fp32 slab is split hi/lo in registers). Shared by
-    :func:`rotate_rows` and compress_store's fused query rotation."""
+# num_rows = tokens (or sequences) · heads changes with every eager batch: no specialization
+# on its value (prefill._VARYING_INTS); it only masks rows.
+@triton.jit(do_not_specialize=["num_rows"])
+def _rotate_rows_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu, num_rows,
+                        HQ: tl.constexpr, BLOCK_R: tl.constexpr, K_IN: tl.constexpr,
+                        K_PAD: tl.constexpr, N_OUT: tl.constexpr, N_PAD: tl.constexpr,
+                        KC: tl.constexpr, HAS_MU: tl.constexpr):
+    """``Y[r] = X[r] @ M[:K_IN, :N_OUT] (− MU[r % HQ])`` for rows ``r = t · HQ + h``: float32
+    tf32x3 tensor-core passes over KC-row slabs of M (the fp32 slab is split hi/lo in
+    registers), output cast to Y's dtype."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < num_rows
+    t = (r // HQ).to(tl.int64)
+    h = r % HQ
+    xrow = X + t[:, None] * sx_t + h[:, None] * sx_h
     offs_n = tl.arange(0, N_PAD)
     nmask = offs_n < N_OUT
     acc = tl.zeros([BLOCK_R, N_PAD], tl.float32)
@@ -44,26 +50,6 @@ def rotate_tile(xrow, rmask, M, sm, BLOCK_R: tl.constexpr, K_IN: tl.constexpr,
         m = tl.load(M + kc[:, None] * sm + offs_n[None, :],
                     mask=kmask[:, None] & nmask[None, :], other=0.0)
         acc = tl.dot(x.to(tl.float32), m, acc, input_precision="tf32x3")
-    return acc
-
-
-# num_rows = tokens (or sequences) · heads changes with every eager batch: no specialization
-# on its value (prefill._VARYING_INTS); it only masks rows.
-@triton.jit(do_not_specialize=["num_rows"])
-def _rotate_rows_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu, num_rows,
-                        HQ: tl.constexpr, BLOCK_R: tl.constexpr, K_IN: tl.constexpr,
-                        K_PAD: tl.constexpr, N_OUT: tl.constexpr, N_PAD: tl.constexpr,
-                        KC: tl.constexpr, HAS_MU: tl.constexpr):
-    """``Y[r] = X[r] @ M[:K_IN, :N_OUT] (− MU[r % HQ])`` for rows ``r = t · HQ + h``
-    (:func:`rotate_tile`), output cast to Y's dtype."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < num_rows
-    t = (r // HQ).to(tl.int64)
-    h = r % HQ
-    offs_n = tl.arange(0, N_PAD)
-    nmask = offs_n < N_OUT
-    acc = rotate_tile(X + t[:, None] * sx_t + h[:, None] * sx_h, rmask, M, sm, BLOCK_R, K_IN,
-                      K_PAD, N_OUT, N_PAD, KC)
     if HAS_MU:
         acc -= tl.load(MU + h[:, None] * s_mu + offs_n[None, :],
                        mask=rmask[:, None] & nmask[None, :], other=0.0)

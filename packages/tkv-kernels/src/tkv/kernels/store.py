@@ -19,10 +19,8 @@ from ._util import (
     check_same_device,
     check_tensor,
     interpreting,
-    next_pow2,
 )
 from .loaders import TkvLoader
-from .rotate import rotate_tile, slab
 
 __all__ = ["compress_store"]
 
@@ -319,34 +317,12 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, 
     tl.store(aux + nidx, norm16, mask=valid)
 
 
-@triton.jit
-def _rotate_queries(Q, sq_t, sq_h, QOUT, so_t, so_h, QM, sqm, num_q_tokens, pid, head,
-                    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, KC: tl.constexpr):
-    """The fused query rotation: rows (token, query head) of the ``BLOCK_T`` (= QT) tokens of
-    this program and the ``G`` query heads of KV head ``head`` (its GQA group), ``QOUT = Q @ QM``
-    (:func:`rotate_tile`: the same tf32x3 passes as :func:`rotate_rows`)."""
-    QR: tl.constexpr = BLOCK_T * G_PAD
-    r = tl.arange(0, QR)
-    t = (pid * BLOCK_T + r // G_PAD).to(tl.int64)
-    g = r % G_PAD
-    rmask = (t < num_q_tokens) & (g < G)
-    h = head * G + g
-    acc = rotate_tile(Q + t[:, None] * sq_t + h[:, None] * sq_h, rmask, QM, sqm, QR, HEAD_DIM,
-                      D_PAD, HEAD_DIM, D_PAD, KC)
-    offs = tl.arange(0, D_PAD)
-    tl.store(QOUT + t[:, None] * so_t + h[:, None] * so_h + offs[None, :],
-             acc.to(QOUT.dtype.element_ty), mask=rmask[:, None] & (offs < HEAD_DIM)[None, :])
-
-
 # num_tokens changes with every eager batch, and a caller may pass slot_mapping as a slice at
 # any offset: no specialization on either (one variant per width pair, compiled at the first
 # call; see prefill._VARYING_INTS). num_tokens only masks tokens; slots are read once.
-@triton.jit(do_not_specialize=["num_tokens", "num_q_tokens"],
-            do_not_specialize_on_alignment=["slots", "Q", "QOUT"])
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slots"])
 def _compress_store_kernel(
         K, skt, skh, V, svt, svh, slots, num_tokens, num_slots, cache, aux,
-        Q, sq_t, sq_h, QOUT, so_t, so_h, QM, sqm, num_q_tokens,
         Ak, Av, ak_scale, av_scale, kinv_s, vinv_s, kbounds, vbounds, ktable, vtable, kmu, kmu_rot,
         kmu_sh, page_bytes, kshift, vshift, kdelta, vdelta,
         K_HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -360,50 +336,37 @@ def _compress_store_kernel(
         K_TOK_STRIDE: tl.constexpr, V_HEAD_STRIDE: tl.constexpr, V_TOK_STRIDE: tl.constexpr,
         NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr, K_SINK: tl.constexpr,
         V_SINK: tl.constexpr, K_SPLIT: tl.constexpr, V_SPLIT: tl.constexpr,
-        K_NPL: tl.constexpr, V_NPL: tl.constexpr, HAS_Q: tl.constexpr, G: tl.constexpr,
-        G_PAD: tl.constexpr, QT: tl.constexpr, QKC: tl.constexpr):
+        K_NPL: tl.constexpr, V_NPL: tl.constexpr):
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    # 0: K, 1: V — separate programs: half the dependent chain each; 2 (HAS_Q): the queries,
-    # QT tokens per program (the grid's first axis covers both token counts; K/V programs
-    # past num_tokens do nothing)
-    side = tl.program_id(2)
-    if side < 2:
-        if pid * BLOCK_T < num_tokens:
-            tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-            tm = tok < num_tokens
-            slot = tl.load(slots + tok, mask=tm, other=-1)
-            valid = tm & (slot >= 0) & (slot < num_slots)
-            slot = tl.where(valid, slot, 0)
-            blk = slot // BLOCK_SIZE
-            off = slot % BLOCK_SIZE
-            if side == 0:
-                _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, ak_scale, kinv_s,
-                            kbounds, ktable, kmu, kmu_rot, kmu_sh, blk, off, page_bytes, kshift,
-                            kdelta, K_HAS_MU, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF,
-                            K_CODE_BYTES, K_NORM_CORR, K_GROUP, K_GROUP_BYTES, BLOCK_T,
-                            K_HEAD_STRIDE, K_TOK_STRIDE, NORM_HEAD_STRIDE, CH, K_SINK, K_SPLIT,
-                            K_NPL)
-            else:
-                _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, av_scale, vinv_s,
-                            vbounds, vtable, kmu, kmu_rot, 0, blk, off, page_bytes, vshift,
-                            vdelta, False, HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF, V_NORMS_OFF,
-                            V_CODE_BYTES, V_NORM_CORR, V_GROUP, V_GROUP_BYTES, BLOCK_T,
-                            V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH, V_SINK, V_SPLIT,
-                            V_NPL)
+    side = tl.program_id(2)   # 0: K, 1: V — separate programs: half the dependent chain each
+    tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = tok < num_tokens
+    slot = tl.load(slots + tok, mask=tm, other=-1)
+    valid = tm & (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    if side == 0:
+        _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, ak_scale, kinv_s, kbounds,
+                    ktable, kmu, kmu_rot, kmu_sh, blk, off, page_bytes, kshift, kdelta, K_HAS_MU,
+                    HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES, K_NORM_CORR,
+                    K_GROUP, K_GROUP_BYTES, BLOCK_T, K_HEAD_STRIDE, K_TOK_STRIDE,
+                    NORM_HEAD_STRIDE, CH, K_SINK, K_SPLIT, K_NPL)
     else:
-        if HAS_Q:
-            _rotate_queries(Q, sq_t, sq_h, QOUT, so_t, so_h, QM, sqm, num_q_tokens, pid, head,
-                            G, G_PAD, QT, HEAD_DIM, D_PAD, QKC)
+        _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, av_scale, vinv_s, vbounds,
+                    vtable, kmu, kmu_rot, 0, blk, off, page_bytes, vshift, vdelta, False, HEAD_DIM,
+                    D_PAD,
+                    V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES, V_NORM_CORR, V_GROUP,
+                    V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH,
+                    V_SINK, V_SPLIT, V_NPL)
 
 
 def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                    slot_mapping: torch.Tensor, loader: TkvLoader, *,
-                   query: torch.Tensor | None = None, query_out: torch.Tensor | None = None,
                    block_t: int | None = None, num_warps: int | None = None,
                    chunk: int | None = None, rotation: str = "auto") -> None:
-    """Compress new tokens' K and V and scatter them into their slots, in one launch —
-    optionally rotating the decode queries in the same launch.
+    """Compress new tokens' K and V and scatter them into their slots, in one launch.
 
     Per token and KV head h: ``y = R ((x − μ_h) / s)`` (key centering when the codec has a
     ``k_channel_offset`` μ, keys only: row h of a per-head ``(num_kv_heads, head_dim)`` μ, or
@@ -430,19 +393,6 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             ``-1`` (any negative) skips the token; slots ≥ ``num_blocks · block_size`` are
             skipped too (never written out of bounds).
         loader: the layer's :class:`TkvLoader`.
-        query: optional ``(num_q_tokens, num_q_heads, head_dim)`` float16/bfloat16/float32
-            queries in model space (unit stride on head_dim; ``num_q_heads`` a multiple of
-            ``num_kv_heads``), rotated in the same launch into ``query_out`` as
-            ``query @ loader.q_in`` (float32 accuracy, the same tf32x3 passes as
-            :func:`~tkv.kernels.rotate_rows`) — what :func:`~tkv.kernels.decode` does
-            first, so a decode step passes its queries here and calls ``decode(query_out,
-            ..., query_rotated=True)``: one launch and its latency less per layer (H200,
-            Qwen3-8B-like layer, 64 sequences: store 7.7 µs + query rotation 6.2 µs of a
-            68 µs store + decode, session 14). ``num_q_tokens`` may differ from
-            ``num_tokens`` (e.g. the decode rows of a mixed batch, or 0).
-        query_out: ``(num_q_tokens, num_q_heads, head_dim)`` float32 (or 16-bit) output,
-            unit stride on head_dim, e.g. :meth:`Workspace.rotated_queries`; required with
-            ``query``.
         block_t: tokens per program, a power of two. Default 8 up to 128 new tokens (decode
             steps: latency-bound, more programs), 16 up to 1,024, 64 above (prefill: the
             rotation operand is loaded once per 64 tokens). H200, K4V4, 8 KV heads, head_dim
@@ -461,8 +411,7 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
 
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
-        no device sync; also ``query`` without ``query_out`` or the reverse). ValueError:
-        unknown ``rotation``, or ``"split"`` with a float32 side.
+        no device sync). ValueError: unknown ``rotation``, or ``"split"`` with a float32 side.
     """
     if not isinstance(loader, TkvLoader):
         raise TypeError(f"compress_store needs a TkvLoader, got {type(loader).__name__}")
@@ -483,9 +432,8 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                          f"{key.shape[0]} tokens")
     check_same_device(cache.device, key=key, value=value, slot_mapping=slot_mapping,
                       tables=loader.k_table)
-    nq, g = _check_query(query, query_out, lay, cache.device)
     n = key.shape[0]
-    if n == 0 and nq == 0:
+    if n == 0:
         return
     st = lay.strides()
     if block_t is None:
@@ -516,21 +464,10 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     def opt(t):
         return dummy if t is None else t
 
-    has_q = query is not None
-    qm = loader.q_in[:lay.head_dim, :lay.head_dim]   # q @ q_in = R (q * s_k), as decode
-    q_args = (query, query.stride(0), query.stride(1), query_out, query_out.stride(0),
-              query_out.stride(1), qm, qm.stride(0), nq) if has_q else \
-        (dummy, 0, 0, dummy, 0, 0, dummy, 0, 0)
-    # query programs: QT tokens × the GQA group's heads = 16-32 rows each (64 rows at 4 warps
-    # took 45 µs for 256 queries on the H200, 32 rows: see docs/kernels.md, session 14)
-    g_pad = next_pow2(g)
-    qt = max(1, 32 // g_pad)
-    grid = (max(1, triton.cdiv(n, block_t), triton.cdiv(nq, qt)), lay.num_kv_heads,
-            3 if has_q else 2)
+    grid = (triton.cdiv(n, block_t), lay.num_kv_heads, 2)
     _compress_store_kernel[grid](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
         slot_mapping, n, num_blocks * lay.block_size, cache, cache.view(torch.bfloat16),
-        *q_args,
         operands[0][0], operands[1][0], operands[0][1], operands[1][1],
         loader.k_inv_scale, loader.v_inv_scale, loader.k_bounds, loader.v_bounds,
         loader.k_table, loader.v_table, opt(mu), opt(loader.k_mu_rot), mu_sh,
@@ -547,30 +484,4 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         NORM_HEAD_STRIDE=st["norm_head"], CH=min(loader.d_pad, chunk),
         K_SINK=loader.k_sink_shift is not None, V_SINK=loader.v_sink_shift is not None,
         K_SPLIT=modes[0], V_SPLIT=modes[1], K_NPL=loader.group_planes("k"),
-        V_NPL=loader.group_planes("v"), HAS_Q=has_q, G=g, G_PAD=g_pad, QT=qt,
-        QKC=slab(loader.d_pad),
-        num_warps=num_warps)
-
-
-def _check_query(query, query_out, lay, device) -> tuple[int, int]:
-    """``(num_q_tokens, GQA group size)`` of compress_store's optional fused query rotation
-    (``(0, 1)`` without one); named errors on malformed arguments."""
-    if query is None and query_out is None:
-        return 0, 1
-    if query is None or query_out is None:
-        raise ShapeError("compress_store: pass query and query_out together (the fused query "
-                         "rotation writes query @ loader.q_in into query_out)")
-    check_tensor(query, "query", 3)
-    check_tensor(query_out, "query_out", 3)
-    check_dtype(query, "query", _FLOAT)
-    check_dtype(query_out, "query_out", _FLOAT)
-    check_last_dim_contiguous(query, "query")
-    check_last_dim_contiguous(query_out, "query_out")
-    nq, hq, d = query.shape
-    if d != lay.head_dim or hq % lay.num_kv_heads or hq == 0:
-        raise ShapeError(f"query must be (num_q_tokens, k·{lay.num_kv_heads}, {lay.head_dim}),"
-                         f" got {tuple(query.shape)}")
-    if tuple(query_out.shape) != tuple(query.shape):
-        raise ShapeError(f"query_out {tuple(query_out.shape)} ≠ query {tuple(query.shape)}")
-    check_same_device(device, query=query, query_out=query_out)
-    return nq, hq // lay.num_kv_heads
+        V_NPL=loader.group_planes("v"), num_warps=num_warps)
