@@ -15,6 +15,7 @@ from tkv.codec.errors import BitWidthError, DeviceMismatchError, DtypeError, Sha
 from tkv.kernels import (
     BypassLoader,
     Fp8Loader,
+    SdpaDenseAttention,
     TkvLoader,
     Workspace,
     WorkspaceTooSmallError,
@@ -571,7 +572,8 @@ def test_fp8_tile_decodes_every_byte():
 
 
 # --------------------------------------------------------------------- prefill
-def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.float16, **kw):
+def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.float16, tol=None,
+                   **kw):
     lens = [p + q for p, q in zip(prefix, qlens, strict=True)]
     g = _gen(seed)
     batch = make_paged_batch(lens, loader.block_size, DEV, generator=g)
@@ -591,7 +593,7 @@ def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.flo
             window=window, block_m=16 * min(group, 2), block_n=loader.min_block_n, **kw)
     ref = prefill_reference(q, k, v, cu, batch.seq_lens, cache, batch.block_table, loader,
                             window=window)
-    assert _rel(out, ref) < _tol(dtype)
+    assert _rel(out, ref) < (tol or _tol(dtype))
 
 
 @pytest.mark.parametrize("head_dim,kb,vb,group,prefix,qlens,window", [
@@ -643,6 +645,78 @@ def test_prefill_exact_prefix_runs_sdpa_and_matches_reference(head_dim, kb, vb, 
                        scratch=prefix_only, exact_prefix=True)
         assert spy.call_count == 1
         assert not torch.isnan(prefix_only).all()   # the Triton decompress-once path ran
+
+
+class _SpyDense(SdpaDenseAttention):
+    """SdpaDenseAttention that records its calls' (q shape, k shape, max_seqlen_k, window)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+        self.calls.append((tuple(q.shape), tuple(k.shape), max_k, window))
+        return super().__call__(q, k, v, cu_q, cu_k, max_q, max_k, scale, window)
+
+
+@pytest.mark.parametrize("head_dim,group,qlens,window", [
+    (64, 4, [19, 1, 33], 0), (96, 1, [12, 40], 7), (128, 7, [5, 17], 0)])
+def test_prefill_bypass_through_dense_attention(head_dim, group, qlens, window):
+    """no_prefix with a dense_attention callable: the caller's kernel runs the first chunks
+    (one call over the whole varlen batch, window passed through) and the result equals the
+    float64 oracle; the broken promise still gives NaN rows, only for its sequence."""
+    codec = TurboKVCodec(head_dim, k_bits=4, v_bits=3, device=DEV, seed=5)
+    ld = TkvLoader(codec, 2, 16)
+    spy = _SpyDense()
+    # the callable returns 16-bit rows (as FlashAttention does): one fp16 rounding more
+    _prefill_check(ld, [0] * len(qlens), qlens, group, seed=head_dim + group, window=window,
+                   no_prefix=True, dense_attention=spy, tol=max(_tol(torch.float16), 1e-3))
+    assert spy.calls == [((sum(qlens), 2 * group, head_dim), (sum(qlens), 2, head_dim),
+                          max(qlens), window)]
+    g = _gen(7)
+    batch = make_paged_batch([7 + 5, 9], 16, DEV, generator=g)
+    cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
+    q = torch.randn(14, 2 * group, head_dim, generator=g).to(DEV, torch.float16)
+    k = torch.randn(14, 2, head_dim, generator=g).to(DEV, torch.float16)
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32, device=DEV)
+    out = prefill(q, k, k, cu, batch.seq_lens, 9, cache, batch.block_table, ld, no_prefix=True,
+                  dense_attention=spy)
+    assert torch.isnan(out[:5]).all()        # sequence 0 has a 7-token prefix
+    assert torch.isfinite(out[5:]).all()
+
+
+def test_prefill_exact_prefix_through_dense_attention():
+    """exact_prefix with a dense_attention callable: it receives the rotated planar rows
+    (prefix + chunk keys, head_dim padded 96 → 128) instead of SDPA, and the result equals the
+    float64 oracle; two sequences or a window keep the Triton loop (no call)."""
+    codec = TurboKVCodec(96, k_bits=4, v_bits=4, device=DEV, seed=9)
+    ld = TkvLoader(codec, 2, 16)
+    spy = _SpyDense()
+    scratch = torch.full((1 << 20,), float("nan"), device=DEV)
+    _prefill_check(ld, [48], [40], 4, seed=13, max_prefix_len=48, scratch=scratch,
+                   exact_prefix=True, dense_attention=spy, tol=max(_tol(torch.float16), 1e-3))
+    assert spy.calls == [((40, 8, 128), (88, 2, 128), 88, 0)]
+    _prefill_check(ld, [48, 5], [40, 3], 4, seed=13, max_prefix_len=48, scratch=scratch,
+                   exact_prefix=True, dense_attention=spy)
+    _prefill_check(ld, [48], [40], 4, seed=13, window=9, max_prefix_len=48, scratch=scratch,
+                   exact_prefix=True, dense_attention=spy)
+    assert len(spy.calls) == 1
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "not_tensor", "not_callable"])
+def test_prefill_dense_attention_bad_callback_is_named(bad):
+    codec = TurboKVCodec(64, 4, device=DEV)
+    ld = TkvLoader(codec, 2, 16)
+    g = _gen(2)
+    batch = make_paged_batch([6], 16, DEV, generator=g)
+    cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
+    q = torch.randn(6, 8, 64, generator=g).to(DEV, torch.float16)
+    k = torch.randn(6, 2, 64, generator=g).to(DEV, torch.float16)
+    cu = torch.tensor([0, 6], dtype=torch.int32, device=DEV)
+    fn = {"shape": lambda q, *a: q[:3], "dtype": lambda q, *a: q.float(),
+          "not_tensor": lambda q, *a: None, "not_callable": 3}[bad]
+    with pytest.raises((ShapeError, DtypeError), match="dense_attention"):
+        prefill(q, k, k, cu, batch.seq_lens, 6, cache, batch.block_table, ld, no_prefix=True,
+                dense_attention=fn)
 
 
 def test_prefill_exact_prefix_broken_promise_is_nan():

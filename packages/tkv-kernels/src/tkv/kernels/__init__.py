@@ -3,13 +3,15 @@
 Public API: :class:`TkvLoader` (per-layer tkv format), :class:`BypassLoader`,
 :class:`Fp8Loader`, the :class:`Loader` protocol, :class:`Workspace` (shared scratch),
 :func:`compress_store`, :func:`decode`, :func:`prefill` (+ :func:`warm_prefix_variant`,
-:func:`dense_prefix_bytes`);
+:func:`dense_prefix_bytes`, and the :class:`DenseAttention` seam for an engine's
+flash-attention kernel);
 :mod:`tkv.kernels.reference` is the
 float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
 """
 
 from . import _interpreter_compat
 from .decode import decode
+from .dense_attention import DenseAttention, SdpaDenseAttention
 from .loaders import (
     ENV_LOOKUP,
     ENV_SMALL_HEAD_GROUPS,
@@ -40,12 +42,14 @@ __all__ = [
     "ENV_LOOKUP",
     "ENV_SMALL_HEAD_GROUPS",
     "BypassLoader",
+    "DenseAttention",
     "Fp8Loader",
     "Loader",
     "LookupConfigError",
     "MaxnregConfigError",
     "MetadataError",
     "PerCodebookCompileWarning",
+    "SdpaDenseAttention",
     "SmallHeadGroupsConfigError",
     "TkvLoader",
     "Workspace",

@@ -35,6 +35,7 @@ from ._util import (
     next_pow2,
     tile_tokens,
 )
+from .dense_attention import DenseAttention, check_dense_output
 from .loaders import Loader, bypass_fetch, identity_dequant, sink_shift
 from .rotate import rotate_rows
 
@@ -267,7 +268,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
             num_stages: int | None = None, no_prefix: bool = False,
             max_prefix_len: int | None = None, scratch: torch.Tensor | None = None,
-            exact_prefix: bool = False) -> torch.Tensor:
+            exact_prefix: bool = False,
+            dense_attention: DenseAttention | None = None) -> torch.Tensor:
     """Varlen causal attention for (chunked) prefill, flash-attention tiling with tl.dot.
 
     Sequence ``i`` has ``q_len = cu_seqlens_q[i+1] − cu_seqlens_q[i]`` new tokens at absolute
@@ -319,6 +321,14 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             the block table too: every page of the prefix valid (live prefixes in engines are;
             the other paths mask −1 / out-of-range pages, this one cannot). A broken promise
             (another prefix length, an invalid prefix page) gives NaN output rows.
+        dense_attention: optional varlen flash-attention callable
+            (:class:`~tkv.kernels.dense_attention.DenseAttention`, e.g. an engine's
+            FlashAttention 3) that then runs the attention of the two paths whose keys are all
+            16-bit rows: the ``no_prefix`` bypass (model space, the call's cu_seqlens for
+            queries and keys, sliding window included; the same NaN rows for a broken
+            promise) and the ``exact_prefix`` path (rotated planar rows, instead of SDPA, no
+            fallback check). Other calls ignore it. Its output is checked (shape, dtype,
+            device: ShapeError / DtypeError).
 
     Rotated loaders (tkv): the wrapper rotates the query and the chunk's K/V into the cache's
     rotated space with three small float32 matmuls (no D×D tile inside the kernel, so head_dim
@@ -336,6 +346,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise DtypeError(f"scratch must be a torch.Tensor or None, got {type(scratch).__name__}")
     if not isinstance(exact_prefix, bool):
         raise DtypeError(f"exact_prefix must be a bool, got {type(exact_prefix).__name__}")
+    if dense_attention is not None and not callable(dense_attention):
+        raise DtypeError("dense_attention must be a DenseAttention callable or None, got "
+                         f"{type(dense_attention).__name__}")
     check_tensor(query, "query", 3)
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     tq, hq, d = query.shape
@@ -405,6 +418,14 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     final = None
     fetch, dequant = loader.fetch, loader.dequant
     planar = bool(loader.rotated) and not no_prefix
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    if no_prefix and dense_attention is not None:   # the bypass through the caller's kernel
+        o = check_dense_output(dense_attention(query, key, value, cu_seqlens_q, cu_seqlens_q,
+                                               max_query_len, max_query_len, scale, window),
+                               query)
+        out.copy_(o)
+        return out.masked_fill_(_rows_with_prefix(cu_seqlens_q, seq_lens, tq)[:, None, None],
+                                float("nan"))
     if no_prefix:
         # prefill bypass: plain attention over the chunk in model space; the cache is never
         # read (a sequence with a prefix gets NaN rows: a broken promise fails loudly)
@@ -423,7 +444,6 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              rot(key, loader.k_in_planar, hkv, loader.k_mu_planar),
                              rot(value, loader.v_in_planar, hkv))
         final, out = out, torch.empty(tq, hq, d_pad, dtype=torch.float32, device=dev)
-    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     dense = (planar and scratch is not None and max_prefix_len is not None
              and max_prefix_len > 0 and max_query_len > block_mt)
     bt, nblk, maxb, bs = block_table, num_blocks, block_table.shape[1], loader.block_size
@@ -437,10 +457,10 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         rows = _whole_pages(max_prefix_len + tq, bs)
         if (scratch.numel() * scratch.element_size()
                 >= dense_prefix_bytes(1, rows, hkv, d, query.dtype)
-                and _sdpa_dense_attention(query, key, value, out, cu_seqlens_q, seq_lens,
-                                          max_prefix_len, maxp, rows, scratch, block_table,
-                                          num_blocks, kargs, vargs, fetch, dequant, loader,
-                                          scale, dot_dtype)):
+                and _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens,
+                                            max_prefix_len, maxp, rows, scratch, block_table,
+                                            num_blocks, kargs, vargs, fetch, dequant, loader,
+                                            scale, dot_dtype, dense_attention)):
             return rotate_rows(out, loader.out_planar, final)
     if dense:
         flat = scratch.view(-1).view(torch.uint8)[:need].view(dot_dtype)
@@ -501,14 +521,26 @@ def _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, varg
         BLOCK_SIZE=loader.block_size, BLOCK_N=tb, K_SINK=k_sink, V_SINK=v_sink, num_warps=4)
 
 
-def _sdpa_dense_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix: int,
-                          maxp: int, rows: int, scratch, block_table, num_blocks, kargs, vargs,
-                          fetch, dequant, loader, scale: float, dot_dtype) -> bool:
-    """:func:`prefill`'s SDPA path for ONE sequence whose prefix is exactly ``prefix`` tokens
+def _rows_with_prefix(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                      tq: int) -> torch.Tensor:
+    """bool ``(tq,)``: the query rows whose sequence breaks the ``no_prefix`` promise
+    (``seq_len ≠ q_len``), found on the device (no host sync)."""
+    ends = cu_seqlens_q[1:]
+    seq = torch.searchsorted(ends, torch.arange(tq, device=ends.device, dtype=ends.dtype),
+                             right=True).clamp_(max=ends.shape[0] - 1)
+    return (seq_lens != ends - cu_seqlens_q[:-1])[seq]
+
+
+def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix: int,
+                            maxp: int, rows: int, scratch, block_table, num_blocks, kargs,
+                            vargs, fetch, dequant, loader, scale: float, dot_dtype,
+                            dense_attention: DenseAttention | None) -> bool:
+    """:func:`prefill`'s dense path for ONE sequence whose prefix is exactly ``prefix`` tokens
     (``exact_prefix``): rows ``[0, prefix)`` of K/V are the prefix dequantized into
     ``scratch`` (planar rotated, norms applied — :func:`_dequant_prefix_kernel`), rows
     ``[prefix, prefix + q_len)`` the chunk's rotated K/V; the rotated ``query`` attends to
-    them through SDPA with a lower-right causal mask, written into ``out`` (float32
+    them through the caller's ``dense_attention`` if given, else SDPA with a lower-right
+    causal mask, written into ``out`` (float32
     ``(q_len, num_q_heads, d_pad)``). Returns False, having written nothing, where SDPA would
     take its math fallback on CUDA (memory ∝ q_len × keys); the caller then runs the Triton
     loop (also, with a RuntimeWarning, when SDPA itself raises, or when the block table is
@@ -527,7 +559,7 @@ def _sdpa_dense_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix
     q4 = query.view(1, tq, hq, d_pad).transpose(1, 2)
     k4 = pk[:keys].view(1, keys, hkv, d_pad).transpose(1, 2)
     v4 = pv[:keys].view(1, keys, hkv, d_pad).transpose(1, 2)
-    if query.is_cuda:
+    if query.is_cuda and dense_attention is None:
         from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
         if not can_use_flash_attention(SDPAParams(q4, k4, v4, None, 0.0, False, True), False):
@@ -536,13 +568,20 @@ def _sdpa_dense_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix
                     dequant, loader, pk, pv, maxp, 1, hkv, d_pad)
     pk[prefix:keys].copy_(key)
     pv[prefix:keys].copy_(value)
-    try:
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q4, k4, v4, attn_mask=causal_lower_right(tq, keys), scale=scale, enable_gqa=True)
-    except RuntimeError as e:   # no SDPA kernel for these inputs: the Triton loop instead
-        warnings.warn(f"tkv prefill: SDPA refused the decompress-once attention ({e}); using "
-                      "the Triton loop", RuntimeWarning, stacklevel=3)
-        return False
+    if dense_attention is not None:
+        cu = torch.tensor([[0, tq], [0, keys]], dtype=torch.int32, device=query.device)
+        o = check_dense_output(dense_attention(query, pk[:keys], pv[:keys], cu[0], cu[1], tq,
+                                               keys, scale, 0), query)
+        o = o.unsqueeze(0).transpose(1, 2)   # as SDPA's (1, heads, q_len, d_pad) below
+    else:
+        try:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q4, k4, v4, attn_mask=causal_lower_right(tq, keys), scale=scale,
+                enable_gqa=True)
+        except RuntimeError as e:   # no SDPA kernel for these inputs: the Triton loop instead
+            warnings.warn(f"tkv prefill: SDPA refused the decompress-once attention ({e}); "
+                          "using the Triton loop", RuntimeWarning, stacklevel=3)
+            return False
     # broken promises: another prefix length, a chunk not starting at row 0, or a prefix page
     # that is −1 / out of range (the other paths mask such tokens; this one cannot)
     pages = block_table[0, :npages]

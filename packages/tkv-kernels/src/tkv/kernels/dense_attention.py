@@ -1,0 +1,93 @@
+"""The dense-attention seam of :func:`tkv.kernels.prefill`: the two prefill paths whose
+keys are all 16-bit rows — a first chunk (the prefill bypass, ``no_prefix``) and an
+exact-prefix continuation over the decompressed prefix (``exact_prefix``) — can hand their
+attention to a caller's varlen flash-attention kernel instead of tkv's Triton loop / PyTorch
+SDPA. An engine passes its own (tkv-vllm: vLLM's FlashAttention 3 on Hopper), so long
+prompts prefill at the engine's bf16 speed; ``tkv.kernels`` itself never imports an engine.
+
+Measured motivation (H200, Qwen3-8B-like, one 32K prompt in vLLM, session 14): tkv's prefill
+took 1.74 s against bf16's 1.25 s — the first chunk ran tkv's Triton kernel, the continuation
+PyTorch SDPA (FlashAttention-2), where vLLM's bf16 path runs FlashAttention 3.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from tkv.codec.errors import DtypeError, ShapeError
+
+__all__ = ["DenseAttention", "SdpaDenseAttention", "check_dense_output"]
+
+
+@runtime_checkable
+class DenseAttention(Protocol):
+    """Varlen causal attention over 16-bit rows, the contract of FlashAttention's
+    ``flash_attn_varlen_func`` (Dao et al., FlashAttention-2, 2023; causal mask aligned to the
+    bottom-right corner when a sequence has more keys than queries).
+
+    Called as ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+    window)`` with
+
+    * ``q``: ``(total_q, num_q_heads, head_dim)`` float16/bfloat16; ``k``, ``v``:
+      ``(total_k, num_kv_heads, head_dim)``, same dtype (GQA: ``num_q_heads`` a multiple of
+      ``num_kv_heads``, query head ``h`` reads KV head ``h // (num_q_heads / num_kv_heads)``);
+      unit stride on head_dim. ``head_dim`` may be a padded width (tkv's rotated rows: 64,
+      128 or 256).
+    * ``cu_seqlens_q`` / ``cu_seqlens_k``: int32 ``(num_seqs + 1,)`` on q's device,
+      cumulative token counts starting at 0; ``max_seqlen_q`` / ``max_seqlen_k``: host ints
+      ≥ every sequence's count.
+    * ``scale``: softmax scale (float); ``window``: 0 = full causal attention, else query
+      ``i`` of a sequence with ``Lq`` queries and ``Lk`` keys sees keys ``j`` with
+      ``0 ≤ (i + Lk − Lq) − j < window`` (FlashAttention's ``window_size=(window − 1, 0)``).
+
+    Returns the output ``(total_q, num_q_heads, head_dim)`` in q's dtype. Must not read a
+    device value on the host if the caller captures it in a CUDA graph (prefill runs
+    eagerly in both engines).
+    """
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                 max_seqlen_k: int, scale: float, window: int) -> torch.Tensor: ...
+
+
+class SdpaDenseAttention:
+    """A plain-PyTorch :class:`DenseAttention`: one ``scaled_dot_product_attention`` call per
+    sequence with an explicit bottom-right causal (and window) mask. The reference for tests
+    and the documentation's example; it reads ``cu_seqlens`` on the host (a device sync per
+    call), so it is not what an engine should pass."""
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 scale, window):
+        out = torch.empty_like(q)
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for i in range(len(cq) - 1):
+            qa, qb, ka, kb = cq[i], cq[i + 1], ck[i], ck[i + 1]
+            lq, lk = qb - qa, kb - ka
+            if lq == 0:
+                continue
+            rel = (torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+                   - torch.arange(lk, device=q.device)[None, :])
+            vis = rel >= 0
+            if window:
+                vis &= rel < window
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[qa:qb].transpose(0, 1).float(), k[ka:kb].transpose(0, 1).float(),
+                v[ka:kb].transpose(0, 1).float(), attn_mask=vis, scale=scale, enable_gqa=True)
+            out[qa:qb] = torch.nan_to_num(o.transpose(0, 1), nan=0.0).to(q.dtype)
+        return out
+
+
+def check_dense_output(o, q: torch.Tensor) -> torch.Tensor:
+    """``o`` if a :class:`DenseAttention` returned a tensor of q's shape, dtype and device;
+    else :class:`ShapeError` / :class:`DtypeError` naming what came back (a callback bug must
+    not surface as garbage rows)."""
+    if not isinstance(o, torch.Tensor):
+        raise DtypeError(f"dense_attention returned {type(o).__name__}, not a tensor")
+    if tuple(o.shape) != tuple(q.shape) or o.device != q.device:
+        raise ShapeError(f"dense_attention returned {tuple(o.shape)} on {o.device}; expected "
+                         f"{tuple(q.shape)} on {q.device}")
+    if o.dtype != q.dtype:
+        raise DtypeError(f"dense_attention returned {o.dtype}; expected {q.dtype}")
+    return o
