@@ -13,6 +13,7 @@ mismatch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -164,11 +165,44 @@ def run(spec_k: int) -> float:
             worst = max(worst, padded_decode_step(B, impl, layer, cache, bt, seq_lens, slots,
                                                   window, builder, loader, gather_kv,
                                                   CommonAttentionMetadata, li))
-            worst = max(worst, first_prefill_step(impl, layer, shape, builder, window,
-                                                  CommonAttentionMetadata, li))
-            worst = max(worst, long_continuation_step(impl, layer, shape, builder, window,
-                                                      CommonAttentionMetadata, gather_kv, li))
+            for flash in (False, True):   # TKV_PREFILL_ATTENTION=tkv, then =flash (faked)
+                with flash_attention(impl, flash) as calls:
+                    worst = max(worst, first_prefill_step(impl, layer, shape, builder, window,
+                                                          CommonAttentionMetadata, li))
+                    worst = max(worst, long_continuation_step(
+                        impl, layer, shape, builder, window, CommonAttentionMetadata,
+                        gather_kv, li))
+                # flash: the first chunks (one call) and the exact-prefix continuation (one
+                # call, not with a window: the Triton loop serves windows)
+                assert len(calls) == (0 if not flash else 1 if window else 2), (flash, calls)
     return worst
+
+
+@contextlib.contextmanager
+def flash_attention(impl, on: bool):
+    """With ``on``: the layer's prefill attention is :class:`VllmFlashAttention` (as
+    ``TKV_PREFILL_ATTENTION=flash`` binds it) over a fake ``flash_attn_varlen_func`` that
+    checks the FlashAttention keyword contract and computes with SdpaDenseAttention; yields
+    the list of its calls. Off: yields an empty list."""
+    from tkv.kernels import SdpaDenseAttention
+    from tkv.vllm.prefill_attention import VllmFlashAttention
+
+    calls: list = []
+
+    def fake_varlen(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k,
+                    softmax_scale, causal, window_size, fa_version):
+        assert causal and fa_version == 3
+        window = 0 if window_size is None else window_size[0] + 1
+        calls.append((tuple(q.shape), tuple(k.shape), window))
+        return SdpaDenseAttention()(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, softmax_scale, window)
+
+    st = impl._tkv_state
+    st.dense_attention = VllmFlashAttention(3, fake_varlen) if on else None
+    try:
+        yield calls
+    finally:
+        st.dense_attention = None
 
 
 def long_continuation_step(impl, layer, shape, builder, window, CommonAttentionMetadata,
@@ -208,12 +242,14 @@ def long_continuation_step(impl, layer, shape, builder, window, CommonAttentionM
     out = torch.full((ql, hq, hd), float("nan"), dtype=torch.bfloat16)
     with mock.patch.object(CausalBias, "_dispatch", wraps=CausalBias._dispatch) as spy:
         impl.forward(layer, q, k, v, cache, md, output=out)
-    assert spy.call_count == (0 if window else 1), (window, spy.call_count)
+    flash = impl._tkv_state.dense_attention is not None   # then FlashAttention, not SDPA
+    assert spy.call_count == (0 if window or flash else 1), (window, flash, spy.call_count)
     loader = impl._tkv_state.loader(bs)
     kcache, vcache = gather_kv(cache, loader, bt[0], ctx + ql)
     ref = reference(q, k, v, kcache, vcache, ctx, window, hd ** -0.5, decode=False)
     err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
-    print(f"long continuation layer {li} window={window}: rel err {err:.2e}")
+    tag = "flash " if impl._tkv_state.dense_attention is not None else ""
+    print(f"{tag}long continuation layer {li} window={window}: rel err {err:.2e}")
     return err
 
 
@@ -254,7 +290,8 @@ def first_prefill_step(impl, layer, shape, builder, window, CommonAttentionMetad
         ref = reference(q[a:b], k[a:b], v[a:b], empty, empty, 0, window, hd ** -0.5,
                         decode=False)
         err = (out[a:b].double() - ref).abs().max().item() / ref.abs().max().item()
-        print(f"first prefill layer {li} request {r}: rel err {err:.2e}")
+        tag = "flash " if impl._tkv_state.dense_attention is not None else ""
+        print(f"{tag}first prefill layer {li} request {r}: rel err {err:.2e}")
         worst = max(worst, err)
     return worst
 

@@ -34,6 +34,9 @@ def test_mixed_batch_forward_matches_float64_reference(patched_vllm, small_head_
     assert "padded decode layer 1 request 1" in report  # CUDA-graph padded decode batch
     assert "first prefill layer 1 request 1" in report   # bypass + prefix-variant warm-up
     assert "long continuation layer 0 window=0" in report   # one exact prefix: SDPA path
+    # TKV_PREFILL_ATTENTION=flash (vLLM's FlashAttention faked on CPU): same paths through it
+    assert "flash first prefill layer 1 request 1" in report
+    assert "flash long continuation layer 0 window=0" in report
     print(report)
 
 

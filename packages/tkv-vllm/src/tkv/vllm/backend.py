@@ -12,7 +12,9 @@ Thin glue over :mod:`tkv.kernels`:
 * **prefill / chunked-prefill / spec-decode-verify** rows (query length > 1):
   :func:`tkv.kernels.prefill` — varlen causal flash-attention tiling; the cached prefix is
   read from the compressed cache with inline dequant, the chunk itself from the new
-  uncompressed K/V (a first chunk is plain bf16 attention).
+  uncompressed K/V (a first chunk is plain bf16 attention). ``TKV_PREFILL_ATTENTION=flash``
+  hands first chunks and exact-prefix continuations to vLLM's FlashAttention
+  (:mod:`tkv.vllm.prefill_attention`).
 
 CUDA graphs: the builder reports ``UNIFORM_BATCH`` — decode batches (one token per request,
 or ``1 + k`` for spec-decode verify) are captured whole on vLLM's persistent metadata
@@ -51,6 +53,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from .errors import PatchesNotAppliedError, UnsupportedModelError
+from .prefill_attention import prefill_attention
 from .spec import TKV_DTYPE, kv_cache_spec_for_layer, page_plan
 from .startup import layer_codec, layer_index, tkv_config, tp_shard
 from .workspace import shared_prefill_scratch, shared_workspace
@@ -245,6 +248,7 @@ class LayerState:
     default_block_size: int
     lookup: str = "auto"
     small_head_groups: bool = True
+    dense_attention: Any = None   # TKV_PREFILL_ATTENTION=flash: vLLM's FlashAttention
 
     def loader(self, block_size: int) -> Any:
         ld = self.loaders.get(block_size)
@@ -294,7 +298,8 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
     codec = layer_codec(cfg, idx, k_bits, v_bits, dev, shard)
     # TKV_LOOKUP / TKV_SMALL_HEAD_GROUPS, validated here (startup)
     state = LayerState(idx, k_bits, v_bits, int(impl.num_kv_heads), codec, {}, block,
-                       kernels.lookup_from_env(), kernels.small_head_groups_from_env())
+                       kernels.lookup_from_env(), kernels.small_head_groups_from_env(),
+                       prefill_attention(dev, int(impl.head_size)))
     state.loader(block)
     sc = vllm_config.scheduler_config
     shared_workspace(dev, int(sc.max_num_seqs), int(impl.num_heads), int(impl.head_size))
@@ -406,7 +411,8 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
                             md.block_table[nd:r1], loader, out=out[ndt:n], sm_scale=self.scale,
                             window=self._window, no_prefix=md.prefill_no_prefix,
                             max_prefix_len=md.max_prefill_prefix_len, scratch=scratch,
-                            exact_prefix=md.prefill_prefix_exact)
+                            exact_prefix=md.prefill_prefix_exact,
+                            dense_attention=st.dense_attention)
             if md.prefill_no_prefix and not self._prefix_variant_warm:
                 # compile the prefix-reading variant now, not at the first continuation chunk
                 self._prefix_variant_warm = True

@@ -1,0 +1,56 @@
+"""TKV_PREFILL_ATTENTION: validation at binding, and VllmFlashAttention's mapping onto the
+FlashAttention keyword contract (CPU; the forward path through it is in forward_check.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tkv.kernels import SdpaDenseAttention
+
+
+def test_default_is_tkv_and_bad_values_are_named(patched_vllm):
+    from tkv.vllm.prefill_attention import PrefillAttentionConfigError, prefill_attention
+
+    assert prefill_attention("cpu", 128, environ={}) is None
+    assert prefill_attention("cpu", 128, environ={"TKV_PREFILL_ATTENTION": " TKV "}) is None
+    with pytest.raises(PrefillAttentionConfigError, match="'fa3'"):
+        prefill_attention("cpu", 128, environ={"TKV_PREFILL_ATTENTION": "fa3"})
+    with pytest.raises(PrefillAttentionConfigError, match="CUDA"):
+        prefill_attention("cpu", 128, environ={"TKV_PREFILL_ATTENTION": "flash"})
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_vllm_flash_attention_maps_the_contract(patched_vllm, window):
+    """VllmFlashAttention passes causal=True, the version, the scale and the window as
+    FlashAttention's (window − 1, 0); with a reference varlen behind it the result equals
+    SdpaDenseAttention's."""
+    from tkv.vllm.prefill_attention import VllmFlashAttention
+
+    seen = {}
+
+    def varlen(q, k, v, **kw):
+        seen.update(kw)
+        w = 0 if kw["window_size"] is None else kw["window_size"][0] + 1
+        return SdpaDenseAttention()(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"],
+                                    kw["max_seqlen_q"], kw["max_seqlen_k"],
+                                    kw["softmax_scale"], w)
+
+    g = torch.Generator().manual_seed(window)
+    q = torch.randn(9, 4, 64, generator=g).to(torch.bfloat16)
+    k = torch.randn(13, 2, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(13, 2, 64, generator=g).to(torch.bfloat16)
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 13], dtype=torch.int32)
+    fa = VllmFlashAttention(3, varlen)
+    out = fa(q, k, v, cu_q, cu_k, 5, 7, 0.125, window)
+    assert seen["causal"] is True and seen["fa_version"] == 3
+    assert seen["softmax_scale"] == 0.125
+    assert seen["window_size"] == ([window - 1, 0] if window else None)
+    assert (seen["max_seqlen_q"], seen["max_seqlen_k"]) == (5, 7)
+    ref = SdpaDenseAttention()(q, k, v, cu_q, cu_k, 5, 7, 0.125, window)
+    assert torch.equal(out, ref)
+    # bottom-right causal: the first query of sequence 0 (4 queries, 6 keys) sees keys 0..2
+    row = torch.softmax((k[:3, 0].float() @ q[0, 0].float()) * 0.125, 0) @ v[:3, 0].float()
+    if not window:
+        torch.testing.assert_close(out[0, 0].float(), row, rtol=1e-2, atol=1e-2)
