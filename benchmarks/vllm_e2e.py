@@ -632,15 +632,18 @@ def log_tail(log: Path, n: int = 4000) -> str:
 
 
 def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Path | None,
-             out: Path, opts: argparse.Namespace, greedy_only: bool = False) -> dict:
+             out: Path, opts: argparse.Namespace, greedy_only: bool = False,
+             extra_env: dict[str, str] | None = None, variant: str = "") -> dict:
     """Run one (model, mode) worker subprocess and return its result dict
     (``{"mode", "failed": True, "rc", "log"}`` when it fails). ``weights``: ``"real"``,
-    ``"dummy"`` or ``"random"`` (see :func:`resolve_model`)."""
+    ``"dummy"`` or ``"random"`` (see :func:`resolve_model`). ``extra_env``: set in the
+    engine's environment (e.g. ``TKV_PREFILL_ATTENTION=flash``), ``variant`` names it in the
+    run's files."""
     generated = weights != "real"
     tp = int(getattr(opts, "tp", 1) or 1)
     eager = bool(getattr(opts, "enforce_eager", False))
-    tag = (f"{model.name}-{mode}{'-' + bits if bits else ''}{f'-tp{tp}' if tp > 1 else ''}"
-           f"{'-eager' if eager else ''}")
+    tag = (f"{model.name}-{mode}{'-' + bits if bits else ''}{'-' + variant if variant else ''}"
+           f"{f'-tp{tp}' if tp > 1 else ''}{'-eager' if eager else ''}")
     result = out / f"{tag}.json"
     result.unlink(missing_ok=True)
     long_prompt = getattr(opts, "long_prompt", 0) if generated or getattr(opts, "long_real",
@@ -659,6 +662,7 @@ def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Pat
     if eager:
         cmd.append("--enforce-eager")
     env = tkv_env(mode, bits, bundle)
+    env.update(extra_env or {})
     env.update(fresh_jit_log(out, tag))
     if max_len > 32768:
         env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
@@ -899,12 +903,16 @@ def run_all(opts: argparse.Namespace) -> int:
         bundle = Path(opts.bundle) if opts.bundle else write_uniform_bundle(
             model, out / f"{model.name}-uniform-bundle.json")
         runs = {"bf16": ("bf16", None, None, False), "tq4": ("tq4", None, None, False),
-                "tkv": ("tkv", opts.bits, bundle, False), "tkv8": ("tkv", "8.0", bundle, True)}
+                "tkv": ("tkv", opts.bits, bundle, False), "tkv8": ("tkv", "8.0", bundle, True),
+                "tkvflash": ("tkv", opts.bits, bundle, False)}
         res = {}
         for r in opts.runs:
             mode, bits, b, greedy_only = runs[r]
-            res[f"{mode}@{bits}" if bits else mode] = run_mode(model, weights, mode, bits, b,
-                                                               out, opts, greedy_only=greedy_only)
+            flash = r == "tkvflash"   # TKV_PREFILL_ATTENTION=flash: vLLM's FA in prefill
+            key = (f"{mode}@{bits}" if bits else mode) + (" flash" if flash else "")
+            res[key] = run_mode(model, weights, mode, bits, b, out, opts, greedy_only=greedy_only,
+                                extra_env={"TKV_PREFILL_ATTENTION": "flash"} if flash else None,
+                                variant="flash" if flash else "")
             # partial results after every engine run (poll picks them up)
             (out / f"{model.name}.json").write_text(json.dumps(res, indent=1))
         t = table(model.name + WEIGHTS_NOTE[weights], res)
@@ -1356,10 +1364,12 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--long-max-model-len", type=int, default=33280)
             a.add_argument("--long-real", action="store_true",
                            help="also run the long prompt on real-weight models")
-            a.add_argument("--runs", nargs="+", choices=["bf16", "tq4", "tkv", "tkv8"],
+            a.add_argument("--runs", nargs="+",
+                           choices=["bf16", "tq4", "tkv", "tkv8", "tkvflash"],
                            default=["bf16", "tq4", "tkv", "tkv8"],
                            help="engine runs per model: bf16, vLLM turboquant_4bit_nc, tkv at "
-                           "--bits (capacity+greedy+throughput), tkv at 8.0 (greedy only)")
+                           "--bits (capacity+greedy+throughput), tkv at 8.0 (greedy only), "
+                           "tkvflash = tkv at --bits with TKV_PREFILL_ATTENTION=flash")
         if name == "serve-check":
             a.add_argument("--port", type=int, default=8011)
     c = sub.add_parser("write-checkpoint", help="the seeded random Qwen3-8B-like checkpoint")

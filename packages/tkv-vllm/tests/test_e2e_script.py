@@ -592,3 +592,27 @@ def test_prefix_cache_check_reports_hits_agreement_and_drift(e2e):
     assert "engine down" in e2e.prefix_cache_check(broken)["error"]
     assert e2e.prefix_cache_cell({"prefix_cache": {"error": "x"}}) == "ERROR"
     assert e2e.prefix_cache_cell({}) == "-"
+
+
+def test_all_tkvflash_run_sets_the_prefill_attention(e2e, tmp_path, monkeypatch):
+    """`all --runs tkv tkvflash`: the second tkv engine gets TKV_PREFILL_ATTENTION=flash in
+    its environment and its own file names and table row; the first none."""
+    calls = []
+
+    def fake_run_mode(model, weights, mode, bits, bundle, out, o, greedy_only=False,
+                      extra_env=None, variant=""):
+        calls.append((mode, bits, extra_env, variant))
+        return {"greedy": [[1] * 32], "kv_tokens_reported": 10, "throughput": {}}
+
+    monkeypatch.setattr(e2e, "run_mode", fake_run_mode)
+    monkeypatch.setattr(e2e, "resolve_model",
+                        lambda spec, work, weights, seed=0: (e2e.make_qwen3_like(
+                            tmp_path / spec), "dummy"))
+    monkeypatch.setattr(e2e, "write_uniform_bundle", lambda model, path: path)
+    rc = e2e.main(["all", "--model", "a", "--runs", "tkv", "tkvflash",
+                   "--out", str(tmp_path / "out")])
+    assert rc == 0
+    assert calls == [("tkv", "4.0", None, ""),
+                     ("tkv", "4.0", {"TKV_PREFILL_ATTENTION": "flash"}, "flash")]
+    (res,) = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")]
+    assert list(res) == ["tkv@4.0", "tkv@4.0 flash"]
