@@ -910,9 +910,10 @@ def run_all(opts: argparse.Namespace) -> int:
             mode, bits, b, greedy_only = runs[r]
             flash = r == "tkvflash"   # TKV_PREFILL_ATTENTION=flash: vLLM's FA in prefill
             key = (f"{mode}@{bits}" if bits else mode) + (" flash" if flash else "")
+            kw = {"extra_env": {"TKV_PREFILL_ATTENTION": "flash"}, "variant": "flash"} \
+                if flash else {}
             res[key] = run_mode(model, weights, mode, bits, b, out, opts, greedy_only=greedy_only,
-                                extra_env={"TKV_PREFILL_ATTENTION": "flash"} if flash else None,
-                                variant="flash" if flash else "")
+                                **kw)
             # partial results after every engine run (poll picks them up)
             (out / f"{model.name}.json").write_text(json.dumps(res, indent=1))
         t = table(model.name + WEIGHTS_NOTE[weights], res)

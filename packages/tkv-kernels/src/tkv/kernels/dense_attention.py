@@ -30,7 +30,8 @@ class DenseAttention(Protocol):
     Called as ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
     window)`` with
 
-    * ``q``: ``(total_q, num_q_heads, head_dim)`` float16/bfloat16; ``k``, ``v``:
+    * ``q``: ``(total_q, num_q_heads, head_dim)`` float16/bfloat16 (float32 on the exact-prefix
+      path under ``TRITON_INTERPRET=1``, where tkv's rotated rows are float32); ``k``, ``v``:
       ``(total_k, num_kv_heads, head_dim)``, same dtype (GQA: ``num_q_heads`` a multiple of
       ``num_kv_heads``, query head ``h`` reads KV head ``h // (num_q_heads / num_kv_heads)``);
       unit stride on head_dim. ``head_dim`` may be a padded width (tkv's rotated rows: 64,
@@ -75,7 +76,9 @@ class SdpaDenseAttention:
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[qa:qb].transpose(0, 1).float(), k[ka:kb].transpose(0, 1).float(),
                 v[ka:kb].transpose(0, 1).float(), attn_mask=vis, scale=scale, enable_gqa=True)
-            out[qa:qb] = torch.nan_to_num(o.transpose(0, 1), nan=0.0).to(q.dtype)
+            # a row without a visible key is 0 (FlashAttention's convention); NaN inputs stay NaN
+            o = torch.where(vis.any(1)[None, :, None], o, 0.0)
+            out[qa:qb] = o.transpose(0, 1).to(q.dtype)
         return out
 
 

@@ -569,8 +569,11 @@ def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, pref
     pk[prefix:keys].copy_(key)
     pv[prefix:keys].copy_(value)
     if dense_attention is not None:
-        cu = torch.tensor([[0, tq], [0, keys]], dtype=torch.int32, device=query.device)
-        o = check_dense_output(dense_attention(query, pk[:keys], pv[:keys], cu[0], cu[1], tq,
+        # [0, tq] and [0, keys] made on the device (torch.tensor(list, device=cuda) would copy
+        # synchronously: a stream sync per chunk and layer)
+        i32 = dict(dtype=torch.int32, device=query.device)
+        cu_q, cu_k = torch.arange(0, 2 * tq, tq, **i32), torch.arange(0, 2 * keys, keys, **i32)
+        o = check_dense_output(dense_attention(query, pk[:keys], pv[:keys], cu_q, cu_k, tq,
                                                keys, scale, 0), query)
         o = o.unsqueeze(0).transpose(1, 2)   # as SDPA's (1, heads, q_len, d_pad) below
     else:
