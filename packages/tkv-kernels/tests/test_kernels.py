@@ -702,6 +702,17 @@ def test_prefill_exact_prefix_through_dense_attention():
     assert len(spy.calls) == 1
 
 
+def test_prefill_attention_env_choice():
+    """TKV_PREFILL_ATTENTION, shared by the engine adapters: tkv (default) / flash, named
+    error otherwise."""
+    from tkv.kernels import PrefillAttentionConfigError, prefill_attention_from_env
+
+    assert prefill_attention_from_env({}) == "tkv"
+    assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": " Flash "}) == "flash"
+    with pytest.raises(PrefillAttentionConfigError, match="TKV_PREFILL_ATTENTION"):
+        prefill_attention_from_env({"TKV_PREFILL_ATTENTION": "fa3"})
+
+
 @pytest.mark.parametrize("bad", ["shape", "dtype", "not_tensor", "not_callable"])
 def test_prefill_dense_attention_bad_callback_is_named(bad):
     codec = TurboKVCodec(64, 4, device=DEV)

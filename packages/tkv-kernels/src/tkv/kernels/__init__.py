@@ -11,7 +11,14 @@ float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
 
 from . import _interpreter_compat
 from .decode import decode
-from .dense_attention import DenseAttention, SdpaDenseAttention
+from .dense_attention import (
+    ENV_PREFILL_ATTENTION,
+    DenseAttention,
+    FlashVarlenAttention,
+    PrefillAttentionConfigError,
+    SdpaDenseAttention,
+    prefill_attention_from_env,
+)
 from .loaders import (
     ENV_LOOKUP,
     ENV_SMALL_HEAD_GROUPS,
@@ -40,15 +47,18 @@ __version__ = "0.1.0"
 __all__ = [
     "DENSE_PREFIX_CAP",
     "ENV_LOOKUP",
+    "ENV_PREFILL_ATTENTION",
     "ENV_SMALL_HEAD_GROUPS",
     "BypassLoader",
     "DenseAttention",
+    "FlashVarlenAttention",
     "Fp8Loader",
     "Loader",
     "LookupConfigError",
     "MaxnregConfigError",
     "MetadataError",
     "PerCodebookCompileWarning",
+    "PrefillAttentionConfigError",
     "SdpaDenseAttention",
     "SmallHeadGroupsConfigError",
     "TkvLoader",
@@ -60,6 +70,7 @@ __all__ = [
     "dense_prefix_bytes",
     "lookup_from_env",
     "prefill",
+    "prefill_attention_from_env",
     "small_head_groups_from_env",
     "warm_prefix_variant",
 ]

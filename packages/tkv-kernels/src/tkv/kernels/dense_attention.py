@@ -12,13 +12,44 @@ PyTorch SDPA (FlashAttention-2), where vLLM's bf16 path runs FlashAttention 3.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import os
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from tkv.codec.errors import DtypeError, ShapeError
+from tkv.codec.errors import DtypeError, ShapeError, TkvError
 
-__all__ = ["DenseAttention", "SdpaDenseAttention", "check_dense_output"]
+__all__ = ["ENV_PREFILL_ATTENTION", "DenseAttention", "FlashVarlenAttention",
+           "PrefillAttentionConfigError", "SdpaDenseAttention", "check_dense_output",
+           "prefill_attention_from_env"]
+
+ENV_PREFILL_ATTENTION = "TKV_PREFILL_ATTENTION"
+_CHOICES = ("tkv", "flash")
+
+
+class PrefillAttentionConfigError(TkvError, ValueError):
+    """``TKV_PREFILL_ATTENTION`` is not ``tkv`` / ``flash``, or ``flash`` was asked for where
+    the engine's flash-attention kernel cannot run (raised by the engine adapters at
+    startup)."""
+
+
+def prefill_attention_from_env(environ=None) -> str:
+    """The engines' prefill-attention choice, ``TKV_PREFILL_ATTENTION``: ``"tkv"`` (default:
+    tkv's Triton prefill and PyTorch SDPA) or ``"flash"`` (the engine's own varlen
+    FlashAttention through :class:`FlashVarlenAttention`; each adapter checks it can run).
+    Case and surrounding blanks are ignored.
+
+    Raises:
+        PrefillAttentionConfigError: any other value.
+    """
+    env = os.environ if environ is None else environ
+    v = env.get(ENV_PREFILL_ATTENTION, "tkv").strip().lower() or "tkv"
+    if v not in _CHOICES:
+        raise PrefillAttentionConfigError(
+            f"{ENV_PREFILL_ATTENTION}={v!r}: use 'tkv' (default: tkv's Triton / SDPA prefill) "
+            "or 'flash' (the engine's FlashAttention for first chunks and exact-prefix "
+            "continuation chunks)")
+    return v
 
 
 @runtime_checkable
@@ -80,6 +111,40 @@ class SdpaDenseAttention:
             o = torch.where(vis.any(1)[None, :, None], o, 0.0)
             out[qa:qb] = o.transpose(0, 1).to(q.dtype)
         return out
+
+
+class FlashVarlenAttention:
+    """A :class:`DenseAttention` over a FlashAttention-style ``flash_attn_varlen_func`` — the
+    keyword names ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k``,
+    ``softmax_scale``, ``causal``, ``window_size`` shared by vLLM's ``vllm_flash_attn``,
+    sgl-kernel's ``flash_attn`` and the flash-attn package.
+
+    Args:
+        varlen: the function.
+        **extra: keywords passed on every call (e.g. ``fa_version=3`` for vLLM's,
+            ``ver=3`` for sgl-kernel's).
+
+    tkv's window (keys with ``q_pos − k_pos < window``) is FlashAttention's
+    ``window_size=(window − 1, 0)``; no window is ``(-1, -1)``.
+    """
+
+    def __init__(self, varlen: Any, **extra: Any):
+        self._varlen = varlen
+        self.extra = extra
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 scale, window):
+        return self._varlen(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
+                            softmax_scale=float(scale), causal=True,
+                            window_size=(int(window) - 1, 0) if window else (-1, -1),
+                            **self.extra)
+
+    def __repr__(self) -> str:
+        name = getattr(self._varlen, "__module__", "?") + "." + getattr(
+            self._varlen, "__name__", "?")
+        kw = ", ".join(f"{k}={v!r}" for k, v in self.extra.items())
+        return f"FlashVarlenAttention({name}{', ' + kw if kw else ''})"
 
 
 def check_dense_output(o, q: torch.Tensor) -> torch.Tensor:
