@@ -180,25 +180,24 @@ def run(spec_k: int) -> float:
 
 @contextlib.contextmanager
 def flash_attention(impl, on: bool):
-    """With ``on``: the layer's prefill attention is :class:`VllmFlashAttention` (as
+    """With ``on``: the layer's prefill attention is :class:`FlashVarlenAttention` (as
     ``TKV_PREFILL_ATTENTION=flash`` binds it) over a fake ``flash_attn_varlen_func`` that
     checks the FlashAttention keyword contract and computes with SdpaDenseAttention; yields
     the list of its calls. Off: yields an empty list."""
-    from tkv.kernels import SdpaDenseAttention
-    from tkv.vllm.prefill_attention import VllmFlashAttention
+    from tkv.kernels import FlashVarlenAttention, SdpaDenseAttention
 
     calls: list = []
 
     def fake_varlen(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k,
                     softmax_scale, causal, window_size, fa_version):
         assert causal and fa_version == 3
-        window = 0 if window_size is None else window_size[0] + 1
+        window = 0 if tuple(window_size) == (-1, -1) else window_size[0] + 1
         calls.append((tuple(q.shape), tuple(k.shape), window))
         return SdpaDenseAttention()(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, softmax_scale, window)
 
     st = impl._tkv_state
-    st.dense_attention = VllmFlashAttention(3, fake_varlen) if on else None
+    st.dense_attention = FlashVarlenAttention(fake_varlen, fa_version=3) if on else None
     try:
         yield calls
     finally:

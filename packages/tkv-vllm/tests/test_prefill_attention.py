@@ -1,16 +1,19 @@
-"""TKV_PREFILL_ATTENTION: validation at binding, and VllmFlashAttention's mapping onto the
-FlashAttention keyword contract (CPU; the forward path through it is in forward_check.py)."""
+"""TKV_PREFILL_ATTENTION in tkv-vllm: validation at binding, and FlashVarlenAttention's mapping
+onto vLLM 0.20.1's ``flash_attn_varlen_func`` keywords (CPU; the forward path through it is in
+forward_check.py)."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
 
-from tkv.kernels import SdpaDenseAttention
+from tkv.kernels import FlashVarlenAttention, PrefillAttentionConfigError, SdpaDenseAttention
 
 
 def test_default_is_tkv_and_bad_values_are_named(patched_vllm):
-    from tkv.vllm.prefill_attention import PrefillAttentionConfigError, prefill_attention
+    from tkv.vllm.prefill_attention import prefill_attention
 
     assert prefill_attention("cpu", 128, environ={}) is None
     assert prefill_attention("cpu", 128, environ={"TKV_PREFILL_ATTENTION": " TKV "}) is None
@@ -20,18 +23,28 @@ def test_default_is_tkv_and_bad_values_are_named(patched_vllm):
         prefill_attention("cpu", 128, environ={"TKV_PREFILL_ATTENTION": "flash"})
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_vllm_flash_attention_maps_the_contract(patched_vllm, window):
-    """VllmFlashAttention passes causal=True, the version, the scale and the window as
-    FlashAttention's (window − 1, 0); with a reference varlen behind it the result equals
-    SdpaDenseAttention's."""
-    from tkv.vllm.prefill_attention import VllmFlashAttention
+def test_keywords_exist_in_vllms_varlen(patched_vllm):
+    """Every keyword FlashVarlenAttention passes (plus fa_version) is a parameter of vLLM
+    0.20.1's flash_attn_varlen_func (read from its source; the CUDA extension is not loaded)."""
+    from vllm.vllm_flash_attn import flash_attn_interface
 
+    params = inspect.signature(flash_attn_interface.flash_attn_varlen_func).parameters
+    seen = {}
+    FlashVarlenAttention(lambda q, k, v, **kw: seen.update(kw) or q, fa_version=3)(
+        *(torch.zeros(2, 1, 8),) * 3, torch.tensor([0, 2]), torch.tensor([0, 2]), 2, 2, 1.0, 4)
+    assert set(seen) <= set(params), set(seen) - set(params)
+    assert seen["window_size"] == (3, 0) and seen["causal"] is True
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_flash_varlen_attention_maps_the_contract(patched_vllm, window):
+    """causal=True, the version, the scale and the window as FlashAttention's (window − 1, 0);
+    with a reference varlen behind it the result equals SdpaDenseAttention's."""
     seen = {}
 
     def varlen(q, k, v, **kw):
         seen.update(kw)
-        w = 0 if kw["window_size"] is None else kw["window_size"][0] + 1
+        w = 0 if kw["window_size"] == (-1, -1) else kw["window_size"][0] + 1
         return SdpaDenseAttention()(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"],
                                     kw["max_seqlen_q"], kw["max_seqlen_k"],
                                     kw["softmax_scale"], w)
@@ -42,11 +55,11 @@ def test_vllm_flash_attention_maps_the_contract(patched_vllm, window):
     v = torch.randn(13, 2, 64, generator=g).to(torch.bfloat16)
     cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
     cu_k = torch.tensor([0, 6, 13], dtype=torch.int32)
-    fa = VllmFlashAttention(3, varlen)
+    fa = FlashVarlenAttention(varlen, fa_version=3)
     out = fa(q, k, v, cu_q, cu_k, 5, 7, 0.125, window)
     assert seen["causal"] is True and seen["fa_version"] == 3
     assert seen["softmax_scale"] == 0.125
-    assert seen["window_size"] == ([window - 1, 0] if window else None)
+    assert seen["window_size"] == ((window - 1, 0) if window else (-1, -1))
     assert (seen["max_seqlen_q"], seen["max_seqlen_k"]) == (5, 7)
     ref = SdpaDenseAttention()(q, k, v, cu_q, cu_k, 5, 7, 0.125, window)
     assert torch.equal(out, ref)
