@@ -423,12 +423,15 @@ def test_triton_impl_store_and_decode_match_the_reference(sgl, fakes, tkv_env, b
 
 
 @pytest.mark.skipif(not _TRITON_OK, reason="needs a CUDA GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("small_head_groups", ["0", None])
+@pytest.mark.parametrize("small_head_groups,flash", [("0", False), (None, False), (None, True)])
 def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, bundle_file,
-                                                           monkeypatch, small_head_groups):
+                                                           monkeypatch, small_head_groups, flash):
     """Extend through tkv.kernels.prefill: first chunk, then a second chunk whose prefix is
     read compressed from the pages the first chunk stored (TKV_SMALL_HEAD_GROUPS reaches the
-    pool's loaders too: unset = the default, on; 0 = per element)."""
+    pool's loaders too: unset = the default, on; 0 = per element). ``flash``: the backend's
+    dense_attention is FlashVarlenAttention over a fake sgl-kernel varlen (as
+    TKV_PREFILL_ATTENTION=flash builds it on a GPU): the first chunks (two sequences, no
+    prefix) go through it in one call, the two-sequence continuation does not."""
     kernels = pytest.importorskip("tkv.kernels")
     if not hasattr(kernels, "prefill"):
         pytest.skip("tkv.kernels lacks prefill")
@@ -440,6 +443,19 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
     else:
         monkeypatch.setenv("TKV_SMALL_HEAD_GROUPS", small_head_groups)
     w = World(sgl, fakes, monkeypatch)
+    calls = []
+    if flash:
+        from tkv.kernels import FlashVarlenAttention, SdpaDenseAttention
+
+        def fake_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        softmax_scale, causal, window_size, ver):
+            assert causal and ver == 3
+            calls.append(tuple(q.shape))
+            win = 0 if tuple(window_size) == (-1, -1) else window_size[0] + 1
+            return SdpaDenseAttention()(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, softmax_scale, win)
+
+        w.backend.dense_attention = FlashVarlenAttention(fake_varlen, ver=3)
     assert w.pool.loader(w.layer.layer_id).lookup == "gather"
     assert w.pool.loader(w.layer.layer_id).small_head_groups is (small_head_groups != "0")
     FM = sgl.ForwardMode
@@ -464,6 +480,20 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
         assert w.backend.forward_metadata.no_prefix == (prev == [0, 0])
         assert w.backend.forward_metadata.max_prefix_len == max(prev)  # decompress-once bound
         assert w.layer.layer_id in w.backend._prefix_variant_warm
+    assert calls == ([(27, 4, 64)] if flash else [])
+
+
+def test_prefill_attention_choice_is_validated(sgl):
+    """TKV_PREFILL_ATTENTION in the SGLang backend: tkv → None; flash needs CUDA; bad values
+    are named (the shared tkv.kernels parser)."""
+    from tkv.kernels import PrefillAttentionConfigError
+    from tkv.sglang.prefill_attention import prefill_attention
+
+    assert prefill_attention("cpu", environ={}) is None
+    with pytest.raises(PrefillAttentionConfigError, match="CUDA"):
+        prefill_attention("cpu", environ={"TKV_PREFILL_ATTENTION": "flash"})
+    with pytest.raises(PrefillAttentionConfigError, match="'fa2'"):
+        prefill_attention("cpu", environ={"TKV_PREFILL_ATTENTION": "fa2"})
 
 
 @pytest.mark.gpu

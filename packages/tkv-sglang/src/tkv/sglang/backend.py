@@ -38,6 +38,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from .errors import UnsupportedFeatureError
 from .pool import TkvTokenToKVPool
+from .prefill_attention import prefill_attention
 
 __all__ = ["TurboAttnBackend", "TurboAttnMetadata", "reference_attention"]
 
@@ -162,6 +163,8 @@ class TurboAttnBackend(AttentionBackend):
         self._retired_workspaces: list = []
         self._prefill_scratch: torch.Tensor | None = None
         self.forward_metadata: TurboAttnMetadata | None = None
+        # TKV_PREFILL_ATTENTION (validated now: startup): None, or sgl-kernel's FA3
+        self.dense_attention = prefill_attention(self.device) if self.impl == "triton" else None
         self._cuda_graph_block_table = None
         self._cuda_graph_seq_lens = None
         pool.prepare()
@@ -353,7 +356,8 @@ class TurboAttnBackend(AttentionBackend):
                     max_prefix_len=md.max_prefix_len,
                     scratch=self._scratch_for(md.seq_lens.shape[0], md.max_prefix_len, hkv,
                                               q3.dtype, md.max_seq_len_q),
-                    exact_prefix=md.max_prefix_len is not None)
+                    exact_prefix=md.max_prefix_len is not None,
+                    dense_attention=self.dense_attention)
             if md.no_prefix and lid not in self._prefix_variant_warm:
                 # compile the prefix-reading variant now, not at the first continuation chunk
                 self._prefix_variant_warm.add(lid)
