@@ -178,13 +178,12 @@ def test_tp_table_and_kv_memory_parse(e2e):
     assert "| tkv@4.0 vs bf16, both TP=2 | 1/2 exact, 75% prefix | - | p1@16 (from bf16) |" in t
 
 
-def test_tp_greedy_models_selects_the_greedy_runs(e2e, tmp_path, monkeypatch):
-    """`tp --greedy-models smollm2-x2`: the other models get only their bf16/tkv TP=N
-    capacity+throughput runs (2 engines), the named one all 8."""
-    calls = []
-
-    def fake_run_mode(model, weights, mode, bits, bundle, out, o, greedy_only=False):
-        calls.append((model.parent.name, mode, bits, o.tp, greedy_only))
+def _stub_engines(e2e, tmp_path, monkeypatch, record) -> None:
+    """Replace the engine runs of `all` / `tp` by ``record(model, mode, bits, opts,
+    greedy_only, kw)`` (kw: run_mode's optional keywords), with generated models and no
+    bundle writing."""
+    def fake_run_mode(model, weights, mode, bits, bundle, out, o, greedy_only=False, **kw):
+        record(model, mode, bits, o, greedy_only, kw)
         return {"greedy": [[1] * 32], "kv_tokens_reported": 10, "throughput": {}}
 
     monkeypatch.setattr(e2e, "run_mode", fake_run_mode)
@@ -192,6 +191,14 @@ def test_tp_greedy_models_selects_the_greedy_runs(e2e, tmp_path, monkeypatch):
                         lambda spec, work, weights, seed=0: (e2e.make_qwen3_like(
                             tmp_path / spec), "dummy"))
     monkeypatch.setattr(e2e, "write_uniform_bundle", lambda model, path: path)
+
+
+def test_tp_greedy_models_selects_the_greedy_runs(e2e, tmp_path, monkeypatch):
+    """`tp --greedy-models smollm2-x2`: the other models get only their bf16/tkv TP=N
+    capacity+throughput runs (2 engines), the named one all 8."""
+    calls = []
+    _stub_engines(e2e, tmp_path, monkeypatch, lambda m, mode, bits, o, g, kw: calls.append(
+        (m.parent.name, mode, bits, o.tp, g)))
     rc = e2e.main(["tp", "--model", "a", "b", "--greedy-models", "b",
                    "--out", str(tmp_path / "out")])
     assert rc == 0
@@ -598,21 +605,13 @@ def test_all_tkvflash_run_sets_the_prefill_attention(e2e, tmp_path, monkeypatch)
     """`all --runs tkv tkvflash`: the second tkv engine gets TKV_PREFILL_ATTENTION=flash in
     its environment and its own file names and table row; the first none."""
     calls = []
-
-    def fake_run_mode(model, weights, mode, bits, bundle, out, o, greedy_only=False,
-                      extra_env=None, variant=""):
-        calls.append((mode, bits, extra_env, variant))
-        return {"greedy": [[1] * 32], "kv_tokens_reported": 10, "throughput": {}}
-
-    monkeypatch.setattr(e2e, "run_mode", fake_run_mode)
-    monkeypatch.setattr(e2e, "resolve_model",
-                        lambda spec, work, weights, seed=0: (e2e.make_qwen3_like(
-                            tmp_path / spec), "dummy"))
-    monkeypatch.setattr(e2e, "write_uniform_bundle", lambda model, path: path)
+    _stub_engines(e2e, tmp_path, monkeypatch, lambda m, mode, bits, o, g, kw: calls.append(
+        (mode, bits, kw)))
     rc = e2e.main(["all", "--model", "a", "--runs", "tkv", "tkvflash",
                    "--out", str(tmp_path / "out")])
     assert rc == 0
-    assert calls == [("tkv", "4.0", None, ""),
-                     ("tkv", "4.0", {"TKV_PREFILL_ATTENTION": "flash"}, "flash")]
+    assert calls == [("tkv", "4.0", {}),
+                     ("tkv", "4.0", {"extra_env": {"TKV_PREFILL_ATTENTION": "flash"},
+                                     "variant": "flash"})]
     (res,) = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")]
     assert list(res) == ["tkv@4.0", "tkv@4.0 flash"]

@@ -17,6 +17,7 @@ from .dense_attention import (
     FlashVarlenAttention,
     PrefillAttentionConfigError,
     SdpaDenseAttention,
+    flash_device,
     prefill_attention_from_env,
 )
 from .loaders import (
@@ -68,6 +69,7 @@ __all__ = [
     "compress_store",
     "decode",
     "dense_prefix_bytes",
+    "flash_device",
     "lookup_from_env",
     "prefill",
     "prefill_attention_from_env",

@@ -21,7 +21,7 @@ from tkv.codec.errors import DtypeError, ShapeError, TkvError
 
 __all__ = ["ENV_PREFILL_ATTENTION", "DenseAttention", "FlashVarlenAttention",
            "PrefillAttentionConfigError", "SdpaDenseAttention", "check_dense_output",
-           "prefill_attention_from_env"]
+           "flash_device", "prefill_attention_from_env"]
 
 ENV_PREFILL_ATTENTION = "TKV_PREFILL_ATTENTION"
 _CHOICES = ("tkv", "flash")
@@ -111,6 +111,30 @@ class SdpaDenseAttention:
             o = torch.where(vis.any(1)[None, :, None], o, 0.0)
             out[qa:qb] = o.transpose(0, 1).to(q.dtype)
         return out
+
+
+def flash_device(device: torch.device | str, environ=None,
+                 import_flash: Any = None) -> tuple[torch.device, Any] | None:
+    """The engine adapters' common start of ``TKV_PREFILL_ATTENTION`` handling: None for
+    ``tkv``; for ``flash`` the CUDA device and what ``import_flash()`` returns (the engine's
+    flash-attention entry points).
+
+    Raises:
+        PrefillAttentionConfigError: an unknown value; ``flash`` on a non-CUDA device, or
+            ``import_flash`` raising ImportError (the message keeps the import error).
+    """
+    if prefill_attention_from_env(environ) == "tkv":
+        return None
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise PrefillAttentionConfigError(
+            f"{ENV_PREFILL_ATTENTION}=flash needs a CUDA device (attention on {dev})")
+    try:
+        return dev, None if import_flash is None else import_flash()
+    except ImportError as e:
+        raise PrefillAttentionConfigError(
+            f"{ENV_PREFILL_ATTENTION}=flash: the engine's flash attention is not importable "
+            f"({e})") from e
 
 
 class FlashVarlenAttention:

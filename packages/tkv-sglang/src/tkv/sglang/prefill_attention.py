@@ -18,7 +18,7 @@ from tkv.kernels import (
     ENV_PREFILL_ATTENTION,
     FlashVarlenAttention,
     PrefillAttentionConfigError,
-    prefill_attention_from_env,
+    flash_device,
 )
 
 __all__ = ["prefill_attention"]
@@ -35,18 +35,14 @@ def prefill_attention(device: torch.device | str,
             sgl-kernel's flash-attention ops, or on a GPU sgl-kernel's FA3 does not support
             (it needs sm80/sm86/sm89/sm90 and CUDA ≥ 12.3).
     """
-    if prefill_attention_from_env(environ) == "tkv":
-        return None
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        raise PrefillAttentionConfigError(
-            f"{ENV_PREFILL_ATTENTION}=flash needs a CUDA device (backend on {dev})")
-    try:
+    def load():
         from sgl_kernel.flash_attn import flash_attn_varlen_func, is_fa3_supported
-    except ImportError as e:
-        raise PrefillAttentionConfigError(
-            f"{ENV_PREFILL_ATTENTION}=flash: sgl-kernel's flash attention is not importable "
-            f"({e})") from e
+        return flash_attn_varlen_func, is_fa3_supported
+
+    got = flash_device(device, environ, load)
+    if got is None:
+        return None
+    dev, (flash_attn_varlen_func, is_fa3_supported) = got
     if not is_fa3_supported(dev):
         raise PrefillAttentionConfigError(
             f"{ENV_PREFILL_ATTENTION}=flash: sgl-kernel's FlashAttention 3 does not support "

@@ -24,6 +24,7 @@ from tkv.kernels import (
     ENV_PREFILL_ATTENTION,
     FlashVarlenAttention,
     PrefillAttentionConfigError,
+    flash_device,
     prefill_attention_from_env,
 )
 
@@ -43,22 +44,19 @@ def prefill_attention(device: torch.device | str, head_size: int,
             vLLM's flash-attention extension, or where vLLM reports no FlashAttention
             version for ``head_size``.
     """
-    if prefill_attention_from_env(environ) == "tkv":
-        return None
-    dev = torch.device(device)
-    key = f"{dev}:{head_size}"
-    if key in _CACHE:
+    key = f"{torch.device(device)}:{head_size}"
+    if key in _CACHE and prefill_attention_from_env(environ) == "flash":
         return _CACHE[key]
-    if dev.type != "cuda":
-        raise PrefillAttentionConfigError(
-            f"{ENV_PREFILL_ATTENTION}=flash needs a CUDA device (layer on {dev})")
-    try:
+
+    def load():
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
         from vllm.vllm_flash_attn import flash_attn_varlen_func
-    except ImportError as e:
-        raise PrefillAttentionConfigError(
-            f"{ENV_PREFILL_ATTENTION}=flash: vLLM's flash-attention extension is not "
-            f"importable ({e})") from e
+        return get_flash_attn_version, flash_attn_varlen_func
+
+    got = flash_device(device, environ, load)
+    if got is None:
+        return None
+    get_flash_attn_version, flash_attn_varlen_func = got[1]
     version = get_flash_attn_version(head_size=head_size)
     if version is None:
         raise PrefillAttentionConfigError(
