@@ -883,11 +883,19 @@ def fresh_jit_log(out: Path, tag: str) -> dict[str, str]:
 
 
 def jit_mark(cell: dict | None) -> str:
-    """`` †n/m`` after a throughput cell when Triton JIT events (compiles or disk loads,
-    ``$TKV_JIT_LOG``) or new cache entries landed in n of its m timed runs; ``""`` if none."""
+    """Marks after a throughput cell: `` †n/m`` when Triton compiled a kernel (a
+    ``$TKV_JIT_LOG`` event that was not a disk load, or a new cache entry) in n of its m timed
+    runs, `` ‡n/m`` when it only loaded compiled kernels from its disk cache in n runs (a much
+    shorter stall); ``""`` if neither."""
     runs = (cell or {}).get("runs") or []
-    hit = sum(1 for r in runs if (r.get("jit_events") or 0) or (r.get("jit_compiles") or 0))
-    return f" †{hit}/{len(runs)}" if hit else ""
+
+    def compiled(r):
+        return bool(r.get("jit_compiles")) or (r.get("jit_events") or 0) > (
+            r.get("jit_disk_loads") or 0)
+
+    comp = sum(1 for r in runs if compiled(r))
+    disk = sum(1 for r in runs if not compiled(r) and (r.get("jit_disk_loads") or 0))
+    return ((f" †{comp}/{len(runs)}" if comp else "") + (f" ‡{disk}/{len(runs)}" if disk else ""))
 
 
 def run_all(opts: argparse.Namespace) -> int:
@@ -1302,9 +1310,10 @@ def divergence_cpu(opts: argparse.Namespace) -> int:
 
 
 JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the driver runs without tkv)
-JIT_LEGEND = ("`†n/m`: Triton compiled or loaded a kernel inside n of the cell's m timed runs "
-              "(`jit_events` / `jit_compiles` in the JSON): a one-time stall in the timed "
-              "window; the reported cell is the median run.")
+JIT_LEGEND = ("`†n/m`: Triton compiled a kernel inside n of the cell's m timed runs "
+              "(`jit_events` / `jit_compiles` in the JSON); `‡n/m`: it only loaded compiled "
+              "kernels from its disk cache (`jit_disk_loads`) in n runs. Either is a one-time "
+              "stall in the timed window; the reported cell is the median run.")
 
 REPEATS_HELP = ("timed runs per throughput cell, fresh prompts each; the median is reported, "
                 "every run kept with its JIT-compile count (timed_repeats)")

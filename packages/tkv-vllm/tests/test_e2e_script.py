@@ -125,6 +125,10 @@ def test_timed_repeats_counts_jit_log_events_and_the_table_marks_them(e2e, tmp_p
     assert [r["jit_seconds"] for r in c["runs"]] == [0.0, 1.5, 0.0]
     assert [r["jit_disk_loads"] for r in c["runs"]] == [0, 1, 0]
     assert e2e.jit_mark(c) == " †1/3" and e2e.jit_mark({"runs": [{"jit_events": 0}]}) == ""
+    # disk loads alone get their own mark; a compile in the same run wins
+    disk_only = {"runs": [{"jit_events": 2, "jit_disk_loads": 2, "jit_compiles": 0},
+                          {"jit_events": 0}, {"jit_events": 1, "jit_disk_loads": 0}]}
+    assert e2e.jit_mark(disk_only) == " †1/3 ‡1/3"
     base = {"kv_tokens_reported": 10, "throughput": {"256": {"output_tok_s": 900.0}}}
     run = {"kv_tokens_reported": 38, "throughput": {"256": {**c, "output_tok_s": 1000.0}}}
     t = e2e.table("m", {"bf16": base, "tkv@4.0": run})
