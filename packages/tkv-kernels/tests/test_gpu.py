@@ -133,6 +133,60 @@ def test_prefill_exact_prefix_sdpa_equals_triton_dense_path():
                                exact_prefix=True)).all()
 
 
+class _DeviceOnlySdpa:
+    """A DenseAttention for ONE sequence per call that never reads a device value on the host
+    (lower-right causal SDPA on the whole call: what the exact-prefix path and a one-prompt
+    bypass hand over), counting its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+        from torch.nn.attention.bias import causal_lower_right
+
+        assert window == 0
+        self.calls += 1
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=causal_lower_right(q.shape[0], k.shape[0]), scale=scale,
+            enable_gqa=True)
+        return o[0].transpose(0, 1).contiguous()
+
+
+def test_prefill_dense_attention_paths_match_and_never_sync():
+    """prefill(dense_attention=...) on the GPU: a one-prompt first chunk and a 300-token
+    exact-prefix continuation over a compressed 1,000-token prefix go through the callable
+    (one call each), equal the Triton paths, and neither prefill call synchronizes the stream
+    (torch.cuda sync debug mode "error"): the engines' FlashAttention hand-off adds no stall."""
+    from tkv.kernels import dense_prefix_bytes
+
+    ld, batch, cache, hq = _setup(seed=5, lens=(1300,))
+    fn = _DeviceOnlySdpa()
+    q = torch.randn(300, hq, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(300, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.tensor([0, 300], dtype=torch.int32, device="cuda")
+    first = torch.tensor([300], dtype=torch.int32, device="cuda")
+    scratch = torch.empty(dense_prefix_bytes(1, 1300, 8, 128, block_size=16),
+                          dtype=torch.uint8, device="cuda")
+    args = (q, k, v, cu, batch.seq_lens, 300, cache, batch.block_table, ld)
+    tri_first = prefill(q, k, v, cu, first, 300, cache, batch.block_table, ld, no_prefix=True)
+    tri = prefill(*args, max_prefix_len=1000, scratch=scratch)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got_first = prefill(q, k, v, cu, first, 300, cache, batch.block_table, ld,
+                            no_prefix=True, dense_attention=fn)
+        got = prefill(*args, max_prefix_len=1000, scratch=scratch, exact_prefix=True,
+                      dense_attention=fn)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert fn.calls == 2
+    for a, b in ((got_first, tri_first), (got, tri)):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 1e-2, rel
+
+
 def test_sink_offsets_match_reference_on_gpu():
     """Sink offsets with 16-bit dots and the CUDA lookups (prmti at K4V4, pair at 3 bits):
     compress_store then decode, and the three prefill paths (inline, decompress-once, SDPA),
