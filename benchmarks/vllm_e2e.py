@@ -910,16 +910,16 @@ def run_all(opts: argparse.Namespace) -> int:
         model, weights = resolve_model(spec, out / "models", opts.weights, opts.seed)
         bundle = Path(opts.bundle) if opts.bundle else write_uniform_bundle(
             model, out / f"{model.name}-uniform-bundle.json")
-        runs = {"bf16": ("bf16", None, None, False), "tq4": ("tq4", None, None, False),
-                "tkv": ("tkv", opts.bits, bundle, False), "tkv8": ("tkv", "8.0", bundle, True),
-                "tkvflash": ("tkv", opts.bits, bundle, False)}
+        # run: (mode, bits, bundle, greedy only, variant: the engine's extra env in VARIANTS)
+        runs = {"bf16": ("bf16", None, None, False, ""), "tq4": ("tq4", None, None, False, ""),
+                "tkv": ("tkv", opts.bits, bundle, False, ""),
+                "tkv8": ("tkv", "8.0", bundle, True, ""),
+                "tkvflash": ("tkv", opts.bits, bundle, False, "flash")}
         res = {}
         for r in opts.runs:
-            mode, bits, b, greedy_only = runs[r]
-            flash = r == "tkvflash"   # TKV_PREFILL_ATTENTION=flash: vLLM's FA in prefill
-            key = (f"{mode}@{bits}" if bits else mode) + (" flash" if flash else "")
-            kw = {"extra_env": {"TKV_PREFILL_ATTENTION": "flash"}, "variant": "flash"} \
-                if flash else {}
+            mode, bits, b, greedy_only, variant = runs[r]
+            key = (f"{mode}@{bits}" if bits else mode) + (f" {variant}" if variant else "")
+            kw = {"extra_env": VARIANTS[variant], "variant": variant} if variant else {}
             res[key] = run_mode(model, weights, mode, bits, b, out, opts, greedy_only=greedy_only,
                                 **kw)
             # partial results after every engine run (poll picks them up)
@@ -1310,6 +1310,8 @@ def divergence_cpu(opts: argparse.Namespace) -> int:
 
 
 JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the driver runs without tkv)
+# engine-environment variants of a tkv run (`all --runs tkvflash`): vLLM's FA in prefill
+VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"}}
 JIT_LEGEND = ("`†n/m`: Triton compiled a kernel inside n of the cell's m timed runs "
               "(`jit_events` / `jit_compiles` in the JSON); `‡n/m`: it only loaded compiled "
               "kernels from its disk cache (`jit_disk_loads`) in n runs. Either is a one-time "

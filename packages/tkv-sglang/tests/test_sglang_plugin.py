@@ -445,15 +445,13 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
     w = World(sgl, fakes, monkeypatch)
     calls = []
     if flash:
-        from tkv.kernels import FlashVarlenAttention, SdpaDenseAttention
+        from tkv.kernels import FlashVarlenAttention
+        from tkv.kernels.testing import reference_flash_varlen
 
-        def fake_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                        softmax_scale, causal, window_size, ver):
-            assert causal and ver == 3
+        def fake_varlen(q, k, v, **kw):
+            assert kw["ver"] == 3
             calls.append(tuple(q.shape))
-            win = 0 if tuple(window_size) == (-1, -1) else window_size[0] + 1
-            return SdpaDenseAttention()(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                        max_seqlen_k, softmax_scale, win)
+            return reference_flash_varlen(q, k, v, **kw)
 
         w.backend.dense_attention = FlashVarlenAttention(fake_varlen, ver=3)
     assert w.pool.loader(w.layer.layer_id).lookup == "gather"

@@ -182,19 +182,18 @@ def run(spec_k: int) -> float:
 def flash_attention(impl, on: bool):
     """With ``on``: the layer's prefill attention is :class:`FlashVarlenAttention` (as
     ``TKV_PREFILL_ATTENTION=flash`` binds it) over a fake ``flash_attn_varlen_func`` that
-    checks the FlashAttention keyword contract and computes with SdpaDenseAttention; yields
+    checks the FlashAttention keyword contract and computes with the reference
+    (``tkv.kernels.testing.reference_flash_varlen``); yields
     the list of its calls. Off: yields an empty list."""
-    from tkv.kernels import FlashVarlenAttention, SdpaDenseAttention
+    from tkv.kernels import FlashVarlenAttention
+    from tkv.kernels.testing import reference_flash_varlen
 
     calls: list = []
 
-    def fake_varlen(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k,
-                    softmax_scale, causal, window_size, fa_version):
-        assert causal and fa_version == 3
-        window = 0 if tuple(window_size) == (-1, -1) else window_size[0] + 1
-        calls.append((tuple(q.shape), tuple(k.shape), window))
-        return SdpaDenseAttention()(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, softmax_scale, window)
+    def fake_varlen(q, k, v, **kw):
+        assert kw["fa_version"] == 3
+        calls.append((tuple(q.shape), tuple(k.shape), kw["window_size"]))
+        return reference_flash_varlen(q, k, v, **kw)
 
     st = impl._tkv_state
     st.dense_attention = FlashVarlenAttention(fake_varlen, fa_version=3) if on else None

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tkv.kernels import FlashVarlenAttention, PrefillAttentionConfigError, SdpaDenseAttention
+from tkv.kernels.testing import reference_flash_varlen
 
 
 def test_default_is_tkv_and_bad_values_are_named(patched_vllm):
@@ -44,10 +45,7 @@ def test_flash_varlen_attention_maps_the_contract(patched_vllm, window):
 
     def varlen(q, k, v, **kw):
         seen.update(kw)
-        w = 0 if kw["window_size"] == (-1, -1) else kw["window_size"][0] + 1
-        return SdpaDenseAttention()(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"],
-                                    kw["max_seqlen_q"], kw["max_seqlen_k"],
-                                    kw["softmax_scale"], w)
+        return reference_flash_varlen(q, k, v, **kw)
 
     g = torch.Generator().manual_seed(window)
     q = torch.randn(9, 4, 64, generator=g).to(torch.bfloat16)

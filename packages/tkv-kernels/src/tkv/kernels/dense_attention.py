@@ -113,11 +113,11 @@ class SdpaDenseAttention:
         return out
 
 
-def flash_device(device: torch.device | str, environ=None,
-                 import_flash: Any = None) -> tuple[torch.device, Any] | None:
+def flash_device(device: torch.device | str, environ,
+                 import_flash: Any) -> tuple[torch.device, Any] | None:
     """The engine adapters' common start of ``TKV_PREFILL_ATTENTION`` handling: None for
     ``tkv``; for ``flash`` the CUDA device and what ``import_flash()`` returns (the engine's
-    flash-attention entry points).
+    flash-attention entry points). ``environ``: a mapping, or None for ``os.environ``.
 
     Raises:
         PrefillAttentionConfigError: an unknown value; ``flash`` on a non-CUDA device, or
@@ -130,7 +130,7 @@ def flash_device(device: torch.device | str, environ=None,
         raise PrefillAttentionConfigError(
             f"{ENV_PREFILL_ATTENTION}=flash needs a CUDA device (attention on {dev})")
     try:
-        return dev, None if import_flash is None else import_flash()
+        return dev, import_flash()
     except ImportError as e:
         raise PrefillAttentionConfigError(
             f"{ENV_PREFILL_ATTENTION}=flash: the engine's flash attention is not importable "

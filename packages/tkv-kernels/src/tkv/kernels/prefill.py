@@ -575,12 +575,11 @@ def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, pref
         cu_q, cu_k = torch.arange(0, 2 * tq, tq, **i32), torch.arange(0, 2 * keys, keys, **i32)
         o = check_dense_output(dense_attention(query, pk[:keys], pv[:keys], cu_q, cu_k, tq,
                                                keys, scale, 0), query)
-        o = o.unsqueeze(0).transpose(1, 2)   # as SDPA's (1, heads, q_len, d_pad) below
     else:
         try:
             o = torch.nn.functional.scaled_dot_product_attention(
                 q4, k4, v4, attn_mask=causal_lower_right(tq, keys), scale=scale,
-                enable_gqa=True)
+                enable_gqa=True).transpose(1, 2)[0]   # (q_len, heads, d_pad)
         except RuntimeError as e:   # no SDPA kernel for these inputs: the Triton loop instead
             warnings.warn(f"tkv prefill: SDPA refused the decompress-once attention ({e}); "
                           "using the Triton loop", RuntimeWarning, stacklevel=3)
@@ -590,7 +589,7 @@ def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, pref
     pages = block_table[0, :npages]
     broken = ((seq_lens[0] - (cu_seqlens_q[1] - cu_seqlens_q[0])) != prefix) | (
         cu_seqlens_q[0] != 0) | ((pages < 0) | (pages >= num_blocks)).any()
-    out.copy_(o.transpose(1, 2)[0])
+    out.copy_(o)
     out.masked_fill_(broken, float("nan"))
     return True
 

@@ -13,7 +13,8 @@ from .loaders import BypassLoader, Fp8Loader, TkvLoader
 from .store import compress_store
 
 __all__ = ["PagedBatch", "check_register_installs_jit_log", "fill_cache", "jit_hooks_isolated",
-           "make_cache", "make_paged_batch", "relative_error", "tolerance"]
+           "make_cache", "make_paged_batch", "reference_flash_varlen", "relative_error",
+           "tolerance"]
 
 
 class PagedBatch:
@@ -98,6 +99,25 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     entry (an unwritten or poisoned output)."""
     assert torch.isfinite(out).all(), "non-finite output (unwritten or poisoned)"
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def reference_flash_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_size, **version):
+    """A CPU stand-in for an engine's ``flash_attn_varlen_func`` behind
+    :class:`~tkv.kernels.FlashVarlenAttention` (tests of the engines' flash prefill paths):
+    FlashAttention's ``window_size`` decoded back to tkv's window, then
+    :class:`~tkv.kernels.SdpaDenseAttention`. ``version`` keywords (``fa_version``, ``ver``)
+    are accepted and ignored; callers check them.
+
+    Raises:
+        AssertionError: ``causal`` is not True (tkv's prefill paths are causal).
+    """
+    from .dense_attention import SdpaDenseAttention
+
+    assert causal is True, causal
+    window = 0 if tuple(window_size) == (-1, -1) else window_size[0] + 1
+    return SdpaDenseAttention()(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, softmax_scale, window)
 
 
 @contextlib.contextmanager

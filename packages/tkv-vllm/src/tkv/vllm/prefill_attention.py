@@ -25,7 +25,6 @@ from tkv.kernels import (
     FlashVarlenAttention,
     PrefillAttentionConfigError,
     flash_device,
-    prefill_attention_from_env,
 )
 
 __all__ = ["prefill_attention"]
@@ -44,10 +43,6 @@ def prefill_attention(device: torch.device | str, head_size: int,
             vLLM's flash-attention extension, or where vLLM reports no FlashAttention
             version for ``head_size``.
     """
-    key = f"{torch.device(device)}:{head_size}"
-    if key in _CACHE and prefill_attention_from_env(environ) == "flash":
-        return _CACHE[key]
-
     def load():
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
         from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -56,7 +51,10 @@ def prefill_attention(device: torch.device | str, head_size: int,
     got = flash_device(device, environ, load)
     if got is None:
         return None
-    get_flash_attn_version, flash_attn_varlen_func = got[1]
+    dev, (get_flash_attn_version, flash_attn_varlen_func) = got
+    key = f"{dev}:{head_size}"
+    if key in _CACHE:
+        return _CACHE[key]
     version = get_flash_attn_version(head_size=head_size)
     if version is None:
         raise PrefillAttentionConfigError(
