@@ -7,7 +7,13 @@ from tkv.codec import TurboKVCodec
 from tkv.kernels import TkvLoader, Workspace, compress_store, decode, prefill
 from tkv.kernels._util import interpreting
 from tkv.kernels.reference import decode_reference
-from tkv.kernels.testing import fill_cache, make_cache, make_paged_batch, relative_error
+from tkv.kernels.testing import (
+    fill_cache,
+    make_cache,
+    make_paged_batch,
+    no_stream_sync,
+    relative_error,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -173,14 +179,11 @@ def test_prefill_dense_attention_paths_match_and_never_sync():
     tri_first = prefill(q, k, v, cu, first, 300, cache, batch.block_table, ld, no_prefix=True)
     tri = prefill(*args, max_prefix_len=1000, scratch=scratch)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_stream_sync():
         got_first = prefill(q, k, v, cu, first, 300, cache, batch.block_table, ld,
                             no_prefix=True, dense_attention=fn)
         got = prefill(*args, max_prefix_len=1000, scratch=scratch, exact_prefix=True,
                       dense_attention=fn)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert fn.calls == 2
     for a, b in ((got_first, tri_first), (got, tri)):
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()

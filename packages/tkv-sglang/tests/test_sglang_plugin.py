@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("sglang", reason="sglang==0.5.11 not installed (nox session `sglang`)")
 
 from tkv.codec import SlotLayout, TurboKVCodec
+from tkv.kernels.testing import no_stream_sync
 from tkv.sglang.cell_size import cell_size_bytes
 from tkv.sglang.errors import UnsupportedFeatureError
 
@@ -536,11 +537,8 @@ def test_cuda_graph_decode_replay_matches_eager_without_host_sync(sgl, fakes, tk
         fb = w.batch(FM.DECODE, rows_l, lens)
         w.backend.init_forward_metadata(fb)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_stream_sync():
             eager = w.backend.forward_decode(q, None, None, w.layer, fb, save_kv_cache=False)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         assert torch.allclose(out_static.float(), eager.float(), atol=2e-3, rtol=2e-3)
         exp = w.expected(rows_l, lens, q.float().view(bs, 4, 64), [1, 1], chunk_exact=False)

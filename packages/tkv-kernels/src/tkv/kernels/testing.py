@@ -5,6 +5,7 @@ the engine plugins' JIT log hook."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -13,8 +14,8 @@ from .loaders import BypassLoader, Fp8Loader, TkvLoader
 from .store import compress_store
 
 __all__ = ["PagedBatch", "check_register_installs_jit_log", "fill_cache", "jit_hooks_isolated",
-           "make_cache", "make_paged_batch", "reference_flash_varlen", "relative_error",
-           "tolerance"]
+           "make_cache", "make_paged_batch", "no_stream_sync", "reference_flash_varlen",
+           "relative_error", "tolerance"]
 
 
 class PagedBatch:
@@ -118,6 +119,23 @@ def reference_flash_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     window = 0 if tuple(window_size) == (-1, -1) else window_size[0] + 1
     return SdpaDenseAttention()(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, softmax_scale, window)
+
+
+@contextlib.contextmanager
+def no_stream_sync():
+    """Run a block with torch's CUDA sync debug mode at ``"error"``: any synchronizing CUDA
+    call inside it (``.item()``, a device-to-host copy, ``torch.cuda.synchronize``) raises
+    ``RuntimeError``. The mode is restored to ``"default"`` even when the block or the switch
+    itself fails. torch warns that the mode is a prototype on every switch; the warning is
+    silenced here, because under ``filterwarnings = error`` it would be raised *after* the mode
+    was set and leave every later test in the process failing on its first sync."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @contextlib.contextmanager
