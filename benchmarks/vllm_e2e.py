@@ -914,7 +914,8 @@ def run_all(opts: argparse.Namespace) -> int:
         runs = {"bf16": ("bf16", None, None, False, ""), "tq4": ("tq4", None, None, False, ""),
                 "tkv": ("tkv", opts.bits, bundle, False, ""),
                 "tkv8": ("tkv", "8.0", bundle, True, ""),
-                "tkvflash": ("tkv", opts.bits, bundle, False, "flash")}
+                "tkvflash": ("tkv", opts.bits, bundle, False, "flash"),
+                "tkvtriton": ("tkv", opts.bits, bundle, False, "triton")}
         res = {}
         for r in opts.runs:
             mode, bits, b, greedy_only, variant = runs[r]
@@ -1310,8 +1311,11 @@ def divergence_cpu(opts: argparse.Namespace) -> int:
 
 
 JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the driver runs without tkv)
-# engine-environment variants of a tkv run (`all --runs tkvflash`): vLLM's FA in prefill
-VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"}}
+# engine-environment variants of a tkv run (`all --runs tkvflash tkvtriton`): prefill through
+# vLLM's FlashAttention (required), or tkv's own Triton / SDPA kernels; the plain `tkv` run
+# takes tkv-vllm's default (TKV_PREFILL_ATTENTION=auto: FlashAttention where it can run)
+VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
+            "triton": {"TKV_PREFILL_ATTENTION": "tkv"}}
 JIT_LEGEND = ("`†n/m`: Triton compiled a kernel inside n of the cell's m timed runs "
               "(`jit_events` / `jit_compiles` in the JSON); `‡n/m`: it only loaded compiled "
               "kernels from its disk cache (`jit_disk_loads`) in n runs. Either is a one-time "
@@ -1377,11 +1381,12 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--long-real", action="store_true",
                            help="also run the long prompt on real-weight models")
             a.add_argument("--runs", nargs="+",
-                           choices=["bf16", "tq4", "tkv", "tkv8", "tkvflash"],
+                           choices=["bf16", "tq4", "tkv", "tkv8", "tkvflash", "tkvtriton"],
                            default=["bf16", "tq4", "tkv", "tkv8"],
                            help="engine runs per model: bf16, vLLM turboquant_4bit_nc, tkv at "
-                           "--bits (capacity+greedy+throughput), tkv at 8.0 (greedy only), "
-                           "tkvflash = tkv at --bits with TKV_PREFILL_ATTENTION=flash")
+                           "--bits (capacity+greedy+throughput; tkv-vllm's default prefill, "
+                           "TKV_PREFILL_ATTENTION=auto), tkv at 8.0 (greedy only), tkvflash / "
+                           "tkvtriton = tkv at --bits with TKV_PREFILL_ATTENTION=flash / =tkv")
         if name == "serve-check":
             a.add_argument("--port", type=int, default=8011)
     c = sub.add_parser("write-checkpoint", help="the seeded random Qwen3-8B-like checkpoint")

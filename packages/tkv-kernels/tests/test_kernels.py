@@ -703,14 +703,57 @@ def test_prefill_exact_prefix_through_dense_attention():
 
 
 def test_prefill_attention_env_choice():
-    """TKV_PREFILL_ATTENTION, shared by the engine adapters: tkv (default) / flash, named
-    error otherwise."""
+    """TKV_PREFILL_ATTENTION, shared by the engine adapters: auto / flash / tkv, the adapter's
+    default when unset or blank, a named error otherwise (also for a bad default)."""
     from tkv.kernels import PrefillAttentionConfigError, prefill_attention_from_env
 
     assert prefill_attention_from_env({}) == "tkv"
+    assert prefill_attention_from_env({}, default="auto") == "auto"
+    assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": "  "}, default="auto") == "auto"
     assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": " Flash "}) == "flash"
-    with pytest.raises(PrefillAttentionConfigError, match="TKV_PREFILL_ATTENTION"):
-        prefill_attention_from_env({"TKV_PREFILL_ATTENTION": "fa3"})
+    assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": "TKV"}, default="auto") == "tkv"
+    for bad_env, default in (({"TKV_PREFILL_ATTENTION": "fa3"}, "tkv"), ({}, "fa2")):
+        with pytest.raises(PrefillAttentionConfigError, match="TKV_PREFILL_ATTENTION"):
+            prefill_attention_from_env(bad_env, default=default)
+
+
+def test_flash_device_auto_falls_back_and_flash_insists(caplog):
+    """flash_device: ``tkv`` never imports; ``auto`` gives None with an INFO line naming why
+    (no CUDA device, ImportError, the engine's own ``unsupported`` reason); ``flash`` raises
+    PrefillAttentionConfigError with the same reason (the ImportError kept as the cause); a
+    supported CUDA device returns (device, what import_flash returned)."""
+    import logging
+
+    from tkv.kernels import PrefillAttentionConfigError, flash_device
+
+    imports = []
+
+    def ok():
+        imports.append(1)
+        return "kernels"
+
+    def missing():
+        raise ImportError("no module named fake_flash")
+
+    env = {"TKV_PREFILL_ATTENTION": "tkv"}
+    assert flash_device("cuda:0", env, ok) is None and not imports
+    cases = (("cpu", ok, None, "CUDA device"),
+             ("cuda:0", missing, None, "fake_flash"),
+             ("cuda:0", ok, lambda dev, imp: f"{imp} lack head_size 96 on {dev}",
+              "lack head_size 96 on cuda:0"))
+    for device, imp, unsupported, reason in cases:
+        with caplog.at_level(logging.INFO, logger="tkv.kernels.dense_attention"):
+            caplog.clear()
+            assert flash_device(device, {}, imp, unsupported, default="auto") is None
+        assert "auto" in caplog.text and reason in caplog.text
+        with pytest.raises(PrefillAttentionConfigError, match=reason) as e:
+            flash_device(device, {"TKV_PREFILL_ATTENTION": "flash"}, imp, unsupported)
+        assert isinstance(e.value.__cause__, ImportError) == (imp is missing)
+    seen = []
+    got = flash_device("cuda:1", {}, ok, lambda dev, imp: seen.append((dev, imp)),
+                       default="auto")
+    assert got == (torch.device("cuda:1"), "kernels")
+    assert seen == [(torch.device("cuda:1"), "kernels")]
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype", "not_tensor", "not_callable"])

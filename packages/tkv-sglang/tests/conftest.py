@@ -29,6 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tkv.sglang.patching import SGLANG_VERSION, series_patches
 
@@ -194,7 +195,7 @@ class FakeModelConfig(SimpleNamespace):
         super().__init__(num_hidden_layers=num_layers, num_attention_layers=num_layers,
                          head_dim=head_dim, v_head_dim=head_dim, num_attention_heads=q_heads,
                          attention_arch=SimpleNamespace(name="MHA"), is_hybrid_swa=False,
-                         is_encoder_decoder=False, context_len=4096,
+                         is_encoder_decoder=False, context_len=4096, dtype=torch.bfloat16,
                          hf_config=SimpleNamespace(architectures=["TinyForCausalLM"]),
                          _kv_heads=kv_heads, **kw)
 

@@ -482,17 +482,40 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
     assert calls == ([(27, 4, 64)] if flash else [])
 
 
-def test_prefill_attention_choice_is_validated(sgl):
-    """TKV_PREFILL_ATTENTION in the SGLang backend: tkv → None; flash needs CUDA; bad values
-    are named (the shared tkv.kernels parser)."""
-    from tkv.kernels import PrefillAttentionConfigError
-    from tkv.sglang.prefill_attention import prefill_attention
+def test_prefill_attention_choice_is_validated(sgl, monkeypatch):
+    """TKV_PREFILL_ATTENTION in the SGLang backend: unset = tkv (sgl-kernel's FA3 path has
+    not been timed on a GPU); auto falls back where FA3 cannot run (CPU, a GPU FA3 does not
+    support, a float32 model); flash raises there; bad values are named (the shared
+    tkv.kernels parser)."""
+    import sys
+    from types import ModuleType
 
-    assert prefill_attention("cpu", environ={}) is None
+    from tkv.kernels import FlashVarlenAttention, PrefillAttentionConfigError
+    from tkv.sglang import prefill_attention as pa
+
+    bf16 = torch.bfloat16
+    assert pa.DEFAULT == "tkv"
+    assert pa.prefill_attention("cpu", bf16, environ={}) is None
+    assert pa.prefill_attention("cpu", bf16, environ={"TKV_PREFILL_ATTENTION": "auto"}) is None
     with pytest.raises(PrefillAttentionConfigError, match="CUDA"):
-        prefill_attention("cpu", environ={"TKV_PREFILL_ATTENTION": "flash"})
+        pa.prefill_attention("cpu", bf16, environ={"TKV_PREFILL_ATTENTION": "flash"})
     with pytest.raises(PrefillAttentionConfigError, match="'fa2'"):
-        prefill_attention("cpu", environ={"TKV_PREFILL_ATTENTION": "fa2"})
+        pa.prefill_attention("cpu", bf16, environ={"TKV_PREFILL_ATTENTION": "fa2"})
+    # sgl-kernel's flash module as seen on a CUDA machine (the staged one lacks flash_ops)
+    fake = ModuleType("sgl_kernel.flash_attn")
+    fake.flash_attn_varlen_func = lambda *a, **kw: None
+    fake.is_fa3_supported = lambda dev: dev.index == 0
+    monkeypatch.setitem(sys.modules, "sgl_kernel.flash_attn", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Fake GPU")
+    auto, flash = {"TKV_PREFILL_ATTENTION": "auto"}, {"TKV_PREFILL_ATTENTION": "flash"}
+    fa = pa.prefill_attention("cuda:0", bf16, environ=auto)
+    assert isinstance(fa, FlashVarlenAttention) and fa.extra == {"ver": 3}
+    assert pa.prefill_attention("cuda:1", bf16, environ=auto) is None
+    assert pa.prefill_attention("cuda:0", torch.float32, environ=auto) is None
+    with pytest.raises(PrefillAttentionConfigError, match="Fake GPU"):
+        pa.prefill_attention("cuda:1", bf16, environ=flash)
+    with pytest.raises(PrefillAttentionConfigError, match="float32"):
+        pa.prefill_attention("cuda:0", torch.float32, environ=flash)
 
 
 @pytest.mark.gpu

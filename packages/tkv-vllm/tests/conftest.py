@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from tkv.vllm import patching
 
@@ -98,7 +99,7 @@ def fake_model_config(num_layers=4, num_kv_heads=2, head_dim=64, **flags):
 
     ns = SimpleNamespace(model="fake/model", use_mla=False, is_encoder_decoder=False,
                          is_hybrid=False, is_attention_free=False, has_noops=False,
-                         max_model_len=2048)
+                         max_model_len=2048, dtype=torch.bfloat16)
     for k, v in flags.items():
         setattr(ns, k, v)
     ns.get_total_num_hidden_layers = lambda: num_layers

@@ -13,15 +13,39 @@ from tkv.kernels import FlashVarlenAttention, PrefillAttentionConfigError, SdpaD
 from tkv.kernels.testing import reference_flash_varlen
 
 
-def test_default_is_tkv_and_bad_values_are_named(patched_vllm):
-    from tkv.vllm.prefill_attention import prefill_attention
+def test_default_is_auto_flash_insists_and_bad_values_are_named(patched_vllm, monkeypatch):
+    """Unset = auto: tkv's kernels where vLLM's FlashAttention cannot run (a CPU device, a
+    float32 model, no FlashAttention version for the head size), vLLM's flash_attn_varlen_func
+    at vLLM's version where it can; flash raises for the same reasons; tkv is always None."""
+    from vllm.v1.attention.backends import fa_utils
 
-    assert prefill_attention("cpu", 128, environ={}) is None
-    assert prefill_attention("cpu", 128, environ={"TKV_PREFILL_ATTENTION": " TKV "}) is None
+    from tkv.vllm import prefill_attention as pa
+
+    bf16 = torch.bfloat16
+    assert pa.DEFAULT == "auto"
+    assert pa.prefill_attention("cpu", 128, bf16, environ={}) is None
+    assert pa.prefill_attention("cpu", 128, bf16, environ={"TKV_PREFILL_ATTENTION": " TKV "}) is None
     with pytest.raises(PrefillAttentionConfigError, match="'fa3'"):
-        prefill_attention("cpu", 128, environ={"TKV_PREFILL_ATTENTION": "fa3"})
+        pa.prefill_attention("cpu", 128, bf16, environ={"TKV_PREFILL_ATTENTION": "fa3"})
     with pytest.raises(PrefillAttentionConfigError, match="CUDA"):
-        prefill_attention("cpu", 128, environ={"TKV_PREFILL_ATTENTION": "flash"})
+        pa.prefill_attention("cpu", 128, bf16, environ={"TKV_PREFILL_ATTENTION": "flash"})
+    # a CUDA device as vLLM sees it (the extension is never called here): the version vLLM
+    # picks per head size decides; a float32 model never gets FlashAttention
+    monkeypatch.setattr(fa_utils, "get_flash_attn_version",
+                        lambda head_size=None, **kw: 3 if head_size in (64, 128, 256) else None)
+    monkeypatch.setattr(pa, "_CACHE", {})
+    fa = pa.prefill_attention("cuda:0", 128, bf16, environ={})
+    assert isinstance(fa, FlashVarlenAttention) and fa.extra == {"fa_version": 3}
+    assert pa.prefill_attention("cuda:0", 128, bf16, environ={}) is fa    # cached
+    assert pa.prefill_attention("cuda:0", 96, bf16, environ={}) is None
+    assert pa.prefill_attention("cuda:0", 128, torch.float32, environ={}) is None
+    flash = {"TKV_PREFILL_ATTENTION": "flash"}
+    with pytest.raises(PrefillAttentionConfigError, match="head_size 96"):
+        pa.prefill_attention("cuda:0", 96, bf16, environ=flash)
+    with pytest.raises(PrefillAttentionConfigError, match="float32"):
+        pa.prefill_attention("cuda:0", 128, torch.float32, environ=flash)
+    assert pa.prefill_attention("cuda:0", 64, torch.float16, environ=flash).extra == {
+        "fa_version": 3}
 
 
 def test_keywords_exist_in_vllms_varlen(patched_vllm):

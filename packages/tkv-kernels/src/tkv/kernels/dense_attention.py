@@ -7,12 +7,17 @@ prompts prefill at the engine's bf16 speed; ``tkv.kernels`` itself never imports
 
 Measured motivation (H200, Qwen3-8B-like, one 32K prompt in vLLM, session 14): tkv's prefill
 took 1.74 s against bf16's 1.25 s — the first chunk ran tkv's Triton kernel, the continuation
-PyTorch SDPA (FlashAttention-2), where vLLM's bf16 path runs FlashAttention 3.
+PyTorch SDPA (FlashAttention-2), where vLLM's bf16 path runs FlashAttention 3. Measured
+result (session 15, ``benchmarks/results/vllm_e2e_2026-12-01_s15_qwen_flash/``): with vLLM's
+FlashAttention 3 the prefill took 1.28 s (bf16 1.24 s), the request 0.81× → 0.93× bf16; so
+tkv-vllm's default is ``auto``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -23,32 +28,40 @@ __all__ = ["ENV_PREFILL_ATTENTION", "DenseAttention", "FlashVarlenAttention",
            "PrefillAttentionConfigError", "SdpaDenseAttention", "check_dense_output",
            "flash_device", "prefill_attention_from_env"]
 
+_log = logging.getLogger(__name__)
+
 ENV_PREFILL_ATTENTION = "TKV_PREFILL_ATTENTION"
-_CHOICES = ("tkv", "flash")
+_CHOICES = ("auto", "flash", "tkv")
 
 
 class PrefillAttentionConfigError(TkvError, ValueError):
-    """``TKV_PREFILL_ATTENTION`` is not ``tkv`` / ``flash``, or ``flash`` was asked for where
-    the engine's flash-attention kernel cannot run (raised by the engine adapters at
+    """``TKV_PREFILL_ATTENTION`` is not ``auto`` / ``tkv`` / ``flash``, or ``flash`` was asked
+    for where the engine's flash-attention kernel cannot run (raised by the engine adapters at
     startup)."""
 
 
-def prefill_attention_from_env(environ=None) -> str:
-    """The engines' prefill-attention choice, ``TKV_PREFILL_ATTENTION``: ``"tkv"`` (default:
-    tkv's Triton prefill and PyTorch SDPA) or ``"flash"`` (the engine's own varlen
-    FlashAttention through :class:`FlashVarlenAttention`; each adapter checks it can run).
-    Case and surrounding blanks are ignored.
+def prefill_attention_from_env(environ=None, default: str = "tkv") -> str:
+    """The engines' prefill-attention choice, ``TKV_PREFILL_ATTENTION``:
+
+    * ``"flash"``: the engine's own varlen FlashAttention through :class:`FlashVarlenAttention`
+      (each adapter checks at startup that it can run, and raises if not);
+    * ``"tkv"``: tkv's Triton prefill and PyTorch SDPA;
+    * ``"auto"``: ``flash`` where it can run, else ``tkv`` (logged, never raised).
+
+    Unset or blank gives ``default`` (each adapter passes its own: tkv-vllm ``auto``, measured
+    on the H200; tkv-sglang ``tkv``). Case and surrounding blanks are ignored.
 
     Raises:
-        PrefillAttentionConfigError: any other value.
+        PrefillAttentionConfigError: any other value (also for ``default``).
     """
     env = os.environ if environ is None else environ
-    v = env.get(ENV_PREFILL_ATTENTION, "tkv").strip().lower() or "tkv"
+    v = env.get(ENV_PREFILL_ATTENTION, "").strip().lower() or default
     if v not in _CHOICES:
         raise PrefillAttentionConfigError(
-            f"{ENV_PREFILL_ATTENTION}={v!r}: use 'tkv' (default: tkv's Triton / SDPA prefill) "
-            "or 'flash' (the engine's FlashAttention for first chunks and exact-prefix "
-            "continuation chunks)")
+            f"{ENV_PREFILL_ATTENTION}={v!r}: use 'auto' (the engine's FlashAttention where it "
+            "can run, else tkv's kernels), 'flash' (the engine's FlashAttention for first "
+            "chunks and exact-prefix continuation chunks; an error where it cannot run) or "
+            "'tkv' (tkv's Triton / SDPA prefill)")
     return v
 
 
@@ -113,28 +126,49 @@ class SdpaDenseAttention:
         return out
 
 
-def flash_device(device: torch.device | str, environ,
-                 import_flash: Any) -> tuple[torch.device, Any] | None:
-    """The engine adapters' common start of ``TKV_PREFILL_ATTENTION`` handling: None for
-    ``tkv``; for ``flash`` the CUDA device and what ``import_flash()`` returns (the engine's
-    flash-attention entry points). ``environ``: a mapping, or None for ``os.environ``.
+def flash_device(device: torch.device | str, environ, import_flash: Callable[[], Any],
+                 unsupported: Callable[[torch.device, Any], str | None] | None = None,
+                 default: str = "tkv") -> tuple[torch.device, Any] | None:
+    """The engine adapters' common handling of ``TKV_PREFILL_ATTENTION``
+    (:func:`prefill_attention_from_env`): None where tkv's own prefill runs, else the CUDA
+    device and what ``import_flash()`` returns (the engine's flash-attention entry points).
+
+    Args:
+        device: the attention layer's device.
+        environ: a mapping, or None for ``os.environ``.
+        import_flash: imports the engine's kernels; ImportError means "not available".
+        unsupported: ``(device, imported) -> reason or None``: the engine's own checks
+            (FlashAttention version for the head size, GPU generation, model dtype).
+        default: the adapter's default when the variable is unset.
+
+    With ``auto``, a reason not to use flash (no CUDA, ImportError, ``unsupported``) gives
+    None and an INFO log line naming it; with ``flash`` it raises.
 
     Raises:
-        PrefillAttentionConfigError: an unknown value; ``flash`` on a non-CUDA device, or
-            ``import_flash`` raising ImportError (the message keeps the import error).
+        PrefillAttentionConfigError: an unknown value; ``flash`` where it cannot run (the
+            message keeps the reason, e.g. the import error).
     """
-    if prefill_attention_from_env(environ) == "tkv":
+    choice = prefill_attention_from_env(environ, default)
+    if choice == "tkv":
         return None
+
+    def cannot(reason: str, cause: BaseException | None = None):
+        if choice == "auto":
+            _log.info("%s=auto: tkv's prefill kernels (%s)", ENV_PREFILL_ATTENTION, reason)
+            return None
+        raise PrefillAttentionConfigError(f"{ENV_PREFILL_ATTENTION}=flash: {reason}") from cause
+
     dev = torch.device(device)
     if dev.type != "cuda":
-        raise PrefillAttentionConfigError(
-            f"{ENV_PREFILL_ATTENTION}=flash needs a CUDA device (attention on {dev})")
+        return cannot(f"needs a CUDA device (attention on {dev})")
     try:
-        return dev, import_flash()
+        imported = import_flash()
     except ImportError as e:
-        raise PrefillAttentionConfigError(
-            f"{ENV_PREFILL_ATTENTION}=flash: the engine's flash attention is not importable "
-            f"({e})") from e
+        return cannot(f"the engine's flash attention is not importable ({e})", e)
+    reason = None if unsupported is None else unsupported(dev, imported)
+    if reason:
+        return cannot(reason)
+    return dev, imported
 
 
 class FlashVarlenAttention:

@@ -6,45 +6,49 @@ PyTorch SDPA over a decompressed prefix) or sgl-kernel's FlashAttention 3
 With ``flash`` the extend path hands a batch of first chunks (no cached prefix) and a lone
 exact-prefix continuation chunk to ``sgl_kernel.flash_attn.flash_attn_varlen_func`` (``ver=3``)
 through :class:`tkv.kernels.FlashVarlenAttention`, as SGLang's own ``fa3`` backend computes
-bf16 attention. Default ``tkv`` until the path has been timed on the H200 (written in session
-14, after vLLM's 32K-prompt prefill measured 1.74 s with tkv's kernels against bf16's 1.25 s).
+bf16 attention. ``auto`` uses it where it can run, else tkv's kernels (logged). Default
+``tkv`` (tkv-vllm's is ``auto``): vLLM's FlashAttention path was measured on the H200 in
+session 15 (a 32K prompt 0.81× → 0.93× bf16), but sgl-kernel's FA3 has not run on a GPU here yet
+(the staged sgl-kernel is slimmed; ``gpu/stage --with-fa3`` would add it).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tkv.kernels import (
-    ENV_PREFILL_ATTENTION,
-    FlashVarlenAttention,
-    PrefillAttentionConfigError,
-    flash_device,
-)
+from tkv.kernels import FlashVarlenAttention, flash_device
 
 __all__ = ["prefill_attention"]
 
 
-def prefill_attention(device: torch.device | str,
+DEFAULT = "tkv"
+
+
+def prefill_attention(device: torch.device | str, dtype: torch.dtype,
                       environ: dict[str, str] | None = None) -> FlashVarlenAttention | None:
-    """The backend's ``dense_attention`` for :func:`tkv.kernels.prefill`: None for
-    ``TKV_PREFILL_ATTENTION=tkv`` (default), sgl-kernel's FlashAttention 3 for ``flash``.
-    Called once when the backend is built (startup).
+    """The backend's ``dense_attention`` for :func:`tkv.kernels.prefill`: sgl-kernel's
+    FlashAttention 3, or None for tkv's own kernels (``TKV_PREFILL_ATTENTION``: ``tkv``
+    default, ``auto``, ``flash``). ``dtype``: the model's activation dtype (FA3 takes
+    float16 / bfloat16). Called once when the backend is built (startup).
 
     Raises:
-        PrefillAttentionConfigError: unknown value; ``flash`` on a non-CUDA device, without
-            sgl-kernel's flash-attention ops, or on a GPU sgl-kernel's FA3 does not support
-            (it needs sm80/sm86/sm89/sm90 and CUDA ≥ 12.3).
+        PrefillAttentionConfigError: unknown value; ``flash`` where it cannot run: a non-CUDA
+            device, no sgl-kernel flash-attention ops, a GPU sgl-kernel's FA3 does not
+            support (it needs sm80/sm86/sm89/sm90 and CUDA ≥ 12.3), a float32 model.
     """
     def load():
         from sgl_kernel.flash_attn import flash_attn_varlen_func, is_fa3_supported
         return flash_attn_varlen_func, is_fa3_supported
 
-    got = flash_device(device, environ, load)
+    def unsupported(dev, imported) -> str | None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"FlashAttention 3 takes float16 / bfloat16, the model runs {dtype}"
+        if not imported[1](dev):
+            return ("sgl-kernel's FlashAttention 3 does not support this GPU "
+                    f"({torch.cuda.get_device_name(dev)})")
+        return None
+
+    got = flash_device(device, environ, load, unsupported, default=DEFAULT)
     if got is None:
         return None
-    dev, (flash_attn_varlen_func, is_fa3_supported) = got
-    if not is_fa3_supported(dev):
-        raise PrefillAttentionConfigError(
-            f"{ENV_PREFILL_ATTENTION}=flash: sgl-kernel's FlashAttention 3 does not support "
-            f"this GPU ({torch.cuda.get_device_name(dev)})")
-    return FlashVarlenAttention(flash_attn_varlen_func, ver=3)
+    return FlashVarlenAttention(got[1][0], ver=3)

@@ -248,7 +248,7 @@ class LayerState:
     default_block_size: int
     lookup: str = "auto"
     small_head_groups: bool = True
-    dense_attention: Any = None   # TKV_PREFILL_ATTENTION=flash: vLLM's FlashAttention
+    dense_attention: Any = None   # TKV_PREFILL_ATTENTION (auto / flash): vLLM's FlashAttention
 
     def loader(self, block_size: int) -> Any:
         ld = self.loaders.get(block_size)
@@ -299,7 +299,8 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
     # TKV_LOOKUP / TKV_SMALL_HEAD_GROUPS, validated here (startup)
     state = LayerState(idx, k_bits, v_bits, int(impl.num_kv_heads), codec, {}, block,
                        kernels.lookup_from_env(), kernels.small_head_groups_from_env(),
-                       prefill_attention(dev, int(impl.head_size)))
+                       prefill_attention(dev, int(impl.head_size),
+                                         vllm_config.model_config.dtype))
     state.loader(block)
     sc = vllm_config.scheduler_config
     shared_workspace(dev, int(sc.max_num_seqs), int(impl.num_heads), int(impl.head_size))

@@ -10,55 +10,62 @@ vLLM itself picks (FlashAttention 3 on Hopper) — what vLLM's bf16 KV cache run
 measured why it matters: one 32K prompt on the Qwen3-8B-like model prefilled in 1.74 s with
 tkv's kernels against bf16's 1.25 s (``benchmarks/results/vllm_e2e_2026-12-01_s14_qwen/``).
 
-Default ``tkv`` until the ``flash`` path has run end to end on the H200 (written in session
-14 without a GPU left to time it); ``flash`` is validated at startup: a CPU-only process, a
-vLLM without its flash-attention extension or a platform where vLLM picks none is a
-:class:`~tkv.kernels.PrefillAttentionConfigError`, never a silent fallback.
+Default ``auto`` since session 15 measured it on the H200
+(``benchmarks/results/vllm_e2e_2026-12-01_s15_qwen_flash/``: the 32K prompt's prefill 1.75 s →
+1.28 s, the request 0.81× → 0.93× bf16; 512-token prompts end to end within the runs' spread):
+vLLM's FlashAttention wherever it can run, else tkv's kernels (logged). ``flash`` insists: a
+CPU-only process, a vLLM without its flash-attention extension, a platform where vLLM picks no
+FlashAttention version for the head size, or a model dtype other than float16 / bfloat16 is a
+:class:`~tkv.kernels.PrefillAttentionConfigError`, never a silent fallback. ``tkv`` keeps
+tkv's own kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tkv.kernels import (
-    ENV_PREFILL_ATTENTION,
-    FlashVarlenAttention,
-    PrefillAttentionConfigError,
-    flash_device,
-)
+from tkv.kernels import FlashVarlenAttention, flash_device
 
 __all__ = ["prefill_attention"]
 
 _CACHE: dict[str, FlashVarlenAttention] = {}
+DEFAULT = "auto"
 
 
-def prefill_attention(device: torch.device | str, head_size: int,
+def prefill_attention(device: torch.device | str, head_size: int, dtype: torch.dtype,
                       environ: dict[str, str] | None = None) -> FlashVarlenAttention | None:
-    """The ``dense_attention`` the backend passes to :func:`tkv.kernels.prefill`: None for
-    ``TKV_PREFILL_ATTENTION=tkv`` (the default), vLLM's FlashAttention for ``flash``.
-    Called at layer binding (startup); cached per device and head size.
+    """The ``dense_attention`` the backend passes to :func:`tkv.kernels.prefill`: vLLM's
+    FlashAttention (``flash_attn_varlen_func`` at the version vLLM picks for ``head_size``),
+    or None for tkv's own kernels — see the module docstring for ``auto`` / ``flash`` /
+    ``tkv``. ``dtype``: the model's activation dtype (FlashAttention takes float16 /
+    bfloat16). Called at layer binding (startup); cached per device, head size and dtype.
 
     Raises:
-        PrefillAttentionConfigError: unknown value; ``flash`` on a non-CUDA device, without
-            vLLM's flash-attention extension, or where vLLM reports no FlashAttention
-            version for ``head_size``.
+        PrefillAttentionConfigError: unknown value; ``flash`` where it cannot run (no CUDA
+            device, no vLLM flash-attention extension, no FlashAttention version for
+            ``head_size``, a float32 model).
     """
+    versions: dict[str, int] = {}
+
     def load():
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
         from vllm.vllm_flash_attn import flash_attn_varlen_func
         return get_flash_attn_version, flash_attn_varlen_func
 
-    got = flash_device(device, environ, load)
+    def unsupported(dev, imported) -> str | None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"FlashAttention takes float16 / bfloat16, the model runs {dtype}"
+        version = imported[0](head_size=head_size)
+        if version is None:
+            return f"vLLM reports no FlashAttention version for head_size {head_size} here"
+        versions["fa"] = version
+        return None
+
+    got = flash_device(device, environ, load, unsupported, default=DEFAULT)
     if got is None:
         return None
-    dev, (get_flash_attn_version, flash_attn_varlen_func) = got
-    key = f"{dev}:{head_size}"
-    if key in _CACHE:
-        return _CACHE[key]
-    version = get_flash_attn_version(head_size=head_size)
-    if version is None:
-        raise PrefillAttentionConfigError(
-            f"{ENV_PREFILL_ATTENTION}=flash: vLLM reports no FlashAttention version for "
-            f"head_size {head_size} on this platform")
-    fa = _CACHE[key] = FlashVarlenAttention(flash_attn_varlen_func, fa_version=version)
-    return fa
+    dev, (_, flash_attn_varlen_func) = got
+    key = f"{dev}:{head_size}:{dtype}"
+    if key not in _CACHE:
+        _CACHE[key] = FlashVarlenAttention(flash_attn_varlen_func, fa_version=versions["fa"])
+    return _CACHE[key]
