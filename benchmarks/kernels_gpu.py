@@ -616,6 +616,10 @@ def table(copy_gbs, path, device=None):
             parts = "; ".join(f"{k} {v:.1f} µs" for k, v in list(r["us_per_kernel"].items())[:6])
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {parts} | | | | |")
             continue
+        if "ms" not in r:   # a check row (e.g. rel_err), no time
+            vals = "; ".join(f"{k} {r[k]:.3g}" for k in ("rel_err",) if k in r)
+            lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {vals} | | | | |")
+            continue
         gbs = f"{r['GBps']:.0f}" if "GBps" in r else ""
         fr = f"{100 * r['frac_copy']:.0f}%" if "frac_copy" in r else ""
         tf = f"{r['TFLOPs']:.0f}" if "TFLOPs" in r else ""
@@ -1000,6 +1004,50 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
     _model_step_arms(arms, shapes, layers)
 
 
+def qrot_rows(copy_gbs, shapes=((64, 640), (256, 640), (1, 32768))):
+    """The query rotation inside the split kernel (``decode(fused_query_rotation=True)``,
+    session 15) against the separate ``rotate_rows`` launch, Qwen3-8B-like K4V4: one layer's
+    store + decode per shape (``x_default`` > 1: the fused one is faster), its per-kernel
+    breakdown at the first shape, then engine-like 36-layer model steps (one CUDA graph each)
+    for bf16, the default and the fused rotation at the first two shapes."""
+    hq, hkv, d, block = 32, 8, 128, 16
+    ws = Workspace(256, 64, 256, DEV)
+    for i, (B, L) in enumerate(shapes):
+        bt, sl, nblk, slots, q, kn, vn = step_inputs(B, L, hq, hkv, d, block)
+        base = dict(kernel="decode_step", B=B, L=L, Hq=hq, Hkv=hkv, D=d)
+        ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, block)
+        cache = tkv_cache(ld, nblk)
+        nbytes = B * L * ld.layout.bytes_per_token
+        steps = {}
+        for fused in (False, True):
+            def step(fused=fused):
+                compress_store(kn, vn, cache, slots, ld)
+                decode(q, cache, bt, sl, ld, ws, fused_query_rotation=fused)
+            steps[fused] = step
+        ref = timed_row(base, "tkv K4V4 store + decode (rotate_rows)", steps[False],
+                        moved=nbytes, copy_gbs=copy_gbs)
+        timed_row(base, "tkv K4V4 store + decode (query rotated in-kernel)", steps[True],
+                  moved=nbytes, copy_gbs=copy_gbs, ref_ms=ref)
+        a = decode(q, cache, bt, sl, ld, ws)
+        b = decode(q, cache, bt, sl, ld, ws, fused_query_rotation=True)
+        log({**base, "kernel": "decode_check", "impl": "fused vs rotate_rows",
+             "rel_err": ((a.float() - b.float()).norm() / a.float().norm()).item()})
+        if i == 0:
+            for fused, step in steps.items():
+                try:
+                    br = _kernel_breakdown(step)
+                    log({**base, "kernel": "decode_step_breakdown",
+                         "impl": f"tkv K4V4 fused_query_rotation={fused}",
+                         "us_per_kernel": {k: round(v, 2) for k, v in br.items()}})
+                except Exception as e:
+                    log({**base, "kernel": "decode_step_breakdown", "error": str(e)[:160]})
+        del cache
+        torch.cuda.empty_cache()
+    arms = [("bf16 store + bypass decode", "bf16"), ("tkv K4V4 (rotate_rows)", {}),
+            ("tkv K4V4, query rotated in-kernel", {"fused_query_rotation": True})]
+    _model_step_arms(arms, shapes[:2], 36)
+
+
 def _model_step_arms(arms, shapes, layers, dims=MODEL_DIMS, model=None, breakdown=None):
     """Time each (label, attn) arm's model step per (B, L); ``x_bf16`` against the bf16 arm.
     ``breakdown(attn)``: also log the per-kernel device time of one step of that arm at the
@@ -1066,6 +1114,9 @@ def main():
     ap.add_argument("--smollm2-step", action="store_true",
                     help="only engine-like decode steps at SmolLM2's geometry with the "
                          "committed bundle's per-layer codecs, and their per-kernel breakdown")
+    ap.add_argument("--qrot", action="store_true",
+                    help="only the in-kernel query rotation vs rotate_rows: per-layer steps, "
+                         "breakdown, 36-layer model steps (qrot_rows)")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
@@ -1094,6 +1145,11 @@ def main():
             log({"kernel": "store_sweep", "impl": "store sweep", "error": str(e)[:160]})
     if a.smollm2_step:   # the SmolLM2-geometry steps alone
         smollm2_step_rows(copy_gbs)
+        table(copy_gbs, out / f"kernels_gpu{tag}.md")
+        (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+        return
+    if a.qrot:   # the query-rotation comparison alone
+        qrot_rows(copy_gbs)
         table(copy_gbs, out / f"kernels_gpu{tag}.md")
         (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
         return

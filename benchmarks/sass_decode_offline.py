@@ -37,7 +37,8 @@ from tkv.kernels.decode import _decode_split_kernel
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 PTRS = {"Q": "*fp32", "block_table": "*i32", "seq_lens": "*i32", "k_base": "*u8",
         "k_aux": "*bf16", "k_table": "*i32", "v_base": "*u8", "v_aux": "*bf16",
-        "v_table": "*i32", "part_o": "*fp32", "part_lse": "*fp32"}
+        "v_table": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "q_w": "*fp32",
+        "q_rot": "*fp32"}
 ALIGNED = set(PTRS) | {"k_sb", "v_sb", "sq_s", "s_bt", "k_sh", "k_st", "v_sh", "v_st", "sq_h"}
 # (label, lookup, num_warps, BLOCK_N, swap_qk or None = the loader's choice, maxnreg)
 VARIANTS = [("prmt (default to session 5)", "prmt", 4, 128, None, None),
@@ -49,6 +50,9 @@ VARIANTS = [("prmt (default to session 5)", "prmt", 4, 128, None, None),
             ("prmti, 4 warps", "prmti", 4, 128, None, None),
             ("prmti, 8 warps", "prmti", 8, 128, None, None),
             ("prmti, maxnreg 128 (default, large grids)", "prmti", 4, 128, None, 128)]
+# the same with the query rotated in the kernel (decode(fused_query_rotation=True), session 15)
+QROT_VARIANTS = [("prmti, 4 warps, query rotated in-kernel", "prmti", 4, 128, None, None),
+                 ("prmti, maxnreg 128, query rotated in-kernel", "prmti", 4, 128, None, 128)]
 
 
 # --widths: 2/3-bit sides, pair tables vs the register byte-permute group lookup, and the
@@ -61,7 +65,8 @@ WIDTH_VARIANTS = [(f"K{kb}V{vb} {lk}, {npl} planes, {bn}-token tiles", lk, 4, bn
                   for bn in bns]
 
 
-def compile_variant(lookup, warps, block_n, swap, maxnreg, tmp: Path, widths=(4, 4), planes=2):
+def compile_variant(lookup, warps, block_n, swap, maxnreg, tmp: Path, widths=(4, 4), planes=2,
+                    qrot=False):
     """ptxas info line, shared bytes and the SASS text of one variant."""
     ld = TkvLoader(TurboKVCodec(128, k_bits=widths[0], v_bits=widths[1]), 8, 16, lookup=lookup,
                    planes=planes)
@@ -71,10 +76,13 @@ def compile_variant(lookup, warps, block_n, swap, maxnreg, tmp: Path, widths=(4,
                   KP3=ka[9], KNP=ka[10], VP0=va[6], VP1=va[7], VP2=va[8], VP3=va[9], VNP=va[10],
                   G=4, BLOCK_H=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=block_n,
                   NUM_SPLITS=2, DOT_DTYPE=tl.bfloat16, PREFETCH=False, K_SINK=False, V_SINK=False,
+                  QROT_LOG2=7 if qrot else 0,
                   SWAP_QK=ld.k_operand_a(torch.bfloat16) if swap is None else swap)
     names = _decode_split_kernel.arg_names
     sig = {a: PTRS.get(a, "constexpr" if a in consts else "fp32" if a == "scale_log2" else "i32")
            for a in names}
+    if qrot:   # the model-space bf16 query
+        sig["Q"] = "*bf16"
     src = ASTSource(fn=_decode_split_kernel, signature=sig,
                     constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
@@ -112,7 +120,8 @@ def main() -> None:
     ap.add_argument("--widths", action="store_true",
                     help="2/3-bit sides: pair tables vs the group prmt lookup (WIDTH_VARIANTS)")
     a = ap.parse_args()
-    variants = WIDTH_VARIANTS if a.widths else [(*v, (4, 4), 2) for v in VARIANTS]
+    variants = WIDTH_VARIANTS if a.widths else (
+        [(*v, (4, 4), 2, False) for v in VARIANTS] + [(*v, (4, 4), 2, True) for v in QROT_VARIANTS])
     # the prmt lookups refuse the interpreter; here nothing runs, the kernel is only compiled
     loaders_mod.interpreting = util.interpreting = lambda: False
     what = "2/3-bit sides" if a.widths else "K4V4"
@@ -124,9 +133,9 @@ def main() -> None:
             "warp-instr per 128 tokens | PRMT | IMAD.U32 | IMAD.MOV | LDS+STS+LDSM | HMMA |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as d:
-        for label, lookup, warps, block_n, swap, maxnreg, widths, planes in variants:
+        for label, lookup, warps, block_n, swap, maxnreg, widths, planes, *qrot in variants:
             info, shared, sass = compile_variant(lookup, warps, block_n, swap, maxnreg, Path(d),
-                                                 widths, planes)
+                                                 widths, planes, bool(qrot and qrot[0]))
             regs = re.search(r"Used (\d+) registers", info).group(1)
             spill = re.search(r"(\d+) bytes spill stores", info).group(1)
             n, ops, imad_u, imad_mov = loop_ops(sass)

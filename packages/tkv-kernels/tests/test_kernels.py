@@ -1140,3 +1140,61 @@ def test_gluon_kernel_refuses_what_it_cannot_serve():
         check_supported(odd, "cuda", 64, 2, torch.bfloat16)
     with pytest.raises(UnsupportedKernelError):
         check_supported(ld, "cuda", 96, 2, torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim,kb,vb,group,window,dtype,calibrated,prefetch", [
+    (64, 4, 4, 4, 0, torch.bfloat16, False, False),
+    (128, 4, 4, 4, 0, torch.bfloat16, True, False),
+    (64, 2, 2, 3, 7, torch.float16, True, False),     # 4 planes, GQA 3 (padded rows)
+    (64, 3, 5, 1, 0, torch.bfloat16, True, True),     # 8-code groups, prefetch
+    (128, 8, 6, 2, 0, torch.float16, False, False),
+])
+def test_decode_fused_query_rotation_matches_reference(head_dim, kb, vb, group, window, dtype,
+                                                       calibrated, prefetch):
+    """decode(fused_query_rotation=True): the split kernel rotates the model-space query
+    itself (H (w ⊙ q), log2(head_dim) butterfly stages) — equal to the float64 oracle and to
+    the rotate_rows path, with channel scales, key / sink offsets (calibrated), windows,
+    padded GQA groups, every plane count and the prefetch pipeline."""
+    g = _gen(head_dim + kb * 10 + vb)
+    extra = {}
+    if calibrated:
+        hkv = 2
+        extra = dict(k_channel_scales=torch.rand(head_dim, generator=g) + 0.5,
+                     v_channel_scales=torch.rand(head_dim, generator=g) + 0.5,
+                     k_channel_offset=torch.randn(hkv, head_dim, generator=g),
+                     k_sink_offset=torch.randn(hkv, head_dim, generator=g) * 3,
+                     v_sink_offset=torch.randn(hkv, head_dim, generator=g) * 3)
+    codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=3, **extra)
+    ld = TkvLoader(codec, 2, 16)
+    assert ld.q_hadamard is not None and ld.q_hadamard.shape == (head_dim,)
+    # the weights are the rotation: (w ⊙ q) @ H == q @ q_in (float64)
+    from tkv.codec.rotation import hadamard_matrix
+    q64 = torch.randn(5, head_dim, generator=g, dtype=torch.float64)
+    torch.testing.assert_close((q64 * ld.q_hadamard.double().cpu()) @ hadamard_matrix(
+        head_dim, torch.float64), q64 @ ld.q_in.double().cpu()[:head_dim, :head_dim],
+        rtol=1e-6, atol=1e-6)
+    lens = [37, 1, 90]
+    fused, q, cache, batch = _decode_check(ld, lens, group, seed=kb, window=window, dtype=dtype,
+                                           prefetch=prefetch, fused_query_rotation=True)
+    plain = torch.empty_like(fused)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=plain, window=window,
+           block_n=ld.min_block_n, prefetch=prefetch)
+    assert _rel(fused, plain) < 1e-2
+    # the loader's option is decode's default (the engines set it from the environment)
+    ld_fused = TkvLoader(codec, 2, 16, fused_query_rotation=True)
+    by_loader = torch.empty_like(fused)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld_fused, _ws(), out=by_loader,
+           window=window, block_n=ld.min_block_n, prefetch=prefetch)
+    assert torch.equal(by_loader, fused)
+
+
+def test_decode_fused_query_rotation_falls_back_where_not_hadamard():
+    """head_dim 96 (Hadamard ⊗ DCT rotation): no Hadamard weights; fused_query_rotation=True
+    then runs the separate rotation (same output as without the flag, bit for bit)."""
+    ld = TkvLoader(TurboKVCodec(96, 4, device=DEV), 2, 16)
+    assert ld.q_hadamard is None
+    out, q, cache, batch = _decode_check(ld, [20, 33], 2, seed=4, fused_query_rotation=True)
+    plain = torch.empty_like(out)
+    decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=plain,
+           block_n=ld.min_block_n)
+    assert torch.equal(out, plain)

@@ -279,6 +279,24 @@ def test_small_head_groups_from_env():
             small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: bad})
 
 
+def test_fused_query_rotation_from_env():
+    """TKV_FUSED_QUERY_ROTATION: unset / blank / 0 → off (the default), 1 → on, anything else
+    a named error."""
+    from tkv.kernels import (
+        ENV_FUSED_QUERY_ROTATION,
+        FusedQueryRotationConfigError,
+        fused_query_rotation_from_env,
+    )
+
+    assert fused_query_rotation_from_env({}) is False
+    assert fused_query_rotation_from_env({ENV_FUSED_QUERY_ROTATION: " "}) is False
+    assert fused_query_rotation_from_env({ENV_FUSED_QUERY_ROTATION: " 1 "}) is True
+    assert fused_query_rotation_from_env({ENV_FUSED_QUERY_ROTATION: "0"}) is False
+    for bad in ("on", "2", "True"):
+        with pytest.raises(FusedQueryRotationConfigError, match="TKV_FUSED_QUERY_ROTATION"):
+            fused_query_rotation_from_env({ENV_FUSED_QUERY_ROTATION: bad})
+
+
 @pytest.mark.parametrize("raw,want", [("", 0), ("0", 0), (" 128 ", 128), ("255", 255),
                                       ("12", None), ("300", None), ("lots", None), ("-1", None),
                                       ("1e2", None), ("12.0", None), ("²", None), ("１２８", None),

@@ -439,10 +439,12 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
     tkv_env("4.5", bundle_file)
     monkeypatch.setenv("TKV_SGLANG_IMPL", "triton")
     monkeypatch.setenv("TKV_LOOKUP", "gather")   # reaches the pool's loaders (exact here)
+    monkeypatch.delenv("TKV_FUSED_QUERY_ROTATION", raising=False)
     if small_head_groups is None:
         monkeypatch.delenv("TKV_SMALL_HEAD_GROUPS", raising=False)
-    else:
+    else:   # with the in-kernel decode query rotation too (its loaders take it)
         monkeypatch.setenv("TKV_SMALL_HEAD_GROUPS", small_head_groups)
+        monkeypatch.setenv("TKV_FUSED_QUERY_ROTATION", "1")
     w = World(sgl, fakes, monkeypatch)
     calls = []
     if flash:
@@ -457,6 +459,7 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
         w.backend.dense_attention = FlashVarlenAttention(fake_varlen, ver=3)
     assert w.pool.loader(w.layer.layer_id).lookup == "gather"
     assert w.pool.loader(w.layer.layer_id).small_head_groups is (small_head_groups != "0")
+    assert w.pool.loader(w.layer.layer_id).fused_query_rotation is (small_head_groups == "0")
     FM = sgl.ForwardMode
     bf = torch.bfloat16
     for row, pages in ((1, [6, 1]), (2, [2, 9])):

@@ -62,7 +62,7 @@ def run(spec_k: int) -> float:
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from tkv.codec.bundle import LayerAllocation
-    from tkv.kernels import small_head_groups_from_env
+    from tkv.kernels import fused_query_rotation_from_env, small_head_groups_from_env
     from tkv.kernels.reference import gather_kv
 
     load_general_plugins()
@@ -118,6 +118,8 @@ def run(spec_k: int) -> float:
         assert impl._tkv_state.loader(bs).lookup == want, (impl._tkv_state.lookup, want)
         shg = small_head_groups_from_env()   # unset: on (the default)
         assert impl._tkv_state.loader(bs).small_head_groups == shg
+        fqr = fused_query_rotation_from_env()   # unset: off (the default)
+        assert impl._tkv_state.loader(bs).fused_query_rotation == fqr
         shape = B.TurboAttnBackend.get_kv_cache_shape_for_spec(num_blocks, bs, spec)
         cache = torch.zeros(shape, dtype=torch.uint8)
         # cached context, stored the way vLLM stores it

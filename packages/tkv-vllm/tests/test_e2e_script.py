@@ -606,19 +606,21 @@ def test_prefix_cache_check_reports_hits_agreement_and_drift(e2e):
 
 
 def test_all_tkvflash_run_sets_the_prefill_attention(e2e, tmp_path, monkeypatch):
-    """`all --runs tkv tkvflash tkvtriton`: the tkvflash / tkvtriton engines get
-    TKV_PREFILL_ATTENTION=flash / =tkv in their environment and their own file names and table
-    rows; the plain tkv run none (tkv-vllm's default, auto)."""
+    """`all --runs tkv tkvflash tkvtriton tkvqrot`: the variant engines get
+    TKV_PREFILL_ATTENTION=flash / =tkv or TKV_FUSED_QUERY_ROTATION=1 in their environment and
+    their own file names and table rows; the plain tkv run none (tkv-vllm's defaults)."""
     calls = []
     _stub_engines(e2e, tmp_path, monkeypatch, lambda m, mode, bits, o, g, kw: calls.append(
         (mode, bits, kw)))
-    rc = e2e.main(["all", "--model", "a", "--runs", "tkv", "tkvflash", "tkvtriton",
+    rc = e2e.main(["all", "--model", "a", "--runs", "tkv", "tkvflash", "tkvtriton", "tkvqrot",
                    "--out", str(tmp_path / "out")])
     assert rc == 0
     assert calls == [("tkv", "4.0", {}),
                      ("tkv", "4.0", {"extra_env": {"TKV_PREFILL_ATTENTION": "flash"},
                                      "variant": "flash"}),
                      ("tkv", "4.0", {"extra_env": {"TKV_PREFILL_ATTENTION": "tkv"},
-                                     "variant": "triton"})]
+                                     "variant": "triton"}),
+                     ("tkv", "4.0", {"extra_env": {"TKV_FUSED_QUERY_ROTATION": "1"},
+                                     "variant": "qrot"})]
     (res,) = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")]
-    assert list(res) == ["tkv@4.0", "tkv@4.0 flash", "tkv@4.0 triton"]
+    assert list(res) == ["tkv@4.0", "tkv@4.0 flash", "tkv@4.0 triton", "tkv@4.0 qrot"]

@@ -21,16 +21,19 @@ from .dense_attention import (
     prefill_attention_from_env,
 )
 from .loaders import (
+    ENV_FUSED_QUERY_ROTATION,
     ENV_LOOKUP,
     ENV_SMALL_HEAD_GROUPS,
     BypassLoader,
     Fp8Loader,
+    FusedQueryRotationConfigError,
     Loader,
     LookupConfigError,
     MaxnregConfigError,
     PerCodebookCompileWarning,
     SmallHeadGroupsConfigError,
     TkvLoader,
+    fused_query_rotation_from_env,
     lookup_from_env,
     small_head_groups_from_env,
 )
@@ -47,6 +50,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DENSE_PREFIX_CAP",
+    "ENV_FUSED_QUERY_ROTATION",
     "ENV_LOOKUP",
     "ENV_PREFILL_ATTENTION",
     "ENV_SMALL_HEAD_GROUPS",
@@ -54,6 +58,7 @@ __all__ = [
     "DenseAttention",
     "FlashVarlenAttention",
     "Fp8Loader",
+    "FusedQueryRotationConfigError",
     "Loader",
     "LookupConfigError",
     "MaxnregConfigError",
@@ -70,6 +75,7 @@ __all__ = [
     "decode",
     "dense_prefix_bytes",
     "flash_device",
+    "fused_query_rotation_from_env",
     "lookup_from_env",
     "prefill",
     "prefill_attention_from_env",

@@ -62,6 +62,36 @@ def load_planes(ptr, rows, rmask, NP: tl.constexpr, D_PAD: tl.constexpr,
 
 
 @triton.jit
+def _hadamard_stage(x, M: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+    """One radix-2 butterfly stage of the Walsh–Hadamard transform along the last axis of
+    ``x [M, D]``: coordinates ``i`` and ``i + H`` (bit ``log2 H`` of ``i`` clear) become their
+    sum and difference."""
+    y = tl.permute(tl.reshape(x, [M, D // (2 * H), 2, H]), 0, 1, 3, 2)
+    a, b = tl.split(y)
+    y = tl.permute(tl.join(a + b, a - b), 0, 1, 3, 2)
+    return tl.reshape(y, [M, D])
+
+
+@triton.jit
+def hadamard_rows(ptr, rows, rmask, w, out, out_rows, M: tl.constexpr, D: tl.constexpr,
+                  LOG2D: tl.constexpr):
+    """Write ``H (w ⊙ x)`` as float32 rows ``out + out_rows[m]`` for the model-space rows
+    ``x = ptr + rows[m]`` (``H`` the unnormalized Sylvester Walsh–Hadamard matrix of order
+    ``D = 2^LOG2D``; ``w`` float32 ``(D,)``: the rotation's signs, the key channel scales and
+    ``1/√D`` in one vector): ``LOG2D`` butterfly stages in float32 registers, no ``D × D``
+    matrix. Masked rows are not written. The decode kernel reads the rows back with
+    :func:`load_planes` after a CTA barrier — straight from the butterflies, Triton keeps the
+    query planes in tensor-core operand registers for the whole loop (244 instead of 168
+    registers per thread at head_dim 128, offline sm_90a: one CTA per SM less)."""
+    c = tl.arange(0, D)
+    x = tl.load(ptr + rows[:, None] + c[None, :], mask=rmask[:, None], other=0.0)
+    x = x.to(tl.float32) * tl.load(w + c)[None, :]
+    for s in tl.static_range(LOG2D):
+        x = _hadamard_stage(x, M, D, 1 << s)
+    tl.store(out + out_rows[:, None] + c[None, :], x, mask=rmask[:, None])
+
+
+@triton.jit
 def store_planes(ptr, rows, rmask, planes, scale, NP: tl.constexpr, D_PAD: tl.constexpr,
                  HEAD_DIM: tl.constexpr, PLANAR: tl.constexpr = False):
     """Inverse of :func:`load_planes`, each plane times ``scale[:, None]`` (padding

@@ -15,6 +15,7 @@ from ._planes import (
     accumulate,
     add_shift,
     fetch_kv,
+    hadamard_rows,
     load_planes,
     load_shift,
     planes_dot,
@@ -65,19 +66,22 @@ def _decode_split_kernel(
         Q, sq_s, sq_h, block_table, s_bt, seq_lens, max_blocks, num_blocks,
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
-        part_o, part_lse, scale_log2, window, k_shift, v_shift,
+        part_o, part_lse, scale_log2, window, k_shift, v_shift, q_w, q_rot,
         FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
         KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         G: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, SWAP_QK: tl.constexpr,
-        K_SINK: tl.constexpr, V_SINK: tl.constexpr):
+        K_SINK: tl.constexpr, V_SINK: tl.constexpr, QROT_LOG2: tl.constexpr):
     """One (sequence, KV head, split): the split's partial output (unnormalized accumulator
     over ``l``) and LSE. ``K_SINK`` / ``V_SINK`` (loaders.sink_shift): a key whose norm has
     its sign bit set scores ``|n|·⟨q, k̂⟩ + ⟨q, c_k⟩``; a flagged value adds ``c_v`` times its
     softmax weight (the flagged mass ``m_f`` is rescaled like ``l``): linear in p, so the
-    split merge is unchanged."""
+    split merge is unchanged. ``QROT_LOG2`` > 0: ``Q`` holds model-space queries, rotated here
+    as ``H (q_w ⊙ q)`` into ``q_rot`` (float32 ``(num_seqs, num_q_heads, D_PAD)``; every split
+    of a (sequence, KV head) writes the same rows) and read back after a CTA barrier
+    (:func:`hadamard_rows`)."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -93,8 +97,25 @@ def _decode_split_kernel(
     per = tl.cdiv(t1 - t0, NUM_SPLITS)
     my0 = t0 + split * per
     my1 = tl.minimum(my0 + per, t1)
-    q = load_planes(Q, seq.to(tl.int64) * sq_s + qh * sq_h, hmask, KNP, D_PAD, HEAD_DIM,
-                    DOT_DTYPE)
+    cap = max_blocks * BLOCK_SIZE
+    bt_row = block_table + seq.to(tl.int64) * s_bt
+    # PREFETCH: software pipeline — the K/V bytes of tile t+1 are fetched while tile t is
+    # computed (costs the registers of one raw tile pair); the first tile's fetch is issued
+    # before the query is loaded (and, QROT_LOG2, rotated)
+    if PREFETCH:
+        mask_n, rk, ks, rv, vs = _fetch_kv(
+            my0, my1, L, start, cap, bt_row, num_blocks, kvh, k_base, k_aux, k_table, k_sb,
+            k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1, KP2, KP3,
+            KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, BLOCK_N, D_PAD)
+    if QROT_LOG2 > 0:
+        rot_rows = (seq.to(tl.int64) * (G * tl.num_programs(1)) + qh) * D_PAD
+        hadamard_rows(Q, seq.to(tl.int64) * sq_s + qh * sq_h, hmask, q_w, q_rot, rot_rows,
+                      BLOCK_H, D_PAD, QROT_LOG2)
+        tl.debug_barrier()
+        q = load_planes(q_rot, rot_rows, hmask, KNP, D_PAD, HEAD_DIM, DOT_DTYPE)
+    else:
+        q = load_planes(Q, seq.to(tl.int64) * sq_s + qh * sq_h, hmask, KNP, D_PAD, HEAD_DIM,
+                        DOT_DTYPE)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = zero_planes(BLOCK_H, VNP, D_PAD)
@@ -102,15 +123,6 @@ def _decode_split_kernel(
         qd = planes_dot(q, load_shift(k_shift, kvh, KNP, D_PAD, HEAD_DIM), KNP) * scale_log2
     if V_SINK:
         m_f = tl.zeros([BLOCK_H], tl.float32)
-    cap = max_blocks * BLOCK_SIZE
-    bt_row = block_table + seq.to(tl.int64) * s_bt
-    # PREFETCH: software pipeline — the K/V bytes of tile t+1 are fetched while tile t is
-    # computed (costs the registers of one raw tile pair)
-    if PREFETCH:
-        mask_n, rk, ks, rv, vs = _fetch_kv(
-            my0, my1, L, start, cap, bt_row, num_blocks, kvh, k_base, k_aux, k_table, k_sb,
-            k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1, KP2, KP3,
-            KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, BLOCK_N, D_PAD)
     for t in range(my0, my1):
         if PREFETCH:
             mask_nx, rkx, ksx, rvx, vsx = _fetch_kv(
@@ -229,7 +241,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
            output_rotated: bool = False, num_splits: int | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int = 1,
            prefetch: bool = False, swap_qk: bool | None = None,
-           maxnreg: int | None = None, kernel: str = "triton") -> torch.Tensor:
+           maxnreg: int | None = None, kernel: str = "triton",
+           fused_query_rotation: bool | None = None) -> torch.Tensor:
     """Paged decode attention, one query token per sequence, reading the cache through
     ``loader`` with inline dequant (split-K over the sequence, LSE merge of the splits).
 
@@ -280,6 +293,15 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         prefetch: fetch tile ``t+1``'s bytes while tile ``t`` is computed (software
             pipeline). Off by default: on the H200 it helped 32-token tiles (0.46 vs 0.49 ms)
             but not the faster 128-token ones (0.44 vs 0.38 ms), K4V4 B=32 L=8K.
+        fused_query_rotation: rotate the model-space query inside the split kernel (each
+            program: its query heads times ``loader.q_hadamard``, then log2(head_dim)
+            Walsh–Hadamard butterfly stages in float32 registers) instead of one
+            ``rotate_rows`` launch before it: one dependent launch and the rotated-query
+            round trip through the workspace less per decode call. Only where the rotation
+            is a power-of-two Hadamard (``loader.q_hadamard`` not None), the Triton kernel
+            and an unrotated query; otherwise the separate rotation runs. None (default):
+            the loader's ``fused_query_rotation`` (TkvLoader: False unless constructed with
+            it; the engines: ``TKV_FUSED_QUERY_ROTATION``).
 
     Returns:
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError /
@@ -335,8 +357,17 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     part_o, part_lse = workspace.partials(ns, hq, splits, d_pad)
     q = query
     br = row_block(ns * hq, d_pad)   # (sequence, head) rows per reduce program
+    # in-kernel query rotation: weights, its output rows, butterfly stages
+    q_w, q_rot, qrot_log2 = part_lse, part_lse, 0
     if loader.rotated and not query_rotated:
-        q = rotate_rows(query, loader.q_in[:d, :d], workspace.rotated_queries(ns, hq, d))
+        hw = getattr(loader, "q_hadamard", None)
+        if fused_query_rotation is None:
+            fused_query_rotation = getattr(loader, "fused_query_rotation", False)
+        if fused_query_rotation and kernel == "triton" and hw is not None:
+            q_w, qrot_log2 = hw, d.bit_length() - 1
+            q_rot = workspace.rotated_queries(ns, hq, d)
+        else:
+            q = rotate_rows(query, loader.q_in[:d, :d], workspace.rotated_queries(ns, hq, d))
     if kernel == "gluon" and block_n is None:
         block_n = 32   # one warp: 64-token tiles spill at head_dim 128 (ptxas sm_90a)
     block_n = tile_tokens(block_n, d, loader.min_block_n,
@@ -358,13 +389,14 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         _decode_split_kernel[(ns, hkv, splits)](
             q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
             block_table.shape[1], num_blocks, *kargs[:6], *vargs[:6], part_o, part_lse,
-            scale * _LOG2E, window, k_shift, v_shift,
+            scale * _LOG2E, window, k_shift, v_shift, q_w, q_rot,
             FETCH=loader.fetch, DEQUANT=loader.dequant, KP0=kargs[6], KP1=kargs[7],
             KP2=kargs[8], KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7],
             VP2=vargs[8], VP3=vargs[9], VNP=vargs[10], G=g, BLOCK_H=block_h, HEAD_DIM=d,
             D_PAD=d_pad, BLOCK_SIZE=loader.block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
             DOT_DTYPE=_TL[dot_dtype], PREFETCH=bool(prefetch), SWAP_QK=bool(swap_qk),
-            K_SINK=k_sink, V_SINK=v_sink, num_warps=num_warps, num_stages=num_stages,
+            K_SINK=k_sink, V_SINK=v_sink, QROT_LOG2=qrot_log2, num_warps=num_warps,
+            num_stages=num_stages,
             **({"maxnreg": int(maxnreg)} if maxnreg else {}))
     unrotate = bool(loader.rotated and not output_rotated)
     u = loader.out_mat if unrotate else part_lse

@@ -114,6 +114,22 @@ class Loader(Protocol):
         """Cache bytes one token of this layer occupies (all heads, K and V)."""
 
 
+def _hadamard_weights(q_in: torch.Tensor, d_pad: int, device) -> torch.Tensor | None:
+    """``w`` (float32 ``(d,)`` on ``device``) with ``q_in = diag(w) @ H`` (``H`` the
+    unnormalized Sylvester Walsh–Hadamard matrix of order d), or None when d is not a power of
+    two ≥ 16 or ``q_in`` (float64 ``(d, d)``) has any other form (off-diagonal mass of
+    ``q_in @ H / d`` above 1e-6 of its diagonal)."""
+    d = q_in.shape[0]
+    if d != d_pad or d < 16:
+        return None
+    from tkv.codec.rotation import hadamard_matrix
+    m = q_in @ hadamard_matrix(d, torch.float64) / d
+    w = torch.diagonal(m).clone()
+    if (m - torch.diag(w)).abs().max() > 1e-6 * w.abs().max():
+        return None
+    return w.to(device, torch.float32).contiguous()
+
+
 # ============================================================================ tkv
 LOOKUP_GATHER, LOOKUP_PAIR_F16, LOOKUP_PAIR_BF16 = 0, 1, 2
 LOOKUP_SHUFFLE, LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16 = 3, 4, 5
@@ -450,10 +466,26 @@ class LookupConfigError(ValueError):
 
 
 ENV_SMALL_HEAD_GROUPS = "TKV_SMALL_HEAD_GROUPS"
+ENV_FUSED_QUERY_ROTATION = "TKV_FUSED_QUERY_ROTATION"
 
 
 class SmallHeadGroupsConfigError(ValueError):
     """``TKV_SMALL_HEAD_GROUPS`` is neither ``0`` nor ``1``."""
+
+
+class FusedQueryRotationConfigError(ValueError):
+    """``TKV_FUSED_QUERY_ROTATION`` is neither ``0`` nor ``1``."""
+
+
+def _flag_from_env(environ, name: str, default: str, error: type[ValueError],
+                   meaning: str) -> bool:
+    """A ``0`` / ``1`` engine option from the environment (unset or blank: ``default``);
+    anything else raises ``error`` with ``meaning`` (what each value does) in the message."""
+    env = os.environ if environ is None else environ
+    v = env.get(name, default).strip() or default
+    if v not in ("0", "1"):
+        raise error(f"{name}={v!r}: use {meaning}")
+    return v == "1"
 
 
 def small_head_groups_from_env(environ=None) -> bool:
@@ -464,13 +496,24 @@ def small_head_groups_from_env(environ=None) -> bool:
     Raises:
         SmallHeadGroupsConfigError: any other value.
     """
-    env = os.environ if environ is None else environ
-    v = env.get(ENV_SMALL_HEAD_GROUPS, "1").strip() or "1"
-    if v not in ("0", "1"):
-        raise SmallHeadGroupsConfigError(
-            f"{ENV_SMALL_HEAD_GROUPS}={v!r}: use 1 (default: fetch 3/5/7-bit sides at head_dim "
-            "64 as 8-code groups) or 0 (read them per element)")
-    return v == "1"
+    return _flag_from_env(environ, ENV_SMALL_HEAD_GROUPS, "1", SmallHeadGroupsConfigError,
+                          "1 (default: fetch 3/5/7-bit sides at head_dim 64 as 8-code groups) "
+                          "or 0 (read them per element)")
+
+
+def fused_query_rotation_from_env(environ=None) -> bool:
+    """The :class:`TkvLoader` option ``fused_query_rotation`` for the engines' loaders:
+    ``TKV_FUSED_QUERY_ROTATION=0`` (the default: one ``rotate_rows`` launch rotates the decode
+    queries) or ``1`` (the split-K kernel rotates them itself; session 15 on the H200: a
+    36-layer Qwen3-8B-like step 0.988× → 1.000× bf16 at 64 sequences, equal at 256, one 32K
+    sequence's layer step 1.08× faster — not yet timed end to end, hence off).
+
+    Raises:
+        FusedQueryRotationConfigError: any other value.
+    """
+    return _flag_from_env(environ, ENV_FUSED_QUERY_ROTATION, "0", FusedQueryRotationConfigError,
+                          "0 (default: a separate query-rotation launch) or 1 (the decode "
+                          "kernel rotates the query in registers)")
 
 
 def lookup_from_env(environ=None) -> str:
@@ -602,6 +645,12 @@ class TkvLoader:
             ``benchmarks/results/kernels_gpu_2026-12-01_s13_smollm2_step.md``) the decode
             split kernel takes 1.65 ms instead of 2.34 ms per step with the SmartMix 4.0
             row's codecs and 2.18 ms instead of 3.81 ms with the 3.0 row's.
+        fused_query_rotation: :func:`~tkv.kernels.decode` rotates the query inside its
+            split-K kernel (``q_hadamard``; where the rotation is a power-of-two Hadamard)
+            unless the call says otherwise; default False (a separate rotation launch).
+            Measured on the H200 in session 15
+            (``benchmarks/results/kernels_gpu_2026-12-01_s15_qrot.md``): 36-layer
+            Qwen3-8B-like steps 0.988× → 1.000× bf16 at 64 sequences, equal at 256.
 
     Raises:
         ValueError: unknown ``lookup``, ``planes`` not 1/2/4/8. DtypeError: ``codec`` is not
@@ -621,6 +670,11 @@ class TkvLoader:
         k_sink_delta, v_sink_delta: ``(num_kv_heads, d_pad)`` ``(σ_h − μ_h)/s`` in model
             space (the sink candidate's norm), or None without a sink offset.
         q_in: ``(d_pad, d_pad)`` with ``rotate_query(q) = q @ q_in``.
+        q_hadamard: float32 ``(head_dim,)`` ``w`` with ``q @ q_in = (w ⊙ q) @ H`` (``H`` the
+            unnormalized Sylvester Walsh–Hadamard matrix) where the rotation is a pure
+            power-of-two Hadamard (``head_dim`` a power of two ≥ 16, checked against q_in to
+            1e-6), else None: decode's in-kernel query rotation
+            (``decode(fused_query_rotation=True)``).
         out_mat: ``(d_pad, d_pad)`` with ``unrotate_output(o) = o @ out_mat``.
         q_in_planar, k_in_planar, v_in_planar: ``(head_dim, d_pad)``: q_in / k_in / v_in with
             the output columns in the side's planar layout (``_planes.planar_index``).
@@ -649,7 +703,7 @@ class TkvLoader:
 
     def __init__(self, codec: TurboKVCodec, num_kv_heads: int, block_size: int,
                  lookup: str = "auto", planes: int | None = None,
-                 small_head_groups: bool = True):
+                 small_head_groups: bool = True, fused_query_rotation: bool = False):
         if lookup not in _LOOKUPS:
             raise ValueError(f"lookup must be one of {_LOOKUPS}, got {lookup!r}")
         if planes is not None and (isinstance(planes, bool) or not isinstance(planes, int)
@@ -658,6 +712,7 @@ class TkvLoader:
         self.lookup = lookup
         self.max_planes = planes
         self.small_head_groups = bool(small_head_groups)
+        self.fused_query_rotation = bool(fused_query_rotation)
         self._prefill_view = None
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")
@@ -758,6 +813,7 @@ class TkvLoader:
         self.k_sink_delta, self.v_sink_delta = sink_delta(codec.k, sk), sink_delta(codec.v, sv)
         self._store_rotation = {}
         self.q_in = pad(torch.diag(sk) @ r.T)           # q @ Q = R (q * s_k)
+        self.q_hadamard = _hadamard_weights(torch.diag(sk) @ r.T, dp, dev)
         self.out_mat = pad(r @ torch.diag(sv))          # o @ U = s_v * R^T o
         self.k_norm_correction = bool(codec.k.norm_correction)
         self.v_norm_correction = bool(codec.v.norm_correction)

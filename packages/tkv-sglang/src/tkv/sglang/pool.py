@@ -89,12 +89,18 @@ class TkvTokenToKVPool(KVCache):
         """The layer's ``tkv.kernels.TkvLoader`` (cached; built at first use)."""
         i = self._idx(layer_id)
         if i not in self._loaders:
-            from tkv.kernels import TkvLoader, lookup_from_env, small_head_groups_from_env
+            from tkv.kernels import (
+                TkvLoader,
+                fused_query_rotation_from_env,
+                lookup_from_env,
+                small_head_groups_from_env,
+            )
 
             lay = self.layouts[i]
             self._loaders[i] = TkvLoader(self.codec(layer_id), lay.num_kv_heads, lay.block_size,
                                          lookup=lookup_from_env(),
-                                         small_head_groups=small_head_groups_from_env())
+                                         small_head_groups=small_head_groups_from_env(),
+                                         fused_query_rotation=fused_query_rotation_from_env())
         return self._loaders[i]
 
     def prepare(self) -> None:

@@ -249,12 +249,14 @@ class LayerState:
     lookup: str = "auto"
     small_head_groups: bool = True
     dense_attention: Any = None   # TKV_PREFILL_ATTENTION (auto / flash): vLLM's FlashAttention
+    fused_query_rotation: bool = False   # TKV_FUSED_QUERY_ROTATION
 
     def loader(self, block_size: int) -> Any:
         ld = self.loaders.get(block_size)
         if ld is None:  # only if vLLM changed the kernel block size after binding
             ld = kernels.TkvLoader(self.codec, self.num_kv_heads, block_size, lookup=self.lookup,
-                                   small_head_groups=self.small_head_groups)
+                                   small_head_groups=self.small_head_groups,
+                                   fused_query_rotation=self.fused_query_rotation)
             self.loaders[block_size] = ld
         return ld
 
@@ -296,11 +298,13 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
                 f"the TP shard {shard.num_local_heads} (heads {list(shard.heads)}): the "
                 "bundle's per-head offsets cannot be sliced to this rank")
     codec = layer_codec(cfg, idx, k_bits, v_bits, dev, shard)
-    # TKV_LOOKUP / TKV_SMALL_HEAD_GROUPS, validated here (startup)
+    # TKV_LOOKUP / TKV_SMALL_HEAD_GROUPS / TKV_PREFILL_ATTENTION / TKV_FUSED_QUERY_ROTATION,
+    # validated here (startup)
     state = LayerState(idx, k_bits, v_bits, int(impl.num_kv_heads), codec, {}, block,
                        kernels.lookup_from_env(), kernels.small_head_groups_from_env(),
                        prefill_attention(dev, int(impl.head_size),
-                                         vllm_config.model_config.dtype))
+                                         vllm_config.model_config.dtype),
+                       kernels.fused_query_rotation_from_env())
     state.loader(block)
     sc = vllm_config.scheduler_config
     shared_workspace(dev, int(sc.max_num_seqs), int(impl.num_heads), int(impl.head_size))
