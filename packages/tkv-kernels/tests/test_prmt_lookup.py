@@ -261,40 +261,24 @@ def test_lookup_from_env_validates_tkv_lookup():
         lookup_from_env({ENV_LOOKUP: "prmt2"})
 
 
-def test_small_head_groups_from_env():
-    """TKV_SMALL_HEAD_GROUPS: unset / blank / 1 → on (the default), 0 → off, anything else a
-    named error."""
-    from tkv.kernels import (
-        ENV_SMALL_HEAD_GROUPS,
-        SmallHeadGroupsConfigError,
-        small_head_groups_from_env,
-    )
+@pytest.mark.parametrize("parse,name,error,default", [
+    ("small_head_groups_from_env", "TKV_SMALL_HEAD_GROUPS", "SmallHeadGroupsConfigError", True),
+    ("fused_query_rotation_from_env", "TKV_FUSED_QUERY_ROTATION",
+     "FusedQueryRotationConfigError", False)])
+def test_engine_flags_from_env(parse, name, error, default):
+    """The engines' 0/1 loader options: TKV_SMALL_HEAD_GROUPS (default on) and
+    TKV_FUSED_QUERY_ROTATION (default off) — unset / blank → the default, 0 / 1 with blanks
+    around them, anything else a named error."""
+    import tkv.kernels as K
 
-    assert small_head_groups_from_env({}) is True
-    assert small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: " "}) is True
-    assert small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: "0"}) is False
-    assert small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: " 1 "}) is True
-    for bad in ("yes", "2", "true"):
-        with pytest.raises(SmallHeadGroupsConfigError, match="TKV_SMALL_HEAD_GROUPS"):
-            small_head_groups_from_env({ENV_SMALL_HEAD_GROUPS: bad})
-
-
-def test_fused_query_rotation_from_env():
-    """TKV_FUSED_QUERY_ROTATION: unset / blank / 0 → off (the default), 1 → on, anything else
-    a named error."""
-    from tkv.kernels import (
-        ENV_FUSED_QUERY_ROTATION,
-        FusedQueryRotationConfigError,
-        fused_query_rotation_from_env,
-    )
-
-    assert fused_query_rotation_from_env({}) is False
-    assert fused_query_rotation_from_env({ENV_FUSED_QUERY_ROTATION: " "}) is False
-    assert fused_query_rotation_from_env({ENV_FUSED_QUERY_ROTATION: " 1 "}) is True
-    assert fused_query_rotation_from_env({ENV_FUSED_QUERY_ROTATION: "0"}) is False
-    for bad in ("on", "2", "True"):
-        with pytest.raises(FusedQueryRotationConfigError, match="TKV_FUSED_QUERY_ROTATION"):
-            fused_query_rotation_from_env({ENV_FUSED_QUERY_ROTATION: bad})
+    fn, err = getattr(K, parse), getattr(K, error)
+    assert fn({}) is default
+    assert fn({name: " "}) is default
+    assert fn({name: "0"}) is False
+    assert fn({name: " 1 "}) is True
+    for bad in ("yes", "2", "true", "on"):
+        with pytest.raises(err, match=name):
+            fn({name: bad})
 
 
 @pytest.mark.parametrize("raw,want", [("", 0), ("0", 0), (" 128 ", 128), ("255", 255),
