@@ -712,9 +712,11 @@ def test_prefill_attention_env_choice():
     assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": "  "}, default="auto") == "auto"
     assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": " Flash "}) == "flash"
     assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": "TKV"}, default="auto") == "tkv"
-    for bad_env, default in (({"TKV_PREFILL_ATTENTION": "fa3"}, "tkv"), ({}, "fa2")):
-        with pytest.raises(PrefillAttentionConfigError, match="TKV_PREFILL_ATTENTION"):
-            prefill_attention_from_env(bad_env, default=default)
+    assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": None}, default=" AUTO ") == "auto"
+    with pytest.raises(PrefillAttentionConfigError, match="TKV_PREFILL_ATTENTION='fa3'"):
+        prefill_attention_from_env({"TKV_PREFILL_ATTENTION": "fa3"})
+    with pytest.raises(PrefillAttentionConfigError, match="default 'fa2'"):
+        prefill_attention_from_env({}, default="fa2")   # an adapter bug, not the operator's
 
 
 def test_flash_device_auto_falls_back_and_flash_insists(caplog):
@@ -749,6 +751,20 @@ def test_flash_device_auto_falls_back_and_flash_insists(caplog):
         with pytest.raises(PrefillAttentionConfigError, match=reason) as e:
             flash_device(device, {"TKV_PREFILL_ATTENTION": "flash"}, imp, unsupported)
         assert isinstance(e.value.__cause__, ImportError) == (imp is missing)
+    # whatever the engine's import or check raises: auto falls back, flash names it
+    def broken():
+        raise OSError("libcudart.so.12: cannot open shared object file")
+
+    def crashing(dev, imp):
+        raise RuntimeError("CUDA error: no kernel image")
+
+    for imp, unsupported, reason, cause in ((broken, None, "libcudart", OSError),
+                                            (ok, crashing, "no kernel image", RuntimeError),
+                                            (ok, lambda dev, imp: "", "unsupported", None)):
+        assert flash_device("cuda:0", {}, imp, unsupported, default="auto") is None
+        with pytest.raises(PrefillAttentionConfigError, match=reason) as e:
+            flash_device("cuda:0", {"TKV_PREFILL_ATTENTION": "flash"}, imp, unsupported)
+        assert (type(e.value.__cause__) if cause else e.value.__cause__) is cause
     seen = []
     got = flash_device("cuda:1", {}, ok, lambda dev, imp: seen.append((dev, imp)),
                        default="auto")
@@ -1186,6 +1202,22 @@ def test_decode_fused_query_rotation_matches_reference(head_dim, kb, vb, group, 
     decode(q, cache, batch.block_table, batch.seq_lens, ld_fused, _ws(), out=by_loader,
            window=window, block_n=ld.min_block_n, prefetch=prefetch)
     assert torch.equal(by_loader, fused)
+
+
+def test_fused_query_rotation_bad_options_are_named():
+    """TkvLoader's flags must be bools ("0" would read as True); a loader whose q_hadamard
+    does not fit the head_dim is a ShapeError at the call, not NaN rows from the kernel."""
+    codec = TurboKVCodec(48, 4, device=DEV)
+    for kw in ({"fused_query_rotation": "0"}, {"small_head_groups": 1}):
+        with pytest.raises(ValueError, match="must be a bool"):
+            TkvLoader(codec, 2, 16, **kw)
+    ld = TkvLoader(codec, 2, 16)
+    ld.q_hadamard = torch.ones(48, device=DEV)    # a mutated / custom loader
+    batch, cache = _scenario(ld, [20], 3)
+    q = torch.randn(1, 4, 48).to(DEV, torch.bfloat16)
+    with pytest.raises(ShapeError, match="q_hadamard"):
+        decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(),
+               fused_query_rotation=True)
 
 
 def test_decode_fused_query_rotation_falls_back_where_not_hadamard():

@@ -31,12 +31,16 @@ def test_default_is_auto_flash_insists_and_bad_values_are_named(patched_vllm, mo
         pa.prefill_attention("cpu", 128, bf16, environ={"TKV_PREFILL_ATTENTION": "flash"})
     # a CUDA device as vLLM sees it (the extension is never called here): the version vLLM
     # picks per head size decides; a float32 model never gets FlashAttention
-    monkeypatch.setattr(fa_utils, "get_flash_attn_version",
-                        lambda head_size=None, **kw: 3 if head_size in (64, 128, 256) else None)
+    version = {"v": 3}
+    monkeypatch.setattr(fa_utils, "get_flash_attn_version", lambda head_size=None, **kw:
+                        version["v"] if head_size in (64, 128, 256) else None)
     monkeypatch.setattr(pa, "_CACHE", {})
     fa = pa.prefill_attention("cuda:0", 128, bf16, environ={})
     assert isinstance(fa, FlashVarlenAttention) and fa.extra == {"fa_version": 3}
     assert pa.prefill_attention("cuda:0", 128, bf16, environ={}) is fa    # cached
+    version["v"] = 2     # vLLM's pick changed (another attention config in the process)
+    assert pa.prefill_attention("cuda:0", 128, bf16, environ={}).extra == {"fa_version": 2}
+    version["v"] = 3
     assert pa.prefill_attention("cuda:0", 96, bf16, environ={}) is None
     assert pa.prefill_attention("cuda:0", 128, torch.float32, environ={}) is None
     flash = {"TKV_PREFILL_ATTENTION": "flash"}

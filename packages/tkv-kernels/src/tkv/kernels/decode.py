@@ -364,6 +364,10 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         if fused_query_rotation is None:
             fused_query_rotation = getattr(loader, "fused_query_rotation", False)
         if fused_query_rotation and kernel == "triton" and hw is not None:
+            if d != d_pad or tuple(hw.shape) != (d,) or hw.device != dev:
+                raise ShapeError(f"loader.q_hadamard {tuple(hw.shape)} on {hw.device}: the "
+                                 f"in-kernel query rotation needs ({d},) on {dev} and a "
+                                 f"power-of-two head_dim ≥ 16")
             q_w, qrot_log2 = hw, d.bit_length() - 1
             q_rot = workspace.rotated_queries(ns, hq, d)
         else:

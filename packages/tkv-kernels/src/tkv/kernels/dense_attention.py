@@ -54,8 +54,11 @@ def prefill_attention_from_env(environ=None, default: str = "tkv") -> str:
     Raises:
         PrefillAttentionConfigError: any other value (also for ``default``).
     """
+    if str(default).strip().lower() not in _CHOICES:   # the adapter's own constant
+        raise PrefillAttentionConfigError(
+            f"prefill-attention default {default!r} is not one of {_CHOICES}")
     env = os.environ if environ is None else environ
-    v = env.get(ENV_PREFILL_ATTENTION, "").strip().lower() or default
+    v = (env.get(ENV_PREFILL_ATTENTION) or "").strip().lower() or default.strip().lower()
     if v not in _CHOICES:
         raise PrefillAttentionConfigError(
             f"{ENV_PREFILL_ATTENTION}={v!r}: use 'auto' (the engine's FlashAttention where it "
@@ -141,8 +144,11 @@ def flash_device(device: torch.device | str, environ, import_flash: Callable[[],
             (FlashAttention version for the head size, GPU generation, model dtype).
         default: the adapter's default when the variable is unset.
 
-    With ``auto``, a reason not to use flash (no CUDA, ImportError, ``unsupported``) gives
-    None and an INFO log line naming it; with ``flash`` it raises.
+    With ``auto``, a reason not to use flash (no CUDA device; ``import_flash`` or
+    ``unsupported`` raising anything — an ImportError, a broken extension's OSError, a
+    RuntimeError from a device query; ``unsupported`` returning a reason) gives None and an
+    INFO log line naming it; with ``flash`` it raises PrefillAttentionConfigError chained to
+    the cause.
 
     Raises:
         PrefillAttentionConfigError: an unknown value; ``flash`` where it cannot run (the
@@ -163,11 +169,16 @@ def flash_device(device: torch.device | str, environ, import_flash: Callable[[],
         return cannot(f"needs a CUDA device (attention on {dev})")
     try:
         imported = import_flash()
-    except ImportError as e:
-        return cannot(f"the engine's flash attention is not importable ({e})", e)
-    reason = None if unsupported is None else unsupported(dev, imported)
-    if reason:
-        return cannot(reason)
+    except Exception as e:   # ImportError, or a broken extension (OSError, RuntimeError, ...)
+        return cannot(f"the engine's flash attention is not importable "
+                      f"({type(e).__name__}: {e})", e)
+    try:
+        reason = None if unsupported is None else unsupported(dev, imported)
+    except Exception as e:   # the engine's own check failed (device query, signature, ...)
+        return cannot(f"checking the engine's flash attention failed ({type(e).__name__}: {e})",
+                      e)
+    if reason is not None:
+        return cannot(reason or "the engine reports it unsupported here")
     return dev, imported
 
 

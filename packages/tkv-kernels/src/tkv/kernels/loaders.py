@@ -653,8 +653,8 @@ class TkvLoader:
             Qwen3-8B-like steps 0.988× → 1.000× bf16 at 64 sequences, equal at 256.
 
     Raises:
-        ValueError: unknown ``lookup``, ``planes`` not 1/2/4/8. DtypeError: ``codec`` is not
-            a TurboKVCodec.
+        ValueError: unknown ``lookup``, ``planes`` not 1/2/4/8, ``small_head_groups`` /
+            ``fused_query_rotation`` not a bool. DtypeError: ``codec`` is not a TurboKVCodec.
         ShapeError: a per-head ``k_channel_offset`` whose head count is not ``num_kv_heads``.
         ShapeError also for a per-head sink offset with another head count.
 
@@ -711,8 +711,12 @@ class TkvLoader:
             raise ValueError(f"planes must be None, 1, 2, 4 or 8, got {planes!r}")
         self.lookup = lookup
         self.max_planes = planes
-        self.small_head_groups = bool(small_head_groups)
-        self.fused_query_rotation = bool(fused_query_rotation)
+        for name, flag in (("small_head_groups", small_head_groups),
+                           ("fused_query_rotation", fused_query_rotation)):
+            if not isinstance(flag, bool):   # "0" / "false" would read as True
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        self.small_head_groups = small_head_groups
+        self.fused_query_rotation = fused_query_rotation
         self._prefill_view = None
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")

@@ -38,7 +38,8 @@ def prefill_attention(device: torch.device | str, head_size: int, dtype: torch.d
     FlashAttention (``flash_attn_varlen_func`` at the version vLLM picks for ``head_size``),
     or None for tkv's own kernels — see the module docstring for ``auto`` / ``flash`` /
     ``tkv``. ``dtype``: the model's activation dtype (FlashAttention takes float16 /
-    bfloat16). Called at layer binding (startup); cached per device, head size and dtype.
+    bfloat16). Called at layer binding (startup); cached per device, head size, dtype and the
+    FlashAttention version vLLM reports.
 
     Raises:
         PrefillAttentionConfigError: unknown value; ``flash`` where it cannot run (no CUDA
@@ -65,7 +66,7 @@ def prefill_attention(device: torch.device | str, head_size: int, dtype: torch.d
     if got is None:
         return None
     dev, (_, flash_attn_varlen_func) = got
-    key = f"{dev}:{head_size}:{dtype}"
+    key = f"{dev}:{head_size}:{dtype}:fa{versions['fa']}"   # vLLM's pick can change per config
     if key not in _CACHE:
         _CACHE[key] = FlashVarlenAttention(flash_attn_varlen_func, fa_version=versions["fa"])
     return _CACHE[key]
