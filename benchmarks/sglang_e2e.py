@@ -95,6 +95,11 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         kw.update(kv_cache_dtype="tkv", attention_backend="turbo-attn", page_size=16)
     else:
         kw.update(kv_cache_dtype="auto", attention_backend=a.baseline_backend)
+        if a.baseline_backend == "fa3":
+            # SGLang 0.5.11's experimental piecewise prefill CUDA graphs fail at capture
+            # with FA3 on the H200 (CUBLAS_STATUS_EXECUTION_FAILED at num_tokens=8192,
+            # session 16); the error message's own workaround. Decode graphs stay on.
+            kw.update(disable_piecewise_cuda_graph=True)
     if a.dummy:
         kw.update(load_format="dummy", skip_tokenizer_init=True)
     return kw

@@ -143,3 +143,15 @@ def test_gpu_session_start_waits_for_tkv_after(tmp_path):
     while not (tmp_path / "ran_at").exists() and time.time() < deadline:
         time.sleep(0.2)
     assert float((tmp_path / "ran_at").read_text()) < t1 + 5
+
+
+@pytest.mark.parametrize("mode,backend,no_piecewise", [
+    ("bf16", "fa3", True), ("bf16", "triton", False), ("tkv", "fa3", False)])
+def test_fa3_baseline_runs_without_piecewise_prefill_graphs(e2e, mode, backend, no_piecewise):
+    """SGLang 0.5.11 fails to capture its piecewise prefill CUDA graphs with FA3 on the H200
+    (session 16): only the fa3 bf16 baseline turns them off; tkv runs keep SGLang's default."""
+    a = argparse.Namespace(model="m", mem=0.5, context_length=4096, batches=[64, 256],
+                           eager=False, mode=mode, baseline_backend=backend, dummy=False)
+    kw = e2e.engine_kwargs(a)
+    assert kw.get("disable_piecewise_cuda_graph", False) is no_piecewise
+    assert kw["attention_backend"] == ("turbo-attn" if mode == "tkv" else backend)
