@@ -916,7 +916,8 @@ def run_all(opts: argparse.Namespace) -> int:
                 "tkv8": ("tkv", "8.0", bundle, True, ""),
                 "tkvflash": ("tkv", opts.bits, bundle, False, "flash"),
                 "tkvtriton": ("tkv", opts.bits, bundle, False, "triton"),
-                "tkvqrot": ("tkv", opts.bits, bundle, False, "qrot")}
+                "tkvqrot": ("tkv", opts.bits, bundle, False, "qrot"),
+                "tkvnoqrot": ("tkv", opts.bits, bundle, False, "noqrot")}
         res = {}
         for r in opts.runs:
             mode, bits, b, greedy_only, variant = runs[r]
@@ -1312,13 +1313,15 @@ def divergence_cpu(opts: argparse.Namespace) -> int:
 
 
 JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the driver runs without tkv)
-# engine-environment variants of a tkv run (`all --runs tkvflash tkvtriton tkvqrot`): prefill
-# through vLLM's FlashAttention (required), or tkv's own Triton / SDPA kernels; decode with the
-# query rotated inside the split kernel. The plain `tkv` run takes tkv-vllm's defaults
-# (TKV_PREFILL_ATTENTION=auto: FlashAttention where it can run; a separate query rotation)
+# engine-environment variants of a tkv run (`all --runs tkvflash tkvtriton tkvqrot tkvnoqrot`):
+# prefill through vLLM's FlashAttention (required), or tkv's own Triton / SDPA kernels; decode
+# with the query rotated inside the split kernel, or by a separate launch. The plain `tkv` run
+# takes tkv-vllm's defaults (TKV_PREFILL_ATTENTION=auto: FlashAttention where it can run;
+# TKV_FUSED_QUERY_ROTATION=1 since session 16: the query rotated inside the split kernel)
 VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
             "triton": {"TKV_PREFILL_ATTENTION": "tkv"},
-            "qrot": {"TKV_FUSED_QUERY_ROTATION": "1"}}
+            "qrot": {"TKV_FUSED_QUERY_ROTATION": "1"},
+            "noqrot": {"TKV_FUSED_QUERY_ROTATION": "0"}}
 JIT_LEGEND = ("`†n/m`: Triton compiled a kernel inside n of the cell's m timed runs "
               "(`jit_events` / `jit_compiles` in the JSON); `‡n/m`: it only loaded compiled "
               "kernels from its disk cache (`jit_disk_loads`) in n runs. Either is a one-time "
@@ -1385,13 +1388,14 @@ def main(argv: list[str] | None = None) -> int:
                            help="also run the long prompt on real-weight models")
             a.add_argument("--runs", nargs="+",
                            choices=["bf16", "tq4", "tkv", "tkv8", "tkvflash", "tkvtriton",
-                                    "tkvqrot"],
+                                    "tkvqrot", "tkvnoqrot"],
                            default=["bf16", "tq4", "tkv", "tkv8"],
                            help="engine runs per model: bf16, vLLM turboquant_4bit_nc, tkv at "
                            "--bits (capacity+greedy+throughput; tkv-vllm's default prefill, "
                            "TKV_PREFILL_ATTENTION=auto), tkv at 8.0 (greedy only), tkvflash / "
                            "tkvtriton = tkv at --bits with TKV_PREFILL_ATTENTION=flash / =tkv, "
-                           "tkvqrot = tkv at --bits with TKV_FUSED_QUERY_ROTATION=1")
+                           "tkvqrot / tkvnoqrot = tkv at --bits with "
+                           "TKV_FUSED_QUERY_ROTATION=1 / =0")
         if name == "serve-check":
             a.add_argument("--port", type=int, default=8011)
     c = sub.add_parser("write-checkpoint", help="the seeded random Qwen3-8B-like checkpoint")

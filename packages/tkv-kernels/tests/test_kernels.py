@@ -1181,7 +1181,7 @@ def test_decode_fused_query_rotation_matches_reference(head_dim, kb, vb, group, 
                      k_sink_offset=torch.randn(hkv, head_dim, generator=g) * 3,
                      v_sink_offset=torch.randn(hkv, head_dim, generator=g) * 3)
     codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=3, **extra)
-    ld = TkvLoader(codec, 2, 16)
+    ld = TkvLoader(codec, 2, 16, fused_query_rotation=False)   # the separate launch
     assert ld.q_hadamard is not None and ld.q_hadamard.shape == (head_dim,)
     # the weights are the rotation: (w ⊙ q) @ H == q @ q_in (float64)
     from tkv.codec.rotation import hadamard_matrix
@@ -1196,8 +1196,10 @@ def test_decode_fused_query_rotation_matches_reference(head_dim, kb, vb, group, 
     decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=plain, window=window,
            block_n=ld.min_block_n, prefetch=prefetch)
     assert _rel(fused, plain) < 1e-2
-    # the loader's option is decode's default (the engines set it from the environment)
-    ld_fused = TkvLoader(codec, 2, 16, fused_query_rotation=True)
+    # the loader's option is decode's default, on unless the loader says otherwise (the
+    # engines set it from the environment)
+    ld_fused = TkvLoader(codec, 2, 16)
+    assert ld_fused.fused_query_rotation is True
     by_loader = torch.empty_like(fused)
     decode(q, cache, batch.block_table, batch.seq_lens, ld_fused, _ws(), out=by_loader,
            window=window, block_n=ld.min_block_n, prefetch=prefetch)

@@ -264,10 +264,10 @@ def test_lookup_from_env_validates_tkv_lookup():
 @pytest.mark.parametrize("parse,name,error,default", [
     ("small_head_groups_from_env", "TKV_SMALL_HEAD_GROUPS", "SmallHeadGroupsConfigError", True),
     ("fused_query_rotation_from_env", "TKV_FUSED_QUERY_ROTATION",
-     "FusedQueryRotationConfigError", False)])
+     "FusedQueryRotationConfigError", True)])
 def test_engine_flags_from_env(parse, name, error, default):
-    """The engines' 0/1 loader options: TKV_SMALL_HEAD_GROUPS (default on) and
-    TKV_FUSED_QUERY_ROTATION (default off) — unset / blank → the default, 0 / 1 with blanks
+    """The engines' 0/1 loader options: TKV_SMALL_HEAD_GROUPS and TKV_FUSED_QUERY_ROTATION
+    (both default on) — unset / blank → the default, 0 / 1 with blanks
     around them, anything else a named error."""
     import tkv.kernels as K
 

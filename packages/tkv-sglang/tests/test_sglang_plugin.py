@@ -428,8 +428,9 @@ def test_triton_impl_store_and_decode_match_the_reference(sgl, fakes, tkv_env, b
 def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, bundle_file,
                                                            monkeypatch, small_head_groups, flash):
     """Extend through tkv.kernels.prefill: first chunk, then a second chunk whose prefix is
-    read compressed from the pages the first chunk stored (TKV_SMALL_HEAD_GROUPS reaches the
-    pool's loaders too: unset = the default, on; 0 = per element). ``flash``: the backend's
+    read compressed from the pages the first chunk stored (TKV_SMALL_HEAD_GROUPS and
+    TKV_FUSED_QUERY_ROTATION reach the pool's loaders too: unset = the defaults, on; 0 = per
+    element and a separate query-rotation launch). ``flash``: the backend's
     dense_attention is FlashVarlenAttention over a fake sgl-kernel varlen (as
     TKV_PREFILL_ATTENTION=flash builds it on a GPU): the first chunks (two sequences, no
     prefix) go through it in one call, the two-sequence continuation does not."""
@@ -442,9 +443,9 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
     monkeypatch.delenv("TKV_FUSED_QUERY_ROTATION", raising=False)
     if small_head_groups is None:
         monkeypatch.delenv("TKV_SMALL_HEAD_GROUPS", raising=False)
-    else:   # with the in-kernel decode query rotation too (its loaders take it)
+    else:   # with the separate decode query-rotation launch too (its loaders take it)
         monkeypatch.setenv("TKV_SMALL_HEAD_GROUPS", small_head_groups)
-        monkeypatch.setenv("TKV_FUSED_QUERY_ROTATION", "1")
+        monkeypatch.setenv("TKV_FUSED_QUERY_ROTATION", "0")
     w = World(sgl, fakes, monkeypatch)
     calls = []
     if flash:
@@ -459,7 +460,7 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
         w.backend.dense_attention = FlashVarlenAttention(fake_varlen, ver=3)
     assert w.pool.loader(w.layer.layer_id).lookup == "gather"
     assert w.pool.loader(w.layer.layer_id).small_head_groups is (small_head_groups != "0")
-    assert w.pool.loader(w.layer.layer_id).fused_query_rotation is (small_head_groups == "0")
+    assert w.pool.loader(w.layer.layer_id).fused_query_rotation is (small_head_groups is None)
     FM = sgl.ForwardMode
     bf = torch.bfloat16
     for row, pages in ((1, [6, 1]), (2, [2, 9])):

@@ -118,7 +118,7 @@ def run(spec_k: int) -> float:
         assert impl._tkv_state.loader(bs).lookup == want, (impl._tkv_state.lookup, want)
         shg = small_head_groups_from_env()   # unset: on (the default)
         assert impl._tkv_state.loader(bs).small_head_groups == shg
-        fqr = fused_query_rotation_from_env()   # unset: off (the default)
+        fqr = fused_query_rotation_from_env()   # unset: on (the default)
         assert impl._tkv_state.loader(bs).fused_query_rotation == fqr
         shape = B.TurboAttnBackend.get_kv_cache_shape_for_spec(num_blocks, bs, spec)
         cache = torch.zeros(shape, dtype=torch.uint8)

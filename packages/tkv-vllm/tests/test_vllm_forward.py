@@ -16,15 +16,16 @@ def test_mixed_batch_forward_matches_float64_reference(patched_vllm, small_head_
     script = Path(__file__).with_name("forward_check.py")
     # TKV_LOOKUP reaches every layer's loader (gather: exact, as auto is under the interpreter);
     # so does TKV_SMALL_HEAD_GROUPS: unset = the default (on; head_dim 32: the 3-bit side then
-    # decodes as 8-code groups), 0 = per element; TKV_FUSED_QUERY_ROTATION=1 (with the latter)
-    # has every decode rotate its query inside the split kernel
+    # decodes as 8-code groups), 0 = per element; TKV_FUSED_QUERY_ROTATION likewise: unset =
+    # the default (every decode rotates its query inside the split kernel), 0 (with the
+    # latter) = the separate rotate_rows launch
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
            "TKV_LOOKUP": "gather"}
     env.pop("TKV_SMALL_HEAD_GROUPS", None)
     env.pop("TKV_FUSED_QUERY_ROTATION", None)
     if small_head_groups is not None:
         env["TKV_SMALL_HEAD_GROUPS"] = small_head_groups
-        env["TKV_FUSED_QUERY_ROTATION"] = "1"
+        env["TKV_FUSED_QUERY_ROTATION"] = "0"
     env.pop("TKV_BITS", None)
     env.pop("TKV_CALIBRATION_FILE", None)
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,

@@ -300,8 +300,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             round trip through the workspace less per decode call. Only where the rotation
             is a power-of-two Hadamard (``loader.q_hadamard`` not None), the Triton kernel
             and an unrotated query; otherwise the separate rotation runs. None (default):
-            the loader's ``fused_query_rotation`` (TkvLoader: False unless constructed with
-            it; the engines: ``TKV_FUSED_QUERY_ROTATION``).
+            the loader's ``fused_query_rotation`` (TkvLoader: True unless constructed with
+            False; the engines: ``TKV_FUSED_QUERY_ROTATION``, default 1).
 
     Returns:
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError /

@@ -503,17 +503,18 @@ def small_head_groups_from_env(environ=None) -> bool:
 
 def fused_query_rotation_from_env(environ=None) -> bool:
     """The :class:`TkvLoader` option ``fused_query_rotation`` for the engines' loaders:
-    ``TKV_FUSED_QUERY_ROTATION=0`` (the default: one ``rotate_rows`` launch rotates the decode
-    queries) or ``1`` (the split-K kernel rotates them itself; session 15 on the H200: a
-    36-layer Qwen3-8B-like step 0.988× → 1.000× bf16 at 64 sequences, equal at 256, one 32K
-    sequence's layer step 1.08× faster — not yet timed end to end, hence off).
+    ``TKV_FUSED_QUERY_ROTATION=1`` (the default: the split-K decode kernel rotates the query
+    in registers) or ``0`` (one ``rotate_rows`` launch before it: an A/B knob). Measured on
+    the H200 with vLLM, Qwen3-8B-like (session 16): 0.94 / 0.96 / 0.93× → 0.96 / 0.95 / 0.94×
+    bf16 end to end at 64 / 256 sequences / one 32K sequence (decode 0.94 / 0.96 / 0.90× →
+    0.98 / 0.95 / 0.92×).
 
     Raises:
         FusedQueryRotationConfigError: any other value.
     """
-    return _flag_from_env(environ, ENV_FUSED_QUERY_ROTATION, "0", FusedQueryRotationConfigError,
-                          "0 (default: a separate query-rotation launch) or 1 (the decode "
-                          "kernel rotates the query in registers)")
+    return _flag_from_env(environ, ENV_FUSED_QUERY_ROTATION, "1", FusedQueryRotationConfigError,
+                          "1 (default: the decode kernel rotates the query in registers) or 0 "
+                          "(a separate query-rotation launch)")
 
 
 def lookup_from_env(environ=None) -> str:
@@ -647,10 +648,12 @@ class TkvLoader:
             row's codecs and 2.18 ms instead of 3.81 ms with the 3.0 row's.
         fused_query_rotation: :func:`~tkv.kernels.decode` rotates the query inside its
             split-K kernel (``q_hadamard``; where the rotation is a power-of-two Hadamard)
-            unless the call says otherwise; default False (a separate rotation launch).
-            Measured on the H200 in session 15
-            (``benchmarks/results/kernels_gpu_2026-12-01_s15_qrot.md``): 36-layer
-            Qwen3-8B-like steps 0.988× → 1.000× bf16 at 64 sequences, equal at 256.
+            unless the call says otherwise; default True. False keeps the separate
+            ``rotate_rows`` launch (an A/B knob). Measured on the H200: 36-layer
+            Qwen3-8B-like steps 0.988× → 1.000× bf16 at 64 sequences, equal at 256
+            (session 15, ``benchmarks/results/kernels_gpu_2026-12-01_s15_qrot.md``); vLLM
+            end to end 0.94 / 0.96 / 0.93× → 0.96 / 0.95 / 0.94× bf16 at 64 / 256 / one
+            32K sequence (session 16, ``benchmarks/results/vllm_e2e_2026-12-04_s16_qwen_qrot``).
 
     Raises:
         ValueError: unknown ``lookup``, ``planes`` not 1/2/4/8, ``small_head_groups`` /
@@ -703,7 +706,7 @@ class TkvLoader:
 
     def __init__(self, codec: TurboKVCodec, num_kv_heads: int, block_size: int,
                  lookup: str = "auto", planes: int | None = None,
-                 small_head_groups: bool = True, fused_query_rotation: bool = False):
+                 small_head_groups: bool = True, fused_query_rotation: bool = True):
         if lookup not in _LOOKUPS:
             raise ValueError(f"lookup must be one of {_LOOKUPS}, got {lookup!r}")
         if planes is not None and (isinstance(planes, bool) or not isinstance(planes, int)
