@@ -1009,7 +1009,8 @@ def qrot_rows(copy_gbs, shapes=((64, 640), (256, 640), (1, 32768))):
     session 15) against the separate ``rotate_rows`` launch, Qwen3-8B-like K4V4: one layer's
     store + decode per shape (``x_default`` > 1: the fused one is faster), its per-kernel
     breakdown at the first shape, then engine-like 36-layer model steps (one CUDA graph each)
-    for bf16, the default and the fused rotation at the first two shapes."""
+    for bf16, the separate launch and the fused rotation (the default since session 16) at the
+    first two shapes."""
     hq, hkv, d, block = 32, 8, 128, 16
     ws = Workspace(256, 64, 256, DEV)
     for i, (B, L) in enumerate(shapes):
@@ -1028,7 +1029,7 @@ def qrot_rows(copy_gbs, shapes=((64, 640), (256, 640), (1, 32768))):
                         moved=nbytes, copy_gbs=copy_gbs)
         timed_row(base, "tkv K4V4 store + decode (query rotated in-kernel)", steps[True],
                   moved=nbytes, copy_gbs=copy_gbs, ref_ms=ref)
-        a = decode(q, cache, bt, sl, ld, ws)
+        a = decode(q, cache, bt, sl, ld, ws, fused_query_rotation=False)
         b = decode(q, cache, bt, sl, ld, ws, fused_query_rotation=True)
         log({**base, "kernel": "decode_check", "impl": "fused vs rotate_rows",
              "rel_err": ((a.float() - b.float()).norm() / a.float().norm()).item()})
@@ -1043,7 +1044,8 @@ def qrot_rows(copy_gbs, shapes=((64, 640), (256, 640), (1, 32768))):
                     log({**base, "kernel": "decode_step_breakdown", "error": str(e)[:160]})
         del cache
         torch.cuda.empty_cache()
-    arms = [("bf16 store + bypass decode", "bf16"), ("tkv K4V4 (rotate_rows)", {}),
+    arms = [("bf16 store + bypass decode", "bf16"),
+            ("tkv K4V4 (rotate_rows)", {"fused_query_rotation": False}),
             ("tkv K4V4, query rotated in-kernel", {"fused_query_rotation": True})]
     _model_step_arms(arms, shapes[:2], 36)
 

@@ -916,6 +916,7 @@ def run_all(opts: argparse.Namespace) -> int:
                 "tkv8": ("tkv", "8.0", bundle, True, ""),
                 "tkvflash": ("tkv", opts.bits, bundle, False, "flash"),
                 "tkvtriton": ("tkv", opts.bits, bundle, False, "triton"),
+                "tkvcont": ("tkv", opts.bits, bundle, False, "cont"),
                 "tkvqrot": ("tkv", opts.bits, bundle, False, "qrot"),
                 "tkvnoqrot": ("tkv", opts.bits, bundle, False, "noqrot")}
         res = {}
@@ -1313,13 +1314,15 @@ def divergence_cpu(opts: argparse.Namespace) -> int:
 
 
 JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the driver runs without tkv)
-# engine-environment variants of a tkv run (`all --runs tkvflash tkvtriton tkvqrot tkvnoqrot`):
-# prefill through vLLM's FlashAttention (required), or tkv's own Triton / SDPA kernels; decode
+# engine-environment variants of a tkv run (`all --runs tkvflash tkvtriton tkvcont tkvqrot
+# tkvnoqrot`): prefill through vLLM's FlashAttention (required), tkv's own Triton / SDPA
+# kernels, or FlashAttention for continuation chunks only (first chunks: tkv's Triton); decode
 # with the query rotated inside the split kernel, or by a separate launch. The plain `tkv` run
 # takes tkv-vllm's defaults (TKV_PREFILL_ATTENTION=auto: FlashAttention where it can run;
 # TKV_FUSED_QUERY_ROTATION=1 since session 16: the query rotated inside the split kernel)
 VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
             "triton": {"TKV_PREFILL_ATTENTION": "tkv"},
+            "cont": {"TKV_PREFILL_ATTENTION": "continuation"},
             "qrot": {"TKV_FUSED_QUERY_ROTATION": "1"},
             "noqrot": {"TKV_FUSED_QUERY_ROTATION": "0"}}
 JIT_LEGEND = ("`†n/m`: Triton compiled a kernel inside n of the cell's m timed runs "
@@ -1388,12 +1391,13 @@ def main(argv: list[str] | None = None) -> int:
                            help="also run the long prompt on real-weight models")
             a.add_argument("--runs", nargs="+",
                            choices=["bf16", "tq4", "tkv", "tkv8", "tkvflash", "tkvtriton",
-                                    "tkvqrot", "tkvnoqrot"],
+                                    "tkvcont", "tkvqrot", "tkvnoqrot"],
                            default=["bf16", "tq4", "tkv", "tkv8"],
                            help="engine runs per model: bf16, vLLM turboquant_4bit_nc, tkv at "
                            "--bits (capacity+greedy+throughput; tkv-vllm's default prefill, "
                            "TKV_PREFILL_ATTENTION=auto), tkv at 8.0 (greedy only), tkvflash / "
-                           "tkvtriton = tkv at --bits with TKV_PREFILL_ATTENTION=flash / =tkv, "
+                           "tkvtriton / tkvcont = tkv at --bits with TKV_PREFILL_ATTENTION=flash / "
+                           "=tkv / =continuation, "
                            "tkvqrot / tkvnoqrot = tkv at --bits with "
                            "TKV_FUSED_QUERY_ROTATION=1 / =0")
         if name == "serve-check":

@@ -378,17 +378,21 @@ def test_batch_shaped_arguments_compile_one_variant():
             a, k = b, k + 1
     assert _variants(st) == n0
 
-    # decode (rotation + reduce kernels): 1, 7, 16 sequences (9, 63, 144 rows), splits fixed
+    # decode (split + reduce kernels; the query rotated inside the split kernel, the default,
+    # and by the separate rotation kernel): 1, 7, 16 sequences (9, 63, 144 rows), splits fixed
     ws = Workspace(16, hq, d, "cuda")
-    rot, red = rotate_mod._rotate_rows_kernel, decode_mod._decode_reduce_kernel
-    for k, ns in enumerate((1, 7, 16)):
-        rows = torch.arange(ns, device="cuda") % len(lens)
-        q = torch.randn(ns, hq, d, device="cuda", dtype=torch.bfloat16)
-        decode(q, cache, batch.block_table[rows].contiguous(), batch.seq_lens[rows].contiguous(),
-               ld, ws, num_splits=4)
-        if k == 0:
-            r0, d0 = _variants(rot), _variants(red)
-    assert (_variants(rot), _variants(red)) == (r0, d0)
+    kernels = (rotate_mod._rotate_rows_kernel, decode_mod._decode_split_kernel,
+               decode_mod._decode_reduce_kernel)
+    for fused in (True, False):
+        for k, ns in enumerate((1, 7, 16)):
+            rows = torch.arange(ns, device="cuda") % len(lens)
+            q = torch.randn(ns, hq, d, device="cuda", dtype=torch.bfloat16)
+            decode(q, cache, batch.block_table[rows].contiguous(),
+                   batch.seq_lens[rows].contiguous(), ld, ws, num_splits=4,
+                   fused_query_rotation=fused)
+            if k == 0:
+                v0 = [_variants(kern) for kern in kernels]
+        assert [_variants(kern) for kern in kernels] == v0, fused
 
     # decompress-once prefill over prefixes of 1 (warm-up), 2, 5, 16, 32, 33 whole pages, each
     # checked against the inline path

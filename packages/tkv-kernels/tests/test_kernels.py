@@ -702,8 +702,52 @@ def test_prefill_exact_prefix_through_dense_attention():
     assert len(spy.calls) == 1
 
 
+class _SpyContinuationOnly(_SpyDense):
+    """A DenseAttention for continuation chunks only (TKV_PREFILL_ATTENTION=continuation)."""
+
+    first_chunks = False
+
+
+def test_prefill_continuation_only_dense_attention():
+    """first_chunks = False on the callable: first chunks run tkv's Triton bypass (no call,
+    float64-oracle result, NaN rows for a broken promise), the exact-prefix continuation goes
+    to the callable; FlashVarlenAttention carries the flag (a bool, shown in its repr)."""
+    from tkv.kernels import FlashVarlenAttention
+
+    codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=11)
+    ld = TkvLoader(codec, 2, 16)
+    spy = _SpyContinuationOnly()
+    _prefill_check(ld, [0, 0], [21, 6], 3, seed=17, no_prefix=True, dense_attention=spy)
+    assert spy.calls == []
+    scratch = torch.full((1 << 20,), float("nan"), device=DEV)
+    _prefill_check(ld, [40], [24], 3, seed=19, max_prefix_len=40, scratch=scratch,
+                   exact_prefix=True, dense_attention=spy, tol=max(_tol(torch.float16), 1e-3))
+    assert spy.calls == [((24, 6, 64), (64, 2, 64), 64, 0)]
+    # a broken no_prefix promise (sequence 0 has a 7-token prefix): NaN rows from the bypass
+    g = _gen(23)
+    batch = make_paged_batch([7 + 5, 9], 16, DEV, generator=g)
+    cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
+    q = torch.randn(14, 6, 64, generator=g).to(DEV, torch.float16)
+    k = torch.randn(14, 2, 64, generator=g).to(DEV, torch.float16)
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32, device=DEV)
+    out = prefill(q, k, k, cu, batch.seq_lens, 9, cache, batch.block_table, ld, no_prefix=True,
+                  dense_attention=spy)
+    assert torch.isnan(out[:5]).all() and torch.isfinite(out[5:]).all()
+    assert len(spy.calls) == 1
+    spy.first_chunks = 0    # not a bool: a named error, not a guess
+    with pytest.raises(DtypeError, match="first_chunks"):
+        prefill(q, k, k, cu, batch.seq_lens, 9, cache, batch.block_table, ld, no_prefix=True,
+                dense_attention=spy)
+    fa = FlashVarlenAttention(lambda *a, **kw: None, first_chunks=False, ver=3)
+    assert fa.first_chunks is False and "first_chunks=False, ver=3" in repr(fa)
+    assert FlashVarlenAttention(lambda *a, **kw: None, ver=3).first_chunks is True
+    with pytest.raises(ValueError, match="first_chunks must be a bool"):
+        FlashVarlenAttention(lambda *a, **kw: None, first_chunks="no")
+
+
 def test_prefill_attention_env_choice():
-    """TKV_PREFILL_ATTENTION, shared by the engine adapters: auto / flash / tkv, the adapter's
+    """TKV_PREFILL_ATTENTION, shared by the engine adapters: auto / flash / tkv / continuation,
+    the adapter's
     default when unset or blank, a named error otherwise (also for a bad default)."""
     from tkv.kernels import PrefillAttentionConfigError, prefill_attention_from_env
 
@@ -712,6 +756,7 @@ def test_prefill_attention_env_choice():
     assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": "  "}, default="auto") == "auto"
     assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": " Flash "}) == "flash"
     assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": "TKV"}, default="auto") == "tkv"
+    assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": "continuation"}) == "continuation"
     assert prefill_attention_from_env({"TKV_PREFILL_ATTENTION": None}, default=" AUTO ") == "auto"
     with pytest.raises(PrefillAttentionConfigError, match="TKV_PREFILL_ATTENTION='fa3'"):
         prefill_attention_from_env({"TKV_PREFILL_ATTENTION": "fa3"})
@@ -723,7 +768,8 @@ def test_flash_device_auto_falls_back_and_flash_insists(caplog):
     """flash_device: ``tkv`` never imports; ``auto`` gives None with an INFO line naming why
     (no CUDA device, ImportError, the engine's own ``unsupported`` reason); ``flash`` raises
     PrefillAttentionConfigError with the same reason (the ImportError kept as the cause); a
-    supported CUDA device returns (device, what import_flash returned)."""
+    supported CUDA device returns FlashDevice(device, what import_flash returned,
+    first_chunks: False only for ``continuation``, which insists like ``flash``)."""
     import logging
 
     from tkv.kernels import PrefillAttentionConfigError, flash_device
@@ -768,8 +814,14 @@ def test_flash_device_auto_falls_back_and_flash_insists(caplog):
     seen = []
     got = flash_device("cuda:1", {}, ok, lambda dev, imp: seen.append((dev, imp)),
                        default="auto")
-    assert got == (torch.device("cuda:1"), "kernels")
+    assert got == (torch.device("cuda:1"), "kernels", True)
+    assert (got.device, got.imported, got.first_chunks) == tuple(got)
     assert seen == [(torch.device("cuda:1"), "kernels")]
+    # continuation: flash for continuation chunks only, and it insists like flash
+    cont = {"TKV_PREFILL_ATTENTION": "continuation"}
+    assert flash_device("cuda:1", cont, ok).first_chunks is False
+    with pytest.raises(PrefillAttentionConfigError, match=r"=continuation: .*CUDA device"):
+        flash_device("cpu", cont, ok)
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype", "not_tensor", "not_callable"])
@@ -1220,6 +1272,13 @@ def test_fused_query_rotation_bad_options_are_named():
     with pytest.raises(ShapeError, match="q_hadamard"):
         decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(),
                fused_query_rotation=True)
+    with pytest.raises(DtypeError, match="fused_query_rotation must be a bool"):
+        decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(),
+               fused_query_rotation="0")
+    ld.q_hadamard = torch.ones(48, device="meta")   # another device than the query's
+    with pytest.raises(DeviceMismatchError, match="q_hadamard"):
+        decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(),
+               fused_query_rotation=True)
 
 
 def test_decode_fused_query_rotation_falls_back_where_not_hadamard():
@@ -1230,5 +1289,5 @@ def test_decode_fused_query_rotation_falls_back_where_not_hadamard():
     out, q, cache, batch = _decode_check(ld, [20, 33], 2, seed=4, fused_query_rotation=True)
     plain = torch.empty_like(out)
     decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=plain,
-           block_n=ld.min_block_n)
+           block_n=ld.min_block_n, fused_query_rotation=False)
     assert torch.equal(out, plain)

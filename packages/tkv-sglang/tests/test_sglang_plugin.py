@@ -487,10 +487,10 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
 
 
 def test_prefill_attention_choice_is_validated(sgl, monkeypatch):
-    """TKV_PREFILL_ATTENTION in the SGLang backend: unset = tkv (sgl-kernel's FA3 path has
-    not been timed on a GPU); auto falls back where FA3 cannot run (CPU, a GPU FA3 does not
-    support, a float32 model); flash raises there; bad values are named (the shared
-    tkv.kernels parser)."""
+    """TKV_PREFILL_ATTENTION in the SGLang backend: unset = tkv (sgl-kernel's FA3 prefill was
+    slower on the H200, session 16); auto falls back where FA3 cannot run (CPU, a GPU FA3 does
+    not support, a float32 model); flash and continuation raise there; continuation leaves
+    first chunks to tkv's kernels; bad values are named (the shared tkv.kernels parser)."""
     import sys
     from types import ModuleType
 
@@ -505,6 +505,14 @@ def test_prefill_attention_choice_is_validated(sgl, monkeypatch):
         pa.prefill_attention("cpu", bf16, environ={"TKV_PREFILL_ATTENTION": "flash"})
     with pytest.raises(PrefillAttentionConfigError, match="'fa2'"):
         pa.prefill_attention("cpu", bf16, environ={"TKV_PREFILL_ATTENTION": "fa2"})
+    # the PyTorch reference implementation: validated too, flash refused, never a callable
+    assert pa.prefill_attention("cuda:0", bf16, environ={}, impl="reference") is None
+    assert pa.prefill_attention("cuda:0", bf16, environ={"TKV_PREFILL_ATTENTION": "auto"},
+                                impl="reference") is None
+    for bad, msg in (("fa2", "'fa2'"), ("flash", "reference"), ("continuation", "reference")):
+        with pytest.raises(PrefillAttentionConfigError, match=msg):
+            pa.prefill_attention("cuda:0", bf16, environ={"TKV_PREFILL_ATTENTION": bad},
+                                 impl="reference")
     # sgl-kernel's flash module as seen on a CUDA machine (the staged one lacks flash_ops)
     fake = ModuleType("sgl_kernel.flash_attn")
     fake.flash_attn_varlen_func = lambda *a, **kw: None
@@ -520,6 +528,11 @@ def test_prefill_attention_choice_is_validated(sgl, monkeypatch):
         pa.prefill_attention("cuda:1", bf16, environ=flash)
     with pytest.raises(PrefillAttentionConfigError, match="float32"):
         pa.prefill_attention("cuda:0", torch.float32, environ=flash)
+    assert fa.first_chunks is True
+    cont = {"TKV_PREFILL_ATTENTION": "continuation"}
+    assert pa.prefill_attention("cuda:0", bf16, environ=cont).first_chunks is False
+    with pytest.raises(PrefillAttentionConfigError, match=r"continuation: .*Fake GPU"):
+        pa.prefill_attention("cuda:1", bf16, environ=cont)
 
 
 @pytest.mark.gpu

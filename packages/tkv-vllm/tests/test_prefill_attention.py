@@ -50,6 +50,13 @@ def test_default_is_auto_flash_insists_and_bad_values_are_named(patched_vllm, mo
         pa.prefill_attention("cuda:0", 128, torch.float32, environ=flash)
     assert pa.prefill_attention("cuda:0", 64, torch.float16, environ=flash).extra == {
         "fa_version": 3}
+    # continuation: the same FlashAttention, first chunks left to tkv's Triton bypass (own
+    # cache entry), and it insists like flash
+    cont = {"TKV_PREFILL_ATTENTION": "continuation"}
+    fc = pa.prefill_attention("cuda:0", 128, bf16, environ=cont)
+    assert fc.first_chunks is False and fc.extra == {"fa_version": 3} and fa.first_chunks
+    with pytest.raises(PrefillAttentionConfigError, match=r"continuation: .*head_size 96"):
+        pa.prefill_attention("cuda:0", 96, bf16, environ=cont)
 
 
 def test_keywords_exist_in_vllms_varlen(patched_vllm):

@@ -14,6 +14,7 @@ from .decode import decode
 from .dense_attention import (
     ENV_PREFILL_ATTENTION,
     DenseAttention,
+    FlashDevice,
     FlashVarlenAttention,
     PrefillAttentionConfigError,
     SdpaDenseAttention,
@@ -56,6 +57,7 @@ __all__ = [
     "ENV_SMALL_HEAD_GROUPS",
     "BypassLoader",
     "DenseAttention",
+    "FlashDevice",
     "FlashVarlenAttention",
     "Fp8Loader",
     "FusedQueryRotationConfigError",

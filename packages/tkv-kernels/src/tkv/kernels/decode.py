@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tkv.codec.errors import ShapeError
+from tkv.codec.errors import DeviceMismatchError, DtypeError, ShapeError
 
 from . import gluon_decode
 from ._planes import (
@@ -363,11 +363,16 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         hw = getattr(loader, "q_hadamard", None)
         if fused_query_rotation is None:
             fused_query_rotation = getattr(loader, "fused_query_rotation", False)
+        if not isinstance(fused_query_rotation, bool):   # "0" would read as True
+            raise DtypeError(f"fused_query_rotation must be a bool or None, got "
+                             f"{fused_query_rotation!r}")
         if fused_query_rotation and kernel == "triton" and hw is not None:
-            if d != d_pad or tuple(hw.shape) != (d,) or hw.device != dev:
-                raise ShapeError(f"loader.q_hadamard {tuple(hw.shape)} on {hw.device}: the "
-                                 f"in-kernel query rotation needs ({d},) on {dev} and a "
-                                 f"power-of-two head_dim ≥ 16")
+            if hw.device != dev:
+                raise DeviceMismatchError(f"loader.q_hadamard is on {hw.device}, the query on "
+                                          f"{dev}")
+            if d != d_pad or tuple(hw.shape) != (d,):
+                raise ShapeError(f"loader.q_hadamard {tuple(hw.shape)}: the in-kernel query "
+                                 f"rotation needs ({d},) and a power-of-two head_dim ≥ 16")
             q_w, qrot_log2 = hw, d.bit_length() - 1
             q_rot = workspace.rotated_queries(ns, hq, d)
         else:

@@ -18,26 +18,26 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from tkv.codec.errors import DtypeError, ShapeError, TkvError
 
-__all__ = ["ENV_PREFILL_ATTENTION", "DenseAttention", "FlashVarlenAttention",
+__all__ = ["ENV_PREFILL_ATTENTION", "DenseAttention", "FlashDevice", "FlashVarlenAttention",
            "PrefillAttentionConfigError", "SdpaDenseAttention", "check_dense_output",
            "flash_device", "prefill_attention_from_env"]
 
 _log = logging.getLogger(__name__)
 
 ENV_PREFILL_ATTENTION = "TKV_PREFILL_ATTENTION"
-_CHOICES = ("auto", "flash", "tkv")
+_CHOICES = ("auto", "flash", "tkv", "continuation")
 
 
 class PrefillAttentionConfigError(TkvError, ValueError):
-    """``TKV_PREFILL_ATTENTION`` is not ``auto`` / ``tkv`` / ``flash``, or ``flash`` was asked
-    for where the engine's flash-attention kernel cannot run (raised by the engine adapters at
-    startup)."""
+    """``TKV_PREFILL_ATTENTION`` is not ``auto`` / ``tkv`` / ``flash`` / ``continuation``, or
+    ``flash`` / ``continuation`` was asked for where the engine's flash-attention kernel cannot
+    run (raised by the engine adapters at startup)."""
 
 
 def prefill_attention_from_env(environ=None, default: str = "tkv") -> str:
@@ -46,7 +46,13 @@ def prefill_attention_from_env(environ=None, default: str = "tkv") -> str:
     * ``"flash"``: the engine's own varlen FlashAttention through :class:`FlashVarlenAttention`
       (each adapter checks at startup that it can run, and raises if not);
     * ``"tkv"``: tkv's Triton prefill and PyTorch SDPA;
-    * ``"auto"``: ``flash`` where it can run, else ``tkv`` (logged, never raised).
+    * ``"auto"``: ``flash`` where it can run, else ``tkv`` (logged, never raised);
+    * ``"continuation"``: the engine's FlashAttention for exact-prefix continuation chunks
+      only, tkv's Triton bypass kernel for first chunks (an error where flash cannot run).
+      An A/B configuration, not yet timed: in vLLM on the H200 the prefill of 512-token
+      prompts (first chunks only) took bf16's time through tkv's Triton bypass and 0.5 / 3.5 %
+      longer through FlashAttention in the same job (session 15; 5-8 % above bf16 in session
+      16), while a 32K prompt's continuation chunks gained most from FlashAttention.
 
     Unset or blank gives ``default`` (each adapter passes its own: tkv-vllm ``auto``, measured
     on the H200; tkv-sglang ``tkv``). Case and surrounding blanks are ignored.
@@ -63,8 +69,9 @@ def prefill_attention_from_env(environ=None, default: str = "tkv") -> str:
         raise PrefillAttentionConfigError(
             f"{ENV_PREFILL_ATTENTION}={v!r}: use 'auto' (the engine's FlashAttention where it "
             "can run, else tkv's kernels), 'flash' (the engine's FlashAttention for first "
-            "chunks and exact-prefix continuation chunks; an error where it cannot run) or "
-            "'tkv' (tkv's Triton / SDPA prefill)")
+            "chunks and exact-prefix continuation chunks; an error where it cannot run), "
+            "'continuation' (FlashAttention for continuation chunks only, tkv's Triton kernel "
+            "for first chunks) or 'tkv' (tkv's Triton / SDPA prefill)")
     return v
 
 
@@ -93,6 +100,9 @@ class DenseAttention(Protocol):
     Returns the output ``(total_q, num_q_heads, head_dim)`` in q's dtype. Must not read a
     device value on the host if the caller captures it in a CUDA graph (prefill runs
     eagerly in both engines).
+
+    Optional attribute ``first_chunks`` (absent = True): False keeps first chunks (the prefill
+    bypass) on tkv's Triton kernel and hands only exact-prefix continuations to the callable.
     """
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -129,12 +139,23 @@ class SdpaDenseAttention:
         return out
 
 
+class FlashDevice(NamedTuple):
+    """What :func:`flash_device` found: the CUDA ``device``, what the engine's
+    ``import_flash()`` returned (``imported``), and ``first_chunks`` — False for
+    ``TKV_PREFILL_ATTENTION=continuation`` (pass it to :class:`FlashVarlenAttention`)."""
+
+    device: torch.device
+    imported: Any
+    first_chunks: bool
+
+
 def flash_device(device: torch.device | str, environ, import_flash: Callable[[], Any],
                  unsupported: Callable[[torch.device, Any], str | None] | None = None,
-                 default: str = "tkv") -> tuple[torch.device, Any] | None:
+                 default: str = "tkv") -> FlashDevice | None:
     """The engine adapters' common handling of ``TKV_PREFILL_ATTENTION``
-    (:func:`prefill_attention_from_env`): None where tkv's own prefill runs, else the CUDA
-    device and what ``import_flash()`` returns (the engine's flash-attention entry points).
+    (:func:`prefill_attention_from_env`): None where tkv's own prefill runs, else a
+    :class:`FlashDevice` (the CUDA device, what ``import_flash()`` returns — the engine's
+    flash-attention entry points — and whether first chunks go to it too).
 
     Args:
         device: the attention layer's device.
@@ -147,12 +168,12 @@ def flash_device(device: torch.device | str, environ, import_flash: Callable[[],
     With ``auto``, a reason not to use flash (no CUDA device; ``import_flash`` or
     ``unsupported`` raising anything — an ImportError, a broken extension's OSError, a
     RuntimeError from a device query; ``unsupported`` returning a reason) gives None and an
-    INFO log line naming it; with ``flash`` it raises PrefillAttentionConfigError chained to
-    the cause.
+    INFO log line naming it; with ``flash`` or ``continuation`` it raises
+    PrefillAttentionConfigError chained to the cause.
 
     Raises:
-        PrefillAttentionConfigError: an unknown value; ``flash`` where it cannot run (the
-            message keeps the reason, e.g. the import error).
+        PrefillAttentionConfigError: an unknown value; ``flash`` / ``continuation`` where it
+            cannot run (the message keeps the reason, e.g. the import error).
     """
     choice = prefill_attention_from_env(environ, default)
     if choice == "tkv":
@@ -162,7 +183,7 @@ def flash_device(device: torch.device | str, environ, import_flash: Callable[[],
         if choice == "auto":
             _log.info("%s=auto: tkv's prefill kernels (%s)", ENV_PREFILL_ATTENTION, reason)
             return None
-        raise PrefillAttentionConfigError(f"{ENV_PREFILL_ATTENTION}=flash: {reason}") from cause
+        raise PrefillAttentionConfigError(f"{ENV_PREFILL_ATTENTION}={choice}: {reason}") from cause
 
     dev = torch.device(device)
     if dev.type != "cuda":
@@ -179,7 +200,7 @@ def flash_device(device: torch.device | str, environ, import_flash: Callable[[],
                       e)
     if reason is not None:
         return cannot(reason or "the engine reports it unsupported here")
-    return dev, imported
+    return FlashDevice(dev, imported, choice != "continuation")
 
 
 class FlashVarlenAttention:
@@ -190,6 +211,8 @@ class FlashVarlenAttention:
 
     Args:
         varlen: the function.
+        first_chunks: also run first chunks (the prefill bypass); False: only exact-prefix
+            continuation chunks (``TKV_PREFILL_ATTENTION=continuation``).
         **extra: keywords passed on every call (e.g. ``fa_version=3`` for vLLM's,
             ``ver=3`` for sgl-kernel's).
 
@@ -197,8 +220,11 @@ class FlashVarlenAttention:
     ``window_size=(window − 1, 0)``; no window is ``(-1, -1)``.
     """
 
-    def __init__(self, varlen: Any, **extra: Any):
+    def __init__(self, varlen: Any, *, first_chunks: bool = True, **extra: Any):
+        if not isinstance(first_chunks, bool):
+            raise ValueError(f"first_chunks must be a bool, got {first_chunks!r}")
         self._varlen = varlen
+        self.first_chunks = first_chunks
         self.extra = extra
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -212,7 +238,8 @@ class FlashVarlenAttention:
     def __repr__(self) -> str:
         name = getattr(self._varlen, "__module__", "?") + "." + getattr(
             self._varlen, "__name__", "?")
-        kw = ", ".join(f"{k}={v!r}" for k, v in self.extra.items())
+        kw = ", ".join(f"{k}={v!r}" for k, v in (
+            self.extra if self.first_chunks else {"first_chunks": False, **self.extra}).items())
         return f"FlashVarlenAttention({name}{', ' + kw if kw else ''})"
 
 

@@ -327,8 +327,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             16-bit rows: the ``no_prefix`` bypass (model space, the call's cu_seqlens for
             queries and keys, sliding window included; the same NaN rows for a broken
             promise) and the ``exact_prefix`` path (rotated planar rows, instead of SDPA, no
-            fallback check). Other calls ignore it. Its output is checked (shape, dtype,
-            device: ShapeError / DtypeError).
+            fallback check); with ``first_chunks = False`` on the callable, only the latter.
+            Other calls ignore it. Its output is checked (shape, dtype, device: ShapeError /
+            DtypeError).
 
     Rotated loaders (tkv): the wrapper rotates the query and the chunk's K/V into the cache's
     rotated space with three small float32 matmuls (no D×D tile inside the kernel, so head_dim
@@ -349,6 +350,10 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if dense_attention is not None and not callable(dense_attention):
         raise DtypeError("dense_attention must be a DenseAttention callable or None, got "
                          f"{type(dense_attention).__name__}")
+    # False: first chunks stay on tkv's Triton bypass (TKV_PREFILL_ATTENTION=continuation)
+    dense_first_chunks = getattr(dense_attention, "first_chunks", True)
+    if not isinstance(dense_first_chunks, bool):
+        raise DtypeError(f"dense_attention.first_chunks must be a bool, got {dense_first_chunks!r}")
     check_tensor(query, "query", 3)
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     tq, hq, d = query.shape
@@ -419,7 +424,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     fetch, dequant = loader.fetch, loader.dequant
     planar = bool(loader.rotated) and not no_prefix
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
-    if no_prefix and dense_attention is not None:   # the bypass through the caller's kernel
+    if no_prefix and dense_attention is not None and dense_first_chunks:
+        # the bypass through the caller's kernel
         o = check_dense_output(dense_attention(query, key, value, cu_seqlens_q, cu_seqlens_q,
                                                max_query_len, max_query_len, scale, window),
                                query)

@@ -164,8 +164,7 @@ class TurboAttnBackend(AttentionBackend):
         self._prefill_scratch: torch.Tensor | None = None
         self.forward_metadata: TurboAttnMetadata | None = None
         # TKV_PREFILL_ATTENTION (validated now: startup): None, or sgl-kernel's FA3
-        self.dense_attention = (prefill_attention(self.device, mc.dtype)
-                                if self.impl == "triton" else None)
+        self.dense_attention = prefill_attention(self.device, mc.dtype, impl=self.impl)
         self._cuda_graph_block_table = None
         self._cuda_graph_seq_lens = None
         pool.prepare()

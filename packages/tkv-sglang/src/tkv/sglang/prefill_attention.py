@@ -6,17 +6,24 @@ PyTorch SDPA over a decompressed prefix) or sgl-kernel's FlashAttention 3
 With ``flash`` the extend path hands a batch of first chunks (no cached prefix) and a lone
 exact-prefix continuation chunk to ``sgl_kernel.flash_attn.flash_attn_varlen_func`` (``ver=3``)
 through :class:`tkv.kernels.FlashVarlenAttention`, as SGLang's own ``fa3`` backend computes
-bf16 attention. ``auto`` uses it where it can run, else tkv's kernels (logged). Default
-``tkv`` (tkv-vllm's is ``auto``): vLLM's FlashAttention path was measured on the H200 in
-session 15 (a 32K prompt 0.81× → 0.93× bf16), but sgl-kernel's FA3 has not run on a GPU here yet
-(the staged sgl-kernel is slimmed; ``gpu/stage --with-fa3`` would add it).
+bf16 attention. ``auto`` uses it where it can run, else tkv's kernels (logged);
+``continuation`` only for the continuation chunk (first chunks: tkv's Triton kernel). Default
+``tkv`` (tkv-vllm's is ``auto``): in session 16 on the H200 (SmolLM2, 512-token prompts,
+``benchmarks/results/sglang_e2e_2026-12-04_s16_fa3/``) the prefill through sgl-kernel's FA3 took
+0.79 s against 0.46 s through tkv's Triton kernels at 256 sequences.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tkv.kernels import FlashVarlenAttention, flash_device
+from tkv.kernels import (
+    ENV_PREFILL_ATTENTION,
+    FlashVarlenAttention,
+    PrefillAttentionConfigError,
+    flash_device,
+    prefill_attention_from_env,
+)
 
 __all__ = ["prefill_attention"]
 
@@ -25,14 +32,19 @@ DEFAULT = "tkv"
 
 
 def prefill_attention(device: torch.device | str, dtype: torch.dtype,
-                      environ: dict[str, str] | None = None) -> FlashVarlenAttention | None:
+                      environ: dict[str, str] | None = None, *,
+                      impl: str = "triton") -> FlashVarlenAttention | None:
     """The backend's ``dense_attention`` for :func:`tkv.kernels.prefill`: sgl-kernel's
     FlashAttention 3, or None for tkv's own kernels (``TKV_PREFILL_ATTENTION``: ``tkv``
-    default, ``auto``, ``flash``). ``dtype``: the model's activation dtype (FA3 takes
-    float16 / bfloat16). Called once when the backend is built (startup).
+    default, ``auto``, ``flash``, ``continuation``). ``dtype``: the model's activation dtype (FA3 takes
+    float16 / bfloat16). Called once when the backend is built (startup). ``impl``: the
+    backend's ``TKV_SGLANG_IMPL``; ``reference`` (plain PyTorch attention) never takes a
+    dense_attention, but the variable is still validated, and ``flash`` / ``continuation``
+    are refused there rather than ignored.
 
     Raises:
-        PrefillAttentionConfigError: unknown value; ``flash`` where it cannot run: a non-CUDA
+        PrefillAttentionConfigError: unknown value; ``flash`` / ``continuation`` where it
+            cannot run: a non-CUDA
             device, no sgl-kernel flash-attention ops, a GPU sgl-kernel's FA3 does not
             support (it needs sm80/sm86/sm89/sm90 and CUDA ≥ 12.3), a float32 model.
     """
@@ -48,7 +60,14 @@ def prefill_attention(device: torch.device | str, dtype: torch.dtype,
                     f"({torch.cuda.get_device_name(dev)})")
         return None
 
+    if impl != "triton":
+        choice = prefill_attention_from_env(environ, DEFAULT)
+        if choice in ("flash", "continuation"):
+            raise PrefillAttentionConfigError(
+                f"{ENV_PREFILL_ATTENTION}={choice}: TKV_SGLANG_IMPL={impl} runs plain PyTorch "
+                "attention, no FlashAttention")
+        return None
     got = flash_device(device, environ, load, unsupported, default=DEFAULT)
     if got is None:
         return None
-    return FlashVarlenAttention(got[1][0], ver=3)
+    return FlashVarlenAttention(got.imported[0], first_chunks=got.first_chunks, ver=3)

@@ -248,8 +248,9 @@ class LayerState:
     default_block_size: int
     lookup: str = "auto"
     small_head_groups: bool = True
-    dense_attention: Any = None   # TKV_PREFILL_ATTENTION (auto / flash): vLLM's FlashAttention
-    fused_query_rotation: bool = False   # TKV_FUSED_QUERY_ROTATION
+    # TKV_PREFILL_ATTENTION (auto / flash / continuation): vLLM's FlashAttention, or None
+    dense_attention: Any = None
+    fused_query_rotation: bool = True   # TKV_FUSED_QUERY_ROTATION
 
     def loader(self, block_size: int) -> Any:
         ld = self.loaders.get(block_size)

@@ -13,7 +13,9 @@ tkv's kernels against bf16's 1.25 s (``benchmarks/results/vllm_e2e_2026-12-01_s1
 Default ``auto`` since session 15 measured it on the H200
 (``benchmarks/results/vllm_e2e_2026-12-01_s15_qwen_flash/``: the 32K prompt's prefill 1.75 s →
 1.28 s, the request 0.81× → 0.93× bf16; 512-token prompts end to end within the runs' spread):
-vLLM's FlashAttention wherever it can run, else tkv's kernels (logged). ``flash`` insists: a
+vLLM's FlashAttention wherever it can run, else tkv's kernels (logged). ``continuation``
+sends only exact-prefix continuation chunks to it (first chunks: tkv's Triton bypass kernel;
+an A/B configuration, see :func:`tkv.kernels.prefill_attention_from_env`). ``flash`` insists: a
 CPU-only process, a vLLM without its flash-attention extension, a platform where vLLM picks no
 FlashAttention version for the head size, or a model dtype other than float16 / bfloat16 is a
 :class:`~tkv.kernels.PrefillAttentionConfigError`, never a silent fallback. ``tkv`` keeps
@@ -37,12 +39,13 @@ def prefill_attention(device: torch.device | str, head_size: int, dtype: torch.d
     """The ``dense_attention`` the backend passes to :func:`tkv.kernels.prefill`: vLLM's
     FlashAttention (``flash_attn_varlen_func`` at the version vLLM picks for ``head_size``),
     or None for tkv's own kernels — see the module docstring for ``auto`` / ``flash`` /
-    ``tkv``. ``dtype``: the model's activation dtype (FlashAttention takes float16 /
+    ``continuation`` / ``tkv``. ``dtype``: the model's activation dtype (FlashAttention takes float16 /
     bfloat16). Called at layer binding (startup); cached per device, head size, dtype and the
     FlashAttention version vLLM reports.
 
     Raises:
-        PrefillAttentionConfigError: unknown value; ``flash`` where it cannot run (no CUDA
+        PrefillAttentionConfigError: unknown value; ``flash`` / ``continuation`` where it
+            cannot run (no CUDA
             device, no vLLM flash-attention extension, no FlashAttention version for
             ``head_size``, a float32 model).
     """
@@ -65,8 +68,10 @@ def prefill_attention(device: torch.device | str, head_size: int, dtype: torch.d
     got = flash_device(device, environ, load, unsupported, default=DEFAULT)
     if got is None:
         return None
-    dev, (_, flash_attn_varlen_func) = got
-    key = f"{dev}:{head_size}:{dtype}:fa{versions['fa']}"   # vLLM's pick can change per config
+    flash_attn_varlen_func = got.imported[1]
+    # vLLM's FlashAttention pick can change per config
+    key = f"{got.device}:{head_size}:{dtype}:fa{versions['fa']}:{got.first_chunks}"
     if key not in _CACHE:
-        _CACHE[key] = FlashVarlenAttention(flash_attn_varlen_func, fa_version=versions["fa"])
+        _CACHE[key] = FlashVarlenAttention(flash_attn_varlen_func, first_chunks=got.first_chunks,
+                                           fa_version=versions["fa"])
     return _CACHE[key]
