@@ -421,7 +421,7 @@ def evaluate_bundle(bundle_path: str, out: str = "tkv-calibration", model: str |
     Raises:
         FileNotFoundError, BundleSchemaError, BundleGeometryError, TextTooShortError.
     """
-    from .report import evaluation_lines, goal_lines, plot_rows, table_rows
+    from .report import evaluation_lines, goal_lines, machine_note, plot_rows, table_rows
 
     t0 = time.perf_counter()
     bundle = CalibrationBundle.load(bundle_path)
@@ -442,7 +442,7 @@ def evaluate_bundle(bundle_path: str, out: str = "tkv-calibration", model: str |
     o.mkdir(parents=True, exist_ok=True)
     secs = time.perf_counter() - t0
     md = [f"# tkv evaluation — {lm.name}, bundle `{Path(bundle_path).name}`\n",
-          *evaluation_lines(ev, rows), *goal_lines(rows), f"Wall time: {secs:.0f} s (shared 2-core CPU).\n"]
+          *evaluation_lines(ev, rows), *goal_lines(rows), f"Wall time: {secs:.0f} s ({machine_note()}).\n"]
     (o / "evaluation.md").write_text("\n".join(md) + "\n")
     plot_rows(rows, lm.name, o / "evaluation.png")
     res = {"model": lm.name, "bundle": str(bundle_path), "windows": ev.windows,

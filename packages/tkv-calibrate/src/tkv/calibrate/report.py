@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-__all__ = ["print_summary", "write_report"]
+__all__ = ["machine_note", "print_summary", "write_report"]
+
+
+def machine_note() -> str:
+    """Where the wall-clock times were taken: logical CPUs and the 1-minute load average at
+    the time of writing (timings on a shared box are not comparable to an idle one)."""
+    try:
+        load = f", load average {os.getloadavg()[0]:.1f}"
+    except (AttributeError, OSError):   # not on every platform
+        load = ""
+    return f"{os.cpu_count()} logical CPUs{load}"
 
 
 def _fmt_kl(x: float | None) -> str:
@@ -204,7 +215,7 @@ def write_report(res, out: Path) -> tuple[Path, Path]:
     if res.needle is not None:
         L.append("## Needle in a haystack\n")
         L.append(res.needle.get("markdown", ""))
-    L.append("## Timings (s, wall clock, shared 2-core CPU)\n")
+    L.append(f"## Timings (s, wall clock; {machine_note()})\n")
     L.append(", ".join(f"{k} {v:.0f}" for k, v in res.timings.items()) + "\n")
     md.write_text("\n".join(L) + "\n")
     _plot(res, rows, png)
