@@ -23,6 +23,7 @@ Usage: python benchmarks/kernels_gpu.py --out benchmarks/results [--quick] [--vl
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
@@ -606,7 +607,7 @@ def table(copy_gbs, path, device=None):
                                                   "num_splits", "auto_splits", "block_m",
                                                   "block_t", "chunk", "rotation", "layers",
                                                   "x_default",
-                                                  "x_bf16") if k in r
+                                                  "x_bf16", "rel_err") if k in r
                          and (r["kernel"].endswith("_variant") or k not in ("lookup", "swap_qk")))
         if "error" in r:
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {opts} | error: "
@@ -1050,6 +1051,51 @@ def qrot_rows(copy_gbs, shapes=((64, 640), (256, 640), (1, 32768))):
     _model_step_arms(arms, shapes[:2], 36)
 
 
+def stage_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (32, 8192), (1, 32768))):
+    """Software pipelining of the split-K decode's code-tile loads (session 17): Triton's
+    ``num_stages`` > 1 with the default prmti lookup (Qwen3-8B-like K4V4, the query rotated
+    in-kernel). The pair-table lookups of sessions 1-4 measured 1.5-2x slower pipelined
+    (Triton staged their codebook gathers through shared memory); prmti has no gathers, and
+    offline (sm_90a) ``num_stages=2`` turns the uint8 tile loads into ``cp.async`` copies
+    (12 LDGSTS per 128-token tile; 186 instead of 168 registers, loop 1,866 vs 1,769
+    instructions). Each row: ``x_default`` = the default's time over the variant's (> 1:
+    faster), ``rel_err`` against the default's output. Then 36-layer engine-like model
+    steps for the variants that won alone."""
+    hq, hkv, d, block = 32, 8, 128, 16
+    ws = Workspace(256, 64, 256, DEV)
+    ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, block)
+    variants = [dict(num_stages=st, block_n=bn, num_warps=nw)
+                for st, bn, nw in ((1, 64, 4), (2, 64, 4), (2, 128, 4), (3, 64, 4), (3, 128, 4),
+                                   (2, 128, 8), (2, 64, 8))]
+    wins = collections.Counter()
+    for B, L in shapes:
+        bt, sl, nblk, _, q, _, _ = step_inputs(B, L, hq, hkv, d, block)
+        cache = tkv_cache(ld, nblk)
+        nbytes = B * L * ld.layout.bytes_per_token
+        base = dict(kernel="decode_stages", B=B, L=L, Hq=hq, Hkv=hkv, D=d,
+                    splits=ws.splits_for(B, hkv), lookup=lookup_label(ld))
+        ref_out = decode(q, cache, bt, sl, ld, ws).float()
+        ref = timed_row(base, "tkv K4V4 decode (default)", lambda: decode(q, cache, bt, sl, ld, ws),
+                        moved=nbytes, copy_gbs=copy_gbs, x_default=1.0)
+        for opts in variants:
+            try:
+                o = decode(q, cache, bt, sl, ld, ws, **opts).float()
+                err = float(f"{((o - ref_out).norm() / ref_out.norm()).item():.3g}")
+            except Exception as e:
+                log({**base, "impl": "tkv K4V4 decode", **opts, "error": str(e)[:160]})
+                continue
+            ms = timed_row({**base, "rel_err": err}, "tkv K4V4 decode",
+                           lambda o=opts: decode(q, cache, bt, sl, ld, ws, **o), moved=nbytes,
+                           copy_gbs=copy_gbs, ref_ms=ref, **opts)
+            if ms is not None and ref is not None and ms < ref:
+                wins[tuple(sorted(opts.items()))] += 1
+        del cache
+        torch.cuda.empty_cache()
+    arms = [("bf16 store + bypass decode", "bf16"), ("tkv K4V4 (default)", {})]
+    arms += [(f"tkv K4V4 {dict(k)}", dict(k)) for k, _ in wins.most_common(2)]
+    _model_step_arms(arms, ((64, 640), (256, 640)), 36)
+
+
 def _model_step_arms(arms, shapes, layers, dims=MODEL_DIMS, model=None, breakdown=None):
     """Time each (label, attn) arm's model step per (B, L); ``x_bf16`` against the bf16 arm.
     ``breakdown(attn)``: also log the per-kernel device time of one step of that arm at the
@@ -1119,6 +1165,9 @@ def main():
     ap.add_argument("--qrot", action="store_true",
                     help="only the in-kernel query rotation vs rotate_rows: per-layer steps, "
                          "breakdown, 36-layer model steps (qrot_rows)")
+    ap.add_argument("--stages", action="store_true",
+                    help="only the decode software-pipelining sweep (num_stages x block_n x "
+                         "warps) and model steps of the winners (stage_rows)")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
@@ -1147,6 +1196,11 @@ def main():
             log({"kernel": "store_sweep", "impl": "store sweep", "error": str(e)[:160]})
     if a.smollm2_step:   # the SmolLM2-geometry steps alone
         smollm2_step_rows(copy_gbs)
+        table(copy_gbs, out / f"kernels_gpu{tag}.md")
+        (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+        return
+    if a.stages:   # the pipelining sweep alone
+        stage_rows(copy_gbs)
         table(copy_gbs, out / f"kernels_gpu{tag}.md")
         (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
         return
