@@ -607,7 +607,8 @@ def table(copy_gbs, path, device=None):
                                                   "num_splits", "auto_splits", "block_m",
                                                   "block_t", "chunk", "rotation", "layers",
                                                   "x_default",
-                                                  "x_bf16", "rel_err") if k in r
+                                                  "x_bf16", "rel_err", "ctas",
+                                                  "rule_stages") if k in r
                          and (r["kernel"].endswith("_variant") or k not in ("lookup", "swap_qk")))
         if "error" in r:
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {opts} | error: "
@@ -1096,6 +1097,45 @@ def stage_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (32, 8192),
     _model_step_arms(arms, ((64, 640), (256, 640)), 36)
 
 
+def stage_small_rows(copy_gbs, shapes=((1, 8192), (1, 32768), (1, 131072), (2, 8192),
+                                       (2, 32768), (4, 32768), (8, 32768))):
+    """Small decode batches (session 17): the default (``decode_num_stages``: pipelined on
+    grids under ``target_programs`` CTAs) against one stage (the old default) and two
+    stages forced, each at the workspace's 32 splits and at up to 128 (``max_splits=128``:
+    more CTAs instead of pipelining). ``x_default`` > 1: faster than the default."""
+    hq, hkv, d, block = 32, 8, 128, 16
+    ws = Workspace(8, 64, 256, DEV)
+    ws128 = Workspace(8, 64, 256, DEV, max_splits=128)
+    ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, block)
+    for B, L in shapes:
+        bt, sl, nblk, _, q, _, _ = step_inputs(B, L, hq, hkv, d, block)
+        cache = tkv_cache(ld, nblk)
+        nbytes = B * L * ld.layout.bytes_per_token
+        splits = ws.splits_for(B, hkv)
+        base = dict(kernel="decode_small", B=B, L=L, Hq=hq, Hkv=hkv, D=d,
+                    ctas=B * hkv * splits, target=ws.target_programs,
+                    rule_stages=ld.decode_num_stages(B * hkv * splits, ws.target_programs))
+        ref_out = decode(q, cache, bt, sl, ld, ws, num_stages=1).float()
+        ref = timed_row({**base, "num_splits": splits}, "tkv K4V4 decode (default)",
+                        lambda: decode(q, cache, bt, sl, ld, ws), moved=nbytes,
+                        copy_gbs=copy_gbs, x_default=1.0)
+        for w, sp in ((ws, splits), (ws128, ws128.splits_for(B, hkv))):
+            for st in (1, 2):
+                try:
+                    o = decode(q, cache, bt, sl, ld, w, num_stages=st).float()
+                    err = float(f"{((o - ref_out).norm() / ref_out.norm()).item():.3g}")
+                except Exception as e:
+                    log({**base, "impl": "tkv K4V4 decode", "num_stages": st, "num_splits": sp,
+                         "error": str(e)[:160]})
+                    continue
+                timed_row({**base, "rel_err": err}, "tkv K4V4 decode",
+                          lambda w=w, st=st: decode(q, cache, bt, sl, ld, w, num_stages=st),
+                          moved=nbytes, copy_gbs=copy_gbs, ref_ms=ref, num_stages=st,
+                          num_splits=sp)
+        del cache
+        torch.cuda.empty_cache()
+
+
 def _model_step_arms(arms, shapes, layers, dims=MODEL_DIMS, model=None, breakdown=None):
     """Time each (label, attn) arm's model step per (B, L); ``x_bf16`` against the bf16 arm.
     ``breakdown(attn)``: also log the per-kernel device time of one step of that arm at the
@@ -1168,6 +1208,9 @@ def main():
     ap.add_argument("--stages", action="store_true",
                     help="only the decode software-pipelining sweep (num_stages x block_n x "
                          "warps) and model steps of the winners (stage_rows)")
+    ap.add_argument("--stages-small", action="store_true",
+                    help="only small decode batches: the pipelining rule vs 1 / 2 stages at 32 "
+                         "and 128 max splits (stage_small_rows)")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
@@ -1199,8 +1242,11 @@ def main():
         table(copy_gbs, out / f"kernels_gpu{tag}.md")
         (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
         return
-    if a.stages:   # the pipelining sweep alone
-        stage_rows(copy_gbs)
+    if a.stages or a.stages_small:   # the pipelining sweeps alone
+        if a.stages_small:
+            stage_small_rows(copy_gbs)
+        if a.stages:
+            stage_rows(copy_gbs)
         table(copy_gbs, out / f"kernels_gpu{tag}.md")
         (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
         return

@@ -918,7 +918,8 @@ def run_all(opts: argparse.Namespace) -> int:
                 "tkvtriton": ("tkv", opts.bits, bundle, False, "triton"),
                 "tkvcont": ("tkv", opts.bits, bundle, False, "cont"),
                 "tkvqrot": ("tkv", opts.bits, bundle, False, "qrot"),
-                "tkvnoqrot": ("tkv", opts.bits, bundle, False, "noqrot")}
+                "tkvnoqrot": ("tkv", opts.bits, bundle, False, "noqrot"),
+                "tkvnopipe": ("tkv", opts.bits, bundle, False, "nopipe")}
         res = {}
         for r in opts.runs:
             mode, bits, b, greedy_only, variant = runs[r]
@@ -1315,16 +1316,18 @@ def divergence_cpu(opts: argparse.Namespace) -> int:
 
 JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the driver runs without tkv)
 # engine-environment variants of a tkv run (`all --runs tkvflash tkvtriton tkvcont tkvqrot
-# tkvnoqrot`): prefill through vLLM's FlashAttention (required), tkv's own Triton / SDPA
+# tkvnoqrot tkvnopipe`): prefill through vLLM's FlashAttention (required), tkv's own Triton / SDPA
 # kernels, or FlashAttention for continuation chunks only (first chunks: tkv's Triton); decode
-# with the query rotated inside the split kernel, or by a separate launch. The plain `tkv` run
+# with the query rotated inside the split kernel, or by a separate launch; decode never
+# pipelined (TKV_DECODE_PIPELINE=0). The plain `tkv` run
 # takes tkv-vllm's defaults (TKV_PREFILL_ATTENTION=auto: FlashAttention where it can run;
 # TKV_FUSED_QUERY_ROTATION=1 since session 16: the query rotated inside the split kernel)
 VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
             "triton": {"TKV_PREFILL_ATTENTION": "tkv"},
             "cont": {"TKV_PREFILL_ATTENTION": "continuation"},
             "qrot": {"TKV_FUSED_QUERY_ROTATION": "1"},
-            "noqrot": {"TKV_FUSED_QUERY_ROTATION": "0"}}
+            "noqrot": {"TKV_FUSED_QUERY_ROTATION": "0"},
+            "nopipe": {"TKV_DECODE_PIPELINE": "0"}}
 JIT_LEGEND = ("`†n/m`: Triton compiled a kernel inside n of the cell's m timed runs "
               "(`jit_events` / `jit_compiles` in the JSON); `‡n/m`: it only loaded compiled "
               "kernels from its disk cache (`jit_disk_loads`) in n runs. Either is a one-time "
@@ -1391,7 +1394,7 @@ def main(argv: list[str] | None = None) -> int:
                            help="also run the long prompt on real-weight models")
             a.add_argument("--runs", nargs="+",
                            choices=["bf16", "tq4", "tkv", "tkv8", "tkvflash", "tkvtriton",
-                                    "tkvcont", "tkvqrot", "tkvnoqrot"],
+                                    "tkvcont", "tkvqrot", "tkvnoqrot", "tkvnopipe"],
                            default=["bf16", "tq4", "tkv", "tkv8"],
                            help="engine runs per model: bf16, vLLM turboquant_4bit_nc, tkv at "
                            "--bits (capacity+greedy+throughput; tkv-vllm's default prefill, "
@@ -1399,7 +1402,8 @@ def main(argv: list[str] | None = None) -> int:
                            "tkvtriton / tkvcont = tkv at --bits with TKV_PREFILL_ATTENTION=flash / "
                            "=tkv / =continuation, "
                            "tkvqrot / tkvnoqrot = tkv at --bits with "
-                           "TKV_FUSED_QUERY_ROTATION=1 / =0")
+                           "TKV_FUSED_QUERY_ROTATION=1 / =0, tkvnopipe = tkv at --bits with "
+                           "TKV_DECODE_PIPELINE=0")
         if name == "serve-check":
             a.add_argument("--port", type=int, default=8011)
     c = sub.add_parser("write-checkpoint", help="the seeded random Qwen3-8B-like checkpoint")

@@ -182,6 +182,16 @@ def test_lookup_selection_per_width_and_backend(monkeypatch):
     monkeypatch.setattr(L, "PRMTI_MAXNREG", 128)                      # TKV_PRMTI_MAXNREG=128
     assert auto.decode_maxnreg(1024, 528) == 128
     assert auto.decode_maxnreg(256, 528) is None                      # too few CTAs
+    # decode's pipelining (TKV_DECODE_PIPELINE, on by default): prmti on both sides of an
+    # under-filled grid only
+    k4v4 = L.TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4, device="cpu", seed=1), 2, 16)
+    monkeypatch.setattr(L, "DECODE_PIPELINE", True)
+    assert k4v4.decode_num_stages(256, 528) == 2
+    assert k4v4.decode_num_stages(528, 528) == 1                      # full grid
+    assert auto.decode_num_stages(256, 528) == 1                      # 3-bit V: group prmt
+    assert L.TkvLoader(k4v4.codec, 2, 16, lookup="pair").decode_num_stages(256, 528) == 1
+    monkeypatch.setattr(L, "DECODE_PIPELINE", False)                  # TKV_DECODE_PIPELINE=0
+    assert k4v4.decode_num_stages(256, 528) == 1
     fitted = TurboKVCodec(128, k_bits=4, v_bits=3, device="cpu", seed=1,
                           k_codebook=default_codebook(4, 128).centroids * 1.01)
     own = L.TkvLoader(fitted, 2, 16)
@@ -386,3 +396,22 @@ def test_group_lookup_small_tile_fallback_gathers(bits):
     _dequant_tile[(1,)](raw, tab, out, P0=p0, NP=np_, N=n, G=gr)
     codes = torch.stack([(raw >> (bits * p)) & ((1 << bits) - 1) for p in range(np_)])
     assert torch.equal(out, table[codes.long()])
+
+
+@pytest.mark.parametrize("raw,want", [(None, True), ("", True), ("1", True), (" 0 ", False),
+                                      ("0", False), ("2", None), ("yes", None), ("true", None),
+                                      ("１", None)])
+def test_decode_pipeline_env(monkeypatch, raw, want):
+    """TKV_DECODE_PIPELINE: unset / empty / 1 = pipeline under-filled decode grids, 0 = never;
+    anything else a named error at import."""
+    import tkv.kernels.loaders as L
+
+    if raw is None:
+        monkeypatch.delenv(L.ENV_DECODE_PIPELINE, raising=False)
+    else:
+        monkeypatch.setenv(L.ENV_DECODE_PIPELINE, raw)
+    if want is None:
+        with pytest.raises(L.PipelineConfigError, match="TKV_DECODE_PIPELINE"):
+            L._decode_pipeline_from_env()
+    else:
+        assert L._decode_pipeline_from_env() is want

@@ -239,7 +239,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
            loader: Loader, workspace: Workspace, *, out: torch.Tensor | None = None,
            sm_scale: float | None = None, window: int = 0, query_rotated: bool = False,
            output_rotated: bool = False, num_splits: int | None = None,
-           block_n: int | None = None, num_warps: int = 4, num_stages: int = 1,
+           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
            prefetch: bool = False, swap_qk: bool | None = None,
            maxnreg: int | None = None, kernel: str = "triton",
            fused_query_rotation: bool | None = None) -> torch.Tensor:
@@ -273,8 +273,11 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         num_splits: override the split-K count (power of two ≤ workspace.max_splits).
         block_n, num_warps, num_stages: tile length (tokens; default the loader's
             ``preferred_block_n`` (else 64) for head_dim ≤ 128, 32 above) and Triton launch
-            options. ``num_stages`` > 1 lets Triton's pipeliner
-            stage the codebook gathers through shared memory, which measured slower.
+            options. ``num_stages`` > 1 lets Triton's pipeliner issue the next tiles' loads
+            ahead (``cp.async``); it stages codebook gathers through shared memory, which
+            measured slower. None (default): the loader's ``decode_num_stages`` for this grid
+            if it has one (TkvLoader: 2 with prmti on grids under
+            ``workspace.target_programs`` CTAs, ``TKV_DECODE_PIPELINE=0`` turns it off), else 1.
         maxnreg: cap on the split kernel's registers per thread (Triton's ``maxnreg``):
             fewer registers, more CTAs per SM, possibly spills (prmti at 4 warps: 168 → 128
             registers = 3 → 4 CTAs per SM with 76 B of spills, offline sm_90a). None (default):
@@ -389,6 +392,11 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     if maxnreg is None and not interpreting():
         maxnreg = getattr(loader, "decode_maxnreg", lambda *_: None)(
             ns * hkv * splits, workspace.target_programs, dot_dtype)
+    if num_stages is None:
+        num_stages = 1 if interpreting() else getattr(loader, "decode_num_stages", lambda *_: 1)(
+            ns * hkv * splits, workspace.target_programs, dot_dtype)
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int ≥ 1, got {num_stages!r}")
     if kernel == "gluon":
         gluon_decode.launch_split(
             q, block_table, seq_lens, num_blocks, kargs, vargs, part_o, part_lse,

@@ -591,6 +591,26 @@ def _prmti_maxnreg_from_env() -> int:
 
 PRMTI_MAXNREG = _prmti_maxnreg_from_env()
 
+ENV_DECODE_PIPELINE = "TKV_DECODE_PIPELINE"
+
+
+class PipelineConfigError(ValueError):
+    """``TKV_DECODE_PIPELINE`` is neither 0 nor 1."""
+
+
+def _decode_pipeline_from_env() -> bool:
+    """Whether decode may software-pipeline its code-tile loads on under-filled grids
+    (:meth:`TkvLoader.decode_num_stages`): ``TKV_DECODE_PIPELINE`` 1 (default) or 0, read
+    once at import. Raises :class:`PipelineConfigError` on any other value."""
+    raw = os.environ.get(ENV_DECODE_PIPELINE, "1").strip() or "1"
+    if raw not in ("0", "1"):
+        raise PipelineConfigError(f"{ENV_DECODE_PIPELINE}={raw!r}: expected 1 (pipeline the "
+                                  "split-K decode on grids under target_programs CTAs) or 0")
+    return raw == "1"
+
+
+DECODE_PIPELINE = _decode_pipeline_from_env()
+
 
 class TkvLoader:
     """Per-layer tkv format: the codec's tables as device tensors + the layer's SlotLayout.
@@ -996,6 +1016,25 @@ class TkvLoader:
             return None
         codes = {self._lookup(s, dot_dtype)[1] for s in ("k", "v")}
         return PRMTI_MAXNREG if codes & {LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16} else None
+
+    def decode_num_stages(self, num_ctas: int, target_ctas: int,
+                          dot_dtype: torch.dtype = torch.bfloat16) -> int:
+        """Triton ``num_stages`` for decode's split kernel with ``num_ctas`` CTAs in the grid:
+        2 (the code-tile loads become ``cp.async`` copies issued a tile ahead) when
+        :data:`DECODE_PIPELINE` is on (``TKV_DECODE_PIPELINE``, default 1), both sides use
+        ``"prmti"`` and the grid is under ``target_ctas`` (the workspace's
+        ``target_programs``, 4 per SM) — i.e. the split count hit ``max_splits`` and the chip
+        holds under one CTA per scheduler slot, so load latency is exposed; else 1.
+
+        Measured on the H200 (session 17, ``kernels_gpu.py --stages``, K4V4, Hkv=8, head_dim
+        128): at one sequence of 32K tokens (256 CTAs) 1.12× faster pipelined; on full grids
+        (64-256 sequences, or 32 × 8K: ≥ 512 CTAs) 0.86-0.94× (186 instead of 168 registers:
+        2 CTAs per SM instead of 3). Pair / gather lookups stay at one stage: Triton stages
+        their codebook gathers through shared memory (1.5-2× slower, session 1)."""
+        if not DECODE_PIPELINE or num_ctas >= target_ctas:
+            return 1
+        codes = {self._lookup(s, dot_dtype)[1] for s in ("k", "v")}
+        return 2 if codes <= {LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16} else 1
 
     def lookup_name(self, side: str, dot_dtype: torch.dtype = torch.bfloat16) -> str:
         """The lookup side ``"k"``/``"v"`` really uses with ``dot_dtype`` dots: "prmt",
