@@ -226,3 +226,43 @@ def test_sink_offset_helpers_name_bad_input(tiny):
     c = TurboKVCodec(32, 4, v_sink_offset=torch.zeros(2, 32))
     with pytest.raises(ShapeError, match="num_kv_heads, T, head_dim"):
         compress_bhtd(c.v, torch.randn(5, 32))
+
+
+def test_report_plot_keys_every_group_and_staggers_labels(tmp_path):
+    """report.png: the legend names every group present — the rejected SmartMix colour too
+    (it was missing from the old title key) — and two arms at the same bytes (a rejected mix
+    on its uniform row) get labels at different heights."""
+    import matplotlib.axes
+    from matplotlib.text import Annotation
+
+    from tkv.calibrate import report
+
+    def row(name, group, kl, ppl, b=84.0):
+        return {"name": name, "group": group, "bytes_per_token_head": b, "kl": kl,
+                "delta_ppl_pct": ppl}
+
+    rows = [row("uncompressed", "baseline", 0.0, 0.0, 256.0),
+            row("TKV@5 uniform K5V5", "tkv", 0.0042, 0.41),
+            row("TKV@5 SmartMix (rejected)", "smartmix-rejected", 0.00425, 0.40),
+            row("fp8", "peer", 0.07, 8.6, 128.0)]   # wide ranges: the TKV@5 points ~1 pt apart
+    offsets = []
+    real = matplotlib.axes.Axes.annotate
+
+    def spy(self, text, xy, **kw):
+        a = real(self, text, xy, **kw)
+        assert isinstance(a, Annotation)
+        at = self.transData.transform(xy)[1] * 72 / self.figure.dpi + kw["xytext"][1]
+        offsets.append((self, text, at))   # the label's height on the page, points
+        return a
+
+    matplotlib.axes.Axes.annotate = spy
+    try:
+        keys = report.plot_rows(rows, "tiny", tmp_path / "r.png")
+    finally:
+        matplotlib.axes.Axes.annotate = real
+    assert keys == ["uniform TKV", "SmartMix (measured worse, not shipped)", "peer formats"]
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+    for ax in {o[0] for o in offsets}:
+        same_bytes = [(t, at) for a, t, at in offsets if a is ax and t.startswith("TKV@5")]
+        (_, hi), (_, lo) = same_bytes
+        assert abs(hi - lo) >= 6.9, same_bytes

@@ -785,6 +785,13 @@ def test_flash_device_auto_falls_back_and_flash_insists(caplog):
 
     env = {"TKV_PREFILL_ATTENTION": "tkv"}
     assert flash_device("cuda:0", env, ok) is None and not imports
+    # a device torch refuses: a named error whatever the choice (not torch's RuntimeError)
+    from tkv.codec.errors import DeviceMismatchError
+    for bad in ("cuda:x", "gpu", 3.5, None):
+        for choice in ("tkv", "auto", "flash"):
+            with pytest.raises(DeviceMismatchError, match="not a device"):
+                flash_device(bad, {"TKV_PREFILL_ATTENTION": choice}, ok)
+    assert not imports
     cases = (("cpu", ok, None, "CUDA device"),
              ("cuda:0", missing, None, "fake_flash"),
              ("cuda:0", ok, lambda dev, imp: f"{imp} lack head_size 96 on {dev}",

@@ -226,36 +226,57 @@ def _plot(res, rows, path: Path) -> None:
     plot_rows(rows, res.model_name, path)
 
 
-def plot_rows(rows, model_name: str, path: Path) -> None:
-    """KL and ΔPPL vs bytes per token per KV head, one point per arm."""
+def plot_rows(rows, model_name: str, path: Path) -> list[str]:
+    """KL and ΔPPL vs bytes per token per KV head, one point per arm, a legend of the groups
+    present; a label that would overprint the one above it at the same bytes (a rejected
+    SmartMix mix sits on its uniform row's bytes) moves down just enough. Writes ``path``
+    (PNG) and returns the legend's entries."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
-    colors = {"tkv": "tab:blue", "smartmix": "tab:green", "smartmix-rejected": "tab:olive",
-              "peer": "tab:red", "uncalibrated": "tab:gray"}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.6))
+    groups = {"tkv": ("tab:blue", "uniform TKV"), "smartmix": ("tab:green", "SmartMix (shipped)"),
+              "smartmix-rejected": ("tab:olive", "SmartMix (measured worse, not shipped)"),
+              "peer": ("tab:red", "peer formats"), "uncalibrated": ("tab:gray", "uncalibrated")}
     pts = [r for r in rows if r["group"] != "baseline"]
+    seen: dict[str, object] = {}
     for ax, key, label in ((axes[0], "kl", "mean KL vs uncompressed (nats, log)"),
                            (axes[1], "delta_ppl_pct", "ΔPPL (%)")):
-        for r in pts:
-            y = max(r[key], 1e-6) if key == "kl" else r[key]
-            ax.scatter(r["bytes_per_token_head"], y, color=colors.get(r["group"], "k"), s=30)
-            ax.annotate(r["name"], (r["bytes_per_token_head"], y), fontsize=6,
-                        xytext=(3, 3), textcoords="offset points")
+        ys = [max(r[key], 1e-6) if key == "kl" else r[key] for r in pts]
+        for r, y in zip(pts, ys, strict=True):
+            color, name = groups.get(r["group"], ("k", r["group"]))
+            handle = ax.scatter(r["bytes_per_token_head"], y, color=color, s=30)
+            seen.setdefault(name, handle)
         ax.set_xlabel("bytes per token per KV head (avg over layers)")
         ax.set_ylabel(label)
         if key == "kl":
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    if not pts:
+        fig.canvas.draw()   # fixes the limits: label offsets are computed in pixels
+        order = sorted(range(len(pts)), key=lambda i: (round(pts[i]["bytes_per_token_head"], 1),
+                                                       -ys[i]))
+        last_x, floor = None, 0.0
+        for i in order:
+            x = pts[i]["bytes_per_token_head"]
+            ypix = ax.transData.transform((x, ys[i]))[1] * 72 / fig.dpi   # points
+            want = ypix + 3
+            if last_x == round(x, 1) and want > floor - 7:
+                want = floor - 7
+            last_x, floor = round(x, 1), want
+            ax.annotate(pts[i]["name"], (x, ys[i]), fontsize=6, xytext=(4, want - ypix),
+                        textcoords="offset points")
+    if pts:
+        fig.legend(list(seen.values()), list(seen), fontsize=8, loc="lower center",
+                   ncol=len(seen), frameon=False)
+    else:
         axes[0].text(0.5, 0.5, "no evaluation run", ha="center")
-    fig.suptitle(f"tkv on {model_name}: fidelity vs cache bytes "
-                 "(blue: uniform TKV, green: SmartMix, red: peers, gray: uncalibrated)")
-    fig.tight_layout()
+    fig.suptitle(f"tkv on {model_name}: fidelity vs cache bytes")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return list(seen)
 
 
 def goal_verdicts(rows, needle: dict | None = None) -> list[tuple[str, ...]]:

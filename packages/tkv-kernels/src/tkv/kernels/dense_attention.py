@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from tkv.codec.errors import DtypeError, ShapeError, TkvError
+from tkv.codec.errors import DeviceMismatchError, DtypeError, ShapeError, TkvError
 
 __all__ = ["ENV_PREFILL_ATTENTION", "DenseAttention", "FlashDevice", "FlashVarlenAttention",
            "PrefillAttentionConfigError", "SdpaDenseAttention", "check_dense_output",
@@ -174,8 +174,14 @@ def flash_device(device: torch.device | str, environ, import_flash: Callable[[],
     Raises:
         PrefillAttentionConfigError: an unknown value; ``flash`` / ``continuation`` where it
             cannot run (the message keeps the reason, e.g. the import error).
+        DeviceMismatchError: ``device`` is not a device (``torch.device`` refuses it), also
+            with ``tkv`` (a caller bug either way).
     """
     choice = prefill_attention_from_env(environ, default)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:   # "cuda:x", 3.5, None: torch's own message kept
+        raise DeviceMismatchError(f"flash_device: not a device: {device!r} ({e})") from e
     if choice == "tkv":
         return None
 
@@ -185,7 +191,6 @@ def flash_device(device: torch.device | str, environ, import_flash: Callable[[],
             return None
         raise PrefillAttentionConfigError(f"{ENV_PREFILL_ATTENTION}={choice}: {reason}") from cause
 
-    dev = torch.device(device)
     if dev.type != "cuda":
         return cannot(f"needs a CUDA device (attention on {dev})")
     try:
