@@ -1119,7 +1119,10 @@ def stage_small_rows(copy_gbs, shapes=((1, 8192), (1, 32768), (1, 131072), (2, 8
         ref = timed_row({**base, "num_splits": splits}, "tkv K4V4 decode (default)",
                         lambda: decode(q, cache, bt, sl, ld, ws), moved=nbytes,
                         copy_gbs=copy_gbs, x_default=1.0)
-        for w, sp in ((ws, splits), (ws128, ws128.splits_for(B, hkv))):
+        arms = [(ws, splits)]
+        if ws128.splits_for(B, hkv) != splits:   # 128 max splits change this batch's grid
+            arms.append((ws128, ws128.splits_for(B, hkv)))
+        for w, sp in arms:
             for st in (1, 2):
                 try:
                     o = decode(q, cache, bt, sl, ld, w, num_stages=st).float()

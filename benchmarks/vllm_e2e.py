@@ -489,7 +489,8 @@ def worker(args: argparse.Namespace) -> None:
     llm = LLM(**kw)
     res: dict = {"mode": args.mode, "tkv_bits": os.environ.get("TKV_BITS"),
                  "tkv_lookup": os.environ.get("TKV_LOOKUP", "auto"),
-                 "tkv_prmti_maxnreg": os.environ.get("TKV_PRMTI_MAXNREG", "0"), "tp": args.tp,
+                 "tkv_prmti_maxnreg": os.environ.get("TKV_PRMTI_MAXNREG", "0"),
+                 "tkv_decode_pipeline": os.environ.get("TKV_DECODE_PIPELINE", "1"), "tp": args.tp,
                  "enforce_eager": args.enforce_eager, "weights": args.weights,
                  "startup_s": time.perf_counter() - t0}
     cc = llm.llm_engine.vllm_config.cache_config

@@ -1069,6 +1069,11 @@ def test_named_errors_on_bad_input():
         decode(q, cache, bt, sl, ld, ws, window=-1)
     with pytest.raises(ShapeError):
         decode(q, cache, bt, sl, ld, ws, num_splits=3)
+    for bad in (0, 2.0, True, "2"):   # a launch option Triton would misread or crash on
+        with pytest.raises(ShapeError, match="num_stages"):
+            decode(q, cache, bt, sl, ld, ws, num_stages=bad)
+        with pytest.raises(ShapeError, match="num_stages"):   # also for an empty batch
+            decode(q[:0], cache, bt[:0], sl[:0], ld, ws, num_stages=bad)
     with pytest.raises(WorkspaceTooSmallError):
         decode(q, cache, bt, sl, ld, Workspace(1, 8, 64, DEV))
     for bad in (48, 24, 32.0, True, -16):   # before the kernel, not inside tl.arange

@@ -187,7 +187,12 @@ def test_lookup_selection_per_width_and_backend(monkeypatch):
     k4v4 = L.TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4, device="cpu", seed=1), 2, 16)
     monkeypatch.setattr(L, "DECODE_PIPELINE", True)
     assert k4v4.decode_num_stages(256, 528) == 2
+    assert k4v4.decode_num_stages(256, 528, torch.float16) == 2
     assert k4v4.decode_num_stages(528, 528) == 1                      # full grid
+    assert k4v4.decode_num_stages(256, 528, block_n=64) == 1          # unmeasured / slower
+    assert k4v4.decode_num_stages(256, 528, num_warps=8) == 1
+    d64 = L.TkvLoader(TurboKVCodec(64, k_bits=4, v_bits=4, device="cpu", seed=1), 2, 16)
+    assert d64.decode_num_stages(256, 528) == 1                       # head_dim 64: unmeasured
     assert auto.decode_num_stages(256, 528) == 1                      # 3-bit V: group prmt
     assert L.TkvLoader(k4v4.codec, 2, 16, lookup="pair").decode_num_stages(256, 528) == 1
     monkeypatch.setattr(L, "DECODE_PIPELINE", False)                  # TKV_DECODE_PIPELINE=0
@@ -274,10 +279,11 @@ def test_lookup_from_env_validates_tkv_lookup():
 @pytest.mark.parametrize("parse,name,error,default", [
     ("small_head_groups_from_env", "TKV_SMALL_HEAD_GROUPS", "SmallHeadGroupsConfigError", True),
     ("fused_query_rotation_from_env", "TKV_FUSED_QUERY_ROTATION",
-     "FusedQueryRotationConfigError", True)])
+     "FusedQueryRotationConfigError", True),
+    ("decode_pipeline_from_env", "TKV_DECODE_PIPELINE", "PipelineConfigError", True)])
 def test_engine_flags_from_env(parse, name, error, default):
-    """The engines' 0/1 loader options: TKV_SMALL_HEAD_GROUPS and TKV_FUSED_QUERY_ROTATION
-    (both default on) — unset / blank → the default, 0 / 1 with blanks
+    """The engines' 0/1 kernel options: TKV_SMALL_HEAD_GROUPS, TKV_FUSED_QUERY_ROTATION and
+    TKV_DECODE_PIPELINE (all default on) — unset / blank → the default, 0 / 1 with blanks
     around them, anything else a named error."""
     import tkv.kernels as K
 
@@ -286,7 +292,7 @@ def test_engine_flags_from_env(parse, name, error, default):
     assert fn({name: " "}) is default
     assert fn({name: "0"}) is False
     assert fn({name: " 1 "}) is True
-    for bad in ("yes", "2", "true", "on"):
+    for bad in ("yes", "2", "true", "on", "１"):
         with pytest.raises(err, match=name):
             fn({name: bad})
 
@@ -397,21 +403,3 @@ def test_group_lookup_small_tile_fallback_gathers(bits):
     codes = torch.stack([(raw >> (bits * p)) & ((1 << bits) - 1) for p in range(np_)])
     assert torch.equal(out, table[codes.long()])
 
-
-@pytest.mark.parametrize("raw,want", [(None, True), ("", True), ("1", True), (" 0 ", False),
-                                      ("0", False), ("2", None), ("yes", None), ("true", None),
-                                      ("１", None)])
-def test_decode_pipeline_env(monkeypatch, raw, want):
-    """TKV_DECODE_PIPELINE: unset / empty / 1 = pipeline under-filled decode grids, 0 = never;
-    anything else a named error at import."""
-    import tkv.kernels.loaders as L
-
-    if raw is None:
-        monkeypatch.delenv(L.ENV_DECODE_PIPELINE, raising=False)
-    else:
-        monkeypatch.setenv(L.ENV_DECODE_PIPELINE, raw)
-    if want is None:
-        with pytest.raises(L.PipelineConfigError, match="TKV_DECODE_PIPELINE"):
-            L._decode_pipeline_from_env()
-    else:
-        assert L._decode_pipeline_from_env() is want

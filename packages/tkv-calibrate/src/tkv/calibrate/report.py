@@ -254,26 +254,38 @@ def plot_rows(rows, model_name: str, path: Path) -> list[str]:
         if key == "kl":
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        fig.canvas.draw()   # fixes the limits: label offsets are computed in pixels
-        order = sorted(range(len(pts)), key=lambda i: (round(pts[i]["bytes_per_token_head"], 1),
-                                                       -ys[i]))
-        last_x, floor = None, 0.0
-        for i in order:
-            x = pts[i]["bytes_per_token_head"]
-            ypix = ax.transData.transform((x, ys[i]))[1] * 72 / fig.dpi   # points
-            want = ypix + 3
-            if last_x == round(x, 1) and want > floor - 7:
-                want = floor - 7
-            last_x, floor = round(x, 1), want
-            ax.annotate(pts[i]["name"], (x, ys[i]), fontsize=6, xytext=(4, want - ypix),
-                        textcoords="offset points")
+        if pts:   # room on the right for the labels of the widest formats
+            lo = min(r["bytes_per_token_head"] for r in pts)
+            hi = max(r["bytes_per_token_head"] for r in pts)
+            ax.set_xlim(lo - 0.05 * (hi - lo + 1), hi + 0.3 * (hi - lo + 1))
     if pts:
         fig.legend(list(seen.values()), list(seen), fontsize=8, loc="lower center",
                    ncol=len(seen), frameon=False)
-    else:
+    if not pts:
         axes[0].text(0.5, 0.5, "no evaluation run", ha="center")
     fig.suptitle(f"tkv on {model_name}: fidelity vs cache bytes")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.canvas.draw()   # final axes sizes and limits: label offsets are computed in points
+    # columns: points within a byte of their neighbour share one (labels stacked top down)
+    by_x = sorted(range(len(pts)), key=lambda i: pts[i]["bytes_per_token_head"])
+    columns: list[list[int]] = []
+    for i in by_x:
+        x = pts[i]["bytes_per_token_head"]
+        if columns and x - pts[columns[-1][-1]]["bytes_per_token_head"] < 1.0:
+            columns[-1].append(i)
+        else:
+            columns.append([i])
+    for ax, key in ((axes[0], "kl"), (axes[1], "delta_ppl_pct")):
+        ys = [max(r[key], 1e-6) if key == "kl" else r[key] for r in pts]
+        for col in columns:
+            floor = float("inf")
+            for i in sorted(col, key=lambda i: -ys[i]):
+                x = pts[i]["bytes_per_token_head"]
+                ypix = ax.transData.transform((x, ys[i]))[1] * 72 / fig.dpi   # points
+                want = min(ypix + 3, floor - 7)
+                floor = want
+                ax.annotate(pts[i]["name"], (x, ys[i]), fontsize=6, xytext=(4, want - ypix),
+                            textcoords="offset points")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return list(seen)

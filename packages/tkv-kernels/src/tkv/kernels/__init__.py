@@ -22,6 +22,7 @@ from .dense_attention import (
     prefill_attention_from_env,
 )
 from .loaders import (
+    ENV_DECODE_PIPELINE,
     ENV_FUSED_QUERY_ROTATION,
     ENV_LOOKUP,
     ENV_SMALL_HEAD_GROUPS,
@@ -32,8 +33,10 @@ from .loaders import (
     LookupConfigError,
     MaxnregConfigError,
     PerCodebookCompileWarning,
+    PipelineConfigError,
     SmallHeadGroupsConfigError,
     TkvLoader,
+    decode_pipeline_from_env,
     fused_query_rotation_from_env,
     lookup_from_env,
     small_head_groups_from_env,
@@ -51,6 +54,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DENSE_PREFIX_CAP",
+    "ENV_DECODE_PIPELINE",
     "ENV_FUSED_QUERY_ROTATION",
     "ENV_LOOKUP",
     "ENV_PREFILL_ATTENTION",
@@ -66,6 +70,7 @@ __all__ = [
     "MaxnregConfigError",
     "MetadataError",
     "PerCodebookCompileWarning",
+    "PipelineConfigError",
     "PrefillAttentionConfigError",
     "SdpaDenseAttention",
     "SmallHeadGroupsConfigError",
@@ -75,6 +80,7 @@ __all__ = [
     "check_metadata",
     "compress_store",
     "decode",
+    "decode_pipeline_from_env",
     "dense_prefix_bytes",
     "flash_device",
     "fused_query_rotation_from_env",

@@ -276,8 +276,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             options. ``num_stages`` > 1 lets Triton's pipeliner issue the next tiles' loads
             ahead (``cp.async``); it stages codebook gathers through shared memory, which
             measured slower. None (default): the loader's ``decode_num_stages`` for this grid
-            if it has one (TkvLoader: 2 with prmti on grids under
-            ``workspace.target_programs`` CTAs, ``TKV_DECODE_PIPELINE=0`` turns it off), else 1.
+            and launch if it has one (TkvLoader: 2 with prmti at head_dim 128, 128-token
+            tiles and 4 warps on grids under ``workspace.target_programs`` CTAs;
+            ``TKV_DECODE_PIPELINE=0`` turns it off), else 1.
         maxnreg: cap on the split kernel's registers per thread (Triton's ``maxnreg``):
             fewer registers, more CTAs per SM, possibly spills (prmti at 4 warps: 168 → 128
             registers = 3 → 4 CTAs per SM with 76 B of spills, offline sm_90a). None (default):
@@ -308,7 +309,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
 
     Returns:
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError /
-        WorkspaceTooSmallError on malformed inputs (host-side checks only).
+        WorkspaceTooSmallError on malformed inputs (host-side checks only; ShapeError also
+        for a ``window``, ``num_splits`` or ``num_stages`` out of range), ValueError for an
+        unknown ``kernel``.
     """
     check_tensor(query, "query", 3)
     ns, hq, d = query.shape
@@ -349,6 +352,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         out = torch.empty(ns, hq, d, dtype=out_dtype, device=dev)
     else:
         check_out(out, (ns, hq, d), dev)
+    if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
+                                   or num_stages < 1):
+        raise ShapeError(f"num_stages must be None or an int ≥ 1, got {num_stages!r}")
     if ns == 0:
         return out
     d_pad = max(16, next_pow2(d))
@@ -393,10 +399,10 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         maxnreg = getattr(loader, "decode_maxnreg", lambda *_: None)(
             ns * hkv * splits, workspace.target_programs, dot_dtype)
     if num_stages is None:
-        num_stages = 1 if interpreting() else getattr(loader, "decode_num_stages", lambda *_: 1)(
-            ns * hkv * splits, workspace.target_programs, dot_dtype)
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be an int ≥ 1, got {num_stages!r}")
+        rule = getattr(loader, "decode_num_stages", None)
+        num_stages = 1 if interpreting() or rule is None else rule(
+            ns * hkv * splits, workspace.target_programs, dot_dtype, block_n=block_n,
+            num_warps=num_warps)
     if kernel == "gluon":
         gluon_decode.launch_split(
             q, block_table, seq_lens, num_blocks, kargs, vargs, part_o, part_lse,

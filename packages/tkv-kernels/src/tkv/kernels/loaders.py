@@ -595,21 +595,24 @@ ENV_DECODE_PIPELINE = "TKV_DECODE_PIPELINE"
 
 
 class PipelineConfigError(ValueError):
-    """``TKV_DECODE_PIPELINE`` is neither 0 nor 1."""
+    """``TKV_DECODE_PIPELINE`` is neither ``0`` nor ``1``."""
 
 
-def _decode_pipeline_from_env() -> bool:
+def decode_pipeline_from_env(environ=None) -> bool:
     """Whether decode may software-pipeline its code-tile loads on under-filled grids
-    (:meth:`TkvLoader.decode_num_stages`): ``TKV_DECODE_PIPELINE`` 1 (default) or 0, read
-    once at import. Raises :class:`PipelineConfigError` on any other value."""
-    raw = os.environ.get(ENV_DECODE_PIPELINE, "1").strip() or "1"
-    if raw not in ("0", "1"):
-        raise PipelineConfigError(f"{ENV_DECODE_PIPELINE}={raw!r}: expected 1 (pipeline the "
-                                  "split-K decode on grids under target_programs CTAs) or 0")
-    return raw == "1"
+    (:meth:`TkvLoader.decode_num_stages`): ``TKV_DECODE_PIPELINE=1`` (the default) or ``0``
+    (one stage always: an A/B knob). Read once at import into :data:`DECODE_PIPELINE`, so a
+    bad value stops an engine when it imports tkv's kernels.
+
+    Raises:
+        PipelineConfigError: any other value.
+    """
+    return _flag_from_env(environ, ENV_DECODE_PIPELINE, "1", PipelineConfigError,
+                          "1 (default: pipeline the split-K decode on grids under the "
+                          "workspace's target_programs CTAs) or 0 (one stage always)")
 
 
-DECODE_PIPELINE = _decode_pipeline_from_env()
+DECODE_PIPELINE = decode_pipeline_from_env()
 
 
 class TkvLoader:
@@ -1018,20 +1021,31 @@ class TkvLoader:
         return PRMTI_MAXNREG if codes & {LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16} else None
 
     def decode_num_stages(self, num_ctas: int, target_ctas: int,
-                          dot_dtype: torch.dtype = torch.bfloat16) -> int:
-        """Triton ``num_stages`` for decode's split kernel with ``num_ctas`` CTAs in the grid:
-        2 (the code-tile loads become ``cp.async`` copies issued a tile ahead) when
-        :data:`DECODE_PIPELINE` is on (``TKV_DECODE_PIPELINE``, default 1), both sides use
-        ``"prmti"`` and the grid is under ``target_ctas`` (the workspace's
-        ``target_programs``, 4 per SM) — i.e. the split count hit ``max_splits`` and the chip
-        holds under one CTA per scheduler slot, so load latency is exposed; else 1.
+                          dot_dtype: torch.dtype = torch.bfloat16, *, block_n: int = 128,
+                          num_warps: int = 4) -> int:
+        """Triton ``num_stages`` for decode's split kernel.
 
-        Measured on the H200 (session 17, ``kernels_gpu.py --stages``, K4V4, Hkv=8, head_dim
-        128): at one sequence of 32K tokens (256 CTAs) 1.12× faster pipelined; on full grids
-        (64-256 sequences, or 32 × 8K: ≥ 512 CTAs) 0.86-0.94× (186 instead of 168 registers:
-        2 CTAs per SM instead of 3). Pair / gather lookups stay at one stage: Triton stages
-        their codebook gathers through shared memory (1.5-2× slower, session 1)."""
-        if not DECODE_PIPELINE or num_ctas >= target_ctas:
+        Args:
+            num_ctas: CTAs in the split kernel's grid (num_seqs · num_kv_heads · splits).
+            target_ctas: the workspace's ``target_programs`` (4 per SM by default).
+            dot_dtype: the tensor-core dot dtype (torch.float16 / torch.bfloat16).
+            block_n, num_warps: the launch's tile length (tokens) and warps.
+
+        Returns 2 (the code-tile loads become ``cp.async`` copies issued a tile ahead) when
+        :data:`DECODE_PIPELINE` is on (``TKV_DECODE_PIPELINE``, default 1), both sides use
+        ``"prmti"``, the launch is the measured one (head_dim 128, 128-token tiles, 4 warps)
+        and the grid is under ``target_ctas`` — the split count hit ``max_splits`` and the
+        chip holds under one CTA per scheduler slot, so load latency is exposed; else 1.
+
+        Measured on the H200 (session 17, ``kernels_gpu.py --stages`` / ``--stages-small``,
+        K4V4, Hkv=8): 1.04-1.15× faster pipelined at one sequence of 8K-128K tokens (256 CTAs),
+        1.08-1.09× at two (512 CTAs); on grids of ≥ 1,024 CTAs (≥ 4 sequences) 0.89-0.94× at
+        128-token tiles (186 instead of 168 registers: 2 CTAs per SM instead of 3), and 8
+        warps or 64-token tiles pipelined lost at every size measured. Other head sizes are
+        unmeasured and keep one stage. Pair / gather lookups stay at one stage: Triton
+        stages their codebook gathers through shared memory (1.5-2× slower, session 1)."""
+        if (not DECODE_PIPELINE or num_ctas >= target_ctas or self.head_dim != 128
+                or block_n != 128 or num_warps != 4):
             return 1
         codes = {self._lookup(s, dot_dtype)[1] for s in ("k", "v")}
         return 2 if codes <= {LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16} else 1

@@ -47,6 +47,7 @@ def prefill_attention(device: torch.device | str, dtype: torch.dtype,
             cannot run: a non-CUDA
             device, no sgl-kernel flash-attention ops, a GPU sgl-kernel's FA3 does not
             support (it needs sm80/sm86/sm89/sm90 and CUDA ≥ 12.3), a float32 model.
+        DeviceMismatchError: ``device`` is not a device (``tkv.kernels.flash_device``).
     """
     def load():
         from sgl_kernel.flash_attn import flash_attn_varlen_func, is_fa3_supported

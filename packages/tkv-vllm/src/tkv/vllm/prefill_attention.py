@@ -48,6 +48,7 @@ def prefill_attention(device: torch.device | str, head_size: int, dtype: torch.d
             cannot run (no CUDA
             device, no vLLM flash-attention extension, no FlashAttention version for
             ``head_size``, a float32 model).
+        DeviceMismatchError: ``device`` is not a device (``tkv.kernels.flash_device``).
     """
     versions: dict[str, int] = {}
 
