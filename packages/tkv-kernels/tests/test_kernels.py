@@ -684,6 +684,77 @@ def test_prefill_bypass_through_dense_attention(head_dim, group, qlens, window):
     assert torch.isfinite(out[5:]).all()
 
 
+class _SpyDenseOut(_SpyDense):
+    """A DenseAttention that writes into ``out=`` (``writes_out``, as FlashAttention's varlen
+    functions); ``detach`` makes it return a fresh tensor instead (a callable that ignores
+    ``out``): prefill must still end up with the right rows."""
+
+    writes_out = True
+
+    def __init__(self, detach=False):
+        super().__init__()
+        self.outs, self.detach = [], detach
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window, out=None):
+        o = super().__call__(q, k, v, cu_q, cu_k, max_q, max_k, scale, window)
+        self.outs.append(out)
+        if out is None or self.detach:
+            return o
+        return out.copy_(o)
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_prefill_bypass_writes_into_out(detach):
+    """A dense_attention with ``writes_out`` gets prefill's own output tensor as ``out=`` on
+    first chunks (no copy of the chunk's rows) when it has the query's dtype (else none) —
+    float64-oracle result either way, also when the callable returns another tensor; a broken promise still gives NaN rows for exactly its
+    sequence (the device-side guard writes nothing else); ``writes_out`` must be a bool."""
+    codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=21)
+    ld = TkvLoader(codec, 2, 16)
+    spy = _SpyDenseOut(detach)
+    _prefill_check(ld, [0, 0, 0], [17, 1, 30], 3, seed=29, no_prefix=True, dense_attention=spy,
+                   tol=max(_tol(torch.float16), 1e-3))
+    assert spy.outs == [None]   # that check's out is float32: the callable cannot write it
+    g = _gen(31)
+    batch = make_paged_batch([5, 4 + 6, 9], 16, DEV, generator=g)   # sequence 1: a prefix
+    cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
+    q = torch.randn(20, 6, 64, generator=g).to(DEV, torch.float16)
+    k = torch.randn(20, 2, 64, generator=g).to(DEV, torch.float16)
+    cu = torch.tensor([0, 5, 11, 20], dtype=torch.int32, device=DEV)
+    out = torch.full((20, 6, 64), 7.0, dtype=torch.float16, device=DEV)
+    got = prefill(q, k, k, cu, batch.seq_lens, 9, cache, batch.block_table, ld, no_prefix=True,
+                  dense_attention=spy, out=out)
+    assert got is out and spy.outs[-1] is out
+    ref = SdpaDenseAttention()(q, k, k, cu, cu, 9, 9, 1 / 8, 0)
+    assert torch.isnan(out[5:11]).all()
+    assert torch.equal(out[:5], ref[:5]) and torch.equal(out[11:], ref[11:])
+    spy.writes_out = 1
+    with pytest.raises(DtypeError, match="writes_out"):
+        prefill(q, k, k, cu, batch.seq_lens, 9, cache, batch.block_table, ld, no_prefix=True,
+                dense_attention=spy)
+
+
+def test_nan_rows_with_prefix_touches_only_broken_sequences():
+    """The first-chunk guard on strided output rows: NaN exactly in the rows (every head) of
+    sequences whose seq_len ≠ q_len, every other element bit-for-bit unchanged, empty
+    sequences and an empty batch fine."""
+    from tkv.kernels.prefill import _nan_rows_with_prefix
+
+    g = _gen(37)
+    big = torch.randn(25, 5, 40, generator=g).to(DEV, torch.bfloat16)
+    out = big[:, 1:4, :24]                            # strides (200, 40, 1): not contiguous
+    before = big.clone()
+    cu = torch.tensor([0, 3, 3, 10, 25], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([3, 2, 9, 15], dtype=torch.int32, device=DEV)   # seqs 1 and 2 broken
+    _nan_rows_with_prefix(out, cu, sl)
+    want = before.clone()
+    want[3:10, 1:4, :24] = float("nan")
+    assert torch.equal(big.isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(big[keep], before[keep])
+    _nan_rows_with_prefix(out[:0], cu[:1], sl[:0])
+
+
 def test_prefill_exact_prefix_through_dense_attention():
     """exact_prefix with a dense_attention callable: it receives the rotated planar rows
     (prefix + chunk keys, head_dim padded 96 → 128) instead of SDPA, and the result equals the
@@ -743,6 +814,15 @@ def test_prefill_continuation_only_dense_attention():
     assert FlashVarlenAttention(lambda *a, **kw: None, ver=3).first_chunks is True
     with pytest.raises(ValueError, match="first_chunks must be a bool"):
         FlashVarlenAttention(lambda *a, **kw: None, first_chunks="no")
+    # writes_out: an out= tensor goes through to the varlen function, none when not given
+    seen = []
+    fa = FlashVarlenAttention(lambda *a, **kw: seen.append(kw), ver=3)
+    assert fa.writes_out is True
+    fa(q, k, k, cu, cu, 9, 9, 0.125, 0, out=q)
+    fa(q, k, k, cu, cu, 9, 9, 0.125, 4)
+    assert seen[0]["out"] is q and seen[0]["ver"] == 3 and "out" not in seen[1]
+    assert seen[1]["window_size"] == (3, 0) and seen[0]["window_size"] == (-1, -1)
+    assert fa.extra == {"ver": 3}
 
 
 def test_prefill_attention_env_choice():

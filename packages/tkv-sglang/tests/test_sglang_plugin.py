@@ -619,3 +619,28 @@ def test_plugin_installs_the_jit_log_from_env(sgl, tmp_path, monkeypatch):
     from tkv.sglang import plugin
 
     check_register_installs_jit_log(plugin.register, tmp_path / "jit.tsv", monkeypatch)
+
+
+def test_keywords_exist_in_sgl_kernels_varlen():
+    """Every keyword FlashVarlenAttention passes with ``ver=3`` (``out`` too, for first
+    chunks) is a parameter of sgl-kernel's flash_attn_varlen_func — read from the installed
+    source with ``ast`` (its CUDA ops are not loadable on CPU)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    from tkv.kernels import FlashVarlenAttention
+
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sgl-kernel not installed")
+    src = Path(next(iter(spec.submodule_search_locations))) / "flash_attn.py"
+    (fn,) = [n for n in ast.parse(src.read_text()).body
+             if isinstance(n, ast.FunctionDef) and n.name == "flash_attn_varlen_func"]
+    params = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+    seen = {}
+    x = torch.zeros(2, 1, 8)
+    FlashVarlenAttention(lambda q, k, v, **kw: seen.update(kw) or q, ver=3)(
+        x, x, x, torch.tensor([0, 2]), torch.tensor([0, 2]), 2, 2, 1.0, 4, out=x)
+    assert set(seen) <= params, set(seen) - params
+    assert "out" in seen and seen["ver"] == 3

@@ -60,14 +60,15 @@ def test_default_is_auto_flash_insists_and_bad_values_are_named(patched_vllm, mo
 
 
 def test_keywords_exist_in_vllms_varlen(patched_vllm):
-    """Every keyword FlashVarlenAttention passes (plus fa_version) is a parameter of vLLM
-    0.20.1's flash_attn_varlen_func (read from its source; the CUDA extension is not loaded)."""
+    """Every keyword FlashVarlenAttention passes (plus fa_version, and ``out`` for first
+    chunks) is a parameter of vLLM 0.20.1's flash_attn_varlen_func (read from its source; the CUDA extension is not loaded)."""
     from vllm.vllm_flash_attn import flash_attn_interface
 
     params = inspect.signature(flash_attn_interface.flash_attn_varlen_func).parameters
     seen = {}
     FlashVarlenAttention(lambda q, k, v, **kw: seen.update(kw) or q, fa_version=3)(
-        *(torch.zeros(2, 1, 8),) * 3, torch.tensor([0, 2]), torch.tensor([0, 2]), 2, 2, 1.0, 4)
+        *(torch.zeros(2, 1, 8),) * 3, torch.tensor([0, 2]), torch.tensor([0, 2]), 2, 2, 1.0, 4,
+        out=torch.zeros(2, 1, 8))   # first chunks: prefill's own output (writes_out)
     assert set(seen) <= set(params), set(seen) - set(params)
     assert seen["window_size"] == (3, 0) and seen["causal"] is True
 

@@ -103,6 +103,11 @@ class DenseAttention(Protocol):
 
     Optional attribute ``first_chunks`` (absent = True): False keeps first chunks (the prefill
     bypass) on tkv's Triton kernel and hands only exact-prefix continuations to the callable.
+    Optional attribute ``writes_out`` (absent = False): True means the callable also takes a
+    keyword ``out`` — a preallocated ``(total_q, num_q_heads, head_dim)`` tensor in q's dtype,
+    unit stride on head_dim — writes the result there and returns it (FlashAttention's
+    ``out=``); :func:`~tkv.kernels.prefill` then passes its own output for first chunks
+    instead of copying the returned rows (a pass over the chunk's output less).
     """
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -222,8 +227,12 @@ class FlashVarlenAttention:
             ``ver=3`` for sgl-kernel's).
 
     tkv's window (keys with ``q_pos − k_pos < window``) is FlashAttention's
-    ``window_size=(window − 1, 0)``; no window is ``(-1, -1)``.
+    ``window_size=(window − 1, 0)``; no window is ``(-1, -1)``. ``writes_out`` is True: an
+    ``out=`` tensor is passed through (vLLM's ``vllm_flash_attn``, sgl-kernel's and the
+    flash-attn package's varlen functions all take one and write into it).
     """
+
+    writes_out = True
 
     def __init__(self, varlen: Any, *, first_chunks: bool = True, **extra: Any):
         if not isinstance(first_chunks, bool):
@@ -233,12 +242,13 @@ class FlashVarlenAttention:
         self.extra = extra
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 scale, window):
+                 scale, window, out=None):
+        extra = self.extra if out is None else {**self.extra, "out": out}
         return self._varlen(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                             max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
                             softmax_scale=float(scale), causal=True,
                             window_size=(int(window) - 1, 0) if window else (-1, -1),
-                            **self.extra)
+                            **extra)
 
     def __repr__(self) -> str:
         name = getattr(self._varlen, "__module__", "?") + "." + getattr(

@@ -354,6 +354,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     dense_first_chunks = getattr(dense_attention, "first_chunks", True)
     if not isinstance(dense_first_chunks, bool):
         raise DtypeError(f"dense_attention.first_chunks must be a bool, got {dense_first_chunks!r}")
+    dense_writes_out = getattr(dense_attention, "writes_out", False)
+    if not isinstance(dense_writes_out, bool):
+        raise DtypeError(f"dense_attention.writes_out must be a bool, got {dense_writes_out!r}")
     check_tensor(query, "query", 3)
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     tq, hq, d = query.shape
@@ -425,13 +428,17 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     planar = bool(loader.rotated) and not no_prefix
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     if no_prefix and dense_attention is not None and dense_first_chunks:
-        # the bypass through the caller's kernel
-        o = check_dense_output(dense_attention(query, key, value, cu_seqlens_q, cu_seqlens_q,
-                                               max_query_len, max_query_len, scale, window),
-                               query)
-        out.copy_(o)
-        return out.masked_fill_(_rows_with_prefix(cu_seqlens_q, seq_lens, tq)[:, None, None],
-                                float("nan"))
+        # the bypass through the caller's kernel, straight into ``out`` where it can write
+        # there (FlashAttention's ``out=``: no copy of the chunk's output)
+        args = (query, key, value, cu_seqlens_q, cu_seqlens_q, max_query_len, max_query_len,
+                scale, window)
+        if dense_writes_out and out.dtype == query.dtype:
+            o = check_dense_output(dense_attention(*args, out=out), query)
+            if o.data_ptr() != out.data_ptr() or o.stride() != out.stride():
+                out.copy_(o)
+        else:
+            out.copy_(check_dense_output(dense_attention(*args), query))
+        return _nan_rows_with_prefix(out, cu_seqlens_q, seq_lens)
     if no_prefix:
         # prefill bypass: plain attention over the chunk in model space; the cache is never
         # read (a sequence with a prefix gets NaN rows: a broken promise fails loudly)
@@ -527,14 +534,35 @@ def _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, varg
         BLOCK_SIZE=loader.block_size, BLOCK_N=tb, K_SINK=k_sink, V_SINK=v_sink, num_warps=4)
 
 
-def _rows_with_prefix(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                      tq: int) -> torch.Tensor:
-    """bool ``(tq,)``: the query rows whose sequence breaks the ``no_prefix`` promise
-    (``seq_len ≠ q_len``), found on the device (no host sync)."""
-    ends = cu_seqlens_q[1:]
-    seq = torch.searchsorted(ends, torch.arange(tq, device=ends.device, dtype=ends.dtype),
-                             right=True).clamp_(max=ends.shape[0] - 1)
-    return (seq_lens != ends - cu_seqlens_q[:-1])[seq]
+@triton.jit(do_not_specialize=["s_t", "s_h"], do_not_specialize_on_alignment=["cu_q", "seq_lens"])
+def _nan_broken_promise_kernel(out, s_t, s_h, cu_q, seq_lens, HEAD_DIM: tl.constexpr,
+                               D_BLOCK: tl.constexpr):
+    """Program (sequence, head): if the sequence has a prefix (``seq_len ≠ q_len``, a broken
+    ``no_prefix`` promise), its rows of that head become NaN; else nothing is written."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    a = tl.load(cu_q + seq)
+    b = tl.load(cu_q + seq + 1)
+    if tl.load(seq_lens + seq) != b - a:
+        cols = tl.arange(0, D_BLOCK)
+        nan = tl.full([D_BLOCK], float("nan"), tl.float32)   # stored in out's dtype
+        row = out + a.to(tl.int64) * s_t + head * s_h
+        for _ in range(a, b):
+            tl.store(row + cols, nan, mask=cols < HEAD_DIM)
+            row += s_t
+
+
+def _nan_rows_with_prefix(out: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          seq_lens: torch.Tensor) -> torch.Tensor:
+    """NaN into the rows of ``out`` ``(total_q, num_q_heads, head_dim)`` (unit stride on
+    head_dim) whose sequence breaks the ``no_prefix`` promise (``seq_len ≠ q_len``), decided
+    on the device (no host sync); one small launch that writes nothing when the promise holds
+    — the dense first-chunk path's guard without a pass over the whole output."""
+    ns, hq, d = cu_seqlens_q.shape[0] - 1, out.shape[1], out.shape[2]
+    if ns > 0 and out.shape[0] > 0:
+        _nan_broken_promise_kernel[(ns, hq)](out, out.stride(0), out.stride(1), cu_seqlens_q,
+                                             seq_lens, HEAD_DIM=d, D_BLOCK=next_pow2(d),
+                                             num_warps=1)
+    return out
 
 
 def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix: int,

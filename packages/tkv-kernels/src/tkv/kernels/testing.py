@@ -103,22 +103,28 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def reference_flash_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale, causal, window_size, **version):
+                           softmax_scale, causal, window_size, out=None, **version):
     """A CPU stand-in for an engine's ``flash_attn_varlen_func`` behind
     :class:`~tkv.kernels.FlashVarlenAttention` (tests of the engines' flash prefill paths):
     FlashAttention's ``window_size`` decoded back to tkv's window, then
-    :class:`~tkv.kernels.SdpaDenseAttention`. ``version`` keywords (``fa_version``, ``ver``)
-    are accepted and ignored; callers check them.
+    :class:`~tkv.kernels.SdpaDenseAttention`; with ``out`` (q's shape and dtype) the result is
+    written there and ``out`` returned, as FlashAttention does. ``version`` keywords
+    (``fa_version``, ``ver``) are accepted and ignored; callers check them.
 
     Raises:
-        AssertionError: ``causal`` is not True (tkv's prefill paths are causal).
+        AssertionError: ``causal`` is not True (tkv's prefill paths are causal), or ``out``
+            does not have q's shape and dtype.
     """
     from .dense_attention import SdpaDenseAttention
 
     assert causal is True, causal
     window = 0 if tuple(window_size) == (-1, -1) else window_size[0] + 1
-    return SdpaDenseAttention()(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k, softmax_scale, window)
+    o = SdpaDenseAttention()(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             softmax_scale, window)
+    if out is None:
+        return o
+    assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
+    return out.copy_(o)
 
 
 @contextlib.contextmanager
