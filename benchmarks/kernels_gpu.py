@@ -1225,60 +1225,37 @@ def main():
     copy_gbs = copy_bandwidth()
     log({"kernel": "copy", "impl": "torch copy_", "GBps": copy_gbs, "ms": 0.0})
     tag = f"_{a.tag}" if a.tag else ""
+    def write():
+        table(copy_gbs, out / f"kernels_gpu{tag}.md")
+        (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+
+    def guarded(fn, kernel, impl):   # a block of rows that must not cost the rest of the run
+        try:
+            fn(copy_gbs)
+        except Exception as e:
+            log({"kernel": kernel, "impl": impl, "error": str(e)[:160]})
+
     if a.model_step:
-        try:
-            model_step_rows(copy_gbs)
-        except Exception as e:  # must not cost the rest of the run
-            log({"kernel": "model_step", "impl": "model step rows", "error": str(e)[:160]})
+        guarded(model_step_rows, "model_step", "model step rows")
     if a.sink:
-        try:
-            sink_rows(copy_gbs)
-        except Exception as e:  # must not cost the rest of the run
-            log({"kernel": "sink", "impl": "sink rows", "error": str(e)[:160]})
+        guarded(sink_rows, "sink", "sink rows")
     if a.store_sweep:
-        try:
-            store_sweep_rows(copy_gbs)
-        except Exception as e:  # must not cost the rest of the run
-            log({"kernel": "store_sweep", "impl": "store sweep", "error": str(e)[:160]})
-    if a.smollm2_step:   # the SmolLM2-geometry steps alone
-        smollm2_step_rows(copy_gbs)
-        table(copy_gbs, out / f"kernels_gpu{tag}.md")
-        (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
-        return
-    if a.stages or a.stages_small:   # the pipelining sweeps alone
-        if a.stages_small:
-            stage_small_rows(copy_gbs)
-        if a.stages:
-            stage_rows(copy_gbs)
-        table(copy_gbs, out / f"kernels_gpu{tag}.md")
-        (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
-        return
-    if a.qrot:   # the query-rotation comparison alone
-        qrot_rows(copy_gbs)
-        table(copy_gbs, out / f"kernels_gpu{tag}.md")
-        (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
-        return
-    if a.widths:   # the width rows alone
-        width_rows(copy_gbs)
-        table(copy_gbs, out / f"kernels_gpu{tag}.md")
-        (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
-        return
-    if a.variants:   # the sweep alone
-        variant_rows(copy_gbs)
-        table(copy_gbs, out / f"kernels_gpu{tag}.md")
-        (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+        guarded(store_sweep_rows, "store_sweep", "store sweep")
+    # modes that run their rows alone, in this order when several are given
+    alone = [fn for flag, fn in ((a.smollm2_step, smollm2_step_rows),
+                                 (a.stages_small, stage_small_rows), (a.stages, stage_rows),
+                                 (a.qrot, qrot_rows), (a.widths, width_rows),
+                                 (a.variants, variant_rows)) if flag]
+    if alone:
+        for fn in alone:
+            fn(copy_gbs)
+        write()
         return
     if a.step:
-        try:
-            step_rows(copy_gbs)
-        except Exception as e:  # must not cost the rest of the run
-            log({"kernel": "decode_step", "impl": "step rows", "error": str(e)[:160]})
+        guarded(step_rows, "decode_step", "step rows")
     if a.tune:
         decode_rows([(32, 8192, 32, 8, 128)], [(4, 4)], copy_gbs, tune=True)
-        try:
-            split_rows(copy_gbs)
-        except Exception as e:  # a sweep must not cost the rest of the run
-            log({"kernel": "decode", "impl": "split-K sweep", "error": str(e)[:160]})
+        guarded(split_rows, "decode", "split-K sweep")
     main_cfgs = [(b, l, 32, 8, 128) for b in (1, 8, 32, 128) for l in (1024, 8192, 32768)]
     main_cfgs.append((1, 131072, 32, 8, 128))
     if a.quick:
@@ -1292,8 +1269,7 @@ def main():
         store_rows(copy_gbs)
     if a.prefill or not a.vllm_only:
         prefill_rows()
-    table(copy_gbs, out / f"kernels_gpu{tag}.md")
-    (out / f"kernels_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    write()
 
 
 if __name__ == "__main__":
