@@ -728,6 +728,31 @@ def test_prefill_bypass_writes_into_out(detach):
     ref = SdpaDenseAttention()(q, k, k, cu, cu, 9, 9, 1 / 8, 0)
     assert torch.isnan(out[5:11]).all()
     assert torch.equal(out[:5], ref[:5]) and torch.equal(out[11:], ref[11:])
+    # a callable returning another view of out's memory: the same elements (a length-1 dim's
+    # stride differs) need no copy; a transposed view is copied safely (no self-overlap)
+    for view, equal in ((lambda o: o[:1].squeeze(0).unsqueeze(0), True),
+                        (lambda o: o.transpose(0, 1), False)):
+        class _View(_SpyDenseOut):
+            def __call__(self, *a, out=None, view=view):
+                return view(super().__call__(*a, out=out))
+
+        q1, k1, cu1 = q[:6, :6], k[:6], torch.tensor([0, 6], dtype=torch.int32, device=DEV)
+        sl1 = torch.tensor([6], dtype=torch.int32, device=DEV)
+        o1 = torch.empty(6, 6, 64, dtype=torch.float16, device=DEV) if not equal else \
+            torch.empty(1, 6, 64, dtype=torch.float16, device=DEV)
+        qq, kk, cc, ss = (q1, k1, cu1, sl1) if not equal else (
+            q1[:1], k1[:1], torch.tensor([0, 1], dtype=torch.int32, device=DEV),
+            torch.tensor([1], dtype=torch.int32, device=DEV))
+        fn = _View()   # transposed: (6, 6, 64) keeps out's shape because T == H here
+        got = prefill(qq, kk, kk, cc, ss, qq.shape[0], cache, batch.block_table[:1], ld,
+                      no_prefix=True, dense_attention=fn, out=o1)
+        want = SdpaDenseAttention()(qq, kk, kk, cc, cc, qq.shape[0], qq.shape[0], 1 / 8, 0)
+        assert got is o1 and (torch.equal(o1, want) if equal else
+                              torch.equal(o1, want.transpose(0, 1)))
+    # an expanded out (rows sharing memory) is refused by name on every path
+    with pytest.raises(ShapeError, match="expanded"):
+        prefill(q, k, k, cu, batch.seq_lens, 9, cache, batch.block_table, ld, no_prefix=True,
+                dense_attention=spy, out=out[:1].expand(20, 6, 64))
     spy.writes_out = 1
     with pytest.raises(DtypeError, match="writes_out"):
         prefill(q, k, k, cu, batch.seq_lens, 9, cache, batch.block_table, ld, no_prefix=True,

@@ -57,10 +57,14 @@ def check_last_dim_contiguous(x: torch.Tensor, name: str) -> None:
 
 def check_out(out: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
     """Validate a caller-provided output buffer: ``shape``, fp16/bf16/fp32, unit stride on the
-    last dim, on ``device``. Raises ShapeError / DtypeError / DeviceMismatchError."""
+    last dim, no stride-0 dim of size > 1 (an expanded tensor: several outputs would land on
+    one element), on ``device``. Raises ShapeError / DtypeError / DeviceMismatchError."""
     check_tensor(out, "out", len(shape))
     if tuple(out.shape) != tuple(shape):
         raise ShapeError(f"out must be {tuple(shape)}, got {tuple(out.shape)}")
+    if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride(), strict=True)):
+        raise ShapeError(f"out has stride {tuple(out.stride())}: an expanded (broadcast) tensor, "
+                         "whose rows share memory, cannot take an output")
     check_dtype(out, "out", (torch.float16, torch.bfloat16, torch.float32))
     check_last_dim_contiguous(out, "out")
     check_same_device(device, out=out)

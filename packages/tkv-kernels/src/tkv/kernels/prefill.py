@@ -434,7 +434,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale, window)
         if dense_writes_out and out.dtype == query.dtype:
             o = check_dense_output(dense_attention(*args, out=out), query)
-            if o.data_ptr() != out.data_ptr() or o.stride() != out.stride():
+            if not _same_elements(o, out):
+                if o.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+                    o = o.clone()   # another view of out's memory: copy_ would self-overlap
                 out.copy_(o)
         else:
             out.copy_(check_dense_output(dense_attention(*args), query))
@@ -532,6 +534,13 @@ def _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, varg
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
         VP3=vargs[9], VNP=vargs[10], HKV=hkv, HEAD_DIM=loader.head_dim, D_PAD=d_pad,
         BLOCK_SIZE=loader.block_size, BLOCK_N=tb, K_SINK=k_sink, V_SINK=v_sink, num_warps=4)
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape are the same elements of memory (same start and the
+    same stride on every dim longer than 1)."""
+    return a.data_ptr() == b.data_ptr() and all(
+        sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True) if n > 1)
 
 
 @triton.jit(do_not_specialize=["s_t", "s_h"], do_not_specialize_on_alignment=["cu_q", "seq_lens"])
