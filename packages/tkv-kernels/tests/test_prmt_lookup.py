@@ -297,6 +297,32 @@ def test_engine_flags_from_env(parse, name, error, default):
             fn({name: bad})
 
 
+def test_engine_kernel_settings_parses_and_names_every_variable():
+    """engine_kernel_settings: the six TKV_* kernel settings in one call (the launch-time
+    check of both engine adapters), the adapter's prefill default applied, a one-line
+    description, and each bad value raising its own named error."""
+    import tkv.kernels as K
+    from tkv.kernels.loaders import MaxnregConfigError
+
+    got = K.engine_kernel_settings({}, prefill_default="auto")
+    assert got == ("auto", True, True, "auto", 0, True)
+    assert got.describe() == ("TKV_LOOKUP=auto TKV_SMALL_HEAD_GROUPS=1 "
+                              "TKV_FUSED_QUERY_ROTATION=1 TKV_PREFILL_ATTENTION=auto "
+                              "TKV_PRMTI_MAXNREG=0 TKV_DECODE_PIPELINE=1")
+    env = {"TKV_LOOKUP": "prmt", "TKV_SMALL_HEAD_GROUPS": "0", "TKV_FUSED_QUERY_ROTATION": "0",
+           "TKV_PREFILL_ATTENTION": "continuation", "TKV_PRMTI_MAXNREG": "128",
+           "TKV_DECODE_PIPELINE": "0"}
+    assert K.engine_kernel_settings(env) == ("prmt", False, False, "continuation", 128, False)
+    for name, bad, err in (("TKV_LOOKUP", "prmt9", K.LookupConfigError),
+                           ("TKV_SMALL_HEAD_GROUPS", "on", K.SmallHeadGroupsConfigError),
+                           ("TKV_FUSED_QUERY_ROTATION", "2", K.FusedQueryRotationConfigError),
+                           ("TKV_PREFILL_ATTENTION", "fa2", K.PrefillAttentionConfigError),
+                           ("TKV_PRMTI_MAXNREG", "12", MaxnregConfigError),
+                           ("TKV_DECODE_PIPELINE", "yes", K.PipelineConfigError)):
+        with pytest.raises(err, match=name):
+            K.engine_kernel_settings({**env, name: bad})
+
+
 @pytest.mark.parametrize("raw,want", [("", 0), ("0", 0), (" 128 ", 128), ("255", 255),
                                       ("12", None), ("300", None), ("lots", None), ("-1", None),
                                       ("1e2", None), ("12.0", None), ("²", None), ("１２８", None),

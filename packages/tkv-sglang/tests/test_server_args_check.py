@@ -51,3 +51,14 @@ def test_unsupported_model_is_refused_at_startup(fakes, tkv_env):
     mc.is_hybrid_swa = True
     with pytest.raises(UnsupportedFeatureError, match="sliding-window"):
         check_server_args(fakes.ServerArgs(mc))
+
+
+@pytest.mark.parametrize(("name", "bad"), [("TKV_DECODE_PIPELINE", "yes"),
+                                           ("TKV_LOOKUP", "prmt9"),
+                                           ("TKV_PREFILL_ATTENTION", "fa2")])
+def test_kernel_settings_are_validated_at_startup(fakes, monkeypatch, name, bad):
+    """Every TKV_* kernel setting is parsed in the launching process: a bad value stops the
+    launch with its named error (message names the variable), before any worker starts."""
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=name):
+        check_server_args(fakes.ServerArgs(), validate_model=False)

@@ -95,6 +95,13 @@ def test_validate_hook_runs_at_config_time(patched_vllm, tmp_path, monkeypatch):
         validate_plugin_cache_dtype(cfg(fake_model_config(num_layers=30)))
     with pytest.raises(UnsupportedModelError, match="MLA"):
         validate_plugin_cache_dtype(cfg(fake_model_config(use_mla=True)))
+    # every TKV_* kernel setting is checked here too (launching process)
+    from tkv.kernels import PipelineConfigError
+
+    monkeypatch.setenv("TKV_DECODE_PIPELINE", "yes")
+    with pytest.raises(PipelineConfigError, match="TKV_DECODE_PIPELINE"):
+        validate_plugin_cache_dtype(cfg())
+    monkeypatch.delenv("TKV_DECODE_PIPELINE")
     other = cfg(backend=E.FLASH_ATTN)
     other.cache_config.cache_dtype = "auto"
     validate_plugin_cache_dtype(other)  # other dtypes untouched

@@ -21,6 +21,7 @@ from .dense_attention import (
     flash_device,
     prefill_attention_from_env,
 )
+from .engine_env import EngineKernelSettings, engine_kernel_settings
 from .loaders import (
     ENV_DECODE_PIPELINE,
     ENV_FUSED_QUERY_ROTATION,
@@ -61,6 +62,7 @@ __all__ = [
     "ENV_SMALL_HEAD_GROUPS",
     "BypassLoader",
     "DenseAttention",
+    "EngineKernelSettings",
     "FlashDevice",
     "FlashVarlenAttention",
     "Fp8Loader",
@@ -82,6 +84,7 @@ __all__ = [
     "decode",
     "decode_pipeline_from_env",
     "dense_prefix_bytes",
+    "engine_kernel_settings",
     "flash_device",
     "fused_query_rotation_from_env",
     "lookup_from_env",

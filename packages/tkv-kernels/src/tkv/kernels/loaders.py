@@ -571,7 +571,7 @@ class MaxnregConfigError(ValueError):
     """``TKV_PRMTI_MAXNREG`` is neither 0 nor a register count in 64..255."""
 
 
-def _prmti_maxnreg_from_env() -> int:
+def _prmti_maxnreg_from_env(environ=None) -> int:
     """decode's register cap with prmti (:meth:`TkvLoader.decode_maxnreg`): none by default
     (0), or the operator's ``TKV_PRMTI_MAXNREG`` (64..255), read once at import.
 
@@ -581,7 +581,7 @@ def _prmti_maxnreg_from_env() -> int:
     vllm_e2e_2026-11-30d/``) the same cap cut output tok/s to 0.51× / 0.78× of bf16 at 64 /
     256 sequences, against 0.93× / 0.96× without it. The capped kernel spills (76 B per
     thread); why that costs so much more inside the engine than alone is not understood yet."""
-    raw = os.environ.get(ENV_PRMTI_MAXNREG, "0").strip() or "0"
+    raw = (os.environ if environ is None else environ).get(ENV_PRMTI_MAXNREG, "0").strip() or "0"
     n = int(raw) if raw.isascii() and raw.isdigit() else -1   # plain ASCII digits only
     if n < 0 or (n and not 64 <= n <= 255):
         raise MaxnregConfigError(f"{ENV_PRMTI_MAXNREG}={raw!r}: expected 0 (no cap) or "

@@ -32,7 +32,16 @@ def check_server_args(server_args, *, validate_model: bool = True) -> None:
             kind refused by :func:`~tkv.sglang.geometry.geometry_from_model_config`.
         TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
         BudgetRowMissingError: bad tkv configuration (tkv.codec.config).
+        LookupConfigError, SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
+        PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError: a bad
+        ``TKV_*`` kernel setting (``tkv.kernels.engine_kernel_settings``, whose effective
+        values are logged).
     """
+    from tkv.kernels import engine_kernel_settings
+
+    from .prefill_attention import DEFAULT as PREFILL_DEFAULT
+
+    log.info("tkv kernels: %s", engine_kernel_settings(prefill_default=PREFILL_DEFAULT).describe())
     if server_args.page_size is None:
         server_args.page_size = DEFAULT_PAGE_SIZE
         log.info("tkv: page_size not given, using %d", DEFAULT_PAGE_SIZE)

@@ -58,13 +58,20 @@ def validate(vllm_config) -> None:
     attention backend — unset becomes ``TURBO_ATTN`` (so ``--attention-backend`` may be
     omitted), any other backend is refused.
 
+    Also parses every ``TKV_*`` kernel setting (``tkv.kernels.engine_kernel_settings``) and
+    logs the effective values, so a bad one stops the launch before an engine process starts.
+
     Raises:
-        BackendMismatchError, UnsupportedModelError, and the codec's config errors
+        BackendMismatchError, UnsupportedModelError, the codec's config errors
         (TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
-        BudgetRowMissingError).
+        BudgetRowMissingError), and the kernel settings' (LookupConfigError,
+        SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
+        PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError).
     """
+    from tkv.kernels import engine_kernel_settings
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    from .prefill_attention import DEFAULT as PREFILL_DEFAULT
     from .startup import tkv_config
 
     ac = vllm_config.attention_config
@@ -75,6 +82,8 @@ def validate(vllm_config) -> None:
         raise BackendMismatchError(
             f"--kv-cache-dtype tkv needs --attention-backend turbo-attn, got {ac.backend.name}")
     tkv_config(vllm_config)
+    log.info("tkv kernels: %s",
+             engine_kernel_settings(prefill_default=PREFILL_DEFAULT).describe())
 
 
 def register() -> None:

@@ -1,0 +1,56 @@
+"""Every ``TKV_*`` setting of the kernels that the engine adapters expose, parsed and checked
+in one call: the launching process validates them all before an engine process starts (each
+parser also runs where its value is used — at import or when a layer binds — so workers
+never run on an unchecked value either)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .dense_attention import prefill_attention_from_env
+from .loaders import (
+    _prmti_maxnreg_from_env,
+    decode_pipeline_from_env,
+    fused_query_rotation_from_env,
+    lookup_from_env,
+    small_head_groups_from_env,
+)
+
+__all__ = ["EngineKernelSettings", "engine_kernel_settings"]
+
+
+class EngineKernelSettings(NamedTuple):
+    """The kernels' engine-facing settings as parsed from the environment."""
+
+    lookup: str                   # TKV_LOOKUP
+    small_head_groups: bool       # TKV_SMALL_HEAD_GROUPS
+    fused_query_rotation: bool    # TKV_FUSED_QUERY_ROTATION
+    prefill_attention: str        # TKV_PREFILL_ATTENTION (the adapter's default applied)
+    prmti_maxnreg: int            # TKV_PRMTI_MAXNREG (0: no cap)
+    decode_pipeline: bool         # TKV_DECODE_PIPELINE
+
+    def describe(self) -> str:
+        """One log line, e.g. ``TKV_LOOKUP=auto TKV_SMALL_HEAD_GROUPS=1 ...``."""
+        def v(x):
+            return str(int(x)) if isinstance(x, bool) else str(x)
+        return " ".join(f"TKV_{name.upper()}={v(val)}" for name, val in self._asdict().items())
+
+
+def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> EngineKernelSettings:
+    """Parse every engine-facing kernel setting from ``environ`` (None: ``os.environ``).
+
+    Args:
+        environ: a mapping of environment variables, or None for the process environment.
+        prefill_default: the adapter's ``TKV_PREFILL_ATTENTION`` default (tkv-vllm ``auto``,
+            tkv-sglang ``tkv``).
+
+    Raises:
+        LookupConfigError, SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
+        PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError: the first
+        setting with a value its parser refuses (the message names the variable).
+    """
+    return EngineKernelSettings(
+        lookup_from_env(environ), small_head_groups_from_env(environ),
+        fused_query_rotation_from_env(environ),
+        prefill_attention_from_env(environ, prefill_default),
+        _prmti_maxnreg_from_env(environ), decode_pipeline_from_env(environ))
