@@ -1241,11 +1241,14 @@ def main():
         guarded(sink_rows, "sink", "sink rows")
     if a.store_sweep:
         guarded(store_sweep_rows, "store_sweep", "store sweep")
-    # modes that run their rows alone, in this order when several are given
-    alone = [fn for flag, fn in ((a.smollm2_step, smollm2_step_rows),
-                                 (a.stages_small, stage_small_rows), (a.stages, stage_rows),
-                                 (a.qrot, qrot_rows), (a.widths, width_rows),
-                                 (a.variants, variant_rows)) if flag]
+    # modes that run their rows alone: the first one given, in this precedence (the two
+    # pipelining sweeps together)
+    stages = [fn for flag, fn in ((a.stages_small, stage_small_rows), (a.stages, stage_rows))
+              if flag]
+    alone = next((fns for flag, fns in ((a.smollm2_step, [smollm2_step_rows]),
+                                        (bool(stages), stages), (a.qrot, [qrot_rows]),
+                                        (a.widths, [width_rows]), (a.variants, [variant_rows]))
+                  if flag), None)
     if alone:
         for fn in alone:
             fn(copy_gbs)

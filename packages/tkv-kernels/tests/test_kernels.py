@@ -728,27 +728,35 @@ def test_prefill_bypass_writes_into_out(detach):
     ref = SdpaDenseAttention()(q, k, k, cu, cu, 9, 9, 1 / 8, 0)
     assert torch.isnan(out[5:11]).all()
     assert torch.equal(out[:5], ref[:5]) and torch.equal(out[11:], ref[11:])
-    # a callable returning another view of out's memory: the same elements (a length-1 dim's
-    # stride differs) need no copy; a transposed view is copied safely (no self-overlap)
-    for view, equal in ((lambda o: o[:1].squeeze(0).unsqueeze(0), True),
-                        (lambda o: o.transpose(0, 1), False)):
+    # a callable returning another view of out's memory: the same elements with another
+    # stride on a length-1 dim need no copy; a transposed view is copied safely (cloned
+    # first, no self-overlap) — the callable writes with __setitem__, so every copy_ counted
+    # here is prefill's
+    q1, k1 = q[:6, :6], k[:6]
+    cu1, sl1 = (torch.tensor(x, dtype=torch.int32, device=DEV) for x in ([0, 6], [6]))
+    qs, ks = q1[:1], k1[:1]
+    cus, sls = (torch.tensor(x, dtype=torch.int32, device=DEV) for x in ([0, 1], [1]))
+    for view, single in ((lambda o: o.as_strided(o.shape, (7, 64, 1)), True),
+                         (lambda o: o.transpose(0, 1), False)):
         class _View(_SpyDenseOut):
             def __call__(self, *a, out=None, view=view):
-                return view(super().__call__(*a, out=out))
+                out[:] = SdpaDenseAttention.__call__(self, *a)
+                return view(out)
 
-        q1, k1, cu1 = q[:6, :6], k[:6], torch.tensor([0, 6], dtype=torch.int32, device=DEV)
-        sl1 = torch.tensor([6], dtype=torch.int32, device=DEV)
-        o1 = torch.empty(6, 6, 64, dtype=torch.float16, device=DEV) if not equal else \
-            torch.empty(1, 6, 64, dtype=torch.float16, device=DEV)
-        qq, kk, cc, ss = (q1, k1, cu1, sl1) if not equal else (
-            q1[:1], k1[:1], torch.tensor([0, 1], dtype=torch.int32, device=DEV),
-            torch.tensor([1], dtype=torch.int32, device=DEV))
-        fn = _View()   # transposed: (6, 6, 64) keeps out's shape because T == H here
-        got = prefill(qq, kk, kk, cc, ss, qq.shape[0], cache, batch.block_table[:1], ld,
-                      no_prefix=True, dense_attention=fn, out=o1)
+        qq, kk, cc, ss = (qs, ks, cus, sls) if single else (q1, k1, cu1, sl1)
+        o1 = torch.empty(qq.shape, dtype=torch.float16, device=DEV)   # (1|6, 6, 64)
         want = SdpaDenseAttention()(qq, kk, kk, cc, cc, qq.shape[0], qq.shape[0], 1 / 8, 0)
-        assert got is o1 and (torch.equal(o1, want) if equal else
-                              torch.equal(o1, want.transpose(0, 1)))
+        copies, real_copy = [], torch.Tensor.copy_
+
+        def counted(self, *a, copies=copies, real_copy=real_copy, **kw):
+            copies.append(1)
+            return real_copy(self, *a, **kw)
+
+        with mock.patch.object(torch.Tensor, "copy_", counted):
+            got = prefill(qq, kk, kk, cc, ss, qq.shape[0], cache, batch.block_table[:1], ld,
+                          no_prefix=True, dense_attention=_View(), out=o1)
+        assert got is o1 and len(copies) == (0 if single else 1)
+        assert torch.equal(o1, want if single else want.transpose(0, 1))
     # an expanded out (rows sharing memory) is refused by name on every path
     with pytest.raises(ShapeError, match="expanded"):
         prefill(q, k, k, cu, batch.seq_lens, 9, cache, batch.block_table, ld, no_prefix=True,
@@ -839,9 +847,23 @@ def test_prefill_continuation_only_dense_attention():
     assert FlashVarlenAttention(lambda *a, **kw: None, ver=3).first_chunks is True
     with pytest.raises(ValueError, match="first_chunks must be a bool"):
         FlashVarlenAttention(lambda *a, **kw: None, first_chunks="no")
-    # writes_out: an out= tensor goes through to the varlen function, none when not given
+    # writes_out: read from the varlen function's signature (an ``out`` parameter, as vLLM
+    # 0.20.1's and sgl-kernel 0.4.2's have; flash-attn 2.x's has none), or given; an out=
+    # tensor then goes through, none when not given
     seen = []
-    fa = FlashVarlenAttention(lambda *a, **kw: seen.append(kw), ver=3)
+
+    def with_out(q, k, v, out=None, **kw):
+        seen.append({**kw, "out": out} if out is not None else kw)
+
+    def without_out(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, **kw):
+        return q
+
+    assert FlashVarlenAttention(without_out).writes_out is False
+    assert FlashVarlenAttention(lambda *a, **kw: None).writes_out is False
+    assert FlashVarlenAttention(without_out, writes_out=True).writes_out is True
+    with pytest.raises(ValueError, match="writes_out must be a bool"):
+        FlashVarlenAttention(without_out, writes_out=1)
+    fa = FlashVarlenAttention(with_out, ver=3)
     assert fa.writes_out is True
     fa(q, k, k, cu, cu, 9, 9, 0.125, 0, out=q)
     fa(q, k, k, cu, cu, 9, 9, 0.125, 4)
@@ -1174,6 +1196,9 @@ def test_named_errors_on_bad_input():
         decode(q, cache, bt, sl, ld, ws, window=-1)
     with pytest.raises(ShapeError):
         decode(q, cache, bt, sl, ld, ws, num_splits=3)
+    with pytest.raises(ShapeError, match="expanded"):   # rows sharing one memory row
+        decode(q, cache, bt, sl, ld, ws, out=torch.empty(1, 8, 64, dtype=q.dtype,
+                                                          device=DEV).expand(2, 8, 64))
     for bad in (0, 2.0, True, "2"):   # a launch option Triton would misread or crash on
         with pytest.raises(ShapeError, match="num_stages"):
             decode(q, cache, bt, sl, ld, ws, num_stages=bad)

@@ -452,10 +452,10 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
         from tkv.kernels import FlashVarlenAttention
         from tkv.kernels.testing import reference_flash_varlen
 
-        def fake_varlen(q, k, v, **kw):
+        def fake_varlen(q, k, v, out=None, **kw):   # out=: writes_out, as FA3's
             assert kw["ver"] == 3
             calls.append(tuple(q.shape))
-            return reference_flash_varlen(q, k, v, **kw)
+            return reference_flash_varlen(q, k, v, out=out, **kw)
 
         w.backend.dense_attention = FlashVarlenAttention(fake_varlen, ver=3)
     assert w.pool.loader(w.layer.layer_id).lookup == "gather"

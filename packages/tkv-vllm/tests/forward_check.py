@@ -192,10 +192,10 @@ def flash_attention(impl, on: bool):
 
     calls: list = []
 
-    def fake_varlen(q, k, v, **kw):
+    def fake_varlen(q, k, v, out=None, **kw):   # out=: writes_out, as FA3's
         assert kw["fa_version"] == 3
         calls.append((tuple(q.shape), tuple(k.shape), kw["window_size"]))
-        return reference_flash_varlen(q, k, v, **kw)
+        return reference_flash_varlen(q, k, v, out=out, **kw)
 
     st = impl._tkv_state
     st.dense_attention = FlashVarlenAttention(fake_varlen, fa_version=3) if on else None

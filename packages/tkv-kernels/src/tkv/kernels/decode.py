@@ -264,7 +264,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             included); 0 gives a zero output.
         loader: :class:`TkvLoader`, :class:`BypassLoader`, :class:`Fp8Loader` or any Loader.
         workspace: the shared :class:`Workspace`.
-        out: optional ``(num_seqs, num_q_heads, head_dim)`` output (query dtype by default).
+        out: optional ``(num_seqs, num_q_heads, head_dim)`` output (query dtype by default):
+            float16 / bfloat16 / float32, unit stride on head_dim, no expanded (stride-0)
+            dim (ShapeError / DtypeError otherwise).
         sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
         window: sliding window in tokens (attend to the last ``window`` tokens; 0 = full).
         query_rotated: the query is already in the loader's rotated space.

@@ -15,6 +15,7 @@ tkv-vllm's default is ``auto``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -227,18 +228,28 @@ class FlashVarlenAttention:
             ``ver=3`` for sgl-kernel's).
 
     tkv's window (keys with ``q_pos − k_pos < window``) is FlashAttention's
-    ``window_size=(window − 1, 0)``; no window is ``(-1, -1)``. ``writes_out`` is True: an
-    ``out=`` tensor is passed through (vLLM's ``vllm_flash_attn``, sgl-kernel's and the
-    flash-attn package's varlen functions all take one and write into it).
+    ``window_size=(window − 1, 0)``; no window is ``(-1, -1)``.
+
+    ``writes_out`` (see :class:`DenseAttention`): True when ``varlen`` has an ``out``
+    parameter — vLLM 0.20.1's ``vllm_flash_attn`` and sgl-kernel 0.4.2's do, the flash-attn
+    2.x package's and older sgl-kernels do not — read from its signature unless given; an
+    ``out=`` tensor is then passed through.
     """
 
-    writes_out = True
-
-    def __init__(self, varlen: Any, *, first_chunks: bool = True, **extra: Any):
+    def __init__(self, varlen: Any, *, first_chunks: bool = True, writes_out: bool | None = None,
+                 **extra: Any):
         if not isinstance(first_chunks, bool):
             raise ValueError(f"first_chunks must be a bool, got {first_chunks!r}")
+        if writes_out is None:
+            try:
+                writes_out = "out" in inspect.signature(varlen).parameters
+            except (TypeError, ValueError):   # no signature (some extension functions)
+                writes_out = False
+        if not isinstance(writes_out, bool):
+            raise ValueError(f"writes_out must be a bool or None, got {writes_out!r}")
         self._varlen = varlen
         self.first_chunks = first_chunks
+        self.writes_out = writes_out
         self.extra = extra
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

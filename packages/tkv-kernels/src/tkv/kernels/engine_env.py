@@ -37,7 +37,9 @@ class EngineKernelSettings(NamedTuple):
 
 
 def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> EngineKernelSettings:
-    """Parse every engine-facing kernel setting from ``environ`` (None: ``os.environ``).
+    """Parse every engine-facing kernel setting from ``environ`` (None: ``os.environ``; then
+    the returned ``TKV_PRMTI_MAXNREG`` / ``TKV_DECODE_PIPELINE`` are the values this process
+    read at import, the ones its kernels use — the current values are still validated).
 
     Args:
         environ: a mapping of environment variables, or None for the process environment.
@@ -49,8 +51,14 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
         PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError: the first
         setting with a value its parser refuses (the message names the variable).
     """
+    from . import loaders
+
+    # validated either way; the two read once at import are reported as this process uses
+    # them when the environment is the process's own
+    maxnreg, pipeline = _prmti_maxnreg_from_env(environ), decode_pipeline_from_env(environ)
+    if environ is None:
+        maxnreg, pipeline = loaders.PRMTI_MAXNREG, loaders.DECODE_PIPELINE
     return EngineKernelSettings(
         lookup_from_env(environ), small_head_groups_from_env(environ),
         fused_query_rotation_from_env(environ),
-        prefill_attention_from_env(environ, prefill_default),
-        _prmti_maxnreg_from_env(environ), decode_pipeline_from_env(environ))
+        prefill_attention_from_env(environ, prefill_default), maxnreg, pipeline)

@@ -287,7 +287,10 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         max_query_len: host int ≥ every q_len (sizes the grid).
         cache, block_table, loader: as :func:`tkv.kernels.decode` (block_table int32
             ``(num_seqs, max_blocks_per_seq)``).
-        out: optional ``(total_q, num_q_heads, head_dim)`` output (query dtype default).
+        out: optional ``(total_q, num_q_heads, head_dim)`` output (query dtype default):
+            float16 / bfloat16 / float32, unit stride on head_dim, no expanded (stride-0)
+            dim (ShapeError / DtypeError otherwise); must not overlap q / k / v when a
+            ``writes_out`` dense_attention writes into it.
         sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
         window: sliding window (key visible iff ``q_pos − k_pos < window``; 0 = full).
         block_m, block_n, num_warps, num_stages: tiling overrides (defaults by head_dim).
@@ -329,7 +332,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             promise) and the ``exact_prefix`` path (rotated planar rows, instead of SDPA, no
             fallback check); with ``first_chunks = False`` on the callable, only the latter.
             Other calls ignore it. Its output is checked (shape, dtype, device: ShapeError /
-            DtypeError).
+            DtypeError). With ``writes_out = True`` on the callable (a bool, DtypeError
+            otherwise) first chunks get ``out=`` this call's ``out`` when it has the query's
+            dtype, and no copy of the returned rows is made when they are ``out``'s.
 
     Rotated loaders (tkv): the wrapper rotates the query and the chunk's K/V into the cache's
     rotated space with three small float32 matmuls (no D×D tile inside the kernel, so head_dim
