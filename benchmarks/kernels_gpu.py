@@ -1052,6 +1052,20 @@ def qrot_rows(copy_gbs, shapes=((64, 640), (256, 640), (1, 32768))):
     _model_step_arms(arms, shapes[:2], 36)
 
 
+def _variant_row(base, fn, ref_out, ref_ms, *, moved, copy_gbs, **fields):
+    """Run decode variant ``fn`` once against ``ref_out`` (``rel_err`` in the row), then time it
+    (:func:`timed_row`, ``x_default`` against ``ref_ms``); a failing variant logs its error.
+    Returns the ms, or None."""
+    try:
+        o = fn().float()
+        err = float(f"{((o - ref_out).norm() / ref_out.norm()).item():.3g}")
+    except Exception as e:
+        log({**base, "impl": "tkv K4V4 decode", **fields, "error": str(e)[:160]})
+        return None
+    return timed_row({**base, "rel_err": err}, "tkv K4V4 decode", fn, moved=moved,
+                     copy_gbs=copy_gbs, ref_ms=ref_ms, **fields)
+
+
 def stage_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (32, 8192), (1, 32768))):
     """Software pipelining of the split-K decode's code-tile loads (session 17): Triton's
     ``num_stages`` > 1 with the default prmti lookup (Qwen3-8B-like K4V4, the query rotated
@@ -1079,15 +1093,8 @@ def stage_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (32, 8192),
         ref = timed_row(base, "tkv K4V4 decode (default)", lambda: decode(q, cache, bt, sl, ld, ws),
                         moved=nbytes, copy_gbs=copy_gbs, x_default=1.0)
         for opts in variants:
-            try:
-                o = decode(q, cache, bt, sl, ld, ws, **opts).float()
-                err = float(f"{((o - ref_out).norm() / ref_out.norm()).item():.3g}")
-            except Exception as e:
-                log({**base, "impl": "tkv K4V4 decode", **opts, "error": str(e)[:160]})
-                continue
-            ms = timed_row({**base, "rel_err": err}, "tkv K4V4 decode",
-                           lambda o=opts: decode(q, cache, bt, sl, ld, ws, **o), moved=nbytes,
-                           copy_gbs=copy_gbs, ref_ms=ref, **opts)
+            ms = _variant_row(base, lambda o=opts: decode(q, cache, bt, sl, ld, ws, **o),
+                              ref_out, ref, moved=nbytes, copy_gbs=copy_gbs, **opts)
             if ms is not None and ref is not None and ms < ref:
                 wins[tuple(sorted(opts.items()))] += 1
         del cache
@@ -1124,17 +1131,10 @@ def stage_small_rows(copy_gbs, shapes=((1, 8192), (1, 32768), (1, 131072), (2, 8
             arms.append((ws128, ws128.splits_for(B, hkv)))
         for w, sp in arms:
             for st in (1, 2):
-                try:
-                    o = decode(q, cache, bt, sl, ld, w, num_stages=st).float()
-                    err = float(f"{((o - ref_out).norm() / ref_out.norm()).item():.3g}")
-                except Exception as e:
-                    log({**base, "impl": "tkv K4V4 decode", "num_stages": st, "num_splits": sp,
-                         "error": str(e)[:160]})
-                    continue
-                timed_row({**base, "rel_err": err}, "tkv K4V4 decode",
-                          lambda w=w, st=st: decode(q, cache, bt, sl, ld, w, num_stages=st),
-                          moved=nbytes, copy_gbs=copy_gbs, ref_ms=ref, num_stages=st,
-                          num_splits=sp)
+                _variant_row(base, lambda w=w, st=st: decode(q, cache, bt, sl, ld, w,
+                                                             num_stages=st),
+                             ref_out, ref, moved=nbytes, copy_gbs=copy_gbs, num_stages=st,
+                             num_splits=sp)
         del cache
         torch.cuda.empty_cache()
 

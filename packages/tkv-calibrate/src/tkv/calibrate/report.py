@@ -241,11 +241,13 @@ def plot_rows(rows, model_name: str, path: Path) -> list[str]:
               "smartmix-rejected": ("tab:olive", "SmartMix (measured worse, not shipped)"),
               "peer": ("tab:red", "peer formats"), "uncalibrated": ("tab:gray", "uncalibrated")}
     pts = [r for r in rows if r["group"] != "baseline"]
+    panels = ((axes[0], "kl", "mean KL vs uncompressed (nats, log)"),
+              (axes[1], "delta_ppl_pct", "ΔPPL (%)"))
+    ys = {key: [max(r[key], 1e-6) if key == "kl" else r[key] for r in pts]
+          for _, key, _ in panels}
     seen: dict[str, object] = {}
-    for ax, key, label in ((axes[0], "kl", "mean KL vs uncompressed (nats, log)"),
-                           (axes[1], "delta_ppl_pct", "ΔPPL (%)")):
-        ys = [max(r[key], 1e-6) if key == "kl" else r[key] for r in pts]
-        for r, y in zip(pts, ys, strict=True):
+    for ax, key, label in panels:
+        for r, y in zip(pts, ys[key], strict=True):
             color, name = groups.get(r["group"], ("k", r["group"]))
             handle = ax.scatter(r["bytes_per_token_head"], y, color=color, s=30)
             seen.setdefault(name, handle)
@@ -261,7 +263,7 @@ def plot_rows(rows, model_name: str, path: Path) -> list[str]:
     if pts:
         fig.legend(list(seen.values()), list(seen), fontsize=8, loc="lower center",
                    ncol=len(seen), frameon=False)
-    if not pts:
+    else:
         axes[0].text(0.5, 0.5, "no evaluation run", ha="center")
     fig.suptitle(f"tkv on {model_name}: fidelity vs cache bytes")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
@@ -275,16 +277,16 @@ def plot_rows(rows, model_name: str, path: Path) -> list[str]:
             columns[-1].append(i)
         else:
             columns.append([i])
-    for ax, key in ((axes[0], "kl"), (axes[1], "delta_ppl_pct")):
-        ys = [max(r[key], 1e-6) if key == "kl" else r[key] for r in pts]
+    for ax, key, _ in panels:
+        y = ys[key]
         for col in columns:
             floor = float("inf")
-            for i in sorted(col, key=lambda i: -ys[i]):
+            for i in sorted(col, key=lambda i: -y[i]):
                 x = pts[i]["bytes_per_token_head"]
-                ypix = ax.transData.transform((x, ys[i]))[1] * 72 / fig.dpi   # points
+                ypix = ax.transData.transform((x, y[i]))[1] * 72 / fig.dpi   # points
                 want = min(ypix + 3, floor - 7)
                 floor = want
-                ax.annotate(pts[i]["name"], (x, ys[i]), fontsize=6, xytext=(4, want - ypix),
+                ax.annotate(pts[i]["name"], (x, y[i]), fontsize=6, xytext=(4, want - ypix),
                             textcoords="offset points")
     fig.savefig(path, dpi=120)
     plt.close(fig)

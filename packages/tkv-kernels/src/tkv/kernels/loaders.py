@@ -143,6 +143,7 @@ _LOOKUP_NAMES = {LOOKUP_GATHER: "gather", LOOKUP_PAIR_F16: "pair", LOOKUP_PAIR_B
                  LOOKUP_PRMTG_F16: "prmt", LOOKUP_PRMTG_BF16: "prmt"}
 # lookups whose byte tables travel as immediates in the asm text (packed into P0)
 _IMMEDIATE_TABLES = (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16, LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16)
+_PRMTI = frozenset((LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16))
 # P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP + 2**_GROUP_SHIFT * log2(group planes)
 #      (+ the prmt1 / prmti table words from bit _TABLE_SHIFT)
 _GROUP_SHIFT = 24   # the jit functions read it as P0 // 16777216 (= 2**24)
@@ -1017,8 +1018,7 @@ class TkvLoader:
         (:func:`_prmti_maxnreg_from_env`), hence off by default."""
         if num_ctas < target_ctas or not PRMTI_MAXNREG:
             return None
-        codes = {self._lookup(s, dot_dtype)[1] for s in ("k", "v")}
-        return PRMTI_MAXNREG if codes & {LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16} else None
+        return PRMTI_MAXNREG if self._side_lookups(dot_dtype) & _PRMTI else None
 
     def decode_num_stages(self, num_ctas: int, target_ctas: int,
                           dot_dtype: torch.dtype = torch.bfloat16, *, block_n: int = 128,
@@ -1047,8 +1047,11 @@ class TkvLoader:
         if (not DECODE_PIPELINE or num_ctas >= target_ctas or self.head_dim != 128
                 or block_n != 128 or num_warps != 4):
             return 1
-        codes = {self._lookup(s, dot_dtype)[1] for s in ("k", "v")}
-        return 2 if codes <= {LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16} else 1
+        return 2 if self._side_lookups(dot_dtype) <= _PRMTI else 1
+
+    def _side_lookups(self, dot_dtype: torch.dtype) -> set[int]:
+        """The lookup codes the K and V sides use with ``dot_dtype`` dots."""
+        return {self._lookup(s, dot_dtype)[1] for s in ("k", "v")}
 
     def lookup_name(self, side: str, dot_dtype: torch.dtype = torch.bfloat16) -> str:
         """The lookup side ``"k"``/``"v"`` really uses with ``dot_dtype`` dots: "prmt",
