@@ -608,7 +608,8 @@ def table(copy_gbs, path, device=None):
                                                   "block_t", "chunk", "rotation", "layers",
                                                   "x_default",
                                                   "x_bf16", "rel_err", "ctas",
-                                                  "rule_stages") if k in r
+                                                  "rule_stages", "arm", "rule_splits",
+                                                  "single_split_epilogue") if k in r
                          and (r["kernel"].endswith("_variant") or k not in ("lookup", "swap_qk")))
         if "error" in r:
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {opts} | error: "
@@ -1139,6 +1140,45 @@ def stage_small_rows(copy_gbs, shapes=((1, 8192), (1, 32768), (1, 131072), (2, 8
         torch.cuda.empty_cache()
 
 
+def split_rule_rows(copy_gbs, batches=(32, 64, 96, 128, 192, 256), lens=(640, 2048, 8192)):
+    """One split on full grids (session 18): the workspace's rule (``single_split_ctas``,
+    default ``SINGLE_SPLIT_TARGETS × target_programs`` CTAs; one split's output written by
+    the split kernel itself) against the rule before it (at least 2 splits: ``x_default`` is
+    against that), one split with the reduce pass kept, and 2 splits, K4V4 at the vLLM
+    shapes; then 36-layer model steps of both rules beside bf16 at the e2e shapes."""
+    hq, hkv, d, block = 32, 8, 128, 16
+    ws = Workspace(max(batches), 64, 256, DEV)
+    ws_old = Workspace(max(batches), 64, 256, DEV, single_split_ctas=0)
+    ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, block)
+    for L in lens:
+        for B in batches:
+            bt, sl, nblk, _, q, _, _ = step_inputs(B, L, hq, hkv, d, block)
+            cache = tkv_cache(ld, nblk)
+            nbytes = B * L * ld.layout.bytes_per_token
+            old = ws_old.splits_for(B, hkv)
+            base = dict(kernel="decode_split_rule", B=B, L=L, Hq=hq, Hkv=hkv, D=d,
+                        ctas_one_split=B * hkv, single_split_ctas=ws.single_split_ctas,
+                        rule_splits=ws.splits_for(B, hkv))
+            ref_out = decode(q, cache, bt, sl, ld, ws_old).float()
+            ref = timed_row({**base, "num_splits": old}, "tkv K4V4 decode (min 2 splits)",
+                            lambda: decode(q, cache, bt, sl, ld, ws_old), moved=nbytes,
+                            copy_gbs=copy_gbs, x_default=1.0)
+            variants = [("rule", {}), ("1 split", {"num_splits": 1}),
+                        ("1 split + reduce", {"num_splits": 1, "single_split_epilogue": False})]
+            if old != 2:
+                variants.append(("2 splits", {"num_splits": 2}))
+            for label, opts in variants:
+                _variant_row(base, lambda o=opts: decode(q, cache, bt, sl, ld, ws, **o),
+                             ref_out, ref, moved=nbytes, copy_gbs=copy_gbs, arm=label, **opts)
+            del cache
+            torch.cuda.empty_cache()
+    arms = [("bf16 store + bypass decode", "bf16"), ("tkv K4V4 (rule)", {})]
+    for B in (64, 256):
+        old = ws_old.splits_for(B, hkv)
+        arms_b = [*arms, (f"tkv K4V4 (min 2 splits: {old})", {"num_splits": old})]
+        _model_step_arms(arms_b, ((B, 640),), 36)
+
+
 def _model_step_arms(arms, shapes, layers, dims=MODEL_DIMS, model=None, breakdown=None):
     """Time each (label, attn) arm's model step per (B, L); ``x_bf16`` against the bf16 arm.
     ``breakdown(attn)``: also log the per-kernel device time of one step of that arm at the
@@ -1211,6 +1251,9 @@ def main():
     ap.add_argument("--stages", action="store_true",
                     help="only the decode software-pipelining sweep (num_stages x block_n x "
                          "warps) and model steps of the winners (stage_rows)")
+    ap.add_argument("--split-rule", action="store_true",
+                    help="alone: one split on full grids vs at least 2 (session 18), kernel "
+                    "rows and model steps")
     ap.add_argument("--stages-small", action="store_true",
                     help="only small decode batches: the pipelining rule vs 1 / 2 stages at 32 "
                          "and 128 max splits (stage_small_rows)")
@@ -1245,7 +1288,8 @@ def main():
     # pipelining sweeps together)
     stages = [fn for flag, fn in ((a.stages_small, stage_small_rows), (a.stages, stage_rows))
               if flag]
-    alone = next((fns for flag, fns in ((a.smollm2_step, [smollm2_step_rows]),
+    alone = next((fns for flag, fns in ((a.split_rule, [split_rule_rows]),
+                                        (a.smollm2_step, [smollm2_step_rows]),
                                         (bool(stages), stages), (a.qrot, [qrot_rows]),
                                         (a.widths, [width_rows]), (a.variants, [variant_rows]))
                   if flag), None)

@@ -510,6 +510,77 @@ def test_decode_splits_and_rotated_io():
     torch.testing.assert_close(codec.unrotate_output(o_rot), outs[0], rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("case", ["hadamard64", "calibrated128", "dct96", "rotated_out",
+                                  "bypass", "fp8", "strided_bf16"])
+def test_decode_single_split_epilogue(case):
+    """One split: the split kernel writes ``out`` itself (EPILOGUE 1 as it is, 2 unrotated by
+    ``out_hadamard`` butterflies; head_dim 96 has no Hadamard rotation, so the reduce pass
+    stays) — equal to the float64 oracle and to the reduce pass (single_split_epilogue=False)
+    for every loader kind, output dtype and a strided output; no reduce launch where fused."""
+    import importlib
+    decode_mod = importlib.import_module("tkv.kernels.decode")
+    g = _gen(len(case))
+    d = {"calibrated128": 128, "dct96": 96}.get(case, 64)
+    if case == "bypass":
+        ld = BypassLoader(2, d, 16, torch.bfloat16)
+    elif case == "fp8":
+        ld = Fp8Loader(2, d, 16, torch.tensor([0.05], device=DEV),
+                       torch.tensor([0.03], device=DEV))
+    else:
+        extra = {}
+        if case == "calibrated128":
+            extra = dict(k_channel_scales=torch.rand(d, generator=g) + 0.5,
+                         v_channel_scales=torch.rand(d, generator=g) + 0.5,
+                         k_channel_offset=torch.randn(2, d, generator=g),
+                         v_sink_offset=torch.randn(2, d, generator=g) * 3)
+        ld = TkvLoader(TurboKVCodec(d, k_bits=4, v_bits=3, device=DEV, seed=5, **extra), 2, 16)
+        assert (ld.out_hadamard is None) == (case == "dct96")
+    if getattr(ld, "out_hadamard", None) is not None:   # o @ out_mat == w ⊙ (o @ H), float64
+        from tkv.codec.rotation import hadamard_matrix
+        o64 = torch.randn(3, d, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(
+            (o64 @ hadamard_matrix(d, torch.float64)) * ld.out_hadamard.double().cpu(),
+            o64 @ ld.out_mat.double().cpu()[:d, :d], rtol=1e-6, atol=1e-6)
+    lens = [45, 1, 70]
+    batch, cache = _scenario(ld, lens, seed=len(case))
+    q = (torch.randn(len(lens), 6, d, generator=g) * 2).to(DEV, torch.bfloat16)
+    rotated = case == "rotated_out"
+    launches = []
+    real = decode_mod._decode_reduce_kernel
+
+    class _Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    outs = {}
+    for fused in (True, False):
+        if case == "strided_bf16":   # every other head of a wider buffer, bf16
+            buf = torch.full((len(lens), 12, d), float("nan"), dtype=torch.bfloat16, device=DEV)
+            out = buf[:, ::2]
+        else:
+            out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
+        launches.clear()
+        with mock.patch.object(decode_mod, "_decode_reduce_kernel", _Spy()):
+            decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out,
+                   num_splits=1, block_n=ld.min_block_n, output_rotated=rotated,
+                   single_split_epilogue=fused)
+        assert len(launches) == (0 if fused and case != "dct96" else 1), (fused, launches)
+        outs[fused] = out.float()
+        if case == "strided_bf16":
+            assert torch.isnan(buf[:, 1::2].float()).all()   # the other heads untouched
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    if rotated:
+        ref = ref.double() @ torch.linalg.inv(ld.out_mat.double()[:d, :d]).to(ref.device)
+    tol = _tol(torch.bfloat16)
+    if case == "strided_bf16":   # plus the bf16 output's own rounding (2⁻⁹ relative)
+        tol = max(tol, 1e-2)
+    assert _rel(outs[True], ref) < tol and _rel(outs[False], ref) < tol
+    assert _rel(outs[True], outs[False]) < (1e-2 if case == "strided_bf16" else 1e-4)
+    with pytest.raises(DtypeError, match="single_split_epilogue must be a bool"):
+        decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), single_split_epilogue=1)
+
+
 def test_decode_zero_length_gives_zeros():
     codec = TurboKVCodec(64, 4, device=DEV)
     ld = TkvLoader(codec, 1, 16)
@@ -1249,7 +1320,7 @@ def test_named_errors_on_bad_input():
 
 
 def test_workspace_split_count_is_static_and_bounded():
-    ws = Workspace(64, 32, 128, DEV, max_splits=16, target_programs=512)
+    ws = Workspace(64, 32, 128, DEV, max_splits=16, target_programs=512, single_split_ctas=0)
     assert ws.splits_for(1, 8) == 16
     assert ws.splits_for(64, 8) == 2          # min_splits (default 2)
     assert Workspace(64, 32, 128, DEV, target_programs=512, min_splits=1).splits_for(64, 8) == 1
@@ -1261,6 +1332,32 @@ def test_workspace_split_count_is_static_and_bounded():
     assert o.shape == (4, 32, 16, 128) and lse.shape == (4, 32, 16)
     with pytest.raises(ShapeError):
         Workspace(0, 32, 128, DEV)
+
+
+def test_workspace_single_split_on_full_grids(monkeypatch):
+    """From ``single_split_ctas`` CTAs (default SINGLE_SPLIT_TARGETS × target_programs while
+    TKV_DECODE_SINGLE_SPLIT is on) a batch runs one split; below, min_splits still holds; 0
+    (or the flag off at import) never; a bad value is a ShapeError. The partial rows the
+    workspace holds still bound every batch shape's need."""
+    import tkv.kernels.workspace as W
+
+    ws = Workspace(300, 32, 128, DEV, max_splits=16, target_programs=512)
+    assert W.DECODE_SINGLE_SPLIT and ws.single_split_ctas == W.SINGLE_SPLIT_TARGETS * 512
+    cut = ws.single_split_ctas
+    assert ws.splits_for(cut // 8, 8) == 1 and ws.splits_for(cut // 8 - 1, 8) == 2
+    assert ws.splits_for(cut, 1) == 1 and ws.splits_for(cut - 1, 1) == 2
+    assert "single_split_ctas=" in repr(ws)
+    assert Workspace(300, 32, 128, DEV, target_programs=512, single_split_ctas=0).splits_for(
+        300, 8) == 2
+    assert Workspace(4, 4, 64, DEV, target_programs=8, single_split_ctas=3).splits_for(2, 2) == 1
+    for n in range(1, 301):
+        for hkv in (1, 2, 8, 32):
+            ws.partials(n, 32, ws.splits_for(n, hkv), 128)   # fits: no error
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ShapeError, match="single_split_ctas"):
+            Workspace(4, 4, 64, DEV, single_split_ctas=bad)
+    monkeypatch.setattr(W, "DECODE_SINGLE_SPLIT", False)
+    assert Workspace(300, 32, 128, DEV, target_programs=512).single_split_ctas == 0
 
 
 def test_loader_protocol():

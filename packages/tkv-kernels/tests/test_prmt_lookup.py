@@ -280,11 +280,13 @@ def test_lookup_from_env_validates_tkv_lookup():
     ("small_head_groups_from_env", "TKV_SMALL_HEAD_GROUPS", "SmallHeadGroupsConfigError", True),
     ("fused_query_rotation_from_env", "TKV_FUSED_QUERY_ROTATION",
      "FusedQueryRotationConfigError", True),
-    ("decode_pipeline_from_env", "TKV_DECODE_PIPELINE", "PipelineConfigError", True)])
+    ("decode_pipeline_from_env", "TKV_DECODE_PIPELINE", "PipelineConfigError", True),
+    ("decode_single_split_from_env", "TKV_DECODE_SINGLE_SPLIT", "SingleSplitConfigError",
+     True)])
 def test_engine_flags_from_env(parse, name, error, default):
-    """The engines' 0/1 kernel options: TKV_SMALL_HEAD_GROUPS, TKV_FUSED_QUERY_ROTATION and
-    TKV_DECODE_PIPELINE (all default on) — unset / blank → the default, 0 / 1 with blanks
-    around them, anything else a named error."""
+    """The engines' 0/1 kernel options: TKV_SMALL_HEAD_GROUPS, TKV_FUSED_QUERY_ROTATION,
+    TKV_DECODE_PIPELINE and TKV_DECODE_SINGLE_SPLIT (all default on) — unset / blank → the
+    default, 0 / 1 with blanks around them, anything else a named error."""
     import tkv.kernels as K
 
     fn, err = getattr(K, parse), getattr(K, error)
@@ -298,27 +300,30 @@ def test_engine_flags_from_env(parse, name, error, default):
 
 
 def test_engine_kernel_settings_parses_and_names_every_variable():
-    """engine_kernel_settings: the six TKV_* kernel settings in one call (the launch-time
+    """engine_kernel_settings: the seven TKV_* kernel settings in one call (the launch-time
     check of both engine adapters), the adapter's prefill default applied, a one-line
     description, and each bad value raising its own named error."""
     import tkv.kernels as K
     from tkv.kernels.loaders import MaxnregConfigError
 
     got = K.engine_kernel_settings({}, prefill_default="auto")
-    assert got == ("auto", True, True, "auto", 0, True)
+    assert got == ("auto", True, True, "auto", 0, True, True)
     assert got.describe() == ("TKV_LOOKUP=auto TKV_SMALL_HEAD_GROUPS=1 "
                               "TKV_FUSED_QUERY_ROTATION=1 TKV_PREFILL_ATTENTION=auto "
-                              "TKV_PRMTI_MAXNREG=0 TKV_DECODE_PIPELINE=1")
+                              "TKV_PRMTI_MAXNREG=0 TKV_DECODE_PIPELINE=1 "
+                              "TKV_DECODE_SINGLE_SPLIT=1")
     env = {"TKV_LOOKUP": "prmt", "TKV_SMALL_HEAD_GROUPS": "0", "TKV_FUSED_QUERY_ROTATION": "0",
            "TKV_PREFILL_ATTENTION": "continuation", "TKV_PRMTI_MAXNREG": "128",
-           "TKV_DECODE_PIPELINE": "0"}
-    assert K.engine_kernel_settings(env) == ("prmt", False, False, "continuation", 128, False)
+           "TKV_DECODE_PIPELINE": "0", "TKV_DECODE_SINGLE_SPLIT": "0"}
+    assert K.engine_kernel_settings(env) == ("prmt", False, False, "continuation", 128, False,
+                                             False)
     for name, bad, err in (("TKV_LOOKUP", "prmt9", K.LookupConfigError),
                            ("TKV_SMALL_HEAD_GROUPS", "on", K.SmallHeadGroupsConfigError),
                            ("TKV_FUSED_QUERY_ROTATION", "2", K.FusedQueryRotationConfigError),
                            ("TKV_PREFILL_ATTENTION", "fa2", K.PrefillAttentionConfigError),
                            ("TKV_PRMTI_MAXNREG", "12", MaxnregConfigError),
-                           ("TKV_DECODE_PIPELINE", "yes", K.PipelineConfigError)):
+                           ("TKV_DECODE_PIPELINE", "yes", K.PipelineConfigError),
+                           ("TKV_DECODE_SINGLE_SPLIT", "2", K.SingleSplitConfigError)):
         with pytest.raises(err, match=name):
             K.engine_kernel_settings({**env, name: bad})
 

@@ -102,6 +102,12 @@ def test_validate_hook_runs_at_config_time(patched_vllm, tmp_path, monkeypatch):
     with pytest.raises(PipelineConfigError, match="TKV_DECODE_PIPELINE"):
         validate_plugin_cache_dtype(cfg())
     monkeypatch.delenv("TKV_DECODE_PIPELINE")
+    from tkv.kernels import SingleSplitConfigError
+
+    monkeypatch.setenv("TKV_DECODE_SINGLE_SPLIT", "on")
+    with pytest.raises(SingleSplitConfigError, match="TKV_DECODE_SINGLE_SPLIT"):
+        validate_plugin_cache_dtype(cfg())
+    monkeypatch.delenv("TKV_DECODE_SINGLE_SPLIT")
     other = cfg(backend=E.FLASH_ATTN)
     other.cache_config.cache_dtype = "auto"
     validate_plugin_cache_dtype(other)  # other dtypes untouched

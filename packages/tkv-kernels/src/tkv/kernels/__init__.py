@@ -45,7 +45,13 @@ from .loaders import (
 from .prefill import DENSE_PREFIX_CAP, dense_prefix_bytes, prefill, warm_prefix_variant
 from .store import compress_store
 from .validate import MetadataError, check_metadata
-from .workspace import Workspace, WorkspaceTooSmallError
+from .workspace import (
+    ENV_DECODE_SINGLE_SPLIT,
+    SingleSplitConfigError,
+    Workspace,
+    WorkspaceTooSmallError,
+    decode_single_split_from_env,
+)
 
 # Must run before any kernel is launched under TRITON_INTERPRET=1 (patches loop-bound
 # conversion at launch time, so importing the kernel modules first is fine).
@@ -56,6 +62,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DENSE_PREFIX_CAP",
     "ENV_DECODE_PIPELINE",
+    "ENV_DECODE_SINGLE_SPLIT",
     "ENV_FUSED_QUERY_ROTATION",
     "ENV_LOOKUP",
     "ENV_PREFILL_ATTENTION",
@@ -75,6 +82,7 @@ __all__ = [
     "PipelineConfigError",
     "PrefillAttentionConfigError",
     "SdpaDenseAttention",
+    "SingleSplitConfigError",
     "SmallHeadGroupsConfigError",
     "TkvLoader",
     "Workspace",
@@ -83,6 +91,7 @@ __all__ = [
     "compress_store",
     "decode",
     "decode_pipeline_from_env",
+    "decode_single_split_from_env",
     "dense_prefix_bytes",
     "engine_kernel_settings",
     "flash_device",

@@ -74,21 +74,30 @@ def _hadamard_stage(x, M: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
 
 @triton.jit
 def hadamard_rows(ptr, rows, rmask, w, out, out_rows, M: tl.constexpr, D: tl.constexpr,
-                  LOG2D: tl.constexpr):
-    """Write ``H (w ⊙ x)`` as float32 rows ``out + out_rows[m]`` for the model-space rows
-    ``x = ptr + rows[m]`` (``H`` the unnormalized Sylvester Walsh–Hadamard matrix of order
-    ``D = 2^LOG2D``; ``w`` float32 ``(D,)``: the rotation's signs, the key channel scales and
-    ``1/√D`` in one vector): ``LOG2D`` butterfly stages in float32 registers, no ``D × D``
-    matrix. Masked rows are not written. The decode kernel reads the rows back with
-    :func:`load_planes` after a CTA barrier — straight from the butterflies, Triton keeps the
-    query planes in tensor-core operand registers for the whole loop (244 instead of 168
-    registers per thread at head_dim 128, offline sm_90a: one CTA per SM less)."""
+                  LOG2D: tl.constexpr, POST: tl.constexpr = False):
+    """Write ``H (w ⊙ x)`` (``POST``: ``w ⊙ (H x)``) as rows ``out + out_rows[m]`` (in
+    ``out``'s dtype) for the rows ``x = ptr + rows[m]`` (``H`` the unnormalized Sylvester
+    Walsh–Hadamard matrix of order ``D = 2^LOG2D``; ``w`` float32 ``(D,)``: the rotation's
+    signs, channel scales and ``1/√D`` in one vector): ``LOG2D`` butterfly stages in float32
+    registers, no ``D × D`` matrix. Masked rows are not written.
+
+    Decode uses it twice. Queries (``w`` before): model-space rows into float32 rows that the
+    split kernel reads back with :func:`load_planes` after a CTA barrier — straight from the
+    butterflies, Triton keeps the query planes in tensor-core operand registers for the whole
+    loop (244 instead of 168 registers per thread at head_dim 128, offline sm_90a: one CTA
+    per SM less). Single-split outputs (``w`` after): the normalized rotated-space rows back
+    to model space, written to the layer output."""
     c = tl.arange(0, D)
     x = tl.load(ptr + rows[:, None] + c[None, :], mask=rmask[:, None], other=0.0)
-    x = x.to(tl.float32) * tl.load(w + c)[None, :]
+    x = x.to(tl.float32)
+    if not POST:
+        x = x * tl.load(w + c)[None, :]
     for s in tl.static_range(LOG2D):
         x = _hadamard_stage(x, M, D, 1 << s)
-    tl.store(out + out_rows[:, None] + c[None, :], x, mask=rmask[:, None])
+    if POST:
+        x = x * tl.load(w + c)[None, :]
+    tl.store(out + out_rows[:, None] + c[None, :], x.to(out.dtype.element_ty),
+             mask=rmask[:, None])
 
 
 @triton.jit

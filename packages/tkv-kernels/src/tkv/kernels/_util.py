@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tkv.codec.errors import DeviceMismatchError, DtypeError, ShapeError
@@ -105,3 +107,14 @@ def dot_dtype_for(dtype: torch.dtype) -> torch.dtype:
     if interpreting():
         return torch.float32
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def flag_from_env(environ, name: str, default: str, error: type[ValueError],
+                  meaning: str) -> bool:
+    """A ``0`` / ``1`` engine option from the environment (unset or blank: ``default``);
+    anything else raises ``error`` with ``meaning`` (what each value does) in the message."""
+    env = os.environ if environ is None else environ
+    v = env.get(name, default).strip() or default
+    if v not in ("0", "1"):
+        raise error(f"{name}={v!r}: use {meaning}")
+    return v == "1"

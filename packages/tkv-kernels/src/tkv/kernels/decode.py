@@ -67,13 +67,15 @@ def _decode_split_kernel(
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
         part_o, part_lse, scale_log2, window, k_shift, v_shift, q_w, q_rot,
+        Out, so_s, so_h, o_w,
         FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
         KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         G: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, SWAP_QK: tl.constexpr,
-        K_SINK: tl.constexpr, V_SINK: tl.constexpr, QROT_LOG2: tl.constexpr):
+        K_SINK: tl.constexpr, V_SINK: tl.constexpr, QROT_LOG2: tl.constexpr,
+        EPILOGUE: tl.constexpr, OROT_LOG2: tl.constexpr):
     """One (sequence, KV head, split): the split's partial output (unnormalized accumulator
     over ``l``) and LSE. ``K_SINK`` / ``V_SINK`` (loaders.sink_shift): a key whose norm has
     its sign bit set scores ``|n|·⟨q, k̂⟩ + ⟨q, c_k⟩``; a flagged value adds ``c_v`` times its
@@ -81,7 +83,14 @@ def _decode_split_kernel(
     split merge is unchanged. ``QROT_LOG2`` > 0: ``Q`` holds model-space queries, rotated here
     as ``H (q_w ⊙ q)`` into ``q_rot`` (float32 ``(num_seqs, num_q_heads, D_PAD)``; every split
     of a (sequence, KV head) writes the same rows) and read back after a CTA barrier
-    (:func:`hadamard_rows`)."""
+    (:func:`hadamard_rows`).
+
+    ``EPILOGUE`` (:func:`_single_split_epilogue`): 0 writes the split's partial row and LSE for
+    ``_decode_reduce_kernel``; with one split (``NUM_SPLITS == 1``) the normalized row is the
+    answer, so 1 writes it to ``Out`` (rows ``seq · so_s + q_head · so_h``) as it is (rotated
+    space, or an unrotated loader) and 2 unrotates it first as ``o_w ⊙ H o`` (``H`` of order
+    ``2^OROT_LOG2 = D_PAD``; the row goes through ``part_o``, a CTA barrier, then
+    :func:`hadamard_rows`) — no reduce launch."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -164,8 +173,18 @@ def _decode_split_kernel(
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     row = (seq.to(tl.int64) * (G * tl.num_programs(1)) + qh) * NUM_SPLITS + split
-    store_planes(part_o, row * D_PAD, hmask, acc, inv, VNP, D_PAD, D_PAD)
-    tl.store(part_lse + row, lse, mask=hmask)
+    if EPILOGUE == 1:
+        store_planes(Out, seq.to(tl.int64) * so_s + qh * so_h, hmask, acc, inv, VNP, D_PAD,
+                     HEAD_DIM)
+    else:
+        store_planes(part_o, row * D_PAD, hmask, acc, inv, VNP, D_PAD, D_PAD)
+        if EPILOGUE == 2:
+            tl.debug_barrier()
+            hadamard_rows(part_o, row * D_PAD, hmask, o_w, Out,
+                          seq.to(tl.int64) * so_s + qh * so_h, BLOCK_H, D_PAD,
+                          OROT_LOG2, POST=True)
+        else:
+            tl.store(part_lse + row, lse, mask=hmask)
 
 
 # num_rows = num_seqs · num_q_heads changes with every eager batch (mixed prefill + decode
@@ -226,6 +245,30 @@ def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U, num_rows,
                  mask=rmask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
+def _single_split_epilogue(loader, splits: int, unrotate: bool, d: int, d_pad: int,
+                           dev: torch.device, enabled: bool) -> tuple[int, torch.Tensor | None, int]:
+    """``(EPILOGUE, o_w, OROT_LOG2)`` of the split kernel (see ``_decode_split_kernel``).
+
+    With one split (and ``enabled``) the split kernel writes the layer output itself: as it
+    is (1) when no unrotation is due, or unrotated by ``loader.out_hadamard`` butterflies (2)
+    when the rotation is a power-of-two Hadamard (``head_dim == d_pad``); otherwise (0) the
+    partials go through ``_decode_reduce_kernel`` (its tf32x3 ``out_mat`` product).
+
+    Raises:
+        DeviceMismatchError: ``loader.out_hadamard`` is not on the query's device.
+    """
+    if splits != 1 or not enabled:
+        return 0, None, 0
+    if not unrotate:
+        return 1, None, 0
+    w = getattr(loader, "out_hadamard", None)
+    if w is None or d != d_pad:
+        return 0, None, 0
+    if w.device != dev:
+        raise DeviceMismatchError(f"loader.out_hadamard is on {w.device}, the query on {dev}")
+    return 2, w, d.bit_length() - 1
+
+
 def _split_unroll(splits: int, d_pad: int) -> int:
     """Splits merged per unrolled step of the reduce kernel (their loads in flight together):
     8 partial rows of 16 × 128 float32 = 64 registers per thread at 8 warps; 4 at head_dim
@@ -242,7 +285,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
            prefetch: bool = False, swap_qk: bool | None = None,
            maxnreg: int | None = None, kernel: str = "triton",
-           fused_query_rotation: bool | None = None) -> torch.Tensor:
+           fused_query_rotation: bool | None = None,
+           single_split_epilogue: bool = True) -> torch.Tensor:
     """Paged decode attention, one query token per sequence, reading the cache through
     ``loader`` with inline dequant (split-K over the sequence, LSE merge of the splits).
 
@@ -308,6 +352,12 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             and an unrotated query; otherwise the separate rotation runs. None (default):
             the loader's ``fused_query_rotation`` (TkvLoader: True unless constructed with
             False; the engines: ``TKV_FUSED_QUERY_ROTATION``, default 1).
+        single_split_epilogue: with one split (``Workspace.splits_for`` on full grids, or
+            ``num_splits=1``) the split kernel normalizes its row and writes ``out`` itself —
+            unrotated by Walsh–Hadamard butterflies (``loader.out_hadamard``) where the
+            rotation is a power-of-two Hadamard — so the reduce launch and the partials' round
+            trip are skipped. False: always the reduce pass (an A/B knob; same result to
+            float32 rounding). The Gluon kernel always uses the reduce pass.
 
     Returns:
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError /
@@ -405,6 +455,11 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         num_stages = 1 if interpreting() or rule is None else rule(
             ns * hkv * splits, workspace.target_programs, dot_dtype, block_n=block_n,
             num_warps=num_warps)
+    if not isinstance(single_split_epilogue, bool):
+        raise DtypeError(f"single_split_epilogue must be a bool, got {single_split_epilogue!r}")
+    unrotate = bool(loader.rotated and not output_rotated)
+    epilogue, o_w, orot_log2 = _single_split_epilogue(
+        loader, splits, unrotate, d, d_pad, dev, single_split_epilogue and kernel == "triton")
     if kernel == "gluon":
         gluon_decode.launch_split(
             q, block_table, seq_lens, num_blocks, kargs, vargs, part_o, part_lse,
@@ -414,16 +469,18 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         _decode_split_kernel[(ns, hkv, splits)](
             q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
             block_table.shape[1], num_blocks, *kargs[:6], *vargs[:6], part_o, part_lse,
-            scale * _LOG2E, window, k_shift, v_shift, q_w, q_rot,
+            scale * _LOG2E, window, k_shift, v_shift, q_w, q_rot, out, out.stride(0),
+            out.stride(1), part_lse if o_w is None else o_w,
             FETCH=loader.fetch, DEQUANT=loader.dequant, KP0=kargs[6], KP1=kargs[7],
             KP2=kargs[8], KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7],
             VP2=vargs[8], VP3=vargs[9], VNP=vargs[10], G=g, BLOCK_H=block_h, HEAD_DIM=d,
             D_PAD=d_pad, BLOCK_SIZE=loader.block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
             DOT_DTYPE=_TL[dot_dtype], PREFETCH=bool(prefetch), SWAP_QK=bool(swap_qk),
-            K_SINK=k_sink, V_SINK=v_sink, QROT_LOG2=qrot_log2, num_warps=num_warps,
-            num_stages=num_stages,
+            K_SINK=k_sink, V_SINK=v_sink, QROT_LOG2=qrot_log2, EPILOGUE=epilogue,
+            OROT_LOG2=orot_log2, num_warps=num_warps, num_stages=num_stages,
             **({"maxnreg": int(maxnreg)} if maxnreg else {}))
-    unrotate = bool(loader.rotated and not output_rotated)
+    if epilogue:
+        return out
     u = loader.out_mat if unrotate else part_lse
     _decode_reduce_kernel[(triton.cdiv(ns * hq, br),)](
         part_o, part_lse, out, out.stride(0), out.stride(1), u, ns * hq,

@@ -15,6 +15,7 @@ from .loaders import (
     lookup_from_env,
     small_head_groups_from_env,
 )
+from .workspace import decode_single_split_from_env
 
 __all__ = ["EngineKernelSettings", "engine_kernel_settings"]
 
@@ -28,6 +29,7 @@ class EngineKernelSettings(NamedTuple):
     prefill_attention: str        # TKV_PREFILL_ATTENTION (the adapter's default applied)
     prmti_maxnreg: int            # TKV_PRMTI_MAXNREG (0: no cap)
     decode_pipeline: bool         # TKV_DECODE_PIPELINE
+    decode_single_split: bool     # TKV_DECODE_SINGLE_SPLIT
 
     def describe(self) -> str:
         """One log line, e.g. ``TKV_LOOKUP=auto TKV_SMALL_HEAD_GROUPS=1 ...``."""
@@ -38,8 +40,9 @@ class EngineKernelSettings(NamedTuple):
 
 def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> EngineKernelSettings:
     """Parse every engine-facing kernel setting from ``environ`` (None: ``os.environ``; then
-    the returned ``TKV_PRMTI_MAXNREG`` / ``TKV_DECODE_PIPELINE`` are the values this process
-    read at import, the ones its kernels use — the current values are still validated).
+    the returned ``TKV_PRMTI_MAXNREG`` / ``TKV_DECODE_PIPELINE`` / ``TKV_DECODE_SINGLE_SPLIT``
+    are the values this process read at import, the ones its kernels use — the current values
+    are still validated).
 
     Args:
         environ: a mapping of environment variables, or None for the process environment.
@@ -48,17 +51,20 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
 
     Raises:
         LookupConfigError, SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
-        PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError: the first
+        PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError,
+        SingleSplitConfigError: the first
         setting with a value its parser refuses (the message names the variable).
     """
-    from . import loaders
+    from . import loaders, workspace
 
-    # validated either way; the two read once at import are reported as this process uses
+    # validated either way; the three read once at import are reported as this process uses
     # them when the environment is the process's own
     maxnreg, pipeline = _prmti_maxnreg_from_env(environ), decode_pipeline_from_env(environ)
+    single = decode_single_split_from_env(environ)
     if environ is None:
         maxnreg, pipeline = loaders.PRMTI_MAXNREG, loaders.DECODE_PIPELINE
+        single = workspace.DECODE_SINGLE_SPLIT
     return EngineKernelSettings(
         lookup_from_env(environ), small_head_groups_from_env(environ),
         fused_query_rotation_from_env(environ),
-        prefill_attention_from_env(environ, prefill_default), maxnreg, pipeline)
+        prefill_attention_from_env(environ, prefill_default), maxnreg, pipeline, single)

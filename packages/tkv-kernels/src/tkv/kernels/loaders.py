@@ -69,6 +69,9 @@ from ._util import (
     interpreting,
     next_pow2,
 )
+from ._util import (
+    flag_from_env as _flag_from_env,
+)
 
 __all__ = ["BypassLoader", "Fp8Loader", "Loader", "SideArgs", "TkvLoader"]
 
@@ -478,17 +481,6 @@ class FusedQueryRotationConfigError(ValueError):
     """``TKV_FUSED_QUERY_ROTATION`` is neither ``0`` nor ``1``."""
 
 
-def _flag_from_env(environ, name: str, default: str, error: type[ValueError],
-                   meaning: str) -> bool:
-    """A ``0`` / ``1`` engine option from the environment (unset or blank: ``default``);
-    anything else raises ``error`` with ``meaning`` (what each value does) in the message."""
-    env = os.environ if environ is None else environ
-    v = env.get(name, default).strip() or default
-    if v not in ("0", "1"):
-        raise error(f"{name}={v!r}: use {meaning}")
-    return v == "1"
-
-
 def small_head_groups_from_env(environ=None) -> bool:
     """The :class:`TkvLoader` option ``small_head_groups`` for the engines' loaders:
     ``TKV_SMALL_HEAD_GROUPS=1`` (the default) or ``0`` (3/5/7-bit sides at head_dim 64 read per
@@ -703,6 +695,9 @@ class TkvLoader:
             1e-6), else None: decode's in-kernel query rotation
             (``decode(fused_query_rotation=True)``).
         out_mat: ``(d_pad, d_pad)`` with ``unrotate_output(o) = o @ out_mat``.
+        out_hadamard: float32 ``(head_dim,)`` ``w`` with ``o @ out_mat = w ⊙ (o @ H)`` where
+            the rotation is a pure power-of-two Hadamard (as ``q_hadamard``), else None:
+            decode's single-split epilogue unrotates in the split kernel with it.
         q_in_planar, k_in_planar, v_in_planar: ``(head_dim, d_pad)``: q_in / k_in / v_in with
             the output columns in the side's planar layout (``_planes.planar_index``).
         out_planar: ``(d_pad, head_dim)``: out_mat taking planar-layout (V planes) rows.
@@ -846,6 +841,8 @@ class TkvLoader:
         self.q_in = pad(torch.diag(sk) @ r.T)           # q @ Q = R (q * s_k)
         self.q_hadamard = _hadamard_weights(torch.diag(sk) @ r.T, dp, dev)
         self.out_mat = pad(r @ torch.diag(sv))          # o @ U = s_v * R^T o
+        # U = H diag(w) ⇔ Uᵀ = diag(w) H: o @ U = w ⊙ (H o)
+        self.out_hadamard = _hadamard_weights((r @ torch.diag(sv)).T, dp, dev)
         self.k_norm_correction = bool(codec.k.norm_correction)
         self.v_norm_correction = bool(codec.v.norm_correction)
         # the same maps with columns in each side's planar layout (prefill: contiguous planes)

@@ -6,9 +6,37 @@ import torch
 
 from tkv.codec.errors import ShapeError
 
-from ._util import next_pow2
+from ._util import flag_from_env, next_pow2
 
-__all__ = ["Workspace", "WorkspaceTooSmallError"]
+__all__ = ["DECODE_SINGLE_SPLIT", "ENV_DECODE_SINGLE_SPLIT", "SINGLE_SPLIT_TARGETS",
+           "SingleSplitConfigError", "Workspace", "WorkspaceTooSmallError",
+           "decode_single_split_from_env"]
+
+ENV_DECODE_SINGLE_SPLIT = "TKV_DECODE_SINGLE_SPLIT"
+# full grids run one split from num_seqs · num_kv_heads ≥ SINGLE_SPLIT_TARGETS · target_programs
+SINGLE_SPLIT_TARGETS = 2
+
+
+class SingleSplitConfigError(ValueError):
+    """``TKV_DECODE_SINGLE_SPLIT`` is neither ``0`` nor ``1``."""
+
+
+def decode_single_split_from_env(environ=None) -> bool:
+    """Whether a :class:`Workspace` built without ``single_split_ctas`` gives full grids one
+    split (``TKV_DECODE_SINGLE_SPLIT=1``, the default) or always at least ``min_splits``
+    (``0``: the split counts before session 18, an A/B knob). Read once at import into
+    :data:`DECODE_SINGLE_SPLIT`, so a bad value stops an engine when it imports tkv's kernels.
+
+    Raises:
+        SingleSplitConfigError: any other value.
+    """
+    return flag_from_env(environ, ENV_DECODE_SINGLE_SPLIT, "1", SingleSplitConfigError,
+                         "1 (default: one split, written by the split kernel itself, on grids "
+                         f"of ≥ {SINGLE_SPLIT_TARGETS}× the workspace's target_programs CTAs) "
+                         "or 0 (at least min_splits always)")
+
+
+DECODE_SINGLE_SPLIT = decode_single_split_from_env()
 
 
 class WorkspaceTooSmallError(ShapeError):
@@ -29,12 +57,20 @@ class Workspace:
         max_splits: the most split-K partitions a sequence is cut into (power of two).
         target_programs: split-K aims for ``num_seqs · num_kv_heads · splits ≥ target_programs``
             CTAs; default ``4 × SM count`` on CUDA (fills the chip with several waves).
-        min_splits: the fewest partitions (power of two ≤ max_splits), whatever the batch.
-            Default 2: on the H200, K4V4 decode (pair lookup) at B=128, L=1K, Hkv=8 (1,024
-            CTAs, already past target_programs) took 0.361 ms with 1 split and 0.217 ms with
-            2 (4: 0.222, 8: 0.238; bf16 BypassLoader 0.143 vs 0.148 — `benchmarks/results/
-            kernels_gpu_2026-11-30_lookups.md`): one tile chain per CTA leaves the dependent
-            load → lookup → dot latency exposed.
+        min_splits: the fewest partitions (power of two ≤ max_splits) below
+            ``single_split_ctas``. Default 2: on the H200, K4V4 decode (pair lookup) at
+            B=128, L=1K, Hkv=8 (1,024 CTAs, already past target_programs) took 0.361 ms with
+            1 split and 0.217 ms with 2 (4: 0.222, 8: 0.238; bf16 BypassLoader 0.143 vs 0.148
+            — `benchmarks/results/kernels_gpu_2026-11-30_lookups.md`): one tile chain per CTA
+            leaves the dependent load → lookup → dot latency exposed.
+        single_split_ctas: batches with ``num_seqs · num_kv_heads ≥ single_split_ctas`` run
+            one split, whose output the split kernel writes itself (no reduce launch, no
+            partials: ``decode(single_split_epilogue=True)``); 0 = never. Default
+            ``SINGLE_SPLIT_TARGETS × target_programs`` while :data:`DECODE_SINGLE_SPLIT` is on
+            (``TKV_DECODE_SINGLE_SPLIT``, default 1), else 0. With the prmti lookup the
+            2-split advantage above is gone on full grids: B=256, L=640, Hkv=8 (2,048 CTAs)
+            took 0.181 ms with 1 split (reduce pass still on) against 0.188 ms with 2
+            (session 18, `kernels_gpu_2026-12-04_s18_step.md`).
 
     Memory: ``rows · d_pad · 4`` bytes of float32 partial outputs plus ``rows · 4`` of LSEs, with
     ``rows = max over n ≤ max_num_seqs of n · max_num_q_heads · splits(n, 1)`` — bounded because
@@ -43,7 +79,8 @@ class Workspace:
 
     def __init__(self, max_num_seqs: int, max_num_q_heads: int, max_head_dim: int,
                  device: torch.device | str = "cuda", *, max_splits: int = 32,
-                 target_programs: int | None = None, min_splits: int = 2):
+                 target_programs: int | None = None, min_splits: int = 2,
+                 single_split_ctas: int | None = None):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_q_heads", max_num_q_heads),
                         ("max_head_dim", max_head_dim), ("max_splits", max_splits)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -68,6 +105,14 @@ class Workspace:
             else:
                 target_programs = 8
         self.target_programs = int(target_programs)
+        if single_split_ctas is None:
+            single_split_ctas = (SINGLE_SPLIT_TARGETS * self.target_programs
+                                 if DECODE_SINGLE_SPLIT else 0)
+        if (isinstance(single_split_ctas, bool) or not isinstance(single_split_ctas, int)
+                or single_split_ctas < 0):
+            raise ShapeError(f"single_split_ctas must be an int ≥ 0 (0: never), got "
+                             f"{single_split_ctas!r}")
+        self.single_split_ctas = single_split_ctas
         rows = max(n * max_num_q_heads * self.splits_for(n, 1) for n in range(1, max_num_seqs + 1))
         self.rows = rows
         self._part_o = torch.empty(rows * self.d_pad, dtype=torch.float32, device=self.device)
@@ -76,10 +121,14 @@ class Workspace:
                                   dtype=torch.float32, device=self.device)
 
     def splits_for(self, num_seqs: int, num_kv_heads: int) -> int:
-        """Split-K count for a batch: a power of two in ``[min_splits, max_splits]``; depends
-        only on the batch shape (never on sequence lengths), so it is static under CUDA
-        graphs."""
-        want = -(-self.target_programs // max(1, num_seqs * num_kv_heads))
+        """Split-K count for a batch: 1 when ``num_seqs · num_kv_heads`` reaches
+        ``single_split_ctas`` (non-zero), else a power of two in ``[min_splits, max_splits]``
+        aiming at ``target_programs`` CTAs; depends only on the batch shape (never on
+        sequence lengths), so it is static under CUDA graphs."""
+        ctas = num_seqs * num_kv_heads
+        if self.single_split_ctas and ctas >= self.single_split_ctas:
+            return 1
+        want = -(-self.target_programs // max(1, ctas))
         return max(self.min_splits, min(self.max_splits, next_pow2(want)))
 
     def partials(self, num_seqs: int, num_q_heads: int, splits: int, d_pad: int):
@@ -108,4 +157,5 @@ class Workspace:
     def __repr__(self) -> str:
         return (f"Workspace(max_num_seqs={self.max_num_seqs}, max_num_q_heads="
                 f"{self.max_num_q_heads}, max_head_dim={self.max_head_dim}, "
-                f"max_splits={self.max_splits}, device={str(self.device)!r})")
+                f"max_splits={self.max_splits}, single_split_ctas={self.single_split_ctas}, "
+                f"device={str(self.device)!r})")
