@@ -42,6 +42,7 @@ from tkv.kernels import (
     dense_prefix_bytes,
     prefill,
 )
+from tkv.kernels.workspace import SINGLE_SPLIT_TARGETS
 
 DEV = "cuda"
 ROWS: list[dict] = []
@@ -1141,14 +1142,16 @@ def stage_small_rows(copy_gbs, shapes=((1, 8192), (1, 32768), (1, 131072), (2, 8
 
 
 def split_rule_rows(copy_gbs, batches=(32, 64, 96, 128, 192, 256), lens=(640, 2048, 8192)):
-    """One split on full grids (session 18): the workspace's rule (``single_split_ctas``,
-    default ``SINGLE_SPLIT_TARGETS × target_programs`` CTAs; one split's output written by
-    the split kernel itself) against the rule before it (at least 2 splits: ``x_default`` is
+    """One split on full grids (session 18): the workspace's opt-in rule
+    (``single_split_ctas = SINGLE_SPLIT_TARGETS × target_programs`` CTAs, as
+    ``TKV_DECODE_SINGLE_SPLIT=1`` sets it; one split's output written by the split kernel
+    itself) against the default rule (at least 2 splits: ``x_default`` is
     against that), one split with the reduce pass kept, and 2 splits, K4V4 at the vLLM
     shapes; then 36-layer model steps of both rules beside bf16 at the e2e shapes."""
     hq, hkv, d, block = 32, 8, 128, 16
-    ws = Workspace(max(batches), 64, 256, DEV)
     ws_old = Workspace(max(batches), 64, 256, DEV, single_split_ctas=0)
+    ws = Workspace(max(batches), 64, 256, DEV,
+                   single_split_ctas=SINGLE_SPLIT_TARGETS * ws_old.target_programs)
     ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, block)
     for L in lens:
         for B in batches:
@@ -1172,10 +1175,11 @@ def split_rule_rows(copy_gbs, batches=(32, 64, 96, 128, 192, 256), lens=(640, 20
                              ref_out, ref, moved=nbytes, copy_gbs=copy_gbs, arm=label, **opts)
             del cache
             torch.cuda.empty_cache()
-    arms = [("bf16 store + bypass decode", "bf16"), ("tkv K4V4 (rule)", {})]
+    arms = [("bf16 store + bypass decode", "bf16")]
     for B in (64, 256):
-        old = ws_old.splits_for(B, hkv)
-        arms_b = [*arms, (f"tkv K4V4 (min 2 splits: {old})", {"num_splits": old})]
+        old, new = ws_old.splits_for(B, hkv), ws.splits_for(B, hkv)
+        arms_b = [*arms, (f"tkv K4V4 (rule: {new} split(s))", {"num_splits": new}),
+                  (f"tkv K4V4 (min 2 splits: {old})", {"num_splits": old})]
         _model_step_arms(arms_b, ((B, 640),), 36)
 
 

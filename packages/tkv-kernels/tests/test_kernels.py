@@ -1336,13 +1336,15 @@ def test_workspace_split_count_is_static_and_bounded():
 
 def test_workspace_single_split_on_full_grids(monkeypatch):
     """From ``single_split_ctas`` CTAs (default SINGLE_SPLIT_TARGETS × target_programs while
-    TKV_DECODE_SINGLE_SPLIT is on) a batch runs one split; below, min_splits still holds; 0
-    (or the flag off at import) never; a bad value is a ShapeError. The partial rows the
-    workspace holds still bound every batch shape's need."""
+    TKV_DECODE_SINGLE_SPLIT=1, 0 otherwise) a batch runs one split; below, min_splits still
+    holds; 0 never; a bad value is a ShapeError. The partial rows the workspace holds still
+    bound every batch shape's need."""
     import tkv.kernels.workspace as W
 
+    assert W.decode_single_split_from_env({}) is False      # off by default
+    monkeypatch.setattr(W, "DECODE_SINGLE_SPLIT", True)
     ws = Workspace(300, 32, 128, DEV, max_splits=16, target_programs=512)
-    assert W.DECODE_SINGLE_SPLIT and ws.single_split_ctas == W.SINGLE_SPLIT_TARGETS * 512
+    assert ws.single_split_ctas == W.SINGLE_SPLIT_TARGETS * 512
     cut = ws.single_split_ctas
     assert ws.splits_for(cut // 8, 8) == 1 and ws.splits_for(cut // 8 - 1, 8) == 2
     assert ws.splits_for(cut, 1) == 1 and ws.splits_for(cut - 1, 1) == 2

@@ -352,8 +352,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             and an unrotated query; otherwise the separate rotation runs. None (default):
             the loader's ``fused_query_rotation`` (TkvLoader: True unless constructed with
             False; the engines: ``TKV_FUSED_QUERY_ROTATION``, default 1).
-        single_split_epilogue: with one split (``Workspace.splits_for`` on full grids, or
-            ``num_splits=1``) the split kernel normalizes its row and writes ``out`` itself —
+        single_split_epilogue: with one split (``num_splits=1``, or ``Workspace.splits_for``
+            on full grids with ``TKV_DECODE_SINGLE_SPLIT=1``) the split kernel normalizes its row and writes ``out`` itself —
             unrotated by Walsh–Hadamard butterflies (``loader.out_hadamard``) where the
             rotation is a power-of-two Hadamard — so the reduce launch and the partials' round
             trip are skipped. False: always the reduce pass (an A/B knob; same result to

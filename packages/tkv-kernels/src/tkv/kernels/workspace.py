@@ -23,17 +23,21 @@ class SingleSplitConfigError(ValueError):
 
 def decode_single_split_from_env(environ=None) -> bool:
     """Whether a :class:`Workspace` built without ``single_split_ctas`` gives full grids one
-    split (``TKV_DECODE_SINGLE_SPLIT=1``, the default) or always at least ``min_splits``
-    (``0``: the split counts before session 18, an A/B knob). Read once at import into
-    :data:`DECODE_SINGLE_SPLIT`, so a bad value stops an engine when it imports tkv's kernels.
+    split (``TKV_DECODE_SINGLE_SPLIT=1``) or always at least ``min_splits`` (``0``, the
+    default). Off by default: on the H200 (session 18, K4V4, Hkv=8) one split on grids of ≥
+    2 × target_programs CTAs was 1.06-1.11× the split kernel at 640 cached tokens (a 36-layer
+    model step 1.030× at 256 sequences) but 0.97-0.99× at 8,192, and its end-to-end A/B did
+    not run — an operator option for short-context serving until a length-aware rule lands.
+    Read once at import into :data:`DECODE_SINGLE_SPLIT`, so a bad value stops an engine when
+    it imports tkv's kernels.
 
     Raises:
         SingleSplitConfigError: any other value.
     """
-    return flag_from_env(environ, ENV_DECODE_SINGLE_SPLIT, "1", SingleSplitConfigError,
-                         "1 (default: one split, written by the split kernel itself, on grids "
-                         f"of ≥ {SINGLE_SPLIT_TARGETS}× the workspace's target_programs CTAs) "
-                         "or 0 (at least min_splits always)")
+    return flag_from_env(environ, ENV_DECODE_SINGLE_SPLIT, "0", SingleSplitConfigError,
+                         "1 (one split, written by the split kernel itself, on grids of ≥ "
+                         f"{SINGLE_SPLIT_TARGETS}× the workspace's target_programs CTAs) or 0 "
+                         "(default: at least min_splits always)")
 
 
 DECODE_SINGLE_SPLIT = decode_single_split_from_env()
@@ -67,10 +71,11 @@ class Workspace:
             one split, whose output the split kernel writes itself (no reduce launch, no
             partials: ``decode(single_split_epilogue=True)``); 0 = never. Default
             ``SINGLE_SPLIT_TARGETS × target_programs`` while :data:`DECODE_SINGLE_SPLIT` is on
-            (``TKV_DECODE_SINGLE_SPLIT``, default 1), else 0. With the prmti lookup the
-            2-split advantage above is gone on full grids: B=256, L=640, Hkv=8 (2,048 CTAs)
-            took 0.181 ms with 1 split (reduce pass still on) against 0.188 ms with 2
-            (session 18, `kernels_gpu_2026-12-04_s18_step.md`).
+            (``TKV_DECODE_SINGLE_SPLIT=1``; default off), else 0. With the prmti lookup the
+            2-split advantage above depends on the context length: K4V4, Hkv=8, H200, one
+            split against the old rule was 1.06-1.11× at 640 cached tokens (B=192-256),
+            0.99-1.03× at 2,048 and 0.97-0.99× at 8,192 (session 18,
+            `benchmarks/results/kernels_gpu_2026-12-04_s18_split_rule.md`).
 
     Memory: ``rows · d_pad · 4`` bytes of float32 partial outputs plus ``rows · 4`` of LSEs, with
     ``rows = max over n ≤ max_num_seqs of n · max_num_q_heads · splits(n, 1)`` — bounded because
