@@ -511,17 +511,19 @@ def test_decode_splits_and_rotated_io():
 
 
 @pytest.mark.parametrize("case", ["hadamard64", "calibrated128", "dct96", "rotated_out",
-                                  "bypass", "fp8", "strided_bf16"])
+                                  "bypass", "bypass96", "fp8", "strided_bf16", "rule_window"])
 def test_decode_single_split_epilogue(case):
     """One split: the split kernel writes ``out`` itself (EPILOGUE 1 as it is, 2 unrotated by
     ``out_hadamard`` butterflies; head_dim 96 has no Hadamard rotation, so the reduce pass
     stays) — equal to the float64 oracle and to the reduce pass (single_split_epilogue=False)
-    for every loader kind, output dtype and a strided output; no reduce launch where fused."""
+    for every loader kind, output dtype, a strided output, head_dim under d_pad (bypass96),
+    and one split chosen by the workspace rule with a window and an empty sequence
+    (rule_window); no reduce launch where fused."""
     import importlib
     decode_mod = importlib.import_module("tkv.kernels.decode")
     g = _gen(len(case))
-    d = {"calibrated128": 128, "dct96": 96}.get(case, 64)
-    if case == "bypass":
+    d = {"calibrated128": 128, "dct96": 96, "bypass96": 96}.get(case, 64)
+    if case.startswith("bypass"):
         ld = BypassLoader(2, d, 16, torch.bfloat16)
     elif case == "fp8":
         ld = Fp8Loader(2, d, 16, torch.tensor([0.05], device=DEV),
@@ -541,10 +543,16 @@ def test_decode_single_split_epilogue(case):
         torch.testing.assert_close(
             (o64 @ hadamard_matrix(d, torch.float64)) * ld.out_hadamard.double().cpu(),
             o64 @ ld.out_mat.double().cpu()[:d, :d], rtol=1e-6, atol=1e-6)
-    lens = [45, 1, 70]
+    lens = [45, 0, 70] if case == "rule_window" else [45, 1, 70]
+    window = 20 if case == "rule_window" else 0
     batch, cache = _scenario(ld, lens, seed=len(case))
     q = (torch.randn(len(lens), 6, d, generator=g) * 2).to(DEV, torch.bfloat16)
     rotated = case == "rotated_out"
+    # rule_window: the workspace picks one split itself (3 sequences · 2 KV heads ≥ 1 CTA)
+    ws = Workspace(8, 32, 256, DEV, max_splits=8, single_split_ctas=1 if window else 0)
+    splits = None if window else 1
+    if window:
+        assert ws.splits_for(len(lens), 2) == 1
     launches = []
     real = decode_mod._decode_reduce_kernel
 
@@ -562,16 +570,18 @@ def test_decode_single_split_epilogue(case):
             out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
         launches.clear()
         with mock.patch.object(decode_mod, "_decode_reduce_kernel", _Spy()):
-            decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=out,
-                   num_splits=1, block_n=ld.min_block_n, output_rotated=rotated,
-                   single_split_epilogue=fused)
+            decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out,
+                   num_splits=splits, block_n=ld.min_block_n, output_rotated=rotated,
+                   window=window, single_split_epilogue=fused)
         assert len(launches) == (0 if fused and case != "dct96" else 1), (fused, launches)
         outs[fused] = out.float()
         if case == "strided_bf16":
             assert torch.isnan(buf[:, 1::2].float()).all()   # the other heads untouched
-    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld, window=window)
     if rotated:
         ref = ref.double() @ torch.linalg.inv(ld.out_mat.double()[:d, :d]).to(ref.device)
+    if window:   # the empty sequence's rows are zeros
+        assert torch.equal(outs[True][1], torch.zeros_like(outs[True][1]))
     tol = _tol(torch.bfloat16)
     if case == "strided_bf16":   # plus the bf16 output's own rounding (2⁻⁹ relative)
         tol = max(tol, 1e-2)
@@ -579,6 +589,16 @@ def test_decode_single_split_epilogue(case):
     assert _rel(outs[True], outs[False]) < (1e-2 if case == "strided_bf16" else 1e-4)
     with pytest.raises(DtypeError, match="single_split_epilogue must be a bool"):
         decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), single_split_epilogue=1)
+    with pytest.raises(DtypeError, match="single_split_epilogue must be a bool"):   # empty too
+        decode(q[:0], cache, batch.block_table[:0], batch.seq_lens[:0], ld, _ws(),
+               single_split_epilogue="yes")
+    if getattr(ld, "out_hadamard", None) is not None:   # a mutated / custom loader
+        ld.out_hadamard = torch.ones(d + 1, device=DEV)
+        with pytest.raises(ShapeError, match="out_hadamard"):
+            decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), num_splits=1)
+        ld.out_hadamard = torch.ones(d, device="meta")
+        with pytest.raises(DeviceMismatchError, match="out_hadamard"):
+            decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), num_splits=1)
 
 
 def test_decode_zero_length_gives_zeros():

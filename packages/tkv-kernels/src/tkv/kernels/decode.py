@@ -256,6 +256,7 @@ def _single_split_epilogue(loader, splits: int, unrotate: bool, d: int, d_pad: i
 
     Raises:
         DeviceMismatchError: ``loader.out_hadamard`` is not on the query's device.
+        ShapeError: ``loader.out_hadamard`` is not float32 ``(head_dim,)``.
     """
     if splits != 1 or not enabled:
         return 0, None, 0
@@ -266,6 +267,9 @@ def _single_split_epilogue(loader, splits: int, unrotate: bool, d: int, d_pad: i
         return 0, None, 0
     if w.device != dev:
         raise DeviceMismatchError(f"loader.out_hadamard is on {w.device}, the query on {dev}")
+    if tuple(w.shape) != (d,) or w.dtype != torch.float32:
+        raise ShapeError(f"loader.out_hadamard {tuple(w.shape)} {w.dtype}: the single-split "
+                         f"unrotation needs float32 ({d},)")
     return 2, w, d.bit_length() - 1
 
 
@@ -353,7 +357,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             the loader's ``fused_query_rotation`` (TkvLoader: True unless constructed with
             False; the engines: ``TKV_FUSED_QUERY_ROTATION``, default 1).
         single_split_epilogue: with one split (``num_splits=1``, or ``Workspace.splits_for``
-            on full grids with ``TKV_DECODE_SINGLE_SPLIT=1``) the split kernel normalizes its row and writes ``out`` itself —
+            on full grids with ``TKV_DECODE_SINGLE_SPLIT=1``) the split kernel normalizes its
+            row and writes ``out`` itself —
             unrotated by Walsh–Hadamard butterflies (``loader.out_hadamard``) where the
             rotation is a power-of-two Hadamard — so the reduce launch and the partials' round
             trip are skipped. False: always the reduce pass (an A/B knob; same result to
@@ -407,6 +412,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
                                    or num_stages < 1):
         raise ShapeError(f"num_stages must be None or an int ≥ 1, got {num_stages!r}")
+    if not isinstance(single_split_epilogue, bool):
+        raise DtypeError(f"single_split_epilogue must be a bool, got {single_split_epilogue!r}")
     if ns == 0:
         return out
     d_pad = max(16, next_pow2(d))
@@ -455,8 +462,6 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         num_stages = 1 if interpreting() or rule is None else rule(
             ns * hkv * splits, workspace.target_programs, dot_dtype, block_n=block_n,
             num_warps=num_warps)
-    if not isinstance(single_split_epilogue, bool):
-        raise DtypeError(f"single_split_epilogue must be a bool, got {single_split_epilogue!r}")
     unrotate = bool(loader.rotated and not output_rotated)
     epilogue, o_w, orot_log2 = _single_split_epilogue(
         loader, splits, unrotate, d, d_pad, dev, single_split_epilogue and kernel == "triton")
@@ -469,8 +474,11 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         _decode_split_kernel[(ns, hkv, splits)](
             q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
             block_table.shape[1], num_blocks, *kargs[:6], *vargs[:6], part_o, part_lse,
-            scale * _LOG2E, window, k_shift, v_shift, q_w, q_rot, out, out.stride(0),
-            out.stride(1), part_lse if o_w is None else o_w,
+            scale * _LOG2E, window, k_shift, v_shift, q_w, q_rot,
+            # the output only where the split kernel writes it: the reduce path's compile key
+            # stays independent of out's dtype and strides
+            *((out, out.stride(0), out.stride(1)) if epilogue else (part_lse, 0, 0)),
+            part_lse if o_w is None else o_w,
             FETCH=loader.fetch, DEQUANT=loader.dequant, KP0=kargs[6], KP1=kargs[7],
             KP2=kargs[8], KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7],
             VP2=vargs[8], VP3=vargs[9], VNP=vargs[10], G=g, BLOCK_H=block_h, HEAD_DIM=d,

@@ -27,7 +27,7 @@ def decode_single_split_from_env(environ=None) -> bool:
     default). Off by default: on the H200 (session 18, K4V4, Hkv=8) one split on grids of ≥
     2 × target_programs CTAs was 1.06-1.11× the split kernel at 640 cached tokens (a 36-layer
     model step 1.030× at 256 sequences) but 0.97-0.99× at 8,192, and its end-to-end A/B did
-    not run — an operator option for short-context serving until a length-aware rule lands.
+    not complete (one arm ran) — an operator option for short-context serving until a length-aware rule lands.
     Read once at import into :data:`DECODE_SINGLE_SPLIT`, so a bad value stops an engine when
     it imports tkv's kernels.
 
