@@ -610,7 +610,8 @@ def table(copy_gbs, path, device=None):
                                                   "x_default",
                                                   "x_bf16", "rel_err", "ctas",
                                                   "rule_stages", "arm", "rule_splits",
-                                                  "single_split_epilogue") if k in r
+                                                  "single_split_epilogue",
+                                                  "min_split_tiles") if k in r
                          and (r["kernel"].endswith("_variant") or k not in ("lookup", "swap_qk")))
         if "error" in r:
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {opts} | error: "
@@ -1166,12 +1167,16 @@ def split_rule_rows(copy_gbs, batches=(32, 64, 96, 128, 192, 256), lens=(640, 20
             ref = timed_row({**base, "num_splits": old}, "tkv K4V4 decode (min 2 splits)",
                             lambda: decode(q, cache, bt, sl, ld, ws_old), moved=nbytes,
                             copy_gbs=copy_gbs, x_default=1.0)
-            variants = [("rule", {}), ("1 split", {"num_splits": 1}),
-                        ("1 split + reduce", {"num_splits": 1, "single_split_epilogue": False})]
+            variants = [("rule", {}, ws), ("1 split", {"num_splits": 1}, ws),
+                        ("1 split + reduce", {"num_splits": 1, "single_split_epilogue": False},
+                         ws)]
             if old != 2:
-                variants.append(("2 splits", {"num_splits": 2}))
-            for label, opts in variants:
-                _variant_row(base, lambda o=opts: decode(q, cache, bt, sl, ld, ws, **o),
+                variants.append(("2 splits", {"num_splits": 2}, ws))
+            # length-aware split-K on the default rule's grid (decode(min_split_tiles=n))
+            variants += [(f"min {n} tiles per split", {"min_split_tiles": n}, ws_old)
+                         for n in (2, 4, 8)]
+            for label, opts, w in variants:
+                _variant_row(base, lambda o=opts, w=w: decode(q, cache, bt, sl, ld, w, **o),
                              ref_out, ref, moved=nbytes, copy_gbs=copy_gbs, arm=label, **opts)
             del cache
             torch.cuda.empty_cache()
@@ -1179,7 +1184,9 @@ def split_rule_rows(copy_gbs, batches=(32, 64, 96, 128, 192, 256), lens=(640, 20
     for B in (64, 256):
         old, new = ws_old.splits_for(B, hkv), ws.splits_for(B, hkv)
         arms_b = [*arms, (f"tkv K4V4 (rule: {new} split(s))", {"num_splits": new}),
-                  (f"tkv K4V4 (min 2 splits: {old})", {"num_splits": old})]
+                  (f"tkv K4V4 (min 2 splits: {old})", {"num_splits": old}),
+                  (f"tkv K4V4 ({old} splits, min 4 tiles per split)",
+                   {"num_splits": old, "min_split_tiles": 4})]
         _model_step_arms(arms_b, ((B, 640),), 36)
 
 

@@ -492,6 +492,7 @@ def worker(args: argparse.Namespace) -> None:
                  "tkv_prmti_maxnreg": os.environ.get("TKV_PRMTI_MAXNREG", "0"),
                  "tkv_decode_pipeline": os.environ.get("TKV_DECODE_PIPELINE", "1"),
                  "tkv_decode_single_split": os.environ.get("TKV_DECODE_SINGLE_SPLIT", "0"),
+                 "tkv_decode_min_split_tiles": os.environ.get("TKV_DECODE_MIN_SPLIT_TILES", "0"),
                  "tp": args.tp,
                  "enforce_eager": args.enforce_eager, "weights": args.weights,
                  "startup_s": time.perf_counter() - t0}
@@ -923,7 +924,8 @@ def run_all(opts: argparse.Namespace) -> int:
                 "tkvqrot": ("tkv", opts.bits, bundle, False, "qrot"),
                 "tkvnoqrot": ("tkv", opts.bits, bundle, False, "noqrot"),
                 "tkvnopipe": ("tkv", opts.bits, bundle, False, "nopipe"),
-                "tkvsplit1": ("tkv", opts.bits, bundle, False, "split1")}
+                "tkvsplit1": ("tkv", opts.bits, bundle, False, "split1"),
+                "tkvtiles4": ("tkv", opts.bits, bundle, False, "tiles4")}
         res = {}
         for r in opts.runs:
             mode, bits, b, greedy_only, variant = runs[r]
@@ -1320,11 +1322,12 @@ def divergence_cpu(opts: argparse.Namespace) -> int:
 
 JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the driver runs without tkv)
 # engine-environment variants of a tkv run (`all --runs tkvflash tkvtriton tkvcont tkvqrot
-# tkvnoqrot tkvnopipe tkvsplit1`): prefill through vLLM's FlashAttention (required), tkv's own Triton / SDPA
+# tkvnoqrot tkvnopipe tkvsplit1 tkvtiles4`): prefill through vLLM's FlashAttention (required), tkv's own Triton / SDPA
 # kernels, or FlashAttention for continuation chunks only (first chunks: tkv's Triton); decode
 # with the query rotated inside the split kernel, or by a separate launch; decode never
 # pipelined (TKV_DECODE_PIPELINE=0); decode with one split on full grids
-# (TKV_DECODE_SINGLE_SPLIT=1, session 18's opt-in rule). The plain `tkv` run
+# (TKV_DECODE_SINGLE_SPLIT=1, session 18's opt-in rule); length-aware split-K, at least 4
+# tiles per used split (TKV_DECODE_MIN_SPLIT_TILES=4, session 18, untimed). The plain `tkv` run
 # takes tkv-vllm's defaults (TKV_PREFILL_ATTENTION=auto: FlashAttention where it can run;
 # TKV_FUSED_QUERY_ROTATION=1 since session 16: the query rotated inside the split kernel)
 VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
@@ -1333,7 +1336,8 @@ VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
             "qrot": {"TKV_FUSED_QUERY_ROTATION": "1"},
             "noqrot": {"TKV_FUSED_QUERY_ROTATION": "0"},
             "nopipe": {"TKV_DECODE_PIPELINE": "0"},
-            "split1": {"TKV_DECODE_SINGLE_SPLIT": "1"}}
+            "split1": {"TKV_DECODE_SINGLE_SPLIT": "1"},
+            "tiles4": {"TKV_DECODE_MIN_SPLIT_TILES": "4"}}
 JIT_LEGEND = ("`†n/m`: Triton compiled a kernel inside n of the cell's m timed runs "
               "(`jit_events` / `jit_compiles` in the JSON); `‡n/m`: it only loaded compiled "
               "kernels from its disk cache (`jit_disk_loads`) in n runs. Either is a one-time "
@@ -1401,7 +1405,7 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--runs", nargs="+",
                            choices=["bf16", "tq4", "tkv", "tkv8", "tkvflash", "tkvtriton",
                                     "tkvcont", "tkvqrot", "tkvnoqrot", "tkvnopipe",
-                                    "tkvsplit1"],
+                                    "tkvsplit1", "tkvtiles4"],
                            default=["bf16", "tq4", "tkv", "tkv8"],
                            help="engine runs per model: bf16, vLLM turboquant_4bit_nc, tkv at "
                            "--bits (capacity+greedy+throughput; tkv-vllm's default prefill, "
@@ -1411,7 +1415,8 @@ def main(argv: list[str] | None = None) -> int:
                            "tkvqrot / tkvnoqrot = tkv at --bits with "
                            "TKV_FUSED_QUERY_ROTATION=1 / =0, tkvnopipe = tkv at --bits with "
                            "TKV_DECODE_PIPELINE=0, tkvsplit1 = tkv at --bits with "
-                           "TKV_DECODE_SINGLE_SPLIT=1")
+                           "TKV_DECODE_SINGLE_SPLIT=1, tkvtiles4 = tkv at --bits with "
+                           "TKV_DECODE_MIN_SPLIT_TILES=4")
         if name == "serve-check":
             a.add_argument("--port", type=int, default=8011)
     c = sub.add_parser("write-checkpoint", help="the seeded random Qwen3-8B-like checkpoint")

@@ -601,6 +601,51 @@ def test_decode_single_split_epilogue(case):
             decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), num_splits=1)
 
 
+@pytest.mark.parametrize("tiles", [1, 2, 3, 64])
+def test_decode_length_aware_splits(tiles):
+    """decode(min_split_tiles=n): a sequence of t tiles fills only min(splits, max(1, ⌈t/n⌉))
+    of its splits (the rest hold LSE −inf) — equal to the float64 oracle and to the plain
+    partition, with a window, an empty sequence, GQA padding and sink offsets; the
+    workspace's min_split_tiles is decode's default; a bad value is a ShapeError."""
+    g = _gen(tiles)
+    d, hkv = 64, 2
+    codec = TurboKVCodec(d, k_bits=4, v_bits=3, device=DEV, seed=2,
+                         k_sink_offset=torch.randn(hkv, d, generator=g) * 3)
+    ld = TkvLoader(codec, hkv, 16)
+    bn = ld.min_block_n
+    lens = [9 * bn + 3, 0, 2 * bn, bn - 5, 40 * bn]
+    batch, cache = _scenario(ld, lens, seed=tiles)
+    q = (torch.randn(len(lens), 6, d, generator=g) * 2).to(DEV, torch.bfloat16)
+    ws = Workspace(8, 32, 256, DEV, max_splits=8, target_programs=512, min_split_tiles=tiles)
+    splits = ws.splits_for(len(lens), hkv)
+    assert splits == 8
+    for window in (0, 7 * bn):
+        outs = []
+        for n in (None, 0):   # None: the workspace's min_split_tiles
+            out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
+            decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out, block_n=bn,
+                   window=window, min_split_tiles=n)
+            if n is None:   # which splits ran: LSE > −inf exactly for the used ones
+                _, lse = ws.partials(len(lens), 6, splits, ws.d_pad)
+                for i, n_tok in enumerate(lens):
+                    first = max(n_tok - window, 0) // bn if window else 0
+                    t = -(-n_tok // bn) - first
+                    used = min(splits, max(1, -(-t // tiles)))
+                    per = -(-t // used) if t else 0
+                    want = [s * per < t for s in range(splits)]
+                    got = (lse[i, 0] > float("-inf")).tolist()
+                    assert got == want, (i, n_tok, window, got, want)
+            outs.append(out)
+        ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld, window=window)
+        assert _rel(outs[0], ref) < _tol(torch.bfloat16)
+        assert _rel(outs[0], outs[1]) < 1e-4
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ShapeError, match="min_split_tiles"):
+            decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, min_split_tiles=bad)
+        with pytest.raises(ShapeError, match="min_split_tiles"):
+            Workspace(4, 4, 64, DEV, min_split_tiles=bad)
+
+
 def test_decode_zero_length_gives_zeros():
     codec = TurboKVCodec(64, 4, device=DEV)
     ld = TkvLoader(codec, 1, 16)

@@ -307,25 +307,43 @@ def test_engine_kernel_settings_parses_and_names_every_variable():
     from tkv.kernels.loaders import MaxnregConfigError
 
     got = K.engine_kernel_settings({}, prefill_default="auto")
-    assert got == ("auto", True, True, "auto", 0, True, False)
+    assert got == ("auto", True, True, "auto", 0, True, False, 0)
     assert got.describe() == ("TKV_LOOKUP=auto TKV_SMALL_HEAD_GROUPS=1 "
                               "TKV_FUSED_QUERY_ROTATION=1 TKV_PREFILL_ATTENTION=auto "
                               "TKV_PRMTI_MAXNREG=0 TKV_DECODE_PIPELINE=1 "
-                              "TKV_DECODE_SINGLE_SPLIT=0")
+                              "TKV_DECODE_SINGLE_SPLIT=0 TKV_DECODE_MIN_SPLIT_TILES=0")
     env = {"TKV_LOOKUP": "prmt", "TKV_SMALL_HEAD_GROUPS": "0", "TKV_FUSED_QUERY_ROTATION": "0",
            "TKV_PREFILL_ATTENTION": "continuation", "TKV_PRMTI_MAXNREG": "128",
-           "TKV_DECODE_PIPELINE": "0", "TKV_DECODE_SINGLE_SPLIT": "1"}
+           "TKV_DECODE_PIPELINE": "0", "TKV_DECODE_SINGLE_SPLIT": "1",
+           "TKV_DECODE_MIN_SPLIT_TILES": " 8 "}
     assert K.engine_kernel_settings(env) == ("prmt", False, False, "continuation", 128, False,
-                                             True)
+                                             True, 8)
     for name, bad, err in (("TKV_LOOKUP", "prmt9", K.LookupConfigError),
                            ("TKV_SMALL_HEAD_GROUPS", "on", K.SmallHeadGroupsConfigError),
                            ("TKV_FUSED_QUERY_ROTATION", "2", K.FusedQueryRotationConfigError),
                            ("TKV_PREFILL_ATTENTION", "fa2", K.PrefillAttentionConfigError),
                            ("TKV_PRMTI_MAXNREG", "12", MaxnregConfigError),
                            ("TKV_DECODE_PIPELINE", "yes", K.PipelineConfigError),
-                           ("TKV_DECODE_SINGLE_SPLIT", "2", K.SingleSplitConfigError)):
+                           ("TKV_DECODE_SINGLE_SPLIT", "2", K.SingleSplitConfigError),
+                           ("TKV_DECODE_MIN_SPLIT_TILES", "-1", K.MinSplitTilesConfigError)):
         with pytest.raises(err, match=name):
             K.engine_kernel_settings({**env, name: bad})
+
+
+@pytest.mark.parametrize("raw,want", [("", 0), (" ", 0), ("0", 0), (" 8 ", 8), ("4096", 4096),
+                                      ("4097", None), ("-1", None), ("2.0", None), ("8k", None),
+                                      ("８", None), ("+8", None)])
+def test_min_split_tiles_env(raw, want):
+    """TKV_DECODE_MIN_SPLIT_TILES: 0 / blank = off, 1..4096 tiles per split, anything else a
+    named error."""
+    import tkv.kernels as K
+
+    if want is None:
+        with pytest.raises(K.MinSplitTilesConfigError, match="TKV_DECODE_MIN_SPLIT_TILES"):
+            K.decode_min_split_tiles_from_env({"TKV_DECODE_MIN_SPLIT_TILES": raw})
+    else:
+        assert K.decode_min_split_tiles_from_env({"TKV_DECODE_MIN_SPLIT_TILES": raw}) == want
+    assert K.decode_min_split_tiles_from_env({}) == 0
 
 
 @pytest.mark.parametrize("raw,want", [("", 0), ("0", 0), (" 128 ", 128), ("255", 255),

@@ -108,6 +108,12 @@ def test_validate_hook_runs_at_config_time(patched_vllm, tmp_path, monkeypatch):
     with pytest.raises(SingleSplitConfigError, match="TKV_DECODE_SINGLE_SPLIT"):
         validate_plugin_cache_dtype(cfg())
     monkeypatch.delenv("TKV_DECODE_SINGLE_SPLIT")
+    from tkv.kernels import MinSplitTilesConfigError
+
+    monkeypatch.setenv("TKV_DECODE_MIN_SPLIT_TILES", "lots")
+    with pytest.raises(MinSplitTilesConfigError, match="TKV_DECODE_MIN_SPLIT_TILES"):
+        validate_plugin_cache_dtype(cfg())
+    monkeypatch.delenv("TKV_DECODE_MIN_SPLIT_TILES")
     other = cfg(backend=E.FLASH_ATTN)
     other.cache_config.cache_dtype = "auto"
     validate_plugin_cache_dtype(other)  # other dtypes untouched

@@ -46,10 +46,13 @@ from .prefill import DENSE_PREFIX_CAP, dense_prefix_bytes, prefill, warm_prefix_
 from .store import compress_store
 from .validate import MetadataError, check_metadata
 from .workspace import (
+    ENV_DECODE_MIN_SPLIT_TILES,
     ENV_DECODE_SINGLE_SPLIT,
+    MinSplitTilesConfigError,
     SingleSplitConfigError,
     Workspace,
     WorkspaceTooSmallError,
+    decode_min_split_tiles_from_env,
     decode_single_split_from_env,
 )
 
@@ -61,6 +64,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DENSE_PREFIX_CAP",
+    "ENV_DECODE_MIN_SPLIT_TILES",
     "ENV_DECODE_PIPELINE",
     "ENV_DECODE_SINGLE_SPLIT",
     "ENV_FUSED_QUERY_ROTATION",
@@ -78,6 +82,7 @@ __all__ = [
     "LookupConfigError",
     "MaxnregConfigError",
     "MetadataError",
+    "MinSplitTilesConfigError",
     "PerCodebookCompileWarning",
     "PipelineConfigError",
     "PrefillAttentionConfigError",
@@ -90,6 +95,7 @@ __all__ = [
     "check_metadata",
     "compress_store",
     "decode",
+    "decode_min_split_tiles_from_env",
     "decode_pipeline_from_env",
     "decode_single_split_from_env",
     "dense_prefix_bytes",

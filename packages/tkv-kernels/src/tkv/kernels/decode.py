@@ -75,7 +75,7 @@ def _decode_split_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, SWAP_QK: tl.constexpr,
         K_SINK: tl.constexpr, V_SINK: tl.constexpr, QROT_LOG2: tl.constexpr,
-        EPILOGUE: tl.constexpr, OROT_LOG2: tl.constexpr):
+        EPILOGUE: tl.constexpr, OROT_LOG2: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
     """One (sequence, KV head, split): the split's partial output (unnormalized accumulator
     over ``l``) and LSE. ``K_SINK`` / ``V_SINK`` (loaders.sink_shift): a key whose norm has
     its sign bit set scores ``|n|·⟨q, k̂⟩ + ⟨q, c_k⟩``; a flagged value adds ``c_v`` times its
@@ -90,7 +90,13 @@ def _decode_split_kernel(
     answer, so 1 writes it to ``Out`` (rows ``seq · so_s + q_head · so_h``) as it is (rotated
     space, or an unrotated loader) and 2 unrotates it first as ``o_w ⊙ H o`` (``H`` of order
     ``2^OROT_LOG2 = D_PAD``; the row goes through ``part_o``, a CTA barrier, then
-    :func:`hadamard_rows`) — no reduce launch."""
+    :func:`hadamard_rows`) — no reduce launch.
+
+    ``MIN_SPLIT_TILES`` > 0: a sequence of ``n`` tiles uses only ``min(NUM_SPLITS,
+    max(1, ⌈n / MIN_SPLIT_TILES⌉))`` of its splits (the rest run no tile and write an empty
+    partial, LSE −inf): short sequences are not cut into one or two tiles per CTA while long
+    ones keep every split — decided per sequence on the device, so the grid
+    stays static under CUDA graphs."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -103,7 +109,11 @@ def _decode_split_kernel(
         start = tl.maximum(L - window, 0)
     t0 = start // BLOCK_N
     t1 = tl.cdiv(L, BLOCK_N)
-    per = tl.cdiv(t1 - t0, NUM_SPLITS)
+    if MIN_SPLIT_TILES > 0:   # length-aware: only the splits this sequence's tiles fill
+        used = tl.minimum(tl.maximum(tl.cdiv(t1 - t0, MIN_SPLIT_TILES), 1), NUM_SPLITS)
+        per = tl.cdiv(t1 - t0, used)
+    else:
+        per = tl.cdiv(t1 - t0, NUM_SPLITS)
     my0 = t0 + split * per
     my1 = tl.minimum(my0 + per, t1)
     cap = max_blocks * BLOCK_SIZE
@@ -290,7 +300,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
            prefetch: bool = False, swap_qk: bool | None = None,
            maxnreg: int | None = None, kernel: str = "triton",
            fused_query_rotation: bool | None = None,
-           single_split_epilogue: bool = True) -> torch.Tensor:
+           single_split_epilogue: bool = True,
+           min_split_tiles: int | None = None) -> torch.Tensor:
     """Paged decode attention, one query token per sequence, reading the cache through
     ``loader`` with inline dequant (split-K over the sequence, LSE merge of the splits).
 
@@ -363,11 +374,18 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             rotation is a power-of-two Hadamard — so the reduce launch and the partials' round
             trip are skipped. False: always the reduce pass (an A/B knob; same result to
             float32 rounding). The Gluon kernel always uses the reduce pass.
+        min_split_tiles: length-aware split-K — each sequence uses only
+            ``min(splits, max(1, ⌈tiles / min_split_tiles⌉))`` of the grid's splits (tiles of
+            ``block_n`` tokens inside its window), decided on the device; the others stay
+            empty. 0: every split gets ``⌈tiles / splits⌉`` tiles (the default before session
+            18). None (default): ``workspace.min_split_tiles`` (the engines:
+            ``TKV_DECODE_MIN_SPLIT_TILES``, default 0). Triton kernel only.
 
     Returns:
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError /
         WorkspaceTooSmallError on malformed inputs (host-side checks only; ShapeError also
-        for a ``window``, ``num_splits`` or ``num_stages`` out of range), ValueError for an
+        for a ``window``, ``num_splits``, ``num_stages`` or ``min_split_tiles`` out of
+        range), ValueError for an
         unknown ``kernel``.
     """
     check_tensor(query, "query", 3)
@@ -414,6 +432,11 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         raise ShapeError(f"num_stages must be None or an int ≥ 1, got {num_stages!r}")
     if not isinstance(single_split_epilogue, bool):
         raise DtypeError(f"single_split_epilogue must be a bool, got {single_split_epilogue!r}")
+    if min_split_tiles is None:
+        min_split_tiles = workspace.min_split_tiles
+    if isinstance(min_split_tiles, bool) or not isinstance(min_split_tiles, int) or \
+            min_split_tiles < 0:
+        raise ShapeError(f"min_split_tiles must be an int ≥ 0 (0: off), got {min_split_tiles!r}")
     if ns == 0:
         return out
     d_pad = max(16, next_pow2(d))
@@ -485,7 +508,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             D_PAD=d_pad, BLOCK_SIZE=loader.block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
             DOT_DTYPE=_TL[dot_dtype], PREFETCH=bool(prefetch), SWAP_QK=bool(swap_qk),
             K_SINK=k_sink, V_SINK=v_sink, QROT_LOG2=qrot_log2, EPILOGUE=epilogue,
-            OROT_LOG2=orot_log2, num_warps=num_warps, num_stages=num_stages,
+            OROT_LOG2=orot_log2, MIN_SPLIT_TILES=0 if splits == 1 else min_split_tiles,
+            num_warps=num_warps, num_stages=num_stages,
             **({"maxnreg": int(maxnreg)} if maxnreg else {}))
     if epilogue:
         return out

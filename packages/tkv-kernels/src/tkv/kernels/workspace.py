@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tkv.codec.errors import ShapeError
 
 from ._util import flag_from_env, next_pow2
 
-__all__ = ["DECODE_SINGLE_SPLIT", "ENV_DECODE_SINGLE_SPLIT", "SINGLE_SPLIT_TARGETS",
+__all__ = ["DECODE_MIN_SPLIT_TILES", "DECODE_SINGLE_SPLIT", "ENV_DECODE_MIN_SPLIT_TILES",
+           "ENV_DECODE_SINGLE_SPLIT", "SINGLE_SPLIT_TARGETS", "MinSplitTilesConfigError",
            "SingleSplitConfigError", "Workspace", "WorkspaceTooSmallError",
-           "decode_single_split_from_env"]
+           "decode_min_split_tiles_from_env", "decode_single_split_from_env"]
 
 ENV_DECODE_SINGLE_SPLIT = "TKV_DECODE_SINGLE_SPLIT"
 # full grids run one split from num_seqs · num_kv_heads ≥ SINGLE_SPLIT_TARGETS · target_programs
@@ -41,6 +44,35 @@ def decode_single_split_from_env(environ=None) -> bool:
 
 
 DECODE_SINGLE_SPLIT = decode_single_split_from_env()
+
+ENV_DECODE_MIN_SPLIT_TILES = "TKV_DECODE_MIN_SPLIT_TILES"
+
+
+class MinSplitTilesConfigError(ValueError):
+    """``TKV_DECODE_MIN_SPLIT_TILES`` is not an integer in [0, 4096]."""
+
+
+def decode_min_split_tiles_from_env(environ=None) -> int:
+    """The default ``Workspace.min_split_tiles`` (decode's length-aware split-K:
+    ``decode(min_split_tiles=...)``): ``TKV_DECODE_MIN_SPLIT_TILES``, plain digits in
+    [0, 4096]; unset or blank: 0 (off, every split gets ``⌈tiles / splits⌉`` tiles). Read
+    once at import into :data:`DECODE_MIN_SPLIT_TILES`. Session 18 left it unmeasured on the
+    GPU (`docs/kernels.md`, "Session 18"): an A/B option until timed.
+
+    Raises:
+        MinSplitTilesConfigError: any other value.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_DECODE_MIN_SPLIT_TILES, "0").strip() or "0"
+    n = int(raw) if raw.isascii() and raw.isdigit() else -1
+    if not 0 <= n <= 4096:
+        raise MinSplitTilesConfigError(
+            f"{ENV_DECODE_MIN_SPLIT_TILES}={raw!r}: expected 0 (off) or a number of tiles per "
+            "split-K partition in 1..4096")
+    return n
+
+
+DECODE_MIN_SPLIT_TILES = decode_min_split_tiles_from_env()
 
 
 class WorkspaceTooSmallError(ShapeError):
@@ -76,6 +108,10 @@ class Workspace:
             split against the old rule was 1.06-1.11× at 640 cached tokens (B=192-256),
             0.99-1.03× at 2,048 and 0.97-0.99× at 8,192 (session 18,
             `benchmarks/results/kernels_gpu_2026-12-04_s18_split_rule.md`).
+        min_split_tiles: decode's default ``min_split_tiles`` (length-aware split-K: a
+            sequence uses only as many of the grid's splits as give each at least this many
+            tiles; 0 = off). Default :data:`DECODE_MIN_SPLIT_TILES`
+            (``TKV_DECODE_MIN_SPLIT_TILES``, default 0).
 
     Memory: ``rows · d_pad · 4`` bytes of float32 partial outputs plus ``rows · 4`` of LSEs, with
     ``rows = max over n ≤ max_num_seqs of n · max_num_q_heads · splits(n, 1)`` — bounded because
@@ -85,7 +121,7 @@ class Workspace:
     def __init__(self, max_num_seqs: int, max_num_q_heads: int, max_head_dim: int,
                  device: torch.device | str = "cuda", *, max_splits: int = 32,
                  target_programs: int | None = None, min_splits: int = 2,
-                 single_split_ctas: int | None = None):
+                 single_split_ctas: int | None = None, min_split_tiles: int | None = None):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_q_heads", max_num_q_heads),
                         ("max_head_dim", max_head_dim), ("max_splits", max_splits)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -118,6 +154,13 @@ class Workspace:
             raise ShapeError(f"single_split_ctas must be an int ≥ 0 (0: never), got "
                              f"{single_split_ctas!r}")
         self.single_split_ctas = single_split_ctas
+        if min_split_tiles is None:
+            min_split_tiles = DECODE_MIN_SPLIT_TILES
+        if (isinstance(min_split_tiles, bool) or not isinstance(min_split_tiles, int)
+                or min_split_tiles < 0):
+            raise ShapeError(f"min_split_tiles must be an int ≥ 0 (0: off), got "
+                             f"{min_split_tiles!r}")
+        self.min_split_tiles = min_split_tiles
         rows = max(n * max_num_q_heads * self.splits_for(n, 1) for n in range(1, max_num_seqs + 1))
         self.rows = rows
         self._part_o = torch.empty(rows * self.d_pad, dtype=torch.float32, device=self.device)
@@ -163,4 +206,4 @@ class Workspace:
         return (f"Workspace(max_num_seqs={self.max_num_seqs}, max_num_q_heads="
                 f"{self.max_num_q_heads}, max_head_dim={self.max_head_dim}, "
                 f"max_splits={self.max_splits}, single_split_ctas={self.single_split_ctas}, "
-                f"device={str(self.device)!r})")
+                f"min_split_tiles={self.min_split_tiles}, device={str(self.device)!r})")
