@@ -38,8 +38,9 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 PTRS = {"Q": "*fp32", "block_table": "*i32", "seq_lens": "*i32", "k_base": "*u8",
         "k_aux": "*bf16", "k_table": "*i32", "v_base": "*u8", "v_aux": "*bf16",
         "v_table": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "q_w": "*fp32",
-        "q_rot": "*fp32"}
-ALIGNED = set(PTRS) | {"k_sb", "v_sb", "sq_s", "s_bt", "k_sh", "k_st", "v_sh", "v_st", "sq_h"}
+        "q_rot": "*fp32", "Out": "*bf16", "o_w": "*fp32"}
+ALIGNED = set(PTRS) | {"k_sb", "v_sb", "sq_s", "s_bt", "k_sh", "k_st", "v_sh", "v_st", "sq_h",
+                       "so_s", "so_h"}
 # (label, lookup, num_warps, BLOCK_N, swap_qk or None = the loader's choice, maxnreg)
 VARIANTS = [("prmt (default to session 5)", "prmt", 4, 128, None, None),
             ("prmt, 8 warps", "prmt", 8, 128, None, None),
@@ -53,6 +54,13 @@ VARIANTS = [("prmt (default to session 5)", "prmt", 4, 128, None, None),
 # the same with the query rotated in the kernel (decode(fused_query_rotation=True), session 15)
 QROT_VARIANTS = [("prmti, 4 warps, query rotated in-kernel", "prmti", 4, 128, None, None),
                  ("prmti, maxnreg 128, query rotated in-kernel", "prmti", 4, 128, None, 128)]
+# session 18 (query rotated in-kernel, the default): one split writing the layer output itself
+# (EPILOGUE 2: unrotated by butterflies), and length-aware split-K (MIN_SPLIT_TILES)
+# (label, extra constexprs)
+SESSION18_VARIANTS = [
+    ("prmti, 4 warps, qrot, one split writing out (EPILOGUE 2)",
+     {"NUM_SPLITS": 1, "EPILOGUE": 2, "OROT_LOG2": 7}),
+    ("prmti, 4 warps, qrot, length-aware split-K (MIN_SPLIT_TILES 4)", {"MIN_SPLIT_TILES": 4})]
 
 
 # --widths: 2/3-bit sides, pair tables vs the register byte-permute group lookup, and the
@@ -66,8 +74,9 @@ WIDTH_VARIANTS = [(f"K{kb}V{vb} {lk}, {npl} planes, {bn}-token tiles", lk, 4, bn
 
 
 def compile_variant(lookup, warps, block_n, swap, maxnreg, tmp: Path, widths=(4, 4), planes=2,
-                    qrot=False):
-    """ptxas info line, shared bytes and the SASS text of one variant."""
+                    qrot=False, extra=None):
+    """ptxas info line, shared bytes and the SASS text of one variant (``extra``: constexprs
+    overriding the defaults, e.g. ``{"EPILOGUE": 2, ...}``)."""
     ld = TkvLoader(TurboKVCodec(128, k_bits=widths[0], v_bits=widths[1]), 8, 16, lookup=lookup,
                    planes=planes)
     cache = torch.zeros(4, ld.layout.page_bytes, dtype=torch.uint8)
@@ -76,8 +85,9 @@ def compile_variant(lookup, warps, block_n, swap, maxnreg, tmp: Path, widths=(4,
                   KP3=ka[9], KNP=ka[10], VP0=va[6], VP1=va[7], VP2=va[8], VP3=va[9], VNP=va[10],
                   G=4, BLOCK_H=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=block_n,
                   NUM_SPLITS=2, DOT_DTYPE=tl.bfloat16, PREFETCH=False, K_SINK=False, V_SINK=False,
-                  QROT_LOG2=7 if qrot else 0,
+                  QROT_LOG2=7 if qrot else 0, EPILOGUE=0, OROT_LOG2=0, MIN_SPLIT_TILES=0,
                   SWAP_QK=ld.k_operand_a(torch.bfloat16) if swap is None else swap)
+    consts.update(extra or {})
     names = _decode_split_kernel.arg_names
     sig = {a: PTRS.get(a, "constexpr" if a in consts else "fp32" if a == "scale_log2" else "i32")
            for a in names}
@@ -119,23 +129,30 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/sass_decode_offline.md")
     ap.add_argument("--widths", action="store_true",
                     help="2/3-bit sides: pair tables vs the group prmt lookup (WIDTH_VARIANTS)")
+    ap.add_argument("--session18", action="store_true",
+                    help="only the query-rotated prmti kernel and session 18's variants")
     a = ap.parse_args()
     variants = WIDTH_VARIANTS if a.widths else (
-        [(*v, (4, 4), 2, False) for v in VARIANTS] + [(*v, (4, 4), 2, True) for v in QROT_VARIANTS])
+        [(*v, (4, 4), 2, False) for v in VARIANTS] + [(*v, (4, 4), 2, True) for v in QROT_VARIANTS]
+        + [(label, "prmti", 4, 128, None, None, (4, 4), 2, True, extra)
+           for label, extra in SESSION18_VARIANTS])
+    if a.session18:
+        variants = [v for v in variants if v[0] == QROT_VARIANTS[0][0] or len(v) > 9]
     # the prmt lookups refuse the interpreter; here nothing runs, the kernel is only compiled
     loaders_mod.interpreting = util.interpreting = lambda: False
     what = "2/3-bit sides" if a.widths else "K4V4"
     rows = [f"# Split-K decode kernel, offline sm_90a anatomy ({what}, head_dim 128, G=4, bf16)",
             "", f"Triton {triton.__version__}; ptxas/cuobjdump from Triton's bundle. Command: "
             "`uv run --frozen python benchmarks/sass_decode_offline.py"
-            f"{' --widths' if a.widths else ''}`.", "",
+            f"{' --widths' if a.widths else ''}{' --session18' if a.session18 else ''}`.", "",
             "| variant | registers | spills (B) | shared (B) | loop instr / thread | "
             "warp-instr per 128 tokens | PRMT | IMAD.U32 | IMAD.MOV | LDS+STS+LDSM | HMMA |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as d:
-        for label, lookup, warps, block_n, swap, maxnreg, widths, planes, *qrot in variants:
+        for label, lookup, warps, block_n, swap, maxnreg, widths, planes, *rest in variants:
+            qrot, extra = [*rest, False, None][:2]
             info, shared, sass = compile_variant(lookup, warps, block_n, swap, maxnreg, Path(d),
-                                                 widths, planes, bool(qrot and qrot[0]))
+                                                 widths, planes, bool(qrot), extra)
             regs = re.search(r"Used (\d+) registers", info).group(1)
             spill = re.search(r"(\d+) bytes spill stores", info).group(1)
             n, ops, imad_u, imad_mov = loop_ops(sass)
