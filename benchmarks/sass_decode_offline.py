@@ -60,7 +60,8 @@ QROT_VARIANTS = [("prmti, 4 warps, query rotated in-kernel", "prmti", 4, 128, No
 SESSION18_VARIANTS = [
     ("prmti, 4 warps, qrot, one split writing out (EPILOGUE 2)",
      {"NUM_SPLITS": 1, "EPILOGUE": 2, "OROT_LOG2": 7}),
-    ("prmti, 4 warps, qrot, length-aware split-K (MIN_SPLIT_TILES 4)", {"MIN_SPLIT_TILES": 4})]
+    ("prmti, 4 warps, qrot, length-aware split-K (MIN_SPLIT_TILES 4, one-split rows final)",
+     {"MIN_SPLIT_TILES": 4, "EPILOGUE": 2, "OROT_LOG2": 7})]
 
 
 # --widths: 2/3-bit sides, pair tables vs the register byte-permute group lookup, and the

@@ -604,9 +604,11 @@ def test_decode_single_split_epilogue(case):
 @pytest.mark.parametrize("tiles", [1, 2, 3, 64])
 def test_decode_length_aware_splits(tiles):
     """decode(min_split_tiles=n): a sequence of t tiles fills only min(splits, max(1, ⌈t/n⌉))
-    of its splits (the rest hold LSE −inf) — equal to the float64 oracle and to the plain
-    partition, with a window, an empty sequence, GQA padding and sink offsets; the
-    workspace's min_split_tiles is decode's default; a bad value is a ShapeError."""
+    of its splits (the rest hold LSE −inf); one that uses a single split is written final by
+    the split kernel, its LSE marked +inf for the reduce to skip (single_split_epilogue; off:
+    an ordinary partial) — equal to the float64 oracle and to the plain partition, with a
+    window, an empty sequence, GQA padding and sink offsets; the workspace's min_split_tiles is
+    decode's default; a bad value is a ShapeError."""
     g = _gen(tiles)
     d, hkv = 64, 2
     codec = TurboKVCodec(d, k_bits=4, v_bits=3, device=DEV, seed=2,
@@ -619,18 +621,23 @@ def test_decode_length_aware_splits(tiles):
     ws = Workspace(8, 32, 256, DEV, max_splits=8, target_programs=512, min_split_tiles=tiles)
     splits = ws.splits_for(len(lens), hkv)
     assert splits == 8
+    _, lse = ws.partials(len(lens), 6, splits, ws.d_pad)
     for window in (0, 7 * bn):
         outs = []
-        for n in (None, 0):   # None: the workspace's min_split_tiles
+        for n, fused in ((None, True), (None, False), (0, True)):   # None: the workspace's
+            lse.fill_(float("nan"))                                  # min_split_tiles
             out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
             decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out, block_n=bn,
-                   window=window, min_split_tiles=n)
+                   window=window, min_split_tiles=n, single_split_epilogue=fused)
             if n is None:   # which splits ran: LSE > −inf exactly for the used ones
-                _, lse = ws.partials(len(lens), 6, splits, ws.d_pad)
                 for i, n_tok in enumerate(lens):
                     first = max(n_tok - window, 0) // bn if window else 0
                     t = -(-n_tok // bn) - first
                     used = min(splits, max(1, -(-t // tiles)))
+                    if used == 1 and fused:   # final in the split kernel: split 0 marked
+                        assert (lse[i, :, 0] == float("inf")).all(), (i, n_tok, window)
+                        assert torch.isnan(lse[i, :, 1:]).all()      # the others wrote nothing
+                        continue
                     per = -(-t // used) if t else 0
                     want = [s * per < t for s in range(splits)]
                     got = (lse[i, 0] > float("-inf")).tolist()
@@ -638,7 +645,8 @@ def test_decode_length_aware_splits(tiles):
             outs.append(out)
         ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld, window=window)
         assert _rel(outs[0], ref) < _tol(torch.bfloat16)
-        assert _rel(outs[0], outs[1]) < 1e-4
+        assert _rel(outs[0], outs[2]) < 1e-4 and _rel(outs[1], outs[2]) < 1e-4
+        assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))   # the empty sequence
     for bad in (-1, 1.5, True):
         with pytest.raises(ShapeError, match="min_split_tiles"):
             decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, min_split_tiles=bad)

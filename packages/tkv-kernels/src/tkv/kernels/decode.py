@@ -95,8 +95,10 @@ def _decode_split_kernel(
     ``MIN_SPLIT_TILES`` > 0: a sequence of ``n`` tiles uses only ``min(NUM_SPLITS,
     max(1, ⌈n / MIN_SPLIT_TILES⌉))`` of its splits (the rest run no tile and write an empty
     partial, LSE −inf): short sequences are not cut into one or two tiles per CTA while long
-    ones keep every split — decided per sequence on the device, so the grid
-    stays static under CUDA graphs."""
+    ones keep every split — decided per sequence on the device, so the grid stays static
+    under CUDA graphs. With an ``EPILOGUE`` too, a sequence that uses one split is written
+    final by its split 0 (:func:`_store_final`), which marks the partial row's LSE +inf so
+    that ``_decode_reduce_kernel`` (``SKIP_FINAL``) leaves it alone."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -183,18 +185,41 @@ def _decode_split_kernel(
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     row = (seq.to(tl.int64) * (G * tl.num_programs(1)) + qh) * NUM_SPLITS + split
-    if EPILOGUE == 1:
-        store_planes(Out, seq.to(tl.int64) * so_s + qh * so_h, hmask, acc, inv, VNP, D_PAD,
-                     HEAD_DIM)
+    out_rows = seq.to(tl.int64) * so_s + qh * so_h
+    if EPILOGUE > 0 and NUM_SPLITS == 1:
+        _store_final(acc, inv, Out, out_rows, part_o, row, hmask, o_w, EPILOGUE, VNP, D_PAD,
+                     HEAD_DIM, BLOCK_H, OROT_LOG2)
+    elif EPILOGUE > 0 and MIN_SPLIT_TILES > 0:
+        # length-aware: a sequence that uses one split is final here; its split 0 marks the
+        # row done (LSE +inf) for the reduce, its other splits write nothing
+        if used == 1:
+            if split == 0:
+                _store_final(acc, inv, Out, out_rows, part_o, row, hmask, o_w, EPILOGUE, VNP,
+                             D_PAD, HEAD_DIM, BLOCK_H, OROT_LOG2)
+                tl.store(part_lse + row, tl.full([BLOCK_H], float("inf"), tl.float32),
+                         mask=hmask)
+        else:
+            store_planes(part_o, row * D_PAD, hmask, acc, inv, VNP, D_PAD, D_PAD)
+            tl.store(part_lse + row, lse, mask=hmask)
     else:
         store_planes(part_o, row * D_PAD, hmask, acc, inv, VNP, D_PAD, D_PAD)
-        if EPILOGUE == 2:
-            tl.debug_barrier()
-            hadamard_rows(part_o, row * D_PAD, hmask, o_w, Out,
-                          seq.to(tl.int64) * so_s + qh * so_h, BLOCK_H, D_PAD,
-                          OROT_LOG2, POST=True)
-        else:
-            tl.store(part_lse + row, lse, mask=hmask)
+        tl.store(part_lse + row, lse, mask=hmask)
+
+
+@triton.jit
+def _store_final(acc, inv, Out, out_rows, part_o, row, hmask, o_w, EPILOGUE: tl.constexpr,
+                 VNP: tl.constexpr, D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_H: tl.constexpr, OROT_LOG2: tl.constexpr):
+    """A split's normalized row as the layer output (rows ``Out + out_rows``): as it is
+    (EPILOGUE 1) or unrotated as ``o_w ⊙ H o`` (EPILOGUE 2: through its ``part_o`` row, a CTA
+    barrier and :func:`hadamard_rows`)."""
+    if EPILOGUE == 1:
+        store_planes(Out, out_rows, hmask, acc, inv, VNP, D_PAD, HEAD_DIM)
+    else:
+        store_planes(part_o, row * D_PAD, hmask, acc, inv, VNP, D_PAD, D_PAD)
+        tl.debug_barrier()
+        hadamard_rows(part_o, row * D_PAD, hmask, o_w, Out, out_rows, BLOCK_H, D_PAD,
+                      OROT_LOG2, POST=True)
 
 
 # num_rows = num_seqs · num_q_heads changes with every eager batch (mixed prefill + decode
@@ -203,7 +228,8 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U, num_rows,
                           HQ: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
                           D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, KC: tl.constexpr,
-                          SPLIT_UNROLL: tl.constexpr, UNROTATE: tl.constexpr):
+                          SPLIT_UNROLL: tl.constexpr, UNROTATE: tl.constexpr,
+                          SKIP_FINAL: tl.constexpr):
     """LSE merge of the split-K partials of ``BLOCK_R`` (sequence, query head) rows, then
     (UNROTATE) ``out = merged @ U`` as tf32x3 tensor-core passes over KC-row slabs of U (the
     merged row is kept as KC-column slabs, so no [BLOCK_R, D] tf32x3 operand sits in
@@ -211,12 +237,18 @@ def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U, num_rows,
     per KV head. The LSEs of all splits are one [BLOCK_R, NUM_SPLITS] load; the partial rows
     are read ``SPLIT_UNROLL`` splits at a time (an unrolled group, all its loads in flight
     together), so the dependent chain is NUM_SPLITS / SPLIT_UNROLL loads long — at one
-    sequence and 32 splits the chain, not the bytes, is what the merge costs."""
+    sequence and 32 splits the chain, not the bytes, is what the merge costs. ``SKIP_FINAL``:
+    rows whose first split's LSE is +inf were written final by the split kernel
+    (length-aware split-K, one split used) and are neither read nor written here."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)      # row = seq · HQ + q head
     rmask = r < num_rows
     base = r.to(tl.int64) * NUM_SPLITS
     lse = tl.load(part_lse + base[:, None] + tl.arange(0, NUM_SPLITS)[None, :],
                   mask=rmask[:, None], other=float("-inf"))
+    if SKIP_FINAL:   # split 0 always writes its LSE; the other splits of a final row do not
+        first = tl.load(part_lse + base, mask=rmask, other=float("-inf"))
+        rmask = rmask & (first != float("inf"))
+        lse = tl.where(rmask[:, None], lse, float("-inf"))
     m = tl.max(lse, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     den = tl.sum(tl.exp2(lse - m_safe[:, None]), axis=1)
@@ -256,19 +288,21 @@ def _decode_reduce_kernel(part_o, part_lse, Out, so_s, so_h, U, num_rows,
 
 
 def _single_split_epilogue(loader, splits: int, unrotate: bool, d: int, d_pad: int,
-                           dev: torch.device, enabled: bool) -> tuple[int, torch.Tensor | None, int]:
+                           dev: torch.device, enabled: bool,
+                           min_split_tiles: int = 0) -> tuple[int, torch.Tensor | None, int]:
     """``(EPILOGUE, o_w, OROT_LOG2)`` of the split kernel (see ``_decode_split_kernel``).
 
-    With one split (and ``enabled``) the split kernel writes the layer output itself: as it
-    is (1) when no unrotation is due, or unrotated by ``loader.out_hadamard`` butterflies (2)
-    when the rotation is a power-of-two Hadamard (``head_dim == d_pad``); otherwise (0) the
-    partials go through ``_decode_reduce_kernel`` (its tf32x3 ``out_mat`` product).
+    With one split — the grid's, or (``min_split_tiles`` > 0) a sequence's own — and
+    ``enabled``, the split kernel writes the layer output itself: as it is (1) when no
+    unrotation is due, or unrotated by ``loader.out_hadamard`` butterflies (2) when the
+    rotation is a power-of-two Hadamard (``head_dim == d_pad``); otherwise (0) the partials go
+    through ``_decode_reduce_kernel`` (its tf32x3 ``out_mat`` product).
 
     Raises:
         DeviceMismatchError: ``loader.out_hadamard`` is not on the query's device.
         ShapeError: ``loader.out_hadamard`` is not float32 ``(head_dim,)``.
     """
-    if splits != 1 or not enabled:
+    if not enabled or (splits != 1 and not min_split_tiles):
         return 0, None, 0
     if not unrotate:
         return 1, None, 0
@@ -377,9 +411,11 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         min_split_tiles: length-aware split-K — each sequence uses only
             ``min(splits, max(1, ⌈tiles / min_split_tiles⌉))`` of the grid's splits (tiles of
             ``block_n`` tokens inside its window), decided on the device; the others stay
-            empty. 0: every split gets ``⌈tiles / splits⌉`` tiles (the default before session
-            18). None (default): ``workspace.min_split_tiles`` (the engines:
-            ``TKV_DECODE_MIN_SPLIT_TILES``, default 0). Triton kernel only.
+            empty; with ``single_split_epilogue`` a sequence that uses one split is written
+            final by the split kernel (the reduce pass skips its rows). 0: every split gets
+            ``⌈tiles / splits⌉`` tiles (the default). None (default):
+            ``workspace.min_split_tiles`` (the engines: ``TKV_DECODE_MIN_SPLIT_TILES``,
+            default 0). Triton kernel only.
 
     Returns:
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError /
@@ -487,7 +523,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             num_warps=num_warps)
     unrotate = bool(loader.rotated and not output_rotated)
     epilogue, o_w, orot_log2 = _single_split_epilogue(
-        loader, splits, unrotate, d, d_pad, dev, single_split_epilogue and kernel == "triton")
+        loader, splits, unrotate, d, d_pad, dev, single_split_epilogue and kernel == "triton",
+        min_split_tiles if kernel == "triton" else 0)
     if kernel == "gluon":
         gluon_decode.launch_split(
             q, block_table, seq_lens, num_blocks, kargs, vargs, part_o, part_lse,
@@ -511,11 +548,12 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             OROT_LOG2=orot_log2, MIN_SPLIT_TILES=0 if splits == 1 else min_split_tiles,
             num_warps=num_warps, num_stages=num_stages,
             **({"maxnreg": int(maxnreg)} if maxnreg else {}))
-    if epilogue:
+    if epilogue and splits == 1:
         return out
     u = loader.out_mat if unrotate else part_lse
     _decode_reduce_kernel[(triton.cdiv(ns * hq, br),)](
         part_o, part_lse, out, out.stride(0), out.stride(1), u, ns * hq,
         HQ=hq, BLOCK_R=br, HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=splits, KC=slab(d_pad),
-        SPLIT_UNROLL=_split_unroll(splits, d_pad), UNROTATE=unrotate, num_warps=8)
+        SPLIT_UNROLL=_split_unroll(splits, d_pad), UNROTATE=unrotate,
+        SKIP_FINAL=bool(epilogue and min_split_tiles), num_warps=8)
     return out
