@@ -14,7 +14,7 @@ mkdir -p "$out"
 args=("$@")
 [[ ${#args[@]} -gt 0 ]] || args=(--quick --model-step --step --prefill --vllm-only --lookups prmt,prmti)
 echo "== $(date -u +%FT%TZ) kernel tests on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-timeout 300 python3 -m pytest packages/tkv-kernels/tests -q -n 8 -p no:benchmark \
+timeout 420 python3 -m pytest packages/tkv-kernels/tests -q -n 8 -p no:benchmark \
     -p no:cacheprovider > "$out/kernels_gpu_tests.txt" 2>&1
 rc_tests=$?
 tail -n 3 "$out/kernels_gpu_tests.txt"

@@ -601,7 +601,7 @@ def test_decode_single_split_epilogue(case):
             decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), num_splits=1)
 
 
-@pytest.mark.parametrize("tiles", [1, 2, 3, 64])
+@pytest.mark.parametrize("tiles", [2, 64])   # 2: several used splits; 64: one (final)
 def test_decode_length_aware_splits(tiles):
     """decode(min_split_tiles=n): a sequence of t tiles fills only min(splits, max(1, ⌈t/n⌉))
     of its splits (the rest hold LSE −inf); one that uses a single split is written final by
@@ -615,7 +615,7 @@ def test_decode_length_aware_splits(tiles):
                          k_sink_offset=torch.randn(hkv, d, generator=g) * 3)
     ld = TkvLoader(codec, hkv, 16)
     bn = ld.min_block_n
-    lens = [9 * bn + 3, 0, 2 * bn, bn - 5, 40 * bn]
+    lens = [9 * bn + 3, 0, 2 * bn, bn - 5, 24 * bn]
     batch, cache = _scenario(ld, lens, seed=tiles)
     q = (torch.randn(len(lens), 6, d, generator=g) * 2).to(DEV, torch.bfloat16)
     ws = Workspace(8, 32, 256, DEV, max_splits=8, target_programs=512, min_split_tiles=tiles)
