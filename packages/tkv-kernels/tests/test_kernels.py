@@ -647,7 +647,7 @@ def test_decode_length_aware_splits(tiles):
         assert _rel(outs[0], ref) < _tol(torch.bfloat16)
         assert _rel(outs[0], outs[2]) < 1e-4 and _rel(outs[1], outs[2]) < 1e-4
         assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))   # the empty sequence
-    for bad in (-1, 1.5, True):
+    for bad in (-1, 1.5, True, 4097):
         with pytest.raises(ShapeError, match="min_split_tiles"):
             decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, min_split_tiles=bad)
         with pytest.raises(ShapeError, match="min_split_tiles"):

@@ -39,7 +39,7 @@ from ._util import (
 )
 from .loaders import Loader, sink_shift
 from .rotate import rotate_rows, row_block, slab
-from .workspace import Workspace
+from .workspace import MAX_MIN_SPLIT_TILES, Workspace
 
 __all__ = ["decode"]
 
@@ -471,8 +471,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     if min_split_tiles is None:
         min_split_tiles = workspace.min_split_tiles
     if isinstance(min_split_tiles, bool) or not isinstance(min_split_tiles, int) or \
-            min_split_tiles < 0:
-        raise ShapeError(f"min_split_tiles must be an int ≥ 0 (0: off), got {min_split_tiles!r}")
+            not 0 <= min_split_tiles <= MAX_MIN_SPLIT_TILES:
+        raise ShapeError(f"min_split_tiles must be an int in [0, {MAX_MIN_SPLIT_TILES}] (0: off; "
+                         f"each value compiles its own kernel), got {min_split_tiles!r}")
     if ns == 0:
         return out
     d_pad = max(16, next_pow2(d))

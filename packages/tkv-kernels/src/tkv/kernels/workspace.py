@@ -11,7 +11,7 @@ from tkv.codec.errors import ShapeError
 from ._util import flag_from_env, next_pow2
 
 __all__ = ["DECODE_MIN_SPLIT_TILES", "DECODE_SINGLE_SPLIT", "ENV_DECODE_MIN_SPLIT_TILES",
-           "ENV_DECODE_SINGLE_SPLIT", "SINGLE_SPLIT_TARGETS", "MinSplitTilesConfigError",
+           "ENV_DECODE_SINGLE_SPLIT", "MAX_MIN_SPLIT_TILES", "SINGLE_SPLIT_TARGETS", "MinSplitTilesConfigError",
            "SingleSplitConfigError", "Workspace", "WorkspaceTooSmallError",
            "decode_min_split_tiles_from_env", "decode_single_split_from_env"]
 
@@ -46,6 +46,7 @@ def decode_single_split_from_env(environ=None) -> bool:
 DECODE_SINGLE_SPLIT = decode_single_split_from_env()
 
 ENV_DECODE_MIN_SPLIT_TILES = "TKV_DECODE_MIN_SPLIT_TILES"
+MAX_MIN_SPLIT_TILES = 4096   # a constexpr of the split kernel: each value compiles anew
 
 
 class MinSplitTilesConfigError(ValueError):
@@ -65,7 +66,7 @@ def decode_min_split_tiles_from_env(environ=None) -> int:
     env = os.environ if environ is None else environ
     raw = env.get(ENV_DECODE_MIN_SPLIT_TILES, "0").strip() or "0"
     n = int(raw) if raw.isascii() and raw.isdigit() else -1
-    if not 0 <= n <= 4096:
+    if not 0 <= n <= MAX_MIN_SPLIT_TILES:
         raise MinSplitTilesConfigError(
             f"{ENV_DECODE_MIN_SPLIT_TILES}={raw!r}: expected 0 (off) or a number of tiles per "
             "split-K partition in 1..4096")
@@ -157,9 +158,9 @@ class Workspace:
         if min_split_tiles is None:
             min_split_tiles = DECODE_MIN_SPLIT_TILES
         if (isinstance(min_split_tiles, bool) or not isinstance(min_split_tiles, int)
-                or min_split_tiles < 0):
-            raise ShapeError(f"min_split_tiles must be an int ≥ 0 (0: off), got "
-                             f"{min_split_tiles!r}")
+                or not 0 <= min_split_tiles <= MAX_MIN_SPLIT_TILES):
+            raise ShapeError(f"min_split_tiles must be an int in [0, {MAX_MIN_SPLIT_TILES}] "
+                             f"(0: off), got {min_split_tiles!r}")
         self.min_split_tiles = min_split_tiles
         rows = max(n * max_num_q_heads * self.splits_for(n, 1) for n in range(1, max_num_seqs + 1))
         self.rows = rows
