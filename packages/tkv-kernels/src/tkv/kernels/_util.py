@@ -118,3 +118,14 @@ def flag_from_env(environ, name: str, default: str, error: type[ValueError],
     if v not in ("0", "1"):
         raise error(f"{name}={v!r}: use {meaning}")
     return v == "1"
+
+
+def int_from_env(environ, name: str, ok, error: type[ValueError], expected: str) -> int:
+    """A non-negative integer engine option from the environment: plain ASCII digits (unset
+    or blank: 0); a value that is not digits, or for which ``ok(n)`` is false, raises
+    ``error`` naming the variable, its value and ``expected``."""
+    raw = (os.environ if environ is None else environ).get(name, "0").strip() or "0"
+    n = int(raw) if raw.isascii() and raw.isdigit() else -1   # plain ASCII digits only
+    if n < 0 or not ok(n):
+        raise error(f"{name}={raw!r}: expected {expected}")
+    return n

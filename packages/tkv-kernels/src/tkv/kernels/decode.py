@@ -199,11 +199,18 @@ def _decode_split_kernel(
                 tl.store(part_lse + row, tl.full([BLOCK_H], float("inf"), tl.float32),
                          mask=hmask)
         else:
-            store_planes(part_o, row * D_PAD, hmask, acc, inv, VNP, D_PAD, D_PAD)
-            tl.store(part_lse + row, lse, mask=hmask)
+            _store_partial(acc, inv, lse, part_o, part_lse, row, hmask, VNP, D_PAD)
     else:
-        store_planes(part_o, row * D_PAD, hmask, acc, inv, VNP, D_PAD, D_PAD)
-        tl.store(part_lse + row, lse, mask=hmask)
+        _store_partial(acc, inv, lse, part_o, part_lse, row, hmask, VNP, D_PAD)
+
+
+@triton.jit
+def _store_partial(acc, inv, lse, part_o, part_lse, row, hmask, VNP: tl.constexpr,
+                   D_PAD: tl.constexpr):
+    """A split's normalized partial row (``part_o``, natural coordinate order) and its LSE
+    (``part_lse``) for ``_decode_reduce_kernel``."""
+    store_planes(part_o, row * D_PAD, hmask, acc, inv, VNP, D_PAD, D_PAD)
+    tl.store(part_lse + row, lse, mask=hmask)
 
 
 @triton.jit
@@ -403,10 +410,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             False; the engines: ``TKV_FUSED_QUERY_ROTATION``, default 1).
         single_split_epilogue: with one split (``num_splits=1``, or ``Workspace.splits_for``
             on full grids with ``TKV_DECODE_SINGLE_SPLIT=1``) the split kernel normalizes its
-            row and writes ``out`` itself —
-            unrotated by Walsh–Hadamard butterflies (``loader.out_hadamard``) where the
-            rotation is a power-of-two Hadamard — so the reduce launch and the partials' round
-            trip are skipped. False: always the reduce pass (an A/B knob; same result to
+            row and writes ``out`` itself — unrotated by Walsh–Hadamard butterflies
+            (``loader.out_hadamard``) where the rotation is a power-of-two Hadamard — so the
+            reduce launch and the partials' round trip are skipped. False: always the reduce pass (an A/B knob; same result to
             float32 rounding). The Gluon kernel always uses the reduce pass.
         min_split_tiles: length-aware split-K — each sequence uses only
             ``min(splits, max(1, ⌈tiles / min_split_tiles⌉))`` of the grid's splits (tiles of
@@ -421,8 +427,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError /
         WorkspaceTooSmallError on malformed inputs (host-side checks only; ShapeError also
         for a ``window``, ``num_splits``, ``num_stages`` or ``min_split_tiles`` out of
-        range), ValueError for an
-        unknown ``kernel``.
+        range), ValueError for an unknown ``kernel``.
     """
     check_tensor(query, "query", 3)
     ns, hq, d = query.shape

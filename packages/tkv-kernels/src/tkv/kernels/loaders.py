@@ -66,12 +66,11 @@ from ._util import (
     check_dtype,
     check_last_dim_contiguous,
     check_tensor,
+    int_from_env,
     interpreting,
     next_pow2,
 )
-from ._util import (
-    flag_from_env as _flag_from_env,
-)
+from ._util import flag_from_env as _flag_from_env
 
 __all__ = ["BypassLoader", "Fp8Loader", "Loader", "SideArgs", "TkvLoader"]
 
@@ -574,12 +573,8 @@ def _prmti_maxnreg_from_env(environ=None) -> int:
     vllm_e2e_2026-11-30d/``) the same cap cut output tok/s to 0.51× / 0.78× of bf16 at 64 /
     256 sequences, against 0.93× / 0.96× without it. The capped kernel spills (76 B per
     thread); why that costs so much more inside the engine than alone is not understood yet."""
-    raw = (os.environ if environ is None else environ).get(ENV_PRMTI_MAXNREG, "0").strip() or "0"
-    n = int(raw) if raw.isascii() and raw.isdigit() else -1   # plain ASCII digits only
-    if n < 0 or (n and not 64 <= n <= 255):
-        raise MaxnregConfigError(f"{ENV_PRMTI_MAXNREG}={raw!r}: expected 0 (no cap) or "
-                                 "64..255 registers per thread")
-    return n
+    return int_from_env(environ, ENV_PRMTI_MAXNREG, lambda n: not n or 64 <= n <= 255,
+                        MaxnregConfigError, "0 (no cap) or 64..255 registers per thread")
 
 
 PRMTI_MAXNREG = _prmti_maxnreg_from_env()
@@ -840,9 +835,10 @@ class TkvLoader:
         self._store_rotation = {}
         self.q_in = pad(torch.diag(sk) @ r.T)           # q @ Q = R (q * s_k)
         self.q_hadamard = _hadamard_weights(torch.diag(sk) @ r.T, dp, dev)
-        self.out_mat = pad(r @ torch.diag(sv))          # o @ U = s_v * R^T o
+        u = r @ torch.diag(sv)
+        self.out_mat = pad(u)                           # o @ U = s_v * R^T o
         # U = H diag(w) ⇔ Uᵀ = diag(w) H: o @ U = w ⊙ (H o)
-        self.out_hadamard = _hadamard_weights((r @ torch.diag(sv)).T, dp, dev)
+        self.out_hadamard = _hadamard_weights(u.T, dp, dev)
         self.k_norm_correction = bool(codec.k.norm_correction)
         self.v_norm_correction = bool(codec.v.norm_correction)
         # the same maps with columns in each side's planar layout (prefill: contiguous planes)

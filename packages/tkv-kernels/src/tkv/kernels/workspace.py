@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tkv.codec.errors import ShapeError
 
-from ._util import flag_from_env, next_pow2
+from ._util import flag_from_env, int_from_env, next_pow2
 
 __all__ = ["DECODE_MIN_SPLIT_TILES", "DECODE_SINGLE_SPLIT", "ENV_DECODE_MIN_SPLIT_TILES",
-           "ENV_DECODE_SINGLE_SPLIT", "MAX_MIN_SPLIT_TILES", "SINGLE_SPLIT_TARGETS", "MinSplitTilesConfigError",
-           "SingleSplitConfigError", "Workspace", "WorkspaceTooSmallError",
-           "decode_min_split_tiles_from_env", "decode_single_split_from_env"]
+           "ENV_DECODE_SINGLE_SPLIT", "MAX_MIN_SPLIT_TILES", "SINGLE_SPLIT_TARGETS",
+           "MinSplitTilesConfigError", "SingleSplitConfigError", "Workspace",
+           "WorkspaceTooSmallError", "decode_min_split_tiles_from_env",
+           "decode_single_split_from_env"]
 
 ENV_DECODE_SINGLE_SPLIT = "TKV_DECODE_SINGLE_SPLIT"
 # full grids run one split from num_seqs · num_kv_heads ≥ SINGLE_SPLIT_TARGETS · target_programs
@@ -30,9 +29,9 @@ def decode_single_split_from_env(environ=None) -> bool:
     default). Off by default: on the H200 (session 18, K4V4, Hkv=8) one split on grids of ≥
     2 × target_programs CTAs was 1.06-1.11× the split kernel at 640 cached tokens (a 36-layer
     model step 1.030× at 256 sequences) but 0.97-0.99× at 8,192, and its end-to-end A/B did
-    not complete (one arm ran) — an operator option for short-context serving until a length-aware rule lands.
-    Read once at import into :data:`DECODE_SINGLE_SPLIT`, so a bad value stops an engine when
-    it imports tkv's kernels.
+    not complete (one arm ran) — an operator option for short-context serving (the
+    length-aware alternative: ``TKV_DECODE_MIN_SPLIT_TILES``). Read once at import into
+    :data:`DECODE_SINGLE_SPLIT`, so a bad value stops an engine when it imports tkv's kernels.
 
     Raises:
         SingleSplitConfigError: any other value.
@@ -50,7 +49,7 @@ MAX_MIN_SPLIT_TILES = 4096   # a constexpr of the split kernel: each value compi
 
 
 class MinSplitTilesConfigError(ValueError):
-    """``TKV_DECODE_MIN_SPLIT_TILES`` is not an integer in [0, 4096]."""
+    """``TKV_DECODE_MIN_SPLIT_TILES`` is not an integer in [0, MAX_MIN_SPLIT_TILES]."""
 
 
 def decode_min_split_tiles_from_env(environ=None) -> int:
@@ -63,14 +62,10 @@ def decode_min_split_tiles_from_env(environ=None) -> int:
     Raises:
         MinSplitTilesConfigError: any other value.
     """
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_DECODE_MIN_SPLIT_TILES, "0").strip() or "0"
-    n = int(raw) if raw.isascii() and raw.isdigit() else -1
-    if not 0 <= n <= MAX_MIN_SPLIT_TILES:
-        raise MinSplitTilesConfigError(
-            f"{ENV_DECODE_MIN_SPLIT_TILES}={raw!r}: expected 0 (off) or a number of tiles per "
-            "split-K partition in 1..4096")
-    return n
+    return int_from_env(environ, ENV_DECODE_MIN_SPLIT_TILES,
+                        lambda n: n <= MAX_MIN_SPLIT_TILES, MinSplitTilesConfigError,
+                        "0 (off) or a number of tiles per split-K partition in "
+                        f"1..{MAX_MIN_SPLIT_TILES}")
 
 
 DECODE_MIN_SPLIT_TILES = decode_min_split_tiles_from_env()

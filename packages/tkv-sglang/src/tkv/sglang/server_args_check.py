@@ -33,7 +33,8 @@ def check_server_args(server_args, *, validate_model: bool = True) -> None:
         TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
         BudgetRowMissingError: bad tkv configuration (tkv.codec.config).
         LookupConfigError, SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
-        PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError: a bad
+        PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError,
+        SingleSplitConfigError, MinSplitTilesConfigError: a bad
         ``TKV_*`` kernel setting (``tkv.kernels.engine_kernel_settings``, whose effective
         values are logged).
     """

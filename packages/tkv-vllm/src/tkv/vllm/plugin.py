@@ -66,7 +66,8 @@ def validate(vllm_config) -> None:
         (TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
         BudgetRowMissingError), and the kernel settings' (LookupConfigError,
         SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
-        PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError).
+        PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError,
+        SingleSplitConfigError, MinSplitTilesConfigError).
     """
     from tkv.kernels import engine_kernel_settings
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
