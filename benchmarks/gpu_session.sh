@@ -26,7 +26,8 @@
 #                        smollm2-x2 = SmolLM2-135M with every head twice (18 q / 6 KV heads,
 #                        same function: vllm_e2e.widen_heads), real weights at TP=2
 #   kernels [ARGS...]    job "kernels": benchmarks/gpu_kernels.sh (GPU kernel tests, then
-#                        kernels_gpu.py --step ...) on $CUDA_VISIBLE_DEVICES
+#                        kernels_gpu.py --step ...) on $CUDA_VISIBLE_DEVICES; needs no staging
+#                        (the image's torch / Triton / pytest): start it with the first part
 #   (start / tp / kernels with TKV_AFTER=JOB wait in the background for job JOB to end first)
 #   poll                 jobs' state + log tails; copies <= 5 flat files into $OUT (e2e.tar.gz also holds
 #                        the SGLang session's job under sglang/ when $TKV_SGLANG_E2E, default
@@ -56,9 +57,16 @@ tail_log() {  # tail_log FILE [LINES]
 }
 
 env_setup() {
-    [[ -f $ENV_SH ]] || die "$ENV_SH missing: stage first (../shared/gpu: unpack every part until TKV READY)"
-    # shellcheck disable=SC1090
-    source "$ENV_SH"
+    if [[ -f $ENV_SH ]]; then
+        # shellcheck disable=SC1090
+        source "$ENV_SH"
+    elif [[ $mode == kernels ]]; then
+        # The kernel job needs only the image's torch / Triton / pytest: it can start on a
+        # bare machine (e.g. with the first staging part) and run while the rest is staged.
+        echo "gpu_session: $ENV_SH missing: kernels job with the image's Python only" >&2
+    else
+        die "$ENV_SH missing: stage first (../shared/gpu: unpack every part until TKV READY)"
+    fi
     local src="$REPO/packages/tkv-codec/src:$REPO/packages/tkv-kernels/src:$REPO/packages/tkv-vllm/src"
     case ":${PYTHONPATH:-}:" in *":$EP:"*) ;; *) export PYTHONPATH="$src:$EP:${PYTHONPATH:-}" ;; esac
     local ver
