@@ -925,6 +925,7 @@ def run_all(opts: argparse.Namespace) -> int:
                 "tkvnoqrot": ("tkv", opts.bits, bundle, False, "noqrot"),
                 "tkvnopipe": ("tkv", opts.bits, bundle, False, "nopipe"),
                 "tkvsplit1": ("tkv", opts.bits, bundle, False, "split1"),
+                "tkvsplit2": ("tkv", opts.bits, bundle, False, "split2"),
                 "tkvtiles4": ("tkv", opts.bits, bundle, False, "tiles4")}
         res = {}
         for r in opts.runs:
@@ -1322,14 +1323,16 @@ def divergence_cpu(opts: argparse.Namespace) -> int:
 
 JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the driver runs without tkv)
 # engine-environment variants of a tkv run (`all --runs tkvflash tkvtriton tkvcont tkvqrot
-# tkvnoqrot tkvnopipe tkvsplit1 tkvtiles4`): prefill through vLLM's FlashAttention (required), tkv's own Triton / SDPA
+# tkvnoqrot tkvnopipe tkvsplit1 tkvsplit2 tkvtiles4`): prefill through vLLM's FlashAttention (required), tkv's own Triton / SDPA
 # kernels, or FlashAttention for continuation chunks only (first chunks: tkv's Triton); decode
 # with the query rotated inside the split kernel, or by a separate launch; decode never
 # pipelined (TKV_DECODE_PIPELINE=0); decode with one split on full grids
-# (TKV_DECODE_SINGLE_SPLIT=1, session 18's opt-in rule); length-aware split-K, at least 4
-# tiles per used split (TKV_DECODE_MIN_SPLIT_TILES=4, session 18, untimed). The plain `tkv` run
+# (TKV_DECODE_SINGLE_SPLIT=1, the default since session 19) or at least 2 splits always (=0,
+# the rule before); length-aware split-K, at least 4 tiles per used split
+# (TKV_DECODE_MIN_SPLIT_TILES=4, session 18; kernel sweep of session 19: 0.97-0.98×). The plain `tkv` run
 # takes tkv-vllm's defaults (TKV_PREFILL_ATTENTION=auto: FlashAttention where it can run;
-# TKV_FUSED_QUERY_ROTATION=1 since session 16: the query rotated inside the split kernel)
+# TKV_FUSED_QUERY_ROTATION=1 since session 16: the query rotated inside the split kernel;
+# TKV_DECODE_SINGLE_SPLIT=1 since session 19)
 VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
             "triton": {"TKV_PREFILL_ATTENTION": "tkv"},
             "cont": {"TKV_PREFILL_ATTENTION": "continuation"},
@@ -1337,6 +1340,7 @@ VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
             "noqrot": {"TKV_FUSED_QUERY_ROTATION": "0"},
             "nopipe": {"TKV_DECODE_PIPELINE": "0"},
             "split1": {"TKV_DECODE_SINGLE_SPLIT": "1"},
+            "split2": {"TKV_DECODE_SINGLE_SPLIT": "0"},
             "tiles4": {"TKV_DECODE_MIN_SPLIT_TILES": "4"}}
 JIT_LEGEND = ("`†n/m`: Triton compiled a kernel inside n of the cell's m timed runs "
               "(`jit_events` / `jit_compiles` in the JSON); `‡n/m`: it only loaded compiled "
@@ -1405,7 +1409,7 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--runs", nargs="+",
                            choices=["bf16", "tq4", "tkv", "tkv8", "tkvflash", "tkvtriton",
                                     "tkvcont", "tkvqrot", "tkvnoqrot", "tkvnopipe",
-                                    "tkvsplit1", "tkvtiles4"],
+                                    "tkvsplit1", "tkvsplit2", "tkvtiles4"],
                            default=["bf16", "tq4", "tkv", "tkv8"],
                            help="engine runs per model: bf16, vLLM turboquant_4bit_nc, tkv at "
                            "--bits (capacity+greedy+throughput; tkv-vllm's default prefill, "
@@ -1415,7 +1419,9 @@ def main(argv: list[str] | None = None) -> int:
                            "tkvqrot / tkvnoqrot = tkv at --bits with "
                            "TKV_FUSED_QUERY_ROTATION=1 / =0, tkvnopipe = tkv at --bits with "
                            "TKV_DECODE_PIPELINE=0, tkvsplit1 = tkv at --bits with "
-                           "TKV_DECODE_SINGLE_SPLIT=1, tkvtiles4 = tkv at --bits with "
+                           "TKV_DECODE_SINGLE_SPLIT=1 (the default since session 19), "
+                           "tkvsplit2 = tkv at --bits with TKV_DECODE_SINGLE_SPLIT=0 (at least 2 "
+                           "splits always, the earlier rule), tkvtiles4 = tkv at --bits with "
                            "TKV_DECODE_MIN_SPLIT_TILES=4")
         if name == "serve-check":
             a.add_argument("--port", type=int, default=8011)

@@ -645,7 +645,11 @@ def test_decode_length_aware_splits(tiles):
             outs.append(out)
         ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld, window=window)
         assert _rel(outs[0], ref) < _tol(torch.bfloat16)
-        assert _rel(outs[0], outs[2]) < 1e-4 and _rel(outs[1], outs[2]) < 1e-4
+        assert _rel(outs[0], outs[1]) < 1e-4   # same partition: fused or through the reduce
+        # Another partition (8 splits): on a GPU P is rounded to bf16 for P·V after a
+        # different running max, so the two differ by bf16 rounding (2⁻⁹ per weight; the
+        # H200 measured 3.8e-4 / 4.7e-4); the interpreter's float32 dots agree to 1e-4.
+        assert _rel(outs[1], outs[2]) < (1e-4 if interpreting() else 5e-3)
         assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))   # the empty sequence
     for bad in (-1, 1.5, True, 4097):
         with pytest.raises(ShapeError, match="min_split_tiles"):
@@ -1409,12 +1413,12 @@ def test_workspace_split_count_is_static_and_bounded():
 
 def test_workspace_single_split_on_full_grids(monkeypatch):
     """From ``single_split_ctas`` CTAs (default SINGLE_SPLIT_TARGETS × target_programs while
-    TKV_DECODE_SINGLE_SPLIT=1, 0 otherwise) a batch runs one split; below, min_splits still
+    TKV_DECODE_SINGLE_SPLIT=1, the default; 0 otherwise) a batch runs one split; below, min_splits still
     holds; 0 never; a bad value is a ShapeError. The partial rows the workspace holds still
     bound every batch shape's need."""
     import tkv.kernels.workspace as W
 
-    assert W.decode_single_split_from_env({}) is False      # off by default
+    assert W.decode_single_split_from_env({}) is True       # on by default (session 19)
     monkeypatch.setattr(W, "DECODE_SINGLE_SPLIT", True)
     ws = Workspace(300, 32, 128, DEV, max_splits=16, target_programs=512)
     assert ws.single_split_ctas == W.SINGLE_SPLIT_TARGETS * 512

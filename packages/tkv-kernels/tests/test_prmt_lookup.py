@@ -282,10 +282,10 @@ def test_lookup_from_env_validates_tkv_lookup():
      "FusedQueryRotationConfigError", True),
     ("decode_pipeline_from_env", "TKV_DECODE_PIPELINE", "PipelineConfigError", True),
     ("decode_single_split_from_env", "TKV_DECODE_SINGLE_SPLIT", "SingleSplitConfigError",
-     False)])
+     True)])
 def test_engine_flags_from_env(parse, name, error, default):
     """The engines' 0/1 kernel options: TKV_SMALL_HEAD_GROUPS, TKV_FUSED_QUERY_ROTATION,
-    TKV_DECODE_PIPELINE (default on) and TKV_DECODE_SINGLE_SPLIT (default off) — unset /
+    TKV_DECODE_PIPELINE and TKV_DECODE_SINGLE_SPLIT (both default on) — unset /
     blank → the default, 0 / 1 with blanks around them, anything else a named error."""
     import tkv.kernels as K
 
@@ -307,17 +307,17 @@ def test_engine_kernel_settings_parses_and_names_every_variable():
     from tkv.kernels.loaders import MaxnregConfigError
 
     got = K.engine_kernel_settings({}, prefill_default="auto")
-    assert got == ("auto", True, True, "auto", 0, True, False, 0)
+    assert got == ("auto", True, True, "auto", 0, True, True, 0)
     assert got.describe() == ("TKV_LOOKUP=auto TKV_SMALL_HEAD_GROUPS=1 "
                               "TKV_FUSED_QUERY_ROTATION=1 TKV_PREFILL_ATTENTION=auto "
                               "TKV_PRMTI_MAXNREG=0 TKV_DECODE_PIPELINE=1 "
-                              "TKV_DECODE_SINGLE_SPLIT=0 TKV_DECODE_MIN_SPLIT_TILES=0")
+                              "TKV_DECODE_SINGLE_SPLIT=1 TKV_DECODE_MIN_SPLIT_TILES=0")
     env = {"TKV_LOOKUP": "prmt", "TKV_SMALL_HEAD_GROUPS": "0", "TKV_FUSED_QUERY_ROTATION": "0",
            "TKV_PREFILL_ATTENTION": "continuation", "TKV_PRMTI_MAXNREG": "128",
-           "TKV_DECODE_PIPELINE": "0", "TKV_DECODE_SINGLE_SPLIT": "1",
+           "TKV_DECODE_PIPELINE": "0", "TKV_DECODE_SINGLE_SPLIT": "0",
            "TKV_DECODE_MIN_SPLIT_TILES": " 8 "}
     assert K.engine_kernel_settings(env) == ("prmt", False, False, "continuation", 128, False,
-                                             True, 8)
+                                             False, 8)
     for name, bad, err in (("TKV_LOOKUP", "prmt9", K.LookupConfigError),
                            ("TKV_SMALL_HEAD_GROUPS", "on", K.SmallHeadGroupsConfigError),
                            ("TKV_FUSED_QUERY_ROTATION", "2", K.FusedQueryRotationConfigError),

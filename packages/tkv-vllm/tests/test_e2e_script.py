@@ -606,16 +606,18 @@ def test_prefix_cache_check_reports_hits_agreement_and_drift(e2e):
 
 
 def test_all_tkvflash_run_sets_the_prefill_attention(e2e, tmp_path, monkeypatch):
-    """`all --runs tkv tkvflash tkvtriton tkvcont tkvqrot tkvnoqrot tkvnopipe tkvsplit1 tkvtiles4`: the
-    variant engines get TKV_PREFILL_ATTENTION=flash / =tkv / =continuation,
-    TKV_FUSED_QUERY_ROTATION=1 / =0, TKV_DECODE_PIPELINE=0, TKV_DECODE_SINGLE_SPLIT=1 or TKV_DECODE_MIN_SPLIT_TILES=4 in
+    """`all --runs tkv tkvflash tkvtriton tkvcont tkvqrot tkvnoqrot tkvnopipe tkvsplit1 tkvsplit2
+    tkvtiles4`: the variant engines get TKV_PREFILL_ATTENTION=flash / =tkv / =continuation,
+    TKV_FUSED_QUERY_ROTATION=1 / =0, TKV_DECODE_PIPELINE=0, TKV_DECODE_SINGLE_SPLIT=1 / =0 or
+    TKV_DECODE_MIN_SPLIT_TILES=4 in
     their environment and their own file names and table rows; the plain tkv run none
     (tkv-vllm's defaults)."""
     calls = []
     _stub_engines(e2e, tmp_path, monkeypatch, lambda m, mode, bits, o, g, kw: calls.append(
         (mode, bits, kw)))
     rc = e2e.main(["all", "--model", "a", "--runs", "tkv", "tkvflash", "tkvtriton", "tkvcont",
-                   "tkvqrot", "tkvnoqrot", "tkvnopipe", "tkvsplit1", "tkvtiles4", "--out",
+                   "tkvqrot", "tkvnoqrot", "tkvnopipe", "tkvsplit1", "tkvsplit2", "tkvtiles4",
+                   "--out",
                    str(tmp_path / "out")])
     assert rc == 0
     assert calls == [("tkv", "4.0", {}),
@@ -633,9 +635,11 @@ def test_all_tkvflash_run_sets_the_prefill_attention(e2e, tmp_path, monkeypatch)
                                      "variant": "nopipe"}),
                      ("tkv", "4.0", {"extra_env": {"TKV_DECODE_SINGLE_SPLIT": "1"},
                                      "variant": "split1"}),
+                     ("tkv", "4.0", {"extra_env": {"TKV_DECODE_SINGLE_SPLIT": "0"},
+                                     "variant": "split2"}),
                      ("tkv", "4.0", {"extra_env": {"TKV_DECODE_MIN_SPLIT_TILES": "4"},
                                      "variant": "tiles4"})]
     (res,) = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")]
     assert list(res) == ["tkv@4.0", "tkv@4.0 flash", "tkv@4.0 triton", "tkv@4.0 cont",
                          "tkv@4.0 qrot", "tkv@4.0 noqrot", "tkv@4.0 nopipe",
-                         "tkv@4.0 split1", "tkv@4.0 tiles4"]
+                         "tkv@4.0 split1", "tkv@4.0 split2", "tkv@4.0 tiles4"]

@@ -25,21 +25,22 @@ class SingleSplitConfigError(ValueError):
 
 def decode_single_split_from_env(environ=None) -> bool:
     """Whether a :class:`Workspace` built without ``single_split_ctas`` gives full grids one
-    split (``TKV_DECODE_SINGLE_SPLIT=1``) or always at least ``min_splits`` (``0``, the
-    default). Off by default: on the H200 (session 18, K4V4, Hkv=8) one split on grids of ≥
-    2 × target_programs CTAs was 1.06-1.11× the split kernel at 640 cached tokens (a 36-layer
-    model step 1.030× at 256 sequences) but 0.97-0.99× at 8,192, and its end-to-end A/B did
-    not complete (one arm ran) — an operator option for short-context serving (the
-    length-aware alternative: ``TKV_DECODE_MIN_SPLIT_TILES``). Read once at import into
+    split (``TKV_DECODE_SINGLE_SPLIT=1``, the default since session 19) or always at least
+    ``min_splits`` (``0``). On the H200 (K4V4, Hkv=8) one split on grids of ≥ 2 ×
+    target_programs CTAs was 1.06-1.11× the split kernel at 640 cached tokens (a 36-layer model
+    step 1.028-1.030× at 256 sequences), 0.99-1.03× at 2,048 and 0.97-0.99× at 8,192
+    (sessions 18-19); end to end in vLLM (Qwen3-8B-like, session 19, one job) it raised
+    decode-only tok/s from 0.93× / 0.91× to 0.95× / 0.94× bf16 at 64 / 256 sequences
+    (`benchmarks/results/vllm_e2e_2026-12-04_s19_split1/`). Read once at import into
     :data:`DECODE_SINGLE_SPLIT`, so a bad value stops an engine when it imports tkv's kernels.
 
     Raises:
         SingleSplitConfigError: any other value.
     """
-    return flag_from_env(environ, ENV_DECODE_SINGLE_SPLIT, "0", SingleSplitConfigError,
-                         "1 (one split, written by the split kernel itself, on grids of ≥ "
-                         f"{SINGLE_SPLIT_TARGETS}× the workspace's target_programs CTAs) or 0 "
-                         "(default: at least min_splits always)")
+    return flag_from_env(environ, ENV_DECODE_SINGLE_SPLIT, "1", SingleSplitConfigError,
+                         "1 (default: one split, written by the split kernel itself, on grids "
+                         f"of ≥ {SINGLE_SPLIT_TARGETS}× the workspace's target_programs CTAs) or "
+                         "0 (at least min_splits always)")
 
 
 DECODE_SINGLE_SPLIT = decode_single_split_from_env()
@@ -99,7 +100,7 @@ class Workspace:
             one split, whose output the split kernel writes itself (no reduce launch, no
             partials: ``decode(single_split_epilogue=True)``); 0 = never. Default
             ``SINGLE_SPLIT_TARGETS × target_programs`` while :data:`DECODE_SINGLE_SPLIT` is on
-            (``TKV_DECODE_SINGLE_SPLIT=1``; default off), else 0. With the prmti lookup the
+            (``TKV_DECODE_SINGLE_SPLIT=1``, the default), else 0. With the prmti lookup the
             2-split advantage above depends on the context length: K4V4, Hkv=8, H200, one
             split against the old rule was 1.06-1.11× at 640 cached tokens (B=192-256),
             0.99-1.03× at 2,048 and 0.97-0.99× at 8,192 (session 18,
