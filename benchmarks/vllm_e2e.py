@@ -477,6 +477,8 @@ def worker(args: argparse.Namespace) -> None:
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
               **MODES[args.mode])
+    if args.block_size:
+        kw["block_size"] = args.block_size
     no_tok = args.weights != "real"  # generated models have no tokenizer
     if args.profile:
         # the engine core in this process, so torch.profiler sees its host work and kernels
@@ -637,12 +639,13 @@ def log_tail(log: Path, n: int = 4000) -> str:
 
 def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Path | None,
              out: Path, opts: argparse.Namespace, greedy_only: bool = False,
-             extra_env: dict[str, str] | None = None, variant: str = "") -> dict:
+             extra_env: dict[str, str] | None = None, variant: str = "",
+             block_size: int = 0) -> dict:
     """Run one (model, mode) worker subprocess and return its result dict
     (``{"mode", "failed": True, "rc", "log"}`` when it fails). ``weights``: ``"real"``,
     ``"dummy"`` or ``"random"`` (see :func:`resolve_model`). ``extra_env``: set in the
     engine's environment (e.g. ``TKV_PREFILL_ATTENTION=flash``), ``variant`` names it in the
-    run's files."""
+    run's files; ``block_size``: the engine's ``block_size`` (0: vLLM's default, 16)."""
     generated = weights != "real"
     tp = int(getattr(opts, "tp", 1) or 1)
     eager = bool(getattr(opts, "enforce_eager", False))
@@ -660,7 +663,7 @@ def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Pat
            "--long-prompt", str(long_prompt), "--tp", str(tp),
            "--batches", *map(str, opts.batches), "--weights", weights,
            "--repeats", str(getattr(opts, "repeats", 3)),
-           "--profile", str(getattr(opts, "profile", 0))]
+           "--profile", str(getattr(opts, "profile", 0)), "--block-size", str(block_size)]
     if greedy_only:
         cmd.append("--greedy-only")
     if eager:
@@ -926,12 +929,18 @@ def run_all(opts: argparse.Namespace) -> int:
                 "tkvnopipe": ("tkv", opts.bits, bundle, False, "nopipe"),
                 "tkvsplit1": ("tkv", opts.bits, bundle, False, "split1"),
                 "tkvsplit2": ("tkv", opts.bits, bundle, False, "split2"),
-                "tkvtiles4": ("tkv", opts.bits, bundle, False, "tiles4")}
+                "tkvtiles4": ("tkv", opts.bits, bundle, False, "tiles4"),
+                "bf16block64": ("bf16", None, None, False, "block64"),
+                "tkvblock64": ("tkv", opts.bits, bundle, False, "block64")}
         res = {}
         for r in opts.runs:
             mode, bits, b, greedy_only, variant = runs[r]
             key = (f"{mode}@{bits}" if bits else mode) + (f" {variant}" if variant else "")
-            kw = {"extra_env": VARIANTS[variant], "variant": variant} if variant else {}
+            kw = {"variant": variant} if variant else {}
+            if variant in VARIANTS:
+                kw["extra_env"] = VARIANTS[variant]
+            if variant in BLOCK_SIZE_VARIANTS:
+                kw["block_size"] = BLOCK_SIZE_VARIANTS[variant]
             res[key] = run_mode(model, weights, mode, bits, b, out, opts, greedy_only=greedy_only,
                                 **kw)
             # partial results after every engine run (poll picks them up)
@@ -1342,6 +1351,10 @@ VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
             "split1": {"TKV_DECODE_SINGLE_SPLIT": "1"},
             "split2": {"TKV_DECODE_SINGLE_SPLIT": "0"},
             "tiles4": {"TKV_DECODE_MIN_SPLIT_TILES": "4"}}
+# engine block_size variants (`all --runs bf16block64 tkvblock64`): 64-token pages instead of
+# vLLM's default 16 (session 19, benchmarks/results/pool_placement_gpu_2026-12-04_s19.md: tkv's
+# 36 decode layers 1.6-3.6 % faster at 64 for 256 sequences, kernel only)
+BLOCK_SIZE_VARIANTS = {"block64": 64}
 JIT_LEGEND = ("`†n/m`: Triton compiled a kernel inside n of the cell's m timed runs "
               "(`jit_events` / `jit_compiles` in the JSON); `‡n/m`: it only loaded compiled "
               "kernels from its disk cache (`jit_disk_loads`) in n runs. Either is a one-time "
@@ -1409,7 +1422,8 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--runs", nargs="+",
                            choices=["bf16", "tq4", "tkv", "tkv8", "tkvflash", "tkvtriton",
                                     "tkvcont", "tkvqrot", "tkvnoqrot", "tkvnopipe",
-                                    "tkvsplit1", "tkvsplit2", "tkvtiles4"],
+                                    "tkvsplit1", "tkvsplit2", "tkvtiles4", "bf16block64",
+                                    "tkvblock64"],
                            default=["bf16", "tq4", "tkv", "tkv8"],
                            help="engine runs per model: bf16, vLLM turboquant_4bit_nc, tkv at "
                            "--bits (capacity+greedy+throughput; tkv-vllm's default prefill, "
@@ -1422,7 +1436,8 @@ def main(argv: list[str] | None = None) -> int:
                            "TKV_DECODE_SINGLE_SPLIT=1 (the default since session 19), "
                            "tkvsplit2 = tkv at --bits with TKV_DECODE_SINGLE_SPLIT=0 (at least 2 "
                            "splits always, the earlier rule), tkvtiles4 = tkv at --bits with "
-                           "TKV_DECODE_MIN_SPLIT_TILES=4")
+                           "TKV_DECODE_MIN_SPLIT_TILES=4, bf16block64 / tkvblock64 = bf16 / tkv "
+                           "at --bits with block_size 64 (vLLM's default: 16)")
         if name == "serve-check":
             a.add_argument("--port", type=int, default=8011)
     c = sub.add_parser("write-checkpoint", help="the seeded random Qwen3-8B-like checkpoint")
@@ -1456,6 +1471,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--enforce-eager", action="store_true")
     w.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
     w.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    w.add_argument("--block-size", type=int, default=0,
+                   help="the engine's block_size (0: vLLM's default)")
     w.add_argument("--profile", type=int, default=0, metavar="TOKENS",
                    help="profile_decode over the largest batch × TOKENS tokens (0: off)")
     args = p.parse_args(argv)

@@ -230,6 +230,26 @@ def test_same_context_drift_stops_after_the_first_divergence(e2e):
     assert e2e.drift_cell({"greedy": ref["greedy"]}, other) == "-"
 
 
+def test_run_mode_passes_the_block_size_to_the_worker(e2e, tmp_path, monkeypatch):
+    """run_mode(block_size=64): the worker command carries `--block-size 64` (default 0 =
+    vLLM's own), the worker parser takes it, and the run's files are named by the variant."""
+    import argparse
+
+    cmds = []
+    monkeypatch.setattr(e2e, "run_worker", lambda cmd, env, log, timeout: cmds.append(cmd) or 1)
+    opts = argparse.Namespace(gmu=0.5, max_model_len=4096, batches=[64, 256], timeout=5)
+    for kw in ({}, {"variant": "block64", "block_size": 64}):
+        res = e2e.run_mode(tmp_path / "m", "dummy", "tkv", "4.0", None, tmp_path, opts, **kw)
+        assert res["failed"]
+    assert [c[c.index("--block-size") + 1] for c in cmds] == ["0", "64"]
+    assert "m-tkv-4.0-block64.json" in cmds[1][cmds[1].index("--result") + 1]
+    with monkeypatch.context() as m:   # the worker's own parser accepts the flag
+        got = []
+        m.setattr(e2e, "worker", lambda args: got.append(args.block_size))
+        assert e2e.main(cmds[1][2:]) == 0
+    assert got == [64]
+
+
 def test_run_worker_kills_the_engine_process_group(e2e, tmp_path):
     """An engine's children (vLLM's EngineCore) die with the run, also on timeout."""
     import os
@@ -603,6 +623,20 @@ def test_prefix_cache_check_reports_hits_agreement_and_drift(e2e):
     assert "engine down" in e2e.prefix_cache_check(broken)["error"]
     assert e2e.prefix_cache_cell({"prefix_cache": {"error": "x"}}) == "ERROR"
     assert e2e.prefix_cache_cell({}) == "-"
+
+
+def test_all_block64_runs_set_the_engine_block_size(e2e, tmp_path, monkeypatch):
+    """`all --runs bf16 bf16block64 tkv tkvblock64`: the block64 runs pass block_size=64 to
+    the engine (no extra environment) under their own names; the plain runs vLLM's default."""
+    calls = []
+    _stub_engines(e2e, tmp_path, monkeypatch, lambda m, mode, bits, o, g, kw: calls.append(
+        (mode, bits, kw)))
+    assert e2e.main(["all", "--model", "a", "--runs", "bf16", "bf16block64", "tkv",
+                     "tkvblock64", "--out", str(tmp_path / "out")]) == 0
+    assert calls == [("bf16", None, {}), ("bf16", None, {"variant": "block64", "block_size": 64}),
+                     ("tkv", "4.0", {}), ("tkv", "4.0", {"variant": "block64", "block_size": 64})]
+    (res,) = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")]
+    assert list(res) == ["bf16", "bf16 block64", "tkv@4.0", "tkv@4.0 block64"]
 
 
 def test_all_tkvflash_run_sets_the_prefill_attention(e2e, tmp_path, monkeypatch):
