@@ -60,10 +60,14 @@ env_setup() {
     if [[ -f $ENV_SH ]]; then
         # shellcheck disable=SC1090
         source "$ENV_SH"
-    elif [[ $mode == kernels ]]; then
+    elif [[ $mode =~ ^(kernels|poll|wait|stop|stop-job)$ ]]; then
         # The kernel job needs only the image's torch / Triton / pytest: it can start on a
-        # bare machine (e.g. with the first staging part) and run while the rest is staged.
-        echo "gpu_session: $ENV_SH missing: kernels job with the image's Python only" >&2
+        # bare machine and run while the rest is staged, and be polled or stopped meanwhile.
+        # (../shared/gpu's unpack copies env.sh with every part, so after the first part it
+        # exists and is sourced: its PYTHONPATH then names /tmp/tkv-site before the last part
+        # installs vLLM there — kernels_gpu.py's optional vLLM rows see vLLM only if they
+        # start after that.)
+        echo "gpu_session: $ENV_SH missing: '$mode' with the image's Python only" >&2
     else
         die "$ENV_SH missing: stage first (../shared/gpu: unpack every part until TKV READY)"
     fi

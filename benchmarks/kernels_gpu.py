@@ -1143,12 +1143,13 @@ def stage_small_rows(copy_gbs, shapes=((1, 8192), (1, 32768), (1, 131072), (2, 8
 
 
 def split_rule_rows(copy_gbs, batches=(32, 64, 96, 128, 192, 256), lens=(640, 2048, 8192)):
-    """One split on full grids (session 18): the workspace's opt-in rule
+    """One split on full grids (session 18; the default since session 19): the rule
     (``single_split_ctas = SINGLE_SPLIT_TARGETS × target_programs`` CTAs, as
     ``TKV_DECODE_SINGLE_SPLIT=1`` sets it; one split's output written by the split kernel
-    itself) against the default rule (at least 2 splits: ``x_default`` is
-    against that), one split with the reduce pass kept, and 2 splits, K4V4 at the vLLM
-    shapes; then 36-layer model steps of both rules beside bf16 at the e2e shapes."""
+    itself) against the earlier rule, at least 2 splits always (``x_default`` is against
+    that one, the default until session 19, whatever the environment says), one split with
+    the reduce pass kept, 2 splits and the length-aware arms, K4V4 at the vLLM shapes; then
+    36-layer model steps of both rules beside bf16 at the e2e shapes."""
     hq, hkv, d, block = 32, 8, 128, 16
     ws_old = Workspace(max(batches), 64, 256, DEV, single_split_ctas=0)
     ws = Workspace(max(batches), 64, 256, DEV,

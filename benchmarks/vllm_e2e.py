@@ -493,9 +493,9 @@ def worker(args: argparse.Namespace) -> None:
                  "tkv_lookup": os.environ.get("TKV_LOOKUP", "auto"),
                  "tkv_prmti_maxnreg": os.environ.get("TKV_PRMTI_MAXNREG", "0"),
                  "tkv_decode_pipeline": os.environ.get("TKV_DECODE_PIPELINE", "1"),
-                 "tkv_decode_single_split": os.environ.get("TKV_DECODE_SINGLE_SPLIT", "0"),
+                 "tkv_decode_single_split": os.environ.get("TKV_DECODE_SINGLE_SPLIT", "1"),
                  "tkv_decode_min_split_tiles": os.environ.get("TKV_DECODE_MIN_SPLIT_TILES", "0"),
-                 "tp": args.tp,
+                 "tp": args.tp, "block_size": args.block_size or None,
                  "enforce_eager": args.enforce_eager, "weights": args.weights,
                  "startup_s": time.perf_counter() - t0}
     cc = llm.llm_engine.vllm_config.cache_config

@@ -50,10 +50,15 @@ def _decode_graph(q, cache, batch, ld, ws, out):
     return g, eager
 
 
-def test_decode_cuda_graph_replay_equals_eager():
+@pytest.mark.parametrize("single_split_ctas", [0, 1], ids=["splits", "one_split_rule"])
+def test_decode_cuda_graph_replay_equals_eager(single_split_ctas):
+    """Capture + replay equal eager, then new inputs through the same graph match the oracle:
+    with split-K + the reduce pass, and with the workspace's one-split rule (the default on
+    full grids, forced here by a threshold of 1 CTA: the split kernel writes the output)."""
     ld, batch, cache, hq = _setup()
     ns = batch.seq_lens.shape[0]
-    ws = Workspace(16, 64, 256, "cuda")
+    ws = Workspace(16, 64, 256, "cuda", single_split_ctas=single_split_ctas)
+    assert (ws.splits_for(ns, ld.num_kv_heads) == 1) == bool(single_split_ctas)
     q = torch.randn(ns, hq, 128, device="cuda", dtype=torch.bfloat16)
     out = torch.full((ns, hq, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
     g, eager = _decode_graph(q, cache, batch, ld, ws, out)

@@ -275,12 +275,28 @@ def test_decode_prmt_swap_qk_matches_reference(kb, vb, dtype):
 
 
 def test_decode_many_rows_partial_row_block():
-    """≥ 1024 (sequence, query head) rows: the reduce and query-rotation kernels take 32 rows
-    per program; 45 · 24 = 1080 rows leave a partial last block (masked rows)."""
+    """≥ 1024 (sequence, query head) rows: the reduce kernel takes 32 rows per program;
+    45 · 24 = 1080 rows leave a partial last block (masked rows). The workspace keeps at least
+    2 splits (``single_split_ctas=0``): with the default rule these 90 CTAs (CPU
+    target_programs 8) would run one split, written by the split kernel, and the reduce
+    kernel would not launch — the spy checks that it does."""
+    import importlib
+
+    decode_mod = importlib.import_module("tkv.kernels.decode")   # the module, not decode()
     codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=21)
     ld = TkvLoader(codec, 2, 16)
     lens = [(i * 7) % 19 + 1 for i in range(45)]
-    _decode_check(ld, lens, 12, seed=21, ws=_ws(max_seqs=45, heads=24, d=64))
+    ws = Workspace(45, 24, 64, DEV, max_splits=8, single_split_ctas=0)
+    real = decode_mod._decode_reduce_kernel
+    grids = []
+
+    class _Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+    with mock.patch.object(decode_mod, "_decode_reduce_kernel", _Spy()):
+        _decode_check(ld, lens, 12, seed=21, ws=ws)
+    assert grids == [(-(-45 * 24 // 32),)], grids   # 34 programs, the last one partial
 
 
 @pytest.mark.parametrize("lookup,kb,vb,dtype", [
@@ -648,8 +664,11 @@ def test_decode_length_aware_splits(tiles):
         assert _rel(outs[0], outs[1]) < 1e-4   # same partition: fused or through the reduce
         # Another partition (8 splits): on a GPU P is rounded to bf16 for P·V after a
         # different running max, so the two differ by bf16 rounding (2⁻⁹ per weight; the
-        # H200 measured 3.8e-4 / 4.7e-4); the interpreter's float32 dots agree to 1e-4.
-        assert _rel(outs[1], outs[2]) < (1e-4 if interpreting() else 5e-3)
+        # H200 measured 3.8e-4 / 4.7e-4 over the batch); the interpreter's float32 dots agree
+        # to 1e-4. Per sequence, so a bug in one long sequence is not averaged away.
+        for i, n_tok in enumerate(lens):
+            if n_tok:
+                assert _rel(outs[1][i], outs[2][i]) < (1e-4 if interpreting() else 5e-3), i
         assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))   # the empty sequence
     for bad in (-1, 1.5, True, 4097):
         with pytest.raises(ShapeError, match="min_split_tiles"):

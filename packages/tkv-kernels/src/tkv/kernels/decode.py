@@ -350,7 +350,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     of the tensor-core dots, so each cache byte is read once per KV head. Scores use the
     per-token ``row_scale`` (tkv: the norm) once per token; so does P (for V).
     CUDA-graph safe: no host sync; grid = ``(num_seqs, num_kv_heads, splits)`` where splits
-    depends only on ``num_seqs`` (:meth:`Workspace.splits_for`); scratch from ``workspace``.
+    depends only on ``num_seqs`` and ``num_kv_heads`` (:meth:`Workspace.splits_for`); scratch
+    from ``workspace``.
 
     Args:
         query: ``(num_seqs, num_q_heads, head_dim)`` float16/bfloat16 in model space (or, with
@@ -372,7 +373,10 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         query_rotated: the query is already in the loader's rotated space.
         output_rotated: leave the output in rotated space (fold ``loader.out_mat`` into
             o_proj) instead of unrotating it.
-        num_splits: override the split-K count (power of two ≤ workspace.max_splits).
+        num_splits: override the split-K count (power of two ≤ workspace.max_splits). The
+            workspace's partial rows are sized for its own rule (:meth:`Workspace.splits_for`),
+            so more splits than that rule gives a batch of this size can raise
+            WorkspaceTooSmallError (e.g. forcing 2 splits on a batch the rule runs in one).
         block_n, num_warps, num_stages: tile length (tokens; default the loader's
             ``preferred_block_n`` (else 64) for head_dim ≤ 128, 32 above) and Triton launch
             options. ``num_stages`` > 1 lets Triton's pipeliner issue the next tiles' loads

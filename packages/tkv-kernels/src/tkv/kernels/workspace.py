@@ -30,8 +30,9 @@ def decode_single_split_from_env(environ=None) -> bool:
     target_programs CTAs was 1.06-1.11× the split kernel at 640 cached tokens (a 36-layer model
     step 1.028-1.030× at 256 sequences), 0.99-1.03× at 2,048 and 0.97-0.99× at 8,192
     (sessions 18-19); end to end in vLLM (Qwen3-8B-like, session 19, one job) it raised
-    decode-only tok/s from 0.93× / 0.91× to 0.95× / 0.94× bf16 at 64 / 256 sequences
-    (`benchmarks/results/vllm_e2e_2026-12-04_s19_split1/`). Read once at import into
+    decode at 256 sequences (2,048 CTAs, where it applies) by 2.7 %, decode-only 0.91× → 0.94×
+    bf16 (`benchmarks/results/vllm_e2e_2026-12-04_s19_split1/`; at 64 sequences both arms ran
+    2 splits). Read once at import into
     :data:`DECODE_SINGLE_SPLIT`, so a bad value stops an engine when it imports tkv's kernels.
 
     Raises:

@@ -35,8 +35,8 @@ def shared_workspace(device: torch.device | str, max_num_seqs: int | None = None
     during binding, before any graph capture). Without sizes: return the existing one.
 
     Args:
-        max_num_seqs: most rows one decode call sees (decode sequences, or prefill tokens
-            expanded into decode rows). max_num_q_heads: query heads per rank.
+        max_num_seqs: most sequences one decode call sees (vLLM's ``max_num_seqs``).
+            max_num_q_heads: query heads per rank.
         max_head_dim: head_dim (elements).
 
     Raises:
