@@ -10,11 +10,10 @@ them: a sequence's K/V are read as smaller, more widely scattered pieces.
 
 This script times the attention layers of one decode step (36 by default: only
 ``tkv.kernels.decode`` per layer, each layer its own pool-sized cache, one CUDA graph of the
-calls) for B
-sequences of L cached tokens with the sequences' pages either packed (sequence i owns pages
-``[i·n, (i+1)·n)``) or scattered (distinct pages drawn at random from the whole pool), for
-tkv K4V4 at block_size 16 and 64 and for bf16 (``BypassLoader``, the same kernel reading raw
-bf16 pages; vLLM's own FlashAttention is not used here). Baseline named in every ratio: the
+calls) for B sequences of L cached tokens with the sequences' pages either packed (sequence
+i owns pages ``[i·n, (i+1)·n)``) or scattered (distinct pages drawn at random from the whole
+pool), for tkv K4V4 at block_size 16 and 64 and for bf16 (``BypassLoader``, the same kernel
+reading raw bf16 pages; vLLM's own FlashAttention is not used here). Baseline named in every ratio: the
 same configuration with packed pages.
 
 Run on the GPU from the repository root with tkv's src folders on ``PYTHONPATH``::
@@ -79,7 +78,7 @@ def layers_step(q, layer_caches, bt, sl, loader, ws, out):
 
 
 def time_layers(fn, replays: int) -> float:
-    """Median ms of ``fn`` (the 36 decode calls) replayed from one CUDA graph; eager timing
+    """Median ms of ``fn`` (one decode call per layer) replayed from one CUDA graph; eager timing
     under the interpreter / on CPU."""
     if not torch.cuda.is_available() or interpreting():
         t = time.perf_counter()
@@ -140,7 +139,6 @@ def main(argv=None) -> int:
                 base = None
                 for placement in ("packed", "scattered"):
                     bt = block_table(B, pages, pool_pages, placement, device, gen)
-
                     ms = time_layers(layers_step(q, cs, bt, sl, loader, ws, out), a.replays)
                     base = base or ms
                     row = {"impl": f"{kind} block_size {block}", "B": B, "L": L,

@@ -39,7 +39,7 @@ from ._util import (
 )
 from .loaders import Loader, sink_shift
 from .rotate import rotate_rows, row_block, slab
-from .workspace import MAX_MIN_SPLIT_TILES, Workspace
+from .workspace import Workspace, check_min_split_tiles
 
 __all__ = ["decode"]
 
@@ -416,8 +416,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             on full grids with ``TKV_DECODE_SINGLE_SPLIT=1``) the split kernel normalizes its
             row and writes ``out`` itself — unrotated by Walsh–Hadamard butterflies
             (``loader.out_hadamard``) where the rotation is a power-of-two Hadamard — so the
-            reduce launch and the partials' round trip are skipped. False: always the reduce pass (an A/B knob; same result to
-            float32 rounding). The Gluon kernel always uses the reduce pass.
+            reduce launch and the partials' round trip are skipped. False: always the reduce
+            pass (an A/B knob; same result to float32 rounding). The Gluon kernel always uses
+            the reduce pass.
         min_split_tiles: length-aware split-K — each sequence uses only
             ``min(splits, max(1, ⌈tiles / min_split_tiles⌉))`` of the grid's splits (tiles of
             ``block_n`` tokens inside its window), decided on the device; the others stay
@@ -477,12 +478,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         raise ShapeError(f"num_stages must be None or an int ≥ 1, got {num_stages!r}")
     if not isinstance(single_split_epilogue, bool):
         raise DtypeError(f"single_split_epilogue must be a bool, got {single_split_epilogue!r}")
-    if min_split_tiles is None:
-        min_split_tiles = workspace.min_split_tiles
-    if isinstance(min_split_tiles, bool) or not isinstance(min_split_tiles, int) or \
-            not 0 <= min_split_tiles <= MAX_MIN_SPLIT_TILES:
-        raise ShapeError(f"min_split_tiles must be an int in [0, {MAX_MIN_SPLIT_TILES}] (0: off; "
-                         f"each value compiles its own kernel), got {min_split_tiles!r}")
+    min_split_tiles = check_min_split_tiles(
+        workspace.min_split_tiles if min_split_tiles is None else min_split_tiles)
     if ns == 0:
         return out
     d_pad = max(16, next_pow2(d))

@@ -11,7 +11,7 @@ from ._util import flag_from_env, int_from_env, next_pow2
 __all__ = ["DECODE_MIN_SPLIT_TILES", "DECODE_SINGLE_SPLIT", "ENV_DECODE_MIN_SPLIT_TILES",
            "ENV_DECODE_SINGLE_SPLIT", "MAX_MIN_SPLIT_TILES", "SINGLE_SPLIT_TARGETS",
            "MinSplitTilesConfigError", "SingleSplitConfigError", "Workspace",
-           "WorkspaceTooSmallError", "decode_min_split_tiles_from_env",
+           "WorkspaceTooSmallError", "check_min_split_tiles", "decode_min_split_tiles_from_env",
            "decode_single_split_from_env"]
 
 ENV_DECODE_SINGLE_SPLIT = "TKV_DECODE_SINGLE_SPLIT"
@@ -58,8 +58,9 @@ def decode_min_split_tiles_from_env(environ=None) -> int:
     """The default ``Workspace.min_split_tiles`` (decode's length-aware split-K:
     ``decode(min_split_tiles=...)``): ``TKV_DECODE_MIN_SPLIT_TILES``, plain digits in
     [0, 4096]; unset or blank: 0 (off, every split gets ``⌈tiles / splits⌉`` tiles). Read
-    once at import into :data:`DECODE_MIN_SPLIT_TILES`. Session 18 left it unmeasured on the
-    GPU (`docs/kernels.md`, "Session 18"): an A/B option until timed.
+    once at import into :data:`DECODE_MIN_SPLIT_TILES`. Off by default: on the H200 (session
+    19, `benchmarks/results/kernels_gpu_2026-12-04_s19_split_rule.md`) it measured 0.85-0.98×
+    the plain partition at uniform lengths, no win (`docs/kernels.md`, "Session 19").
 
     Raises:
         MinSplitTilesConfigError: any other value.
@@ -71,6 +72,17 @@ def decode_min_split_tiles_from_env(environ=None) -> int:
 
 
 DECODE_MIN_SPLIT_TILES = decode_min_split_tiles_from_env()
+
+
+def check_min_split_tiles(value) -> int:
+    """``value`` if it is an int in [0, MAX_MIN_SPLIT_TILES] (each value compiles its own
+    split kernel), else ShapeError — the one check of ``Workspace(min_split_tiles=...)`` and
+    ``decode(min_split_tiles=...)``."""
+    if isinstance(value, bool) or not isinstance(value, int) or \
+            not 0 <= value <= MAX_MIN_SPLIT_TILES:
+        raise ShapeError(f"min_split_tiles must be an int in [0, {MAX_MIN_SPLIT_TILES}] (0: off; "
+                         f"each value compiles its own kernel), got {value!r}")
+    return value
 
 
 class WorkspaceTooSmallError(ShapeError):
@@ -152,13 +164,8 @@ class Workspace:
             raise ShapeError(f"single_split_ctas must be an int ≥ 0 (0: never), got "
                              f"{single_split_ctas!r}")
         self.single_split_ctas = single_split_ctas
-        if min_split_tiles is None:
-            min_split_tiles = DECODE_MIN_SPLIT_TILES
-        if (isinstance(min_split_tiles, bool) or not isinstance(min_split_tiles, int)
-                or not 0 <= min_split_tiles <= MAX_MIN_SPLIT_TILES):
-            raise ShapeError(f"min_split_tiles must be an int in [0, {MAX_MIN_SPLIT_TILES}] "
-                             f"(0: off), got {min_split_tiles!r}")
-        self.min_split_tiles = min_split_tiles
+        self.min_split_tiles = check_min_split_tiles(
+            DECODE_MIN_SPLIT_TILES if min_split_tiles is None else min_split_tiles)
         rows = max(n * max_num_q_heads * self.splits_for(n, 1) for n in range(1, max_num_seqs + 1))
         self.rows = rows
         self._part_o = torch.empty(rows * self.d_pad, dtype=torch.float32, device=self.device)
