@@ -74,35 +74,35 @@ def test_mixed_row_gives_per_layer_layouts(tkv_env, bundle_file):
         worker_layouts(cfg, 2, 5, 16, 2)
 
 
-def test_per_head_key_offset_refused_on_a_sharded_rank(tkv_env, bundle_file, tmp_path):
-    """A per-head key offset (2 KV heads) is served on a rank holding both heads; a TP rank
-    holding 1 head is refused by name (never centered with another head's mean); a shared
-    offset is fine on any rank."""
+def test_per_head_offsets_are_served_on_a_sharded_rank(tkv_env, bundle_file, tmp_path):
+    """A per-head key offset and per-head sink offsets (2 KV heads, tkv-calibrate's default
+    bundle form) on a TP rank holding 1 head: the rank's layouts are built (no refusal since
+    session 20) and its codec carries its own head's rows, never another head's."""
     import dataclasses
 
-    from tkv.codec import CalibrationBundle
+    import torch
+
+    from tkv.codec import CalibrationBundle, shard_kv_heads
 
     b = CalibrationBundle.load(bundle_file)
+    mu, sk, sv = torch.randn(2, 64), torch.randn(2, 64), torch.randn(2, 64)
+    flat = lambda t: tuple(t.flatten().tolist())
     layers = list(b.layers)
-    layers[2] = dataclasses.replace(layers[2], k_channel_offset=tuple([0.5] * (2 * 64)))
-    layers[0] = dataclasses.replace(layers[0], k_channel_offset=tuple([0.5] * 64))
+    layers[2] = dataclasses.replace(layers[2], k_channel_offset=flat(mu), k_sink_offset=flat(sk),
+                                    v_sink_offset=flat(sv))
+    layers[0] = dataclasses.replace(layers[0], k_channel_offset=flat(mu[0]))
     path = dataclasses.replace(b, layers=tuple(layers)).save(tmp_path / "ph.json")
     tkv_env("4.5", path)
     cfg = tkv_config(GEO)
-    assert len(worker_layouts(cfg, 0, 4, 16, 2)) == 4
-    assert len(worker_layouts(cfg, 0, 2, 16, 1)) == 2          # shared μ on layer 0: fine
-    with pytest.raises(UnsupportedFeatureError, match=r"per-head offsets .* for 2 KV heads"):
-        worker_layouts(cfg, 0, 4, 16, 1)
+    assert worker_layouts(cfg, 0, 4, 16, 1) == [SlotLayout(64, 1, kb, vb, 16)
+                                                for kb, vb in zip(MIXED_K, MIXED_V, strict=True)]
     assert cfg.codec(2).k.channel_offset.shape == (2, 64)
-    # per-head sink offsets (tkv-calibrate's default) next to a shared μ: refused the same way
-    layers[2] = dataclasses.replace(layers[2], k_channel_offset=tuple([0.5] * 64),
-                                    v_sink_offset=tuple([0.25] * (2 * 64)))
-    path = dataclasses.replace(b, layers=tuple(layers)).save(tmp_path / "sink.json")
-    tkv_env("4.5", path)
-    cfg = tkv_config(GEO)
-    assert len(worker_layouts(cfg, 0, 4, 16, 2)) == 4
-    with pytest.raises(UnsupportedFeatureError, match="no-sink-offset"):
-        worker_layouts(cfg, 0, 4, 16, 1)
+    for rank in (0, 1):
+        c = cfg.codec(2, shard=shard_kv_heads(2, 2, rank))
+        assert torch.equal(c.k.channel_offset, mu[rank:rank + 1])
+        assert torch.equal(c.k.sink_offset, sk[rank:rank + 1])
+        assert torch.equal(c.v.sink_offset, sv[rank:rank + 1])
+        assert torch.equal(cfg.codec(0, shard=shard_kv_heads(2, 2, rank)).k.channel_offset, mu[0])
 
 
 @pytest.mark.parametrize("page", [16, 32, 64, 128])

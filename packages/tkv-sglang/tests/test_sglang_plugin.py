@@ -598,19 +598,52 @@ def test_installed_sglang_reports_applied(sgl, capsys):
 
 @pytest.mark.parametrize(("tp", "heads"), [(2, 1), (4, 1)])
 def test_tensor_parallel_rank_holds_its_heads_share(sgl, fakes, tkv_env, bundle_file, monkeypatch,
-                                                   tp, heads):
-    """Per TP rank: SGLang's get_num_kv_heads(tp) heads per layer (replicated when tp > kv
-    heads); the bundle (whole-model geometry) still validates; bytes follow SlotLayout."""
+                                                   tmp_path, tp, heads):
+    """Per attention-TP rank: SGLang's get_num_kv_heads(tp) heads per layer (replicated when
+    tp > kv heads); the bundle (whole-model geometry) still validates; bytes follow
+    SlotLayout; a bundle's per-head offsets (key offset μ, sink offsets: tkv-calibrate's
+    default) are sliced to the rank's head — the rank stores exactly the bytes the
+    whole-model codec writes for that head (QKVParallelLinear's rule: rank r holds head
+    r // (tp / 2))."""
+    import dataclasses
+
     import sglang.srt.layers.dp_attention as dpa
 
+    from tkv.codec import CalibrationBundle, KvHeadShard
+
+    g = torch.Generator().manual_seed(11)
+    mu, sk, sv = (torch.randn(2, 64, generator=g) for _ in range(3))
+    flat = lambda t: tuple(t.flatten().tolist())
+    b = CalibrationBundle.load(bundle_file)
+    layers = tuple(dataclasses.replace(c, k_channel_offset=flat(mu), k_sink_offset=flat(sk),
+                                       v_sink_offset=flat(sv)) for c in b.layers)
+    path = dataclasses.replace(b, layers=layers).save(tmp_path / "ph.json")
     monkeypatch.setattr(dpa, "get_attention_tp_size", lambda: tp)
-    tkv_env("4.5", bundle_file)
-    r = _runner(sgl, fakes)
-    sgl.Mixin._init_pools(r)
     lays = [SlotLayout(64, heads, kb, vb, PAGE) for kb, vb in zip(MIXED_K, MIXED_V, strict=True)]
-    assert r.token_to_kv_pool.layouts == lays
-    conf = sgl.pool_configurator.create_memory_pool_configurator(r)
-    assert conf._cell_size == cell_size_bytes(lays)
+    k = torch.randn(PAGE, 2, 64, generator=g) * 2 + mu
+    v = torch.randn(PAGE, 2, 64, generator=g)
+    for rank in range(tp):
+        monkeypatch.setattr(dpa, "get_attention_tp_rank", lambda rank=rank: rank)
+        tkv_env("4.5", path)
+        r = _runner(sgl, fakes)
+        sgl.Mixin._init_pools(r)
+        pool = r.token_to_kv_pool
+        assert pool.layouts == lays
+        assert list(pool.shard.heads) == [rank // (tp // 2)]
+        conf = sgl.pool_configurator.create_memory_pool_configurator(r)
+        assert conf._cell_size == cell_size_bytes(lays)
+        h = pool.shard.first_head
+        full = pool.config.codec(2)          # whole-model codec: both heads
+        locs = torch.arange(PAGE, 2 * PAGE)
+        pool.set_kv_buffer(SimpleNamespace(layer_id=2), locs, k[:, h:h + 1], v[:, h:h + 1])
+        got = pool.paged.gather(2, locs)
+        kc, kn = full.compress_k(k)
+        vc, vn = full.compress_v(v)
+        assert torch.equal(got["k_codes"], kc[:, h:h + 1]) and torch.equal(got["k_norms"], kn[:, h:h + 1])
+        assert torch.equal(got["v_codes"], vc[:, h:h + 1]) and torch.equal(got["v_norms"], vn[:, h:h + 1])
+        # the other head's offsets would code these keys differently: the slice matters
+        other = pool.config.codec(2, shard=KvHeadShard(1, 1 - h, 1))
+        assert not torch.equal(other.compress_k(k[:, h:h + 1])[0], got["k_codes"])
 
 
 def test_plugin_installs_the_jit_log_from_env(sgl, tmp_path, monkeypatch):

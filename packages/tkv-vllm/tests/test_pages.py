@@ -1,4 +1,5 @@
-"""Page plan (per-layer vs common pages) and TP sharding: math equals tkv.codec.layout."""
+"""Page plan (per-layer vs common pages): math equals tkv.codec.layout (TP head sharding:
+tkv-codec's test_sharding.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from tkv.codec.bundle import LayerAllocation
 from tkv.codec.errors import ShapeError
 from tkv.codec.layout import ModelLayout, SlotLayout
 from tkv.vllm.pages import COMMON, PER_LAYER, plan_pages
-from tkv.vllm.sharding import shard_kv_heads
 
 MIX = LayerAllocation((4, 3, 8, 2, 5, 4), (3, 3, 4, 2, 6, 4), "smartmix")
 
@@ -51,23 +51,3 @@ def test_hybrid_with_uniform_widths_or_manager_off_has_no_loss():
 def test_empty_allocation_is_refused():
     with pytest.raises(ShapeError):
         plan_pages(LayerAllocation((), ()), 128, 8, [])
-
-
-@pytest.mark.parametrize(("h", "t"), [(8, 1), (8, 2), (8, 4), (8, 8), (2, 4), (1, 8), (4, 8)])
-def test_kv_head_shards_cover_the_heads(h, t):
-    shards = [shard_kv_heads(h, t, r) for r in range(t)]
-    covered = sorted({x for s in shards for x in s.heads})
-    assert covered == list(range(h))
-    assert all(s.num_local_heads == max(1, h // t) for s in shards)
-    assert all(s.replicas == max(1, t // h) for s in shards)
-    # per-rank pages add up to the whole model's page when heads are split
-    if h >= t:
-        whole = SlotLayout(128, h, 4, 3, 16).page_bytes
-        assert sum(SlotLayout(128, s.num_local_heads, 4, 3, 16).page_bytes
-                   for s in shards) == whole
-
-
-@pytest.mark.parametrize(("h", "t", "r"), [(6, 4, 0), (3, 2, 0), (8, 2, 2), (0, 1, 0)])
-def test_bad_sharding_is_refused(h, t, r):
-    with pytest.raises(ShapeError):
-        shard_kv_heads(h, t, r)

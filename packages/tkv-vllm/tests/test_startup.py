@@ -106,7 +106,7 @@ def test_per_head_key_offset_is_sliced_to_the_tp_rank(tmp_path):
     import torch
 
     from tkv.codec.bundle import CalibrationBundle
-    from tkv.vllm.sharding import shard_kv_heads
+    from tkv.codec.sharding import shard_kv_heads
 
     h, d = 4, 64
     b = CalibrationBundle.load(make_bundle(tmp_path / "b.json", num_kv_heads=h, head_dim=d))

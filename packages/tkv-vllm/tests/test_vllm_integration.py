@@ -331,7 +331,7 @@ def test_kv_head_shards_follow_vllms_own_rule(patched_vllm, h, t):
 
     from vllm.config import ModelConfig
 
-    from tkv.vllm.sharding import shard_kv_heads
+    from tkv.codec.sharding import shard_kv_heads
 
     mc = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: h)
     per_rank = ModelConfig.get_num_kv_heads(mc, SimpleNamespace(tensor_parallel_size=t))

@@ -10,7 +10,9 @@ Public API::
 Modules: :mod:`~tkv.codec.codec` (the codec), :mod:`~tkv.codec.rotation` (randomized WHT),
 :mod:`~tkv.codec.codebooks` (Lloyd-Max), :mod:`~tkv.codec.packing` (bit order),
 :mod:`~tkv.codec.layout` (bytes of the paged cache), :mod:`~tkv.codec.bundle` (calibration
-bundle), :mod:`~tkv.codec.errors` (named exceptions).
+bundle), :mod:`~tkv.codec.config` (``TKV_BITS`` / ``TKV_CALIBRATION_FILE``),
+:mod:`~tkv.codec.sharding` (KV heads of a tensor-parallel rank), :mod:`~tkv.codec.errors`
+(named exceptions).
 """
 
 from .bundle import (
@@ -42,6 +44,7 @@ from .errors import (
 from .layout import ModelLayout, SlotLayout, effective_bits_per_element
 from .packing import pack_codes, unpack_codes
 from .rotation import HadamardRotation
+from .sharding import KvHeadShard, shard_kv_heads
 
 __version__ = "0.1.0"
 
@@ -57,6 +60,7 @@ __all__ = [
     "DeviceMismatchError",
     "DtypeError",
     "HadamardRotation",
+    "KvHeadShard",
     "LayerAllocation",
     "LayerCalibration",
     "ModelGeometry",
@@ -78,5 +82,6 @@ __all__ = [
     "normalize_tkv_bits",
     "pack_codes",
     "resolve_allocation",
+    "shard_kv_heads",
     "unpack_codes",
 ]

@@ -24,7 +24,9 @@ import torch
 
 from .bundle import CalibrationBundle, LayerAllocation, normalize_tkv_bits, resolve_allocation
 from .codec import TurboKVCodec
+from .errors import BundleGeometryError
 from .layout import SlotLayout
+from .sharding import KvHeadShard
 
 __all__ = ["ENV_BITS", "ENV_CALIBRATION_FILE", "TkvConfig", "load_config"]
 
@@ -60,12 +62,27 @@ class TkvConfig:
         kb, vb = self.layer_bits(layer)
         return SlotLayout(self.head_dim, num_kv_heads or self.num_kv_heads, kb, vb, block_size)
 
-    def codec(self, layer: int, device: torch.device | str = "cpu", **kwargs) -> TurboKVCodec:
+    def codec(self, layer: int, device: torch.device | str = "cpu",
+              shard: KvHeadShard | None = None, **kwargs) -> TurboKVCodec:
         """The :class:`TurboKVCodec` of ``layer`` (bundle scales/codebooks if a bundle is set).
-        Hot paths should pass ``check_finite=False``."""
+        Hot paths should pass ``check_finite=False``.
+
+        ``shard``: the KV heads of this tensor-parallel rank (:func:`tkv.codec.shard_kv_heads`);
+        a bundle's per-head offsets (key offset μ, sink offsets; ``(num_kv_heads, head_dim)``)
+        are sliced to ``shard.heads``, so the codec's head ``h`` is the model's head
+        ``shard.first_head + h``. None: all ``num_kv_heads`` heads.
+
+        Raises:
+            BundleGeometryError: ``shard`` names heads outside the model's ``num_kv_heads``.
+        """
         kb, vb = self.layer_bits(layer)
+        if shard is not None and shard.first_head + shard.num_local_heads > self.num_kv_heads:
+            raise BundleGeometryError(
+                f"TP shard heads {list(shard.heads)} outside the model's {self.num_kv_heads} "
+                "KV heads")
         if self.bundle is not None:
-            return self.bundle.codec(layer, kb, vb, device, **kwargs)
+            heads = None if shard is None else shard.heads
+            return self.bundle.codec(layer, kb, vb, device, heads=heads, **kwargs)
         return TurboKVCodec(self.head_dim, k_bits=kb, v_bits=vb, device=device, **kwargs)
 
     def describe(self) -> str:

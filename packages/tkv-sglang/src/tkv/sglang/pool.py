@@ -20,7 +20,9 @@ import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.memory_pool import KVCache
 from tkv.codec.config import TkvConfig
+from tkv.codec.errors import ShapeError
 from tkv.codec.layout import SlotLayout
+from tkv.codec.sharding import KvHeadShard
 
 from .impl import select_impl
 from .paged_cache import TkvPagedCache
@@ -39,6 +41,11 @@ class TkvTokenToKVPool(KVCache):
         config: the validated :class:`~tkv.codec.config.TkvConfig`.
         layouts: SlotLayout of each layer this worker holds (``start_layer`` first).
         device, enable_memory_saver, start_layer: as for ``MHATokenToKVPool``.
+        shard: the KV heads of this attention-TP rank (:func:`tkv.sglang.factories.rank_shard`);
+            a bundle's per-head offsets are sliced to them. None: the model's heads, unsharded.
+
+    Raises:
+        ShapeError: ``shard`` holds another number of heads than ``layouts``.
 
     ``get_key_buffer(layer_id)`` and ``get_value_buffer(layer_id)`` both return the layer's
     uint8 ``(num_pages, page_bytes)`` page tensor (K and V share a page); read it through
@@ -47,10 +54,17 @@ class TkvTokenToKVPool(KVCache):
 
     def __init__(self, size: int, page_size: int, config: TkvConfig,
                  layouts: Sequence[SlotLayout], device: str | torch.device,
-                 enable_memory_saver: bool = False, start_layer: int = 0):
+                 enable_memory_saver: bool = False, start_layer: int = 0,
+                 shard: KvHeadShard | None = None):
+        heads = {lay.num_kv_heads for lay in layouts}
+        want = config.num_kv_heads if shard is None else shard.num_local_heads
+        if heads != {want}:
+            raise ShapeError(f"tkv (SGLang): layouts hold {sorted(heads)} KV heads, this rank "
+                             f"{want} ({'unsharded' if shard is None else list(shard.heads)})")
         super().__init__(size, page_size, torch.uint8, len(layouts), str(device),
                          enable_memory_saver, start_layer, start_layer + len(layouts) - 1)
         self.config = config
+        self.shard = shard
         self.layouts = list(layouts)
         self.impl = select_impl(device)
         num_pages = size // page_size + 1
@@ -76,13 +90,12 @@ class TkvTokenToKVPool(KVCache):
         return self.layouts[self._idx(layer_id)]
 
     def codec(self, layer_id: int):
-        """The layer's :class:`~tkv.codec.TurboKVCodec` on the pool's device (cached)."""
+        """The layer's :class:`~tkv.codec.TurboKVCodec` on the pool's device (cached), its
+        per-head offsets sliced to this rank's heads."""
         i = self._idx(layer_id)
         if i not in self._codecs:
-            from .cell_size import check_key_offset_heads
-
-            check_key_offset_heads(self.config, layer_id, self.layouts[i].num_kv_heads)
-            self._codecs[i] = self.config.codec(layer_id, self.device, check_finite=False)
+            self._codecs[i] = self.config.codec(layer_id, self.device, shard=self.shard,
+                                                check_finite=False)
         return self._codecs[i]
 
     def loader(self, layer_id: int):

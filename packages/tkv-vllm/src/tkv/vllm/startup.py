@@ -22,9 +22,9 @@ import torch
 from tkv.codec.codec import TurboKVCodec
 from tkv.codec.config import ENV_BITS, ENV_CALIBRATION_FILE, TkvConfig, load_config
 from tkv.codec.errors import UnsupportedFeatureError
+from tkv.codec.sharding import KvHeadShard, shard_kv_heads
 
 from .errors import UnsupportedModelError
-from .sharding import KvHeadShard, shard_kv_heads
 
 __all__ = ["check_model_supported", "layer_codec", "layer_index", "model_geometry",
            "tkv_config", "tp_shard"]

@@ -1,7 +1,9 @@
-"""Tensor-parallel sharding of the tkv KV cache.
+"""Tensor-parallel sharding of the tkv KV cache: which KV heads a rank holds.
 
-vLLM shards KV heads across TP ranks the way ``QKVParallelLinear`` does: with
-``H = total_num_kv_heads`` and ``T = tensor_parallel_size``,
+vLLM and SGLang shard KV heads across (attention) TP ranks the same way, in their
+``QKVParallelLinear`` (vLLM ``model_executor/layers/linear.py``, SGLang
+``srt/layers/linear.py``: ``num_kv_head_replicas`` and ``shard_id = tp_rank //
+num_kv_head_replicas``): with ``H = total_num_kv_heads`` and ``T`` the (attention) TP size,
 
 * ``H ≥ T`` (``H % T == 0``): rank ``r`` owns heads ``[r·H/T, (r+1)·H/T)``;
 * ``H < T`` (``T % H == 0``): every head is replicated on ``T/H`` ranks, rank ``r`` owns
@@ -9,16 +11,19 @@ vLLM shards KV heads across TP ranks the way ``QKVParallelLinear`` does: with
 
 The tkv cache of a rank is then the :class:`~tkv.codec.layout.SlotLayout` of its local
 heads. A layer's rotation, codebooks, channel scales and a shared key offset act on
-``head_dim`` and are shared by all heads, so every rank loads the same bundle entry; a
-per-head key offset ``(num_kv_heads, head_dim)`` is the one per-head tensor, sliced to
-:attr:`KvHeadShard.heads` (``startup.layer_codec``).
+``head_dim`` and are shared by all heads, so every rank loads the same bundle entry; the
+per-head offsets ``(num_kv_heads, head_dim)`` (key offset μ, sink offsets) are the only
+per-head tensors, sliced to
+:attr:`KvHeadShard.heads` (:meth:`tkv.codec.CalibrationBundle.codec`'s ``heads``;
+:meth:`tkv.codec.config.TkvConfig.codec`'s ``shard``). Engine-free: the adapters only ask
+their engine for the rank and size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tkv.codec.errors import ShapeError
+from .errors import ShapeError
 
 __all__ = ["KvHeadShard", "shard_kv_heads"]
 
@@ -44,10 +49,10 @@ class KvHeadShard:
 
 
 def shard_kv_heads(total_num_kv_heads: int, tp_size: int, tp_rank: int) -> KvHeadShard:
-    """The :class:`KvHeadShard` of ``tp_rank`` (vLLM's QKVParallelLinear rule, see module doc).
+    """The :class:`KvHeadShard` of ``tp_rank`` (the engines' QKVParallelLinear rule, see module doc).
 
     Raises:
-        ShapeError: non-positive sizes, rank out of range, or head counts that vLLM itself
+        ShapeError: non-positive sizes, rank out of range, or head counts that the engines
         cannot shard (neither ``H % T == 0`` nor ``T % H == 0``).
     """
     h, t, r = total_num_kv_heads, tp_size, tp_rank
