@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tkv.codec import (
+    BitWidthError,
     BundleGeometryError,
     CalibrationBundle,
     KvHeadShard,
@@ -79,6 +80,12 @@ def test_config_codec_slices_per_head_offsets_to_the_rank(tmp_path):
             assert torch.equal(cfg.codec(0, shard=s).k.channel_offset, shared[0])
     with pytest.raises(BundleGeometryError, match="outside"):
         cfg.codec(1, shard=KvHeadShard(2, 3, 1))
+    # served wider than the row (an engine's common pages): same offsets, the given widths
+    wide = cfg.codec(1, shard=shard_kv_heads(h, 2, 0), bits=(6, 5))
+    assert (wide.k.bits, wide.v.bits, cfg.codec(1).k.bits) == (6, 5, 4)
+    assert torch.equal(wide.k.channel_offset, mu[:2])
+    with pytest.raises(BitWidthError):
+        cfg.codec(1, bits=(9, 4))
     # without a bundle the shard only checks the heads
     with pytest.warns(UserWarning):
         plain = load_config(3, h, d, {})

@@ -63,7 +63,8 @@ class TkvConfig:
         return SlotLayout(self.head_dim, num_kv_heads or self.num_kv_heads, kb, vb, block_size)
 
     def codec(self, layer: int, device: torch.device | str = "cpu",
-              shard: KvHeadShard | None = None, **kwargs) -> TurboKVCodec:
+              shard: KvHeadShard | None = None, bits: tuple[int, int] | None = None,
+              **kwargs) -> TurboKVCodec:
         """The :class:`TurboKVCodec` of ``layer`` (bundle scales/codebooks if a bundle is set).
         Hot paths should pass ``check_finite=False``.
 
@@ -71,11 +72,14 @@ class TkvConfig:
         a bundle's per-head offsets (key offset μ, sink offsets; ``(num_kv_heads, head_dim)``)
         are sliced to ``shard.heads``, so the codec's head ``h`` is the model's head
         ``shard.first_head + h``. None: all ``num_kv_heads`` heads.
+        ``bits``: ``(k_bits, v_bits)`` to serve the layer at instead of its row's widths (an
+        engine that stores a layer wider than allocated, e.g. vLLM's common pages).
 
         Raises:
             BundleGeometryError: ``shard`` names heads outside the model's ``num_kv_heads``.
+            BitWidthError: ``bits`` outside 2..8.
         """
-        kb, vb = self.layer_bits(layer)
+        kb, vb = self.layer_bits(layer) if bits is None else bits
         if shard is not None and shard.first_head + shard.num_local_heads > self.num_kv_heads:
             raise BundleGeometryError(
                 f"TP shard heads {list(shard.heads)} outside the model's {self.num_kv_heads} "

@@ -21,7 +21,6 @@ import torch
 
 from tkv.codec.codec import TurboKVCodec
 from tkv.codec.config import ENV_BITS, ENV_CALIBRATION_FILE, TkvConfig, load_config
-from tkv.codec.errors import UnsupportedFeatureError
 from tkv.codec.sharding import KvHeadShard, shard_kv_heads
 
 from .errors import UnsupportedModelError
@@ -121,25 +120,17 @@ def layer_index(layer_name: str, num_layers: int) -> int:
 
 def layer_codec(config: TkvConfig, layer: int, k_bits: int, v_bits: int,
                 device: torch.device | str, shard: KvHeadShard | None = None) -> TurboKVCodec:
-    """The codec of ``layer`` at the widths it is served at (the bundle's channel scales,
-    codebooks and seed when a bundle is set; Gaussian codebooks otherwise).
+    """The codec of ``layer`` at the widths it is served at (the page plan's, which may be
+    wider than the row's in common-page mode): :meth:`TkvConfig.codec` with ``bits`` — the
+    bundle's channel scales, codebooks and seed when a bundle is set, Gaussian codebooks
+    otherwise.
 
-    ``shard``: this TP rank's KV heads. A bundle's per-head key offset μ ``(H, head_dim)`` is
-    sliced to ``shard.heads`` (replicated heads when ``H < T`` included), so the rank's
-    kernels center head h with μ[first_head + h]; a shared ``(head_dim,)`` μ is unaffected.
+    ``shard``: this TP rank's KV heads. A bundle's per-head offsets (key offset μ, sink
+    offsets; ``(H, head_dim)``) are sliced to ``shard.heads`` (replicated heads when ``H < T``
+    included), so the rank's kernels center head h with μ[first_head + h]; shared
+    ``(head_dim,)`` offsets are unaffected. None: all of the model's heads.
 
     Raises:
-        UnsupportedFeatureError: a per-head μ with no ``shard`` while the bundle holds more
-        KV heads than one rank could serve unsharded is not guessed at — pass the shard.
+        BundleGeometryError: a shard outside the model's KV heads. BitWidthError.
     """
-    if config.bundle is not None:
-        heads = None if shard is None else shard.heads
-        codec = config.bundle.codec(layer, k_bits, v_bits, device, heads=heads,
-                                    check_finite=False)
-        if shard is None and codec.k.offset_heads not in (None, config.num_kv_heads):
-            raise UnsupportedFeatureError(
-                f"tkv: layer {layer}'s per-head key offset holds {codec.k.offset_heads} KV "
-                f"heads, the model {config.num_kv_heads}")
-        return codec
-    return TurboKVCodec(config.head_dim, k_bits=k_bits, v_bits=v_bits, device=device,
-                        check_finite=False)
+    return config.codec(layer, device, shard=shard, bits=(k_bits, v_bits), check_finite=False)
