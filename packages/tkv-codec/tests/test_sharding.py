@@ -8,7 +8,6 @@ import torch
 
 from tkv.codec import (
     BitWidthError,
-    BundleGeometryError,
     CalibrationBundle,
     KvHeadShard,
     LayerAllocation,
@@ -47,8 +46,8 @@ def test_bad_sharding_is_refused(h, t, r):
 def test_config_codec_slices_per_head_offsets_to_the_rank(tmp_path):
     """TkvConfig.codec(layer, shard=...): a rank's codec carries the rows of its heads for the
     per-head key offset and sink offsets (replicated heads included) and codes its heads
-    exactly as the whole-model codec codes them; shared offsets are untouched; a shard beyond
-    the model's heads is refused by name."""
+    exactly as the whole-model codec codes them; shared offsets are untouched; an empty shard
+    or one beyond the model's heads is refused by name."""
     h, d = 4, 64
     g = torch.Generator().manual_seed(1)
     mu, sk, sv, shared = (torch.randn(h, d, generator=g) for _ in range(4))
@@ -78,8 +77,9 @@ def test_config_codec_slices_per_head_offsets_to_the_rank(tmp_path):
             assert torch.equal(rv, pv[:, idx]) and torch.equal(rnv, nv[:, idx])
             # layer 0's shared (head_dim,) μ is the same on every rank
             assert torch.equal(cfg.codec(0, shard=s).k.channel_offset, shared[0])
-    with pytest.raises(BundleGeometryError, match="outside"):
-        cfg.codec(1, shard=KvHeadShard(2, 3, 1))
+    for bad in (KvHeadShard(2, 3, 1), KvHeadShard(0, 0, 1), KvHeadShard(1, -1, 1)):
+        with pytest.raises(ShapeError, match="inside the model"):
+            cfg.codec(1, shard=bad)
     # served wider than the row (an engine's common pages): same offsets, the given widths
     wide = cfg.codec(1, shard=shard_kv_heads(h, 2, 0), bits=(6, 5))
     assert (wide.k.bits, wide.v.bits, cfg.codec(1).k.bits) == (6, 5, 4)
@@ -90,5 +90,5 @@ def test_config_codec_slices_per_head_offsets_to_the_rank(tmp_path):
     with pytest.warns(UserWarning):
         plain = load_config(3, h, d, {})
     assert plain.codec(1, shard=shard_kv_heads(h, 2, 1)).k.channel_offset is None
-    with pytest.raises(BundleGeometryError, match="outside"):
+    with pytest.raises(ShapeError, match="inside the model"):
         plain.codec(1, shard=KvHeadShard(1, h, 1))

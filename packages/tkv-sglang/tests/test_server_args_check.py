@@ -31,6 +31,8 @@ def test_page_size_must_be_a_multiple_of_16(fakes, page):
     ({"enable_lmcache": True}, "lmcache"),
     ({"enable_hisparse": True}, "hisparse"),
     ({"disaggregation_mode": "prefill"}, "disaggregation"),
+    ({"attn_cp_size": 2}, "context parallelism"),
+    ({"enable_prefill_context_parallel": True}, "context parallelism"),
 ])
 def test_unsupported_features_are_refused(fakes, kw, match):
     with pytest.raises(UnsupportedFeatureError, match=match):

@@ -646,6 +646,67 @@ def test_tensor_parallel_rank_holds_its_heads_share(sgl, fakes, tkv_env, bundle_
         assert not torch.equal(other.compress_k(k[:, h:h + 1])[0], got["k_codes"])
 
 
+@pytest.mark.parametrize(("h", "t"), [(8, 1), (8, 2), (8, 4), (8, 8), (2, 4), (1, 8), (4, 8),
+                                    (2, 2), (4, 16)])
+def test_kv_head_rule_is_sglangs_qkv_parallel_linear(sgl, h, t):
+    """tkv.codec.shard_kv_heads and loaded_kv_shard agree with the heads SGLang's own
+    QKVParallelLinear loads on every rank: a k weight whose rows hold their head index goes
+    through its weight_loader, and the rank's k slice holds exactly the shard's heads."""
+    from sglang.srt.layers.linear import QKVParallelLinear
+
+    from tkv.codec import shard_kv_heads
+    from tkv.sglang.factories import loaded_kv_shard
+
+    d, hq, hidden = 4, 16, 8
+    w = torch.arange(h).repeat_interleave(d).float()[:, None].expand(h * d, hidden).contiguous()
+    for r in range(t):
+        m = QKVParallelLinear(hidden, d, hq, h, bias=False, tp_rank=r, tp_size=t)
+        m.weight_loader(m.weight, w, "k")
+        k_rows = m.weight.data[m.num_heads * d:(m.num_heads + m.num_kv_heads) * d, 0]
+        s = shard_kv_heads(h, t, r)
+        assert sorted(set(k_rows.long().tolist())) == list(s.heads)
+        assert loaded_kv_shard(torch.nn.Sequential(torch.nn.Identity(), m)) == s
+
+
+def test_rank_shard_refuses_a_model_sharded_over_another_group(sgl, fakes, monkeypatch):
+    """Under DP attention a Llama-style model shards attention over the plain TP group while
+    SGLang sizes the pool with the attention-TP group: a rank whose loaded KV heads are not
+    the attention-TP shard is refused by name, never served with another head's offsets."""
+    import sglang.srt.layers.dp_attention as dpa
+    from sglang.srt.layers.linear import QKVParallelLinear
+
+    from tkv.sglang.factories import rank_shard
+
+    monkeypatch.setattr(dpa, "get_attention_tp_size", lambda: 2)
+    monkeypatch.setattr(dpa, "get_attention_tp_rank", lambda: 1)
+    r = _runner(sgl, fakes)                       # 2 KV heads: attention-TP rank 1 holds head 1
+    assert list(rank_shard(r).heads) == [1]       # no model loaded yet: the rule alone
+    r.model = torch.nn.Sequential(QKVParallelLinear(8, 64, 4, 2, bias=False, tp_rank=1, tp_size=2))
+    assert list(rank_shard(r).heads) == [1]
+    # plain TP 4 (rank 1 → head 0) while attention TP is 2 (rank 1 → head 1)
+    r.model = torch.nn.Sequential(QKVParallelLinear(8, 64, 4, 2, bias=False, tp_rank=1, tp_size=4))
+    with pytest.raises(UnsupportedFeatureError, match=r"loaded KV heads \[0\].*gives \[1\]"):
+        rank_shard(r)
+
+
+def test_pool_refuses_layouts_of_another_head_count(sgl, tkv_env, bundle_file):
+    """The pool's layouts must hold the rank's heads (the shard's, or the model's unsharded)."""
+    from tkv.codec import KvHeadShard, ShapeError
+    from tkv.sglang.config import tkv_config
+    from tkv.sglang.geometry import AttentionGeometry
+    from tkv.sglang.pool import TkvTokenToKVPool
+
+    tkv_env("4.5", bundle_file)
+    cfg = tkv_config(AttentionGeometry(4, 2, 64))
+    two = [cfg.slot_layout(i, PAGE) for i in range(4)]
+    one = [cfg.slot_layout(i, PAGE, 1) for i in range(4)]
+    with pytest.raises(ShapeError, match=r"layouts hold \[1\] KV heads, this rank 2"):
+        TkvTokenToKVPool(4 * PAGE, PAGE, cfg, one, "cpu")
+    with pytest.raises(ShapeError, match=r"layouts hold \[2\] KV heads, this rank 1"):
+        TkvTokenToKVPool(4 * PAGE, PAGE, cfg, two, "cpu", shard=KvHeadShard(1, 1, 1))
+    assert TkvTokenToKVPool(4 * PAGE, PAGE, cfg, one, "cpu", shard=KvHeadShard(1, 1, 1)).shard.first_head == 1
+
+
 def test_plugin_installs_the_jit_log_from_env(sgl, tmp_path, monkeypatch):
     """TKV_JIT_LOG: the plugin logs the process's Triton JIT events (tkv.kernels.jit_log)."""
     from tkv.kernels.testing import check_register_installs_jit_log

@@ -485,9 +485,9 @@ class CalibrationBundle:
         """A :class:`~tkv.codec.TurboKVCodec` for ``layer`` at the given widths, with this bundle's
         channel scales, fitted codebooks (Gaussian where none was fitted) and seed.
 
-        ``heads``: global KV-head indices this codec serves (e.g. a TP rank's ``range``); a
-        per-head key offset is sliced to those rows (a shared one is unaffected). None: all
-        ``num_kv_heads`` heads.
+        ``heads``: global KV-head indices this codec serves (e.g. a TP rank's ``range``); the
+        per-head offsets (key offset, sink offsets) are sliced to those rows (shared ones are
+        unaffected). None: all ``num_kv_heads`` heads.
 
         Raises:
             IndexError: layer out of range. BundleGeometryError: a head index outside the

@@ -24,7 +24,7 @@ import torch
 
 from .bundle import CalibrationBundle, LayerAllocation, normalize_tkv_bits, resolve_allocation
 from .codec import TurboKVCodec
-from .errors import BundleGeometryError
+from .errors import ShapeError
 from .layout import SlotLayout
 from .sharding import KvHeadShard
 
@@ -76,14 +76,14 @@ class TkvConfig:
         engine that stores a layer wider than allocated, e.g. vLLM's common pages).
 
         Raises:
-            BundleGeometryError: ``shard`` names heads outside the model's ``num_kv_heads``.
+            ShapeError: ``shard`` is empty or names heads outside the model's ``num_kv_heads``.
             BitWidthError: ``bits`` outside 2..8.
         """
         kb, vb = self.layer_bits(layer) if bits is None else bits
-        if shard is not None and shard.first_head + shard.num_local_heads > self.num_kv_heads:
-            raise BundleGeometryError(
-                f"TP shard heads {list(shard.heads)} outside the model's {self.num_kv_heads} "
-                "KV heads")
+        if shard is not None and (shard.num_local_heads < 1 or shard.first_head < 0 or
+                                  shard.first_head + shard.num_local_heads > self.num_kv_heads):
+            raise ShapeError(f"TP shard heads {list(shard.heads)} are not a non-empty range "
+                             f"inside the model's {self.num_kv_heads} KV heads")
         if self.bundle is not None:
             heads = None if shard is None else shard.heads
             return self.bundle.codec(layer, kb, vb, device, heads=heads, **kwargs)

@@ -7,7 +7,6 @@ per-layer SlotLayouts, so the profiled token budget and the allocation agree to 
 from __future__ import annotations
 
 from tkv.codec.config import TkvConfig
-from tkv.codec.errors import ShapeError
 from tkv.codec.layout import SlotLayout
 from tkv.codec.sharding import KvHeadShard, shard_kv_heads
 
@@ -16,28 +15,61 @@ from .config import tkv_config
 from .errors import UnsupportedFeatureError
 from .geometry import geometry_from_model_config
 
-__all__ = ["cell_size", "create_pool", "rank_shard", "runner_layouts"]
+__all__ = ["cell_size", "create_pool", "loaded_kv_shard", "rank_shard", "runner_layouts"]
 
 
 def rank_shard(runner) -> KvHeadShard:
-    """The KV heads this worker's attention-TP rank holds: SGLang's models pass
-    ``attn_tp_rank`` / ``attn_tp_size`` to ``QKVParallelLinear``, whose rule
-    :func:`tkv.codec.shard_kv_heads` restates (replication when TP > KV heads included).
+    """The KV heads this worker's attention-TP rank holds.
+
+    :func:`tkv.codec.shard_kv_heads` over SGLang's attention TP (``attn_tp_size`` /
+    ``attn_tp_rank``; the rule of SGLang's ``QKVParallelLinear``, replication when TP > KV
+    heads included) — the group SGLang sizes its KV pool with. Models do not all shard over
+    that group (Qwen3 passes the attention-TP rank to ``QKVParallelLinear``, Llama and Qwen2 the
+    plain TP rank; they differ under ``--enable-dp-attention``), so when the runner's model is
+    loaded the shard is checked against the heads its first ``QKVParallelLinear`` actually
+    loaded: a mismatch would code the rank's heads with another head's per-head offsets.
 
     Raises:
-        ShapeError: head counts SGLang cannot shard, or a shard size that disagrees with
-            ``ModelConfig.get_num_kv_heads`` (the heads SGLang gives this rank's attention).
+        ShapeError: head counts SGLang cannot shard.
+        UnsupportedFeatureError: the loaded model's KV heads on this rank are not the
+            attention-TP shard.
     """
     from sglang.srt.layers.dp_attention import get_attention_tp_rank, get_attention_tp_size
 
     tp = int(get_attention_tp_size())
     rank = int(get_attention_tp_rank()) if tp > 1 else 0
     shard = shard_kv_heads(int(runner.model_config.get_total_num_kv_heads()), tp, rank)
-    local = int(runner.model_config.get_num_kv_heads(tp))
-    if shard.num_local_heads != local:
-        raise ShapeError(f"tkv (SGLang): attention-TP rank {rank}/{tp} holds {local} KV heads, "
-                         f"the QKVParallelLinear rule gives {shard.num_local_heads}")
+    loaded = loaded_kv_shard(getattr(runner, "model", None))
+    if loaded is not None and loaded != shard:
+        raise UnsupportedFeatureError(
+            f"tkv (SGLang): this rank's model loaded KV heads {list(loaded.heads)} "
+            f"(its QKVParallelLinear), the attention-TP rank {rank}/{tp} that sizes the KV "
+            f"pool gives {list(shard.heads)} — a model that shards "
+            "attention over the plain TP group under --enable-dp-attention; not supported")
     return shard
+
+
+def _first_qkv(model):
+    if model is None or not hasattr(model, "modules"):
+        return None
+    for m in model.modules():
+        if all(hasattr(m, a) for a in ("total_num_kv_heads", "num_kv_heads",
+                                       "num_kv_head_replicas", "tp_rank", "tp_size")):
+            return m
+    return None
+
+
+def loaded_kv_shard(model) -> KvHeadShard | None:
+    """The KV heads the first ``QKVParallelLinear``-like module of ``model`` (attributes
+    ``total_num_kv_heads``, ``num_kv_heads``, ``num_kv_head_replicas``, ``tp_rank``,
+    ``tp_size``) loaded: k/v shard ``tp_rank // num_kv_head_replicas`` of ``num_kv_heads``
+    heads (SGLang ``srt/layers/linear.py``, ``QKVParallelLinear.weight_loader``). None when
+    ``model`` is None or has no such module."""
+    m = _first_qkv(model)
+    if m is None:
+        return None
+    n, rep = int(m.num_kv_heads), int(m.num_kv_head_replicas)
+    return KvHeadShard(n, (int(m.tp_rank) // rep) * n, rep)
 
 
 def runner_layouts(runner, num_layers: int | None = None,

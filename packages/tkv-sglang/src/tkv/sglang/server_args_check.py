@@ -28,7 +28,8 @@ def check_server_args(server_args, *, validate_model: bool = True) -> None:
 
     Raises:
         UnsupportedFeatureError: page_size not a multiple of 16, speculative decoding,
-            hierarchical cache / LMCache / HiSparse offload, PD disaggregation, or a model
+            hierarchical cache / LMCache / HiSparse offload, PD disaggregation, context
+            parallelism, or a model
             kind refused by :func:`~tkv.sglang.geometry.geometry_from_model_config`.
         TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
         BudgetRowMissingError: bad tkv configuration (tkv.codec.config).
@@ -62,6 +63,11 @@ def check_server_args(server_args, *, validate_model: bool = True) -> None:
         (getattr(server_args, "enable_hisparse", False), "--enable-hisparse"),
         (getattr(server_args, "disaggregation_mode", "null") not in (None, "null"),
          "PD disaggregation (--disaggregation-mode): the transfer of packed pages is untested"),
+        ((getattr(server_args, "attn_cp_size", 1) or 1) > 1
+         or getattr(server_args, "enable_prefill_context_parallel", False),
+         "context parallelism (--attn-cp-size > 1 / --enable-prefill-context-parallel): "
+         "SGLang stores a context-parallel KV cache through an all-gather path the tkv pool "
+         "does not implement"),
     ]
     for bad, what in refused:
         if bad:

@@ -131,6 +131,6 @@ def layer_codec(config: TkvConfig, layer: int, k_bits: int, v_bits: int,
     ``(head_dim,)`` offsets are unaffected. None: all of the model's heads.
 
     Raises:
-        BundleGeometryError: a shard outside the model's KV heads. BitWidthError.
+        ShapeError: a shard outside the model's KV heads. BitWidthError.
     """
     return config.codec(layer, device, shard=shard, bits=(k_bits, v_bits), check_finite=False)
