@@ -158,8 +158,64 @@ def worker(a: argparse.Namespace) -> None:
                              sampling_params={**sp, "max_new_tokens": 1})
 
             res["throughput"][str(n)] = timed_repeats(n, OUTPUT_LEN, full, prefill, a.repeats)
+        if a.profile:
+            n = max(a.batches)
+            res["profile"] = profile_decode(
+                llm, lambda: random_prompt_ids(rng, n, PROMPT_LEN), a.profile,
+                Path(a.result).with_suffix(".profile.md"))
     Path(a.result).write_text(json.dumps(res, indent=1))
     llm.shutdown()
+
+
+def profile_decode(llm, make_ids, steps: int, path: Path) -> dict:
+    """One decode step's kernels in SGLang as it serves, computed like ``vllm_e2e.py
+    --profile`` (:mod:`kernel_trace`): ``make_ids()`` (a fresh batch of prompt ids) generated
+    with ``steps`` and ``2·steps`` greedy tokens, unprofiled (wall ms of one decode step: the
+    difference / ``steps``) and under SGLang's own profiler (``Engine.start_profile``: the
+    scheduler process's torch.profiler, GPU activity only, chrome traces into a temporary
+    folder; one decode step's kernels: the difference of the two traces / ``steps``). Writes
+    ``path`` (markdown) and returns :func:`kernel_trace.step_summary` with the
+    ``decode_kernels`` rows.
+
+    Raises:
+        RuntimeError: SGLang wrote no trace."""
+    import tempfile
+
+    import kernel_trace as kt
+
+    runs = {"short": steps, "long": 2 * steps}
+
+    def params(t):
+        return {"max_new_tokens": t, "temperature": 0.0, "ignore_eos": True}
+
+    walls = {}
+    for key, t in runs.items():
+        ids = make_ids()
+        t0 = time.perf_counter()
+        llm.generate(input_ids=ids, sampling_params=params(t))
+        walls[key] = time.perf_counter() - t0
+    totals = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, t in runs.items():
+            d = Path(tmp) / key
+            d.mkdir()
+            ids = make_ids()
+            llm.start_profile(output_dir=str(d), activities=["GPU"], with_stack=False,
+                              record_shapes=False)
+            llm.generate(input_ids=ids, sampling_params=params(t))
+            llm.stop_profile()
+            traces = sorted(d.glob("*.trace.json*"))
+            if not traces:
+                raise RuntimeError(f"SGLang's profiler wrote no trace into {d}")
+            totals[key] = kt.kernel_totals(traces[0])
+    rows = kt.decode_step_kernels(totals["short"], totals["long"], steps)
+    summary = kt.step_summary(rows, 1e3 * (walls["long"] - walls["short"]) / steps)
+    path.write_text(f"# one decode step ({2 * steps}-token run minus {steps}-token run, per "
+                    f"step), {len(make_ids())} prompts of {PROMPT_LEN} tokens\n\n{summary}\n\n"
+                    + kt.table(rows) + "\n")
+    return {"prompts": len(make_ids()), "tokens": steps,
+            "seconds": {k: round(v, 4) for k, v in walls.items()}, "table": path.name,
+            **summary, "decode_kernels": rows[:60]}
 
 
 def radix_check(llm, greedy: dict) -> dict:
@@ -246,6 +302,8 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
         cmd.append("--greedy-only")
     if o.eager:
         cmd.append("--eager")
+    if getattr(o, "profile", 0) and not greedy_only:
+        cmd += ["--profile", str(o.profile)]
     env = {**tkv_env(mode, bits, bundle), "PYTHONUNBUFFERED": "1", **fresh_jit_log(out, tag)}
     log = out / f"{tag}.log"
     print(f"== {tag}: TKV_BITS={env.get('TKV_BITS', '-')} {' '.join(cmd[2:])}", flush=True)
@@ -472,6 +530,11 @@ def main(argv: list[str] | None = None) -> None:
             a.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
             a.add_argument("--serve", action="store_true",
                            help="finish with serve-check on the first real model")
+            a.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                           help="after the throughput runs, the largest batch × TOKENS and "
+                           "× 2·TOKENS tokens, unprofiled and under SGLang's profiler: one "
+                           "decode step's kernels (2T − T, kernel_trace.py; wall vs device "
+                           "ms), next to each throughput run's JSON (0: off)")
     w = sub.add_parser("worker")
     w.add_argument("--model", required=True)
     w.add_argument("--mode", choices=("bf16", "tkv"), required=True)
@@ -484,6 +547,9 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--greedy-only", action="store_true")
     w.add_argument("--eager", action="store_true")
     w.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
+    w.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                   help="profile_decode over the largest batch, TOKENS and 2·TOKENS tokens "
+                   "(0: off)")
     o = p.parse_args(argv)
     {"all": run_all, "smoke": smoke, "serve-check": serve_check, "worker": worker}[o.cmd](o)
 

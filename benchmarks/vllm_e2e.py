@@ -555,8 +555,8 @@ def worker(args: argparse.Namespace) -> None:
             n = max(args.batches)
             res["profile"] = profile_decode(
                 llm, lambda: random_batch(n),
-                SamplingParams(temperature=0.0, max_tokens=args.profile, ignore_eos=True,
-                               **detok), Path(args.result).with_suffix(".profile.txt"))
+                lambda t: SamplingParams(temperature=0.0, max_tokens=t, ignore_eos=True, **detok),
+                args.profile, Path(args.result).with_suffix(".profile.txt"))
         if args.long_prompt and args.max_model_len >= args.long_prompt + 256:
             def long():
                 return [TokensPrompt(prompt_token_ids=random_prompt_ids(
@@ -565,42 +565,78 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.result).write_text(json.dumps(res, indent=1))
 
 
-def profile_decode(llm, make_prompts, params, path: Path) -> dict:
-    """torch.profiler (CPU + CUDA) over one ``llm.generate(make_prompts(), params)`` after an
-    unprofiled one of the same shape (fresh prompts each: no prefix-cache hits, and no
-    compile lands in the profile). Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-    set by the worker's ``--profile``). Writes ``path``: the operator table sorted by self
-    CPU time and by device time (top 40 each). Returns the wall seconds of both calls, the
-    profiled steps' count of CUDA-graph launches and kernel launches, and the device time of
-    the kernels in total and per generated token step."""
+def _kernel_trace():
+    """``benchmarks/kernel_trace.py`` (this script's folder is not a package)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import kernel_trace
+
+    return kernel_trace
+
+
+def profile_decode(llm, make_prompts, make_params, steps: int, path: Path) -> dict:
+    """Where a decode step's time goes, in the engine as it serves (``llm``, engine core in
+    this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the worker's ``--profile``).
+
+    ``make_prompts()``: a fresh batch (no prefix-cache hits); ``make_params(tokens)``: its
+    greedy ``SamplingParams``. Generates ``steps`` and ``2·steps`` tokens twice each: unprofiled
+    (the wall time of one decode step is the difference / ``steps``) and under torch.profiler
+    (CPU + CUDA; the kernels of one decode step are the difference of the two traces,
+    :mod:`kernel_trace`, the same method as ``sglang_e2e.py --profile``). Writes ``path``: the
+    operator tables of the ``steps`` run sorted by self CPU time and by device time (top 40
+    each), then the decode-step kernel table. Returns the wall seconds, the ``steps`` run's
+    CUDA-graph and kernel launches and device time, and :func:`kernel_trace.step_summary` of
+    one decode step (device vs wall ms: ``gpu_busy``) with its ``decode_kernels`` rows."""
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
-    steps = params.max_tokens
-    prompts = make_prompts()
-    t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    plain_s = time.perf_counter() - t
-    prompts = make_prompts()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        prof_s = time.perf_counter() - t
-    ka = prof.key_averages()
-    count = {e.key: e.count for e in ka}
-    dev = sum(getattr(e, "self_device_time_total", 0) for e in ka)
+    kt = _kernel_trace()
+
+    runs = {"short": steps, "long": 2 * steps}
+    walls = {}
+    for key, t in runs.items():
+        prompts = make_prompts()
+        t0 = time.perf_counter()
+        llm.generate(prompts, make_params(t), use_tqdm=False)
+        walls[key] = time.perf_counter() - t0
+    totals, head = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, t in runs.items():
+            prompts = make_prompts()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                         acc_events=True) as prof:
+                t0 = time.perf_counter()
+                llm.generate(prompts, make_params(t), use_tqdm=False)
+                prof_s = time.perf_counter() - t0
+            trace = Path(tmp) / f"{key}.json"
+            prof.export_chrome_trace(str(trace))
+            totals[key] = kt.kernel_totals(trace)
+            if key == "short":
+                ka = prof.key_averages()
+                count = {e.key: e.count for e in ka}
+                dev = sum(getattr(e, "self_device_time_total", 0) for e in ka)
+                head = {"seconds_profiled": round(prof_s, 4),
+                        "cuda_graph_launches": count.get("cudaGraphLaunch", 0),
+                        "kernel_launches": count.get("cudaLaunchKernel", 0)
+                        + count.get("cuLaunchKernel", 0) + count.get("cuLaunchKernelEx", 0),
+                        "device_ms": round(dev / 1e3, 3),
+                        "device_ms_per_step": round(dev / 1e3 / steps, 3)}
+                tables = (ka.table(sort_by="self_cpu_time_total", row_limit=40,
+                                   max_name_column_width=90),
+                          ka.table(sort_by="self_device_time_total", row_limit=40,
+                                   max_name_column_width=90))
+    rows = kt.decode_step_kernels(totals["short"], totals["long"], steps)
+    summary = kt.step_summary(rows, 1e3 * (walls["long"] - walls["short"]) / steps)
     path.write_text(
-        f"# {len(prompts)} prompts x {steps} tokens: {plain_s:.3f} s unprofiled, "
-        f"{prof_s:.3f} s profiled\n\n## by self CPU time\n"
-        + ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90)
-        + "\n\n## by device time\n"
-        + ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
-    return {"prompts": len(prompts), "tokens": steps, "seconds": round(plain_s, 4),
-            "seconds_profiled": round(prof_s, 4),
-            "cuda_graph_launches": count.get("cudaGraphLaunch", 0),
-            "kernel_launches": count.get("cudaLaunchKernel", 0)
-            + count.get("cuLaunchKernel", 0) + count.get("cuLaunchKernelEx", 0),
-            "device_ms": round(dev / 1e3, 3), "device_ms_per_step": round(dev / 1e3 / steps, 3),
-            "table": path.name}
+        f"# {len(make_prompts())} prompts x {steps} tokens: {walls['short']:.3f} s unprofiled, "
+        f"{head['seconds_profiled']:.3f} s profiled\n\n## by self CPU time\n" + tables[0]
+        + "\n\n## by device time\n" + tables[1]
+        + f"\n\n## one decode step ({2 * steps}-token run minus {steps}-token run, per step)\n\n"
+        + f"{summary}\n\n" + kt.table(rows) + "\n")
+    return {"prompts": len(make_prompts()), "tokens": steps, "seconds": round(walls["short"], 4),
+            **head, "table": path.name, **summary, "decode_kernels": rows[:60]}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -1411,10 +1447,12 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--bundle", default=None, help="calibration bundle (default: uniform)")
             a.add_argument("--batches", type=int, nargs="+", default=[64, 256])
             a.add_argument("--profile", type=int, default=0, metavar="TOKENS",
-                           help="after the throughput runs, torch.profiler over one "
-                           "generate of the largest batch × TOKENS tokens, engine core "
-                           "in-process (every run of the job: timings then include the "
-                           "front end's host work too); table next to each run's JSON")
+                           help="after the throughput runs, the largest batch × TOKENS "
+                           "and × 2·TOKENS tokens, unprofiled and under torch.profiler: "
+                           "operator tables and one decode step's kernels (2T − T, "
+                           "kernel_trace.py; wall vs device ms), engine core in-process "
+                           "(every run of the job: timings then include the front end's "
+                           "host work too); table next to each run's JSON")
             a.add_argument("--long-prompt", type=int, default=32768)
             a.add_argument("--long-max-model-len", type=int, default=33280)
             a.add_argument("--long-real", action="store_true",
@@ -1474,7 +1512,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--block-size", type=int, default=0,
                    help="the engine's block_size (0: vLLM's default)")
     w.add_argument("--profile", type=int, default=0, metavar="TOKENS",
-                   help="profile_decode over the largest batch × TOKENS tokens (0: off)")
+                   help="profile_decode over the largest batch, TOKENS and 2·TOKENS tokens "
+                   "(0: off)")
     args = p.parse_args(argv)
     rc = {"all": run_all, "smoke": smoke, "tp": run_tp, "serve-check": serve_check,
           "worker": worker, "write-checkpoint": write_checkpoint_cmd,

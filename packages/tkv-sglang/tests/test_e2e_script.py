@@ -155,3 +155,62 @@ def test_fa3_baseline_runs_without_piecewise_prefill_graphs(e2e, mode, backend, 
     kw = e2e.engine_kwargs(a)
     assert kw.get("disable_piecewise_cuda_graph", False) is no_piecewise
     assert kw["attention_backend"] == ("turbo-attn" if mode == "tkv" else backend)
+
+
+def test_profile_decode_diffs_sglangs_two_traces(e2e, tmp_path):
+    """sglang_e2e's profile_decode with a stand-in Engine whose start/stop_profile write a
+    chrome trace of the generate in between: one decode step's kernels are the difference of
+    the 2·T- and T-token traces divided by T (prefill kernels cancel), written and returned."""
+    import gzip
+
+    class FakeEngine:
+        def __init__(self):
+            self.dir, self.calls = None, []
+
+        def start_profile(self, output_dir, activities, with_stack, record_shapes):
+            assert activities == ["GPU"] and with_stack is False
+            self.dir = Path(output_dir)
+
+        def generate(self, input_ids, sampling_params):
+            t = sampling_params["max_new_tokens"]
+            self.calls.append((len(input_ids), t, self.dir is not None))
+            if self.dir is not None:
+                ev = ([{"ph": "X", "cat": "kernel", "name": "_decode_split_kernel", "dur": 5.0}]
+                      * (36 * t) + [{"ph": "X", "cat": "kernel", "name": "prefill", "dur": 50.0}] * 7)
+                self._ev = ev
+
+        def stop_profile(self):
+            (self.dir / "123-TP-0.trace.json.gz").write_bytes(
+                gzip.compress(json.dumps({"traceEvents": self._ev}).encode()))
+            self.dir = None
+
+    llm = FakeEngine()
+    out = e2e.profile_decode(llm, lambda: [[1] * 4] * 3, 8, tmp_path / "x.profile.md")
+    assert llm.calls == [(3, 8, False), (3, 16, False), (3, 8, True), (3, 16, True)]
+    assert out["decode_kernels"] == [{"name": "_decode_split_kernel", "per_step": 36.0,
+                                      "us_per_step": 180.0}]
+    assert out["device_ms_per_step"] == 0.18 and out["kernels_per_step"] == 36.0
+    assert "_decode_split_kernel" in (tmp_path / "x.profile.md").read_text()
+
+    class Silent(FakeEngine):
+        def stop_profile(self):
+            self.dir = None
+
+    with pytest.raises(RuntimeError, match="no trace"):
+        e2e.profile_decode(Silent(), lambda: [[1]], 2, tmp_path / "y.md")
+
+
+def test_profile_flag_reaches_the_throughput_workers_only(e2e, tmp_path, monkeypatch):
+    seen = []
+
+    def run_group(cmd, env, log, *a, **k):
+        seen.append(cmd)
+        log.write_text("")
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", run_group)
+    o = argparse.Namespace(mem=0.5, context_length=4096, baseline_backend="fa3", batches=[64, 256],
+                           repeats=1, eager=False, timeout=10, profile=32)
+    e2e.run_mode(tmp_path / "m", True, "tkv", "4.0", None, tmp_path, o)
+    e2e.run_mode(tmp_path / "m", True, "tkv", "8.0", None, tmp_path, o, greedy_only=True)
+    assert seen[0][-2:] == ["--profile", "32"] and "--profile" not in seen[1]

@@ -677,3 +677,99 @@ def test_all_tkvflash_run_sets_the_prefill_attention(e2e, tmp_path, monkeypatch)
     assert list(res) == ["tkv@4.0", "tkv@4.0 flash", "tkv@4.0 triton", "tkv@4.0 cont",
                          "tkv@4.0 qrot", "tkv@4.0 noqrot", "tkv@4.0 nopipe",
                          "tkv@4.0 split1", "tkv@4.0 split2", "tkv@4.0 tiles4"]
+
+
+# ----------------------------------------------------------------------------- profiles
+def _trace(path, kernels, gz=False):
+    """A chrome trace with ``kernels`` = {name: (count, µs each)} as kernel events, plus CPU
+    and runtime events that must not count."""
+    import gzip
+
+    ev = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 999.0},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "dur": 5.0},
+          {"ph": "i", "cat": "kernel", "name": "instant", "dur": 7.0}]
+    for name, (n, us) in kernels.items():
+        cat = "gpu_memcpy" if name == "Memcpy DtoD" else "kernel"
+        ev += [{"ph": "X", "cat": cat, "name": name, "dur": us}] * n
+    raw = json.dumps({"traceEvents": ev}).encode()
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+    return path
+
+
+@pytest.fixture(scope="module")
+def kt():
+    spec = importlib.util.spec_from_file_location("kernel_trace", _PATH.parent / "kernel_trace.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _engine_trace(steps, decode_us=10.0, prefill_launches=5):
+    """Kernels of a generate with ``steps`` decode steps of 36 layers (fixed prefill part)."""
+    return {"_decode_split_kernel": (36 * steps, decode_us), "nvjet_gemm": (72 * steps + 30, 4.0),
+            "_prefill_kernel": (prefill_launches, 100.0), "Memcpy DtoD": (steps, 1.0)}
+
+
+def test_kernel_trace_subtracts_the_prefill_and_divides_by_the_steps(kt, tmp_path):
+    short = kt.kernel_totals(_trace(tmp_path / "s.json", _engine_trace(16)))
+    long = kt.kernel_totals(_trace(tmp_path / "l.json.gz", _engine_trace(32), gz=True))
+    assert short["_decode_split_kernel"] == (576, 5760.0) and "aten::mm" not in short
+    rows = kt.decode_step_kernels(short, long, 16)
+    assert [r["name"] for r in rows] == ["_decode_split_kernel", "nvjet_gemm", "[memcpy] Memcpy DtoD"]
+    assert rows[0] == {"name": "_decode_split_kernel", "per_step": 36.0, "us_per_step": 360.0}
+    assert rows[1]["per_step"] == 72.0 and rows[1]["us_per_step"] == 288.0
+    s = kt.step_summary(rows, wall_ms_per_step=1.0)
+    assert s == {"device_ms_per_step": 0.649, "kernels_per_step": 109.0,
+                 "wall_ms_per_step": 1.0, "gpu_busy": 0.649}
+    assert kt.step_summary(rows)["gpu_busy"] is None
+    text = kt.table(rows, top=2)
+    assert "(1 more)" in text and "| **total** | 109 | 649.0 | 100 % |" in text
+    # two engines running the same kernels: the gap sits in the decode kernel
+    slow = kt.decode_step_kernels(
+        kt.kernel_totals(_trace(tmp_path / "s2.json", _engine_trace(16, decode_us=11.0))),
+        kt.kernel_totals(_trace(tmp_path / "l2.json", _engine_trace(32, decode_us=11.0))), 16)
+    cmp = kt.compare(rows, slow, ("SGLang", "vLLM"))
+    first = cmp.splitlines()[2]
+    assert first.startswith("| `_decode_split_kernel` | 360.0 | 396.0 | +36.0 | 1.10 |")
+    with pytest.raises(ValueError):
+        kt.decode_step_kernels(short, long, 0)
+    (tmp_path / "bad.json").write_text('{"x": 1}')
+    with pytest.raises(ValueError, match="traceEvents"):
+        kt.kernel_totals(tmp_path / "bad.json")
+
+
+def test_kernel_trace_compare_cli_reads_result_jsons(kt, tmp_path, capsys):
+    rows = [{"name": "k", "per_step": 1, "us_per_step": 2.0}]
+    (tmp_path / "a.json").write_text(json.dumps({"profile": {"decode_kernels": rows}}))
+    (tmp_path / "b.json").write_text(json.dumps({"decode_kernels": rows}))
+    kt.main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--labels", "x", "y"])
+    assert "| `k` | 2.0 | 2.0 | +0.0 | 1.00 | 1 / 1 |" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text(json.dumps({"profile": {}}))
+    with pytest.raises(SystemExit, match="no decode_kernels"):
+        kt.main(["compare", str(tmp_path / "bad.json"), str(tmp_path / "b.json")])
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_profile_decode_runs_both_lengths_and_writes_the_tables(e2e, tmp_path):
+    """vLLM's profile_decode on CPU with a stand-in LLM: steps and 2·steps tokens, unprofiled
+    and profiled (CPU activity only here: no kernels, so the decode table is empty), the
+    operator tables and the decode-step section written, the summary returned."""
+    import torch
+
+    calls = []
+
+    class FakeLLM:
+        def generate(self, prompts, params, use_tqdm=False):
+            calls.append(params)
+            x = torch.randn(64, 64)
+            for _ in range(params):
+                x = x @ x.T / 64
+            return []
+
+    out = e2e.profile_decode(FakeLLM(), lambda: [1, 2, 3], lambda t: t, 4,
+                             tmp_path / "run.profile.txt")
+    assert calls == [4, 8, 4, 8]
+    text = (tmp_path / "run.profile.txt").read_text()
+    assert "## by device time" in text and "## one decode step (8-token run minus 4-token" in text
+    assert out["tokens"] == 4 and out["prompts"] == 3 and out["decode_kernels"] == []
+    assert out["device_ms_per_step"] == 0 and out["wall_ms_per_step"] is not None
