@@ -665,7 +665,22 @@ def test_kv_head_rule_is_sglangs_qkv_parallel_linear(sgl, h, t):
         k_rows = m.weight.data[m.num_heads * d:(m.num_heads + m.num_kv_heads) * d, 0]
         s = shard_kv_heads(h, t, r)
         assert sorted(set(k_rows.long().tolist())) == list(s.heads)
-        assert loaded_kv_shard(torch.nn.Sequential(torch.nn.Identity(), m)) == s
+        assert loaded_kv_shard(_decoder_model(m)) == s
+
+
+def _decoder_model(qkv, vision_qkv=None):
+    """A stand-in model: an optional vision tower's attention (a ``qkv_proj`` without a
+    RadixAttention) first, then one decoder attention layer (``qkv_proj`` + ``attn`` with a
+    ``layer_id``), as SGLang's Llama/Qwen attention modules hold them."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self, qkv, layer_id):
+            super().__init__()
+            self.qkv_proj = qkv
+            self.attn = SimpleNamespace(layer_id=layer_id) if layer_id is not None else None
+
+    layers = [] if vision_qkv is None else [Attn(vision_qkv, None)]
+    return torch.nn.Sequential(*layers, Attn(qkv, 0))
 
 
 def test_rank_shard_refuses_a_model_sharded_over_another_group(sgl, fakes, monkeypatch):
@@ -681,10 +696,15 @@ def test_rank_shard_refuses_a_model_sharded_over_another_group(sgl, fakes, monke
     monkeypatch.setattr(dpa, "get_attention_tp_rank", lambda: 1)
     r = _runner(sgl, fakes)                       # 2 KV heads: attention-TP rank 1 holds head 1
     assert list(rank_shard(r).heads) == [1]       # no model loaded yet: the rule alone
-    r.model = torch.nn.Sequential(QKVParallelLinear(8, 64, 4, 2, bias=False, tp_rank=1, tp_size=2))
+    r.model = _decoder_model(QKVParallelLinear(8, 64, 4, 2, bias=False, tp_rank=1, tp_size=2))
+    assert list(rank_shard(r).heads) == [1]
+    # a vision tower's attention (16 heads, before the decoder in module order) is not read
+    vision = QKVParallelLinear(8, 16, 16, 16, bias=False, tp_rank=1, tp_size=2)
+    r.model = _decoder_model(QKVParallelLinear(8, 64, 4, 2, bias=False, tp_rank=1, tp_size=2),
+                             vision)
     assert list(rank_shard(r).heads) == [1]
     # plain TP 4 (rank 1 → head 0) while attention TP is 2 (rank 1 → head 1)
-    r.model = torch.nn.Sequential(QKVParallelLinear(8, 64, 4, 2, bias=False, tp_rank=1, tp_size=4))
+    r.model = _decoder_model(QKVParallelLinear(8, 64, 4, 2, bias=False, tp_rank=1, tp_size=4))
     with pytest.raises(UnsupportedFeatureError, match=r"loaded KV heads \[0\].*gives \[1\]"):
         rank_shard(r)
 

@@ -27,7 +27,8 @@ def rank_shard(runner) -> KvHeadShard:
     that group (Qwen3 passes the attention-TP rank to ``QKVParallelLinear``, Llama and Qwen2 the
     plain TP rank; they differ under ``--enable-dp-attention``), so when the runner's model is
     loaded the shard is checked against the heads its first ``QKVParallelLinear`` actually
-    loaded: a mismatch would code the rank's heads with another head's per-head offsets.
+    loaded (:func:`loaded_kv_shard`): a mismatch would code the rank's heads with another
+    head's per-head offsets.
 
     Raises:
         ShapeError: head counts SGLang cannot shard.
@@ -49,23 +50,29 @@ def rank_shard(runner) -> KvHeadShard:
     return shard
 
 
-def _first_qkv(model):
+_QKV_ATTRS = ("total_num_kv_heads", "num_kv_heads", "num_kv_head_replicas", "tp_rank", "tp_size")
+
+
+def _decoder_qkv(model):
+    """The ``QKVParallelLinear`` of the model's first decoder attention layer: a module's
+    ``qkv_proj`` next to an ``attn`` with a ``layer_id`` (SGLang's ``RadixAttention``), so
+    that a vision tower's attention (``VisionAttention``: other heads, no layer id) is never
+    taken for it. None when ``model`` is None or has no such layer."""
     if model is None or not hasattr(model, "modules"):
         return None
     for m in model.modules():
-        if all(hasattr(m, a) for a in ("total_num_kv_heads", "num_kv_heads",
-                                       "num_kv_head_replicas", "tp_rank", "tp_size")):
-            return m
+        qkv, attn = getattr(m, "qkv_proj", None), getattr(m, "attn", None)
+        if hasattr(attn, "layer_id") and all(hasattr(qkv, a) for a in _QKV_ATTRS):
+            return qkv
     return None
 
 
 def loaded_kv_shard(model) -> KvHeadShard | None:
-    """The KV heads the first ``QKVParallelLinear``-like module of ``model`` (attributes
-    ``total_num_kv_heads``, ``num_kv_heads``, ``num_kv_head_replicas``, ``tp_rank``,
-    ``tp_size``) loaded: k/v shard ``tp_rank // num_kv_head_replicas`` of ``num_kv_heads``
-    heads (SGLang ``srt/layers/linear.py``, ``QKVParallelLinear.weight_loader``). None when
-    ``model`` is None or has no such module."""
-    m = _first_qkv(model)
+    """The KV heads the first decoder attention layer of ``model`` loaded (its
+    ``QKVParallelLinear``: k/v shard ``tp_rank // num_kv_head_replicas`` of ``num_kv_heads``
+    heads; SGLang ``srt/layers/linear.py``, ``QKVParallelLinear.weight_loader``). None when
+    ``model`` is None or has no ``qkv_proj`` beside a ``RadixAttention``."""
+    m = _decoder_qkv(model)
     if m is None:
         return None
     n, rep = int(m.num_kv_heads), int(m.num_kv_head_replicas)
