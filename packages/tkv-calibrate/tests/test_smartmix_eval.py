@@ -192,3 +192,56 @@ def test_quantized_cache_load_prefix_rejects_wrong_layers():
     c = QuantizedKVCache([None, None])
     with pytest.raises(ShapeError):
         c.load_prefix([(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))])
+
+
+def _decoded(layer):
+    """What the layer's packed codes and norms decode to, ``(B, H, T, d)`` per side."""
+    return layer.quantizer.decode((layer.k_codes, layer.k_norms), (layer.v_codes, layer.v_norms),
+                                  layer.keys.dtype)
+
+
+def _codes_match_mirror(cache):
+    for layer in cache.layers:
+        k, v = _decoded(layer)
+        assert k.shape == layer.keys.shape and torch.equal(k, layer.keys)
+        assert torch.equal(v, layer.values)
+
+
+def test_tkv_cache_codes_follow_every_cache_operation(tiny):
+    """Beam search, crop, batch select / repeat and reset keep the packed codes decoding to
+    exactly the K/V attention reads (they used to touch only the dequantized mirror)."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 256, (2, 12), generator=g)
+    cache = TkvCache.uniform(tiny.geometry.num_layers, 32, 4, 3)
+    tiny.model.generate(ids, max_new_tokens=6, do_sample=False, num_beams=2, cache=cache)
+    _codes_match_mirror(cache)
+    cache.reorder_cache(torch.tensor([3, 0, 2, 1]))
+    _codes_match_mirror(cache)
+    t = cache.layers[0].keys.shape[-2]
+    cache.crop(-3)
+    assert cache.layers[0].k_codes.shape[2] == cache.layers[0].k_norms.shape[2] == t - 3
+    _codes_match_mirror(cache)
+    cache.batch_select_indices(torch.tensor([1, 3]))
+    _codes_match_mirror(cache)
+    cache.batch_repeat_interleave(2)
+    assert cache.layers[1].v_codes.shape[0] == 4
+    _codes_match_mirror(cache)
+    cache.reset()
+    assert cache.compressed_bytes() == 0
+    with torch.inference_mode():   # reused at another batch size: a fresh cache, no stale codes
+        tiny.model(ids[:1, :5], cache=cache, use_cache=True)
+    assert cache.layers[0].k_codes.shape[:3] == (1, 2, 5)
+    _codes_match_mirror(cache)
+
+
+def test_tkv_cache_refuses_bad_shapes_and_missing_layers(tiny):
+    from tkv.codec.errors import ShapeError
+
+    cache = TkvCache.uniform(2, 32, 4, 4)
+    k = torch.randn(1, 2, 3, 32)
+    with pytest.raises(ShapeError, match="both be"):
+        cache.update(k, torch.randn(1, 2, 4, 32), 0)
+    with pytest.raises(ShapeError, match="both be"):
+        cache.update(k[0], k[0], 0)
+    with pytest.raises(ShapeError, match="built for 2 layers"):   # a 4-layer model
+        tiny.model(torch.randint(0, 256, (1, 4)), cache=cache, use_cache=True)

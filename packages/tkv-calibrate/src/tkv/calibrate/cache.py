@@ -54,6 +54,13 @@ class QuantizedKVLayer(DynamicLayer):
         return self.quantizer.roundtrip(k, v)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append K/V ``(B, H, T, d)`` (same shape both) and return what attention reads.
+
+        Raises:
+            ShapeError: K/V not 4-D, or of different shapes."""
+        if key_states.dim() != 4 or tuple(value_states.shape) != tuple(key_states.shape):
+            raise ShapeError(f"key/value states must both be (batch, kv_heads, tokens, head_dim), "
+                             f"got {tuple(key_states.shape)} / {tuple(value_states.shape)}")
         if self.quantizer is None:
             return super().update(key_states, value_states)
         first = not self.is_initialized or self.keys.numel() == 0
@@ -72,7 +79,14 @@ class TkvLayer(QuantizedKVLayer):
 
     Attributes:
         k_codes, v_codes: uint8 ``(B, H, T, ceil(d·bits/8))``; k_norms, v_norms: bf16 ``(B, H, T)``.
+
+    Every cache operation transformers applies to the dequantized K/V (beam-search
+    ``reorder_cache``, ``crop``, ``reset``, ``batch_repeat_interleave``,
+    ``batch_select_indices``) is applied to the codes and norms too, so that they always
+    decode to what attention reads.
     """
+
+    REGIONS = ("k_codes", "k_norms", "v_codes", "v_norms")
 
     def __init__(self, quantizer: TkvQuantizer | None, prefill: str = "compressed"):
         super().__init__(quantizer, prefill)
@@ -80,10 +94,39 @@ class TkvLayer(QuantizedKVLayer):
 
     def _store(self, k, v):
         (kc, kn), (vc, vn) = self.quantizer.encode(k, v)
-        cat = lambda old, new: new if old is None else torch.cat([old, new], dim=-2 if new.dim() == 4 else -1)
+        cat = lambda old, new: new if old is None else torch.cat([old, new], dim=2)  # tokens
         self.k_codes, self.k_norms = cat(self.k_codes, kc), cat(self.k_norms, kn)
         self.v_codes, self.v_norms = cat(self.v_codes, vc), cat(self.v_norms, vn)
         return self.quantizer.decode((kc, kn), (vc, vn), k.dtype)
+
+    def _apply(self, fn) -> None:
+        """``fn`` on every held code / norm tensor (batch is dim 0, tokens dim 2 in all four)."""
+        for name in self.REGIONS:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, fn(t))
+
+    def reset(self) -> None:
+        super().reset()
+        self._apply(lambda t: None)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.is_initialized and self.keys is not None:
+            n = self.keys.shape[-2]
+            self._apply(lambda t: t[:, :, :n])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._apply(lambda t: t[indices, ...])
 
     def compressed_bytes(self) -> int:
         """Bytes held by the packed codes and norms of this layer."""
@@ -108,6 +151,19 @@ class QuantizedKVCache(Cache):
         super().__init__(layers=[self.layer_cls(q, prefill) for q in quantizers])
         self.quantizers = list(quantizers)
         self.prefill = prefill
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs):
+        """transformers' ``Cache.update`` for attention layer ``layer_idx``.
+
+        Raises:
+            ShapeError: ``layer_idx`` has no layer here (the model has more attention layers
+                than the cache was given quantizers / codecs for), or bad K/V shapes."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ShapeError(f"attention layer {layer_idx} has no entry in this cache: it was "
+                             f"built for {len(self.layers)} layers (one quantizer / codec or None "
+                             "per decoder layer of the model)")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def load_prefix(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Store already computed (uncompressed-prefill) K/V ``(B, H, T, d)`` per layer, as if a
