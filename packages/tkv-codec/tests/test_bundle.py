@@ -14,6 +14,7 @@ from tkv.codec import (
     LayerAllocation,
     LayerCalibration,
     ModelGeometry,
+    ShapeError,
     TkvBitsError,
     fit_codebook,
     load_config,
@@ -210,3 +211,41 @@ def test_load_config_from_env(tmp_path):
     assert cfg.codec(1).has_sink_offset and not cfg.codec(0).has_sink_offset
     with pytest.raises(BundleGeometryError):
         load_config(3, 4, 64, {"TKV_CALIBRATION_FILE": str(ps)})
+
+
+def test_bundle_nan_duplicates_and_unsavable_contents_are_schema_errors(tmp_path):
+    """NaN in a hashed bundle, two rows for one TKV_BITS ("4" and "4.0"), and a bundle built
+    with contents load would refuse: BundleSchemaError by name, nothing written."""
+    b = make_bundle()
+    d = b.to_dict()
+    d["metrics"] = {"kl": float("nan")}                      # json.loads accepts NaN
+    (tmp_path / "nan.json").write_text(json.dumps(d))
+    with pytest.raises(BundleSchemaError, match="NaN"):
+        CalibrationBundle.load(tmp_path / "nan.json")
+    with pytest.raises(BundleSchemaError, match="NaN"):
+        dataclasses.replace(b, metrics={"kl": float("nan")}).save(tmp_path / "x.json")
+    d = b.to_dict()
+    d.pop("integrity")
+    d["byte_budget_table"]["4"] = d["byte_budget_table"]["3.5"]
+    with pytest.raises(BundleSchemaError, match=r"byte_budget_table\.4.*second row for TKV_BITS=4\.0"):
+        CalibrationBundle.from_dict(d)
+    bad = dataclasses.replace(b, byte_budget_table={"4.0": LayerAllocation((9, 9, 9), (4, 4, 4))})
+    with pytest.raises(BundleSchemaError, match="outside"):
+        bad.save(tmp_path / "bad.json")
+    layers = list(b.layers)
+    layers[0] = dataclasses.replace(layers[0], k_channel_scales=(1.0, 2.0, 3.0))
+    with pytest.raises(BundleSchemaError, match="k_channel_scales"):
+        dataclasses.replace(b, layers=tuple(layers)).save(tmp_path / "bad2.json")
+    assert not (tmp_path / "bad.json").exists() and not (tmp_path / "bad2.json").exists()
+
+
+def test_config_layer_index_and_head_count_are_checked(tmp_path):
+    cfg = load_config(3, 2, 64, {"TKV_CALIBRATION_FILE": str(make_bundle().save(tmp_path / "b.json"))})
+    for bad in (3, -1, True, 1.0):
+        with pytest.raises(IndexError, match=r"outside 0\.\.2"):
+            cfg.layer_bits(bad)
+    with pytest.raises(IndexError):
+        cfg.codec(5)
+    with pytest.raises(ShapeError):
+        cfg.slot_layout(0, 16, num_kv_heads=0)
+    assert cfg.slot_layout(0, 16).num_kv_heads == 2

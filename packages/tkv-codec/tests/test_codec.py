@@ -370,3 +370,37 @@ def test_sink_offset_edge_cases_from_a_break_test():
     ph = TurboKVCodec(d, 4, v_sink_offset=torch.zeros(3, d))
     with pytest.raises(ShapeError, match="per-head value offset"):
         ph.compress_v(torch.randn(5, 2, d))
+
+
+def test_large_finite_inputs_keep_a_finite_norm_or_are_refused():
+    """Σx² overflows float32 at |x| ≈ 1.6e18 (head_dim 128) although the norm fits bf16: the
+    codec still codes such vectors (norm from x / max|x|); past the bf16 range it raises
+    NonFiniteError instead of storing inf norms that decompress to NaN."""
+    g = torch.Generator().manual_seed(3)
+    c = TurboKVCodec(128, 4, seed=1)
+    for side in ("k", "v"):
+        x = torch.randn(6, 128, generator=g) * 2e18
+        p, n = getattr(c, f"compress_{side}")(x)
+        assert torch.isfinite(n.float()).all()
+        y = getattr(c, f"decompress_{side}")(p, n, dtype=torch.float64)
+        rel = float(((y - x.double()) ** 2).sum() / (x.double() ** 2).sum())
+        assert 0 < rel < 0.02
+        ref = getattr(c, f"compress_{side}")(x / 1e18)          # same codes at a sane scale
+        assert torch.equal(ref[0], p)
+        with pytest.raises(NonFiniteError, match="bf16 range"):
+            getattr(c, f"compress_{side}")(torch.randn(2, 128, generator=g, dtype=torch.float64) * 1e38)
+    sink = TurboKVCodec(64, 4, k_sink_offset=torch.randn(64, generator=g))
+    with pytest.raises(NonFiniteError, match="bf16 range"):
+        sink.compress_k(torch.randn(2, 64, generator=g, dtype=torch.float64) * 1e38)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64, torch.uint8])
+def test_decompress_and_unrotate_refuse_non_float_output_dtypes(dtype):
+    c = TurboKVCodec(64, 4)
+    p, n = c.compress_k(torch.randn(3, 64))
+    with pytest.raises(DtypeError, match="floating dtype"):
+        c.decompress_k(p, n, dtype=dtype)
+    with pytest.raises(DtypeError, match="floating dtype"):
+        c.decompress_v_rotated(*c.compress_v(torch.randn(3, 64)), dtype=dtype)
+    with pytest.raises(DtypeError, match="floating dtype"):
+        c.unrotate_output(torch.randn(3, 64), dtype=dtype)

@@ -416,6 +416,8 @@ class CalibrationBundle:
                 norm = normalize_tkv_bits(key)
             except TkvBitsError as e:
                 raise _fail(f"byte_budget_table.{key}", str(e)) from None
+            if norm in table:
+                raise _fail(f"byte_budget_table.{key}", f"a second row for TKV_BITS={norm}")
             table[norm] = LayerAllocation.from_dict(row, geo.num_layers, f"byte_budget_table.{key}")
         prov = d.get("provenance", {})
         metrics = d.get("metrics", {})
@@ -425,10 +427,20 @@ class CalibrationBundle:
         return cls(geo, layers, table, dict(prov), dict(metrics), seed)
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write canonical JSON (sorted keys). Returns the path."""
+        """Write canonical JSON (sorted keys). Returns the path.
+
+        The bundle is validated as :meth:`load` will read it before anything is written, so a
+        bundle built with bad contents (widths outside 2..8, scales of the wrong length, NaN
+        metrics, ...) never reaches disk.
+
+        Raises:
+            BundleSchemaError: the first offending field (as :meth:`from_dict` names it).
+        """
+        d = self.to_dict()
+        type(self).from_dict(json.loads(json.dumps(d)))
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
+        p.write_text(json.dumps(d, indent=1, sort_keys=True) + "\n")
         return p
 
     @classmethod
@@ -522,7 +534,16 @@ class CalibrationBundle:
 
 
 def _digest(body: Mapping) -> str:
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    """sha256 of the canonical JSON of ``body``.
+
+    Raises:
+        BundleSchemaError: ``body`` holds NaN / Infinity (not JSON; e.g. a NaN metric) or a
+            value JSON cannot encode."""
+    try:
+        canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (ValueError, TypeError) as e:
+        raise BundleSchemaError(f"bundle holds a value JSON cannot carry (NaN, Infinity or a "
+                                f"non-JSON type, e.g. in metrics or provenance): {e}") from None
     return hashlib.sha256(canon.encode()).hexdigest()
 
 

@@ -28,7 +28,7 @@ import math
 import torch
 
 from .codebooks import Codebook, default_codebook
-from .errors import CodebookError, DtypeError, ShapeError
+from .errors import CodebookError, DtypeError, NonFiniteError, ShapeError
 from .layout import SlotLayout
 from .packing import check_bits, pack_codes, packed_bytes, unpack_codes
 from .rotation import HadamardRotation
@@ -52,6 +52,15 @@ def _as_codebook(cb, bits: int, head_dim: int, name: str) -> Codebook:
     if cb.bits != bits:
         raise CodebookError(f"{name} has {cb.bits} bits but the codec uses {bits} bits")
     return cb
+
+
+def _check_out_dtype(dtype, what: str) -> None:
+    """An output dtype must be a real floating dtype (float16/bfloat16/float32/float64).
+
+    Raises:
+        DtypeError: anything else (an integer, bool or complex dtype would truncate silently)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise DtypeError(f"{what}: output dtype must be a floating dtype, got {dtype!r}")
 
 
 class SideCodec:
@@ -159,6 +168,11 @@ class SideCodec:
         check_vectors(x, self.head_dim, self.device, f"{self.name} input", self.check_finite)
         self._check_heads(x.shape[:-1], f"{self.name} input", x.shape)
         codes, norms = self.quantize(x)
+        if self.check_finite and not bool(torch.isfinite(norms).all()):
+            raise NonFiniteError(
+                f"{self.name} input: a vector's norm (after its offset and channel scales) "
+                f"exceeds the bf16 range (max {torch.finfo(torch.bfloat16).max:.3g}); largest "
+                f"|x| {float(x.abs().max()):.3g}")
         return pack_codes(codes, self.bits), norms
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +212,11 @@ class SideCodec:
     def _quantize_rotated(self, y: torch.Tensor):
         """Codes int64 and bf16 norms of a rotated input ``y`` (:meth:`_rotated`)."""
         n = torch.linalg.vector_norm(y, dim=-1)
+        if self.check_finite and not bool(torch.isfinite(n).all()):
+            # Σy² overflowed although y is finite (|y| ≳ 1e18 in float32): the norm of y / max|y|,
+            # scaled back, is exact where it fits (the bf16 cast below still overflows past 3.4e38)
+            a = y.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(y.dtype).tiny)
+            n = torch.where(torch.isfinite(n), n, torch.linalg.vector_norm(y / a, dim=-1) * a[..., 0])
         inv = torch.where(n > 0, math.sqrt(self.head_dim) / n, torch.zeros_like(n))
         z = y * inv.unsqueeze(-1)
         codes = self._nearest_centroid(z)
@@ -209,7 +228,9 @@ class SideCodec:
         return codes, n.to(torch.bfloat16)
 
     # -------------------------------------------------------------- decompress
-    def _check_packed(self, packed: torch.Tensor, norms: torch.Tensor) -> None:
+    def _check_packed(self, packed: torch.Tensor, norms: torch.Tensor,
+                      dtype: torch.dtype = torch.float32) -> None:
+        _check_out_dtype(dtype, f"{self.name} decompress")
         if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
             raise DtypeError(f"{self.name} packed codes must be a uint8 tensor")
         if packed.dim() == 0 or packed.shape[-1] != self.packed_bytes:
@@ -231,8 +252,12 @@ class SideCodec:
                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rotated-space reconstruction ``ŷ = |n| · c[idx] / sqrt(d)``, ``(..., head_dim)`` in
         ``dtype`` (computed in float64 when ``dtype`` is float64, for reference oracles); the
-        vector relative to the offset its norm's sign selects (see :meth:`decompress`)."""
-        self._check_packed(packed, norms)
+        vector relative to the offset its norm's sign selects (see :meth:`decompress`).
+
+        Raises:
+            DtypeError: ``dtype`` not a floating dtype; packed / norms of the wrong dtype.
+            ShapeError, DeviceMismatchError: packed / norms of the wrong shape or device."""
+        self._check_packed(packed, norms, dtype)
         work = torch.float64 if dtype == torch.float64 else torch.float32
         if self._byte_table is not None and work == torch.float32:
             vals = torch.nn.functional.embedding(packed.long(), self._byte_table)
@@ -251,7 +276,12 @@ class SideCodec:
         """Original-space reconstruction ``x̂ = s ⊙ Rᵀ ŷ + μ``: ``(..., head_dim)`` ``dtype``.
         With a per-head μ ``(H, head_dim)``, ``packed`` must be ``(..., H, packed_bytes)``
         (ShapeError otherwise) and μ[h] is added to head h. With a ``sink_offset``, vectors
-        whose norm has its sign bit set get the sink offset instead of μ."""
+        whose norm has its sign bit set get the sink offset instead of μ.
+
+        Raises:
+            DtypeError: ``dtype`` not a floating dtype; packed / norms of the wrong dtype.
+            ShapeError, DeviceMismatchError: packed / norms of the wrong shape or device."""
+        _check_out_dtype(dtype, f"{self.name} decompress")
         if isinstance(packed, torch.Tensor):
             self._check_heads(packed.shape[:-1], f"{self.name} packed", packed.shape)
         work = torch.float64 if dtype == torch.float64 else torch.float32
@@ -409,6 +439,8 @@ class TurboKVCodec:
         """``s_v ⊙ Rᵀ o``: attention output computed on rotated values back to model space.
         ``o`` ``(..., head_dim)``; returns ``dtype`` (default: ``o.dtype``)."""
         check_vectors(o, self.head_dim, self.device, "attention output", self.v.check_finite)
+        if dtype is not None:
+            _check_out_dtype(dtype, "unrotate_output")
         of = o.float() if o.dtype != torch.float64 else o
         x = self.rotation.inverse(of)
         if self.v.channel_scales is not None:

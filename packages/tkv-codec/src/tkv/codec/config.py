@@ -54,13 +54,21 @@ class TkvConfig:
     head_dim: int
 
     def layer_bits(self, layer: int) -> tuple[int, int]:
-        """``(k_bits, v_bits)`` of attention layer ``layer``."""
+        """``(k_bits, v_bits)`` of attention layer ``layer``.
+
+        Raises:
+            IndexError: ``layer`` outside ``0 .. num_layers - 1`` (negative indices included:
+                a layer index never counts from the end)."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer!r} outside 0..{self.num_layers - 1}")
         return self.allocation.k_bits[layer], self.allocation.v_bits[layer]
 
     def slot_layout(self, layer: int, block_size: int, num_kv_heads: int | None = None) -> SlotLayout:
-        """The :class:`SlotLayout` of ``layer``; ``num_kv_heads`` overrides for a TP rank's shard."""
+        """The :class:`SlotLayout` of ``layer``; ``num_kv_heads`` overrides for a TP rank's shard
+        (None: the model's; 0 or less is refused by SlotLayout with ShapeError)."""
         kb, vb = self.layer_bits(layer)
-        return SlotLayout(self.head_dim, num_kv_heads or self.num_kv_heads, kb, vb, block_size)
+        heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return SlotLayout(self.head_dim, heads, kb, vb, block_size)
 
     def codec(self, layer: int, device: torch.device | str = "cpu",
               shard: KvHeadShard | None = None, bits: tuple[int, int] | None = None,
