@@ -249,3 +249,18 @@ def test_config_layer_index_and_head_count_are_checked(tmp_path):
     with pytest.raises(ShapeError):
         cfg.slot_layout(0, 16, num_kv_heads=0)
     assert cfg.slot_layout(0, 16).num_kv_heads == 2
+
+
+@pytest.mark.parametrize("geo", [(0, 2, 64), (3, 0, 64), (3, 2, -1), ("3", 2, 64), (3, True, 64)])
+def test_load_config_refuses_a_bad_geometry(geo):
+    with pytest.raises(ShapeError, match="positive int"):
+        load_config(*geo, {})
+
+
+def test_schema_version_must_be_the_integer():
+    d = make_bundle().to_dict()
+    d.pop("integrity")
+    for bad in (True, 1.0, "1"):
+        d["schema_version"] = bad
+        with pytest.raises(BundleSchemaError, match="schema_version"):
+            CalibrationBundle.from_dict(d)

@@ -90,3 +90,16 @@ def test_model_layout_and_bits():
     assert m.tokens_that_fit(per_block * 10 + 5) == 160
     u = ModelLayout.uniform(30, 64, 3, 4, 4, 16)
     assert u.bits_per_element == pytest.approx(4.25)
+
+
+def test_model_layout_refuses_empty_mixed_blocks_and_negative_budgets():
+    from tkv.codec import ModelLayout, ShapeError, SlotLayout
+
+    with pytest.raises(ShapeError, match="at least"):
+        ModelLayout.uniform(0, 64, 2, 4, 4, 16)
+    with pytest.raises(ShapeError, match="share a block size"):
+        ModelLayout((SlotLayout(64, 2, 4, 4, 16), SlotLayout(64, 2, 4, 4, 32)))
+    lay = ModelLayout.uniform(3, 64, 2, 4, 4, 16)
+    assert lay.tokens_that_fit(0) == 0 and lay.tokens_that_fit(3 * lay.layers[0].page_bytes) == 16
+    with pytest.raises(ValueError, match=">= 0"):
+        lay.tokens_that_fit(-5)

@@ -392,7 +392,7 @@ class CalibrationBundle:
         if d.get("format") != BUNDLE_FORMAT:
             raise _fail("format", f"expected {BUNDLE_FORMAT!r}, got {d.get('format')!r}")
         ver = d.get("schema_version")
-        if ver != SCHEMA_VERSION:
+        if isinstance(ver, bool) or not isinstance(ver, int) or ver != SCHEMA_VERSION:
             raise _fail("schema_version", f"this tkv reads version {SCHEMA_VERSION}, got {ver!r}")
         if "integrity" in d:
             body = {k: v for k, v in d.items() if k != "integrity"}

@@ -112,8 +112,13 @@ def load_config(num_layers: int, num_kv_heads: int, head_dim: int,
 
     Raises:
         TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
-        BudgetRowMissingError (see module docstring).
+        BudgetRowMissingError (see module docstring); ShapeError: a geometry value that is
+        not a positive int.
     """
+    for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                    ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ShapeError(f"model geometry: {name} must be a positive int, got {v!r}")
     env = os.environ if env is None else env
     raw_bits = env.get(ENV_BITS) or "4.0"
     key = normalize_tkv_bits(raw_bits)

@@ -230,6 +230,18 @@ class ModelLayout:
 
     layers: tuple[SlotLayout, ...]
 
+    def __post_init__(self) -> None:
+        """Raises ShapeError: no layers, a non-SlotLayout entry, or layers with different
+        block sizes (every layer of a paged cache holds the same tokens per block)."""
+        layers = tuple(self.layers)
+        if not layers or not all(isinstance(lay, SlotLayout) for lay in layers):
+            raise ShapeError(f"a ModelLayout needs one SlotLayout per attention layer (at least "
+                             f"one), got {len(layers)} entries")
+        sizes = {lay.block_size for lay in layers}
+        if len(sizes) > 1:
+            raise ShapeError(f"layers of one ModelLayout share a block size, got {sorted(sizes)}")
+        object.__setattr__(self, "layers", layers)
+
     @classmethod
     def uniform(cls, num_layers: int, head_dim: int, num_kv_heads: int, k_bits: int,
                 v_bits: int, block_size: int) -> ModelLayout:
@@ -269,7 +281,12 @@ class ModelLayout:
 
     def tokens_that_fit(self, nbytes: int) -> int:
         """Whole blocks' worth of tokens a memory budget of ``nbytes`` holds (every layer
-        holds the same number of blocks)."""
+        holds the same number of blocks).
+
+        Raises:
+            ValueError: ``nbytes`` negative."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         block = self.layers[0].block_size
         per_block = sum(lay.page_bytes for lay in self.layers)
         return int(nbytes // per_block) * block
