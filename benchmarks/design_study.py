@@ -88,3 +88,29 @@ def parse_and_load(doc: str, bundle: str, windows: int, out: str):
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     return a, load_model(None), CalibrationBundle.load(a.bundle), t0
+
+
+def sqrtm(m, inverse: bool = False):
+    """Symmetric square root (or inverse square root) of a symmetric positive semi-definite
+    float64 matrix ``m``, eigenvalues clamped at 1e-12."""
+    import torch
+
+    w, v = torch.linalg.eigh((m + m.T) / 2)
+    w = w.clamp_min(1e-12)
+    return (v * (w.rsqrt() if inverse else w.sqrt())) @ v.T
+
+
+def geometric_mean_root(a, b, eps: float = 1e-3):
+    """``(A⁻¹ # B)^½`` — the symmetric root of the matrix geometric mean of ``A⁻¹`` and ``B``
+    (``G A G = B``), float64 ``(d, d)``: the transform minimizing ``tr(P A Pᵀ)·tr(P⁻ᵀ B P⁻¹)``-type
+    error bounds of the key / value preconditioning studies. Both second moments are
+    ridge-regularized by ``eps`` × their mean eigenvalue first."""
+    import torch
+
+    d = a.shape[0]
+    eye = torch.eye(d, dtype=torch.float64)
+    a = a.double() + eps * a.trace() / d * eye
+    b = b.double() + eps * b.trace() / d * eye
+    ah, aih = sqrtm(a), sqrtm(a, inverse=True)
+    return sqrtm(aih @ sqrtm(ah @ b @ ah) @ aih)
+

@@ -38,6 +38,7 @@ from design_study import (
     WrappedQuantizer,
     arm_rows,
     finish,
+    geometric_mean_root,
     held_out_windows,
     parse_and_load,
 )
@@ -45,25 +46,13 @@ from design_study import (
 FIT_T, FIT_N = 512, 8   # fitting windows (tokens, count) of the calibration text
 
 
-def _sqrtm(m: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    w, v = torch.linalg.eigh(m)
-    w = w.clamp_min(1e-12)
-    return (v * (w.rsqrt() if inverse else w.sqrt())) @ v.T
-
-
 def preconditioner(q: torch.Tensor, kc: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
     """``P = (A⁻¹ # B)^½`` (float32 ``(d, d)``) from queries ``q`` and centered keys ``kc``
-    (any leading shapes, last dim d); both second moments ridge-regularized by ``eps`` × their
-    mean eigenvalue."""
+    (any leading shapes, last dim d), ``A = E qqᵀ``, ``B = E kkᵀ``
+    (:func:`design_study.geometric_mean_root`)."""
     d = kc.shape[-1]
     q2, k2 = q.reshape(-1, d).double(), kc.reshape(-1, d).double()
-    eye = torch.eye(d, dtype=torch.float64)
-    a = q2.T @ q2 / q2.shape[0]
-    b = k2.T @ k2 / k2.shape[0]
-    a = a + eps * a.trace() / d * eye
-    b = b + eps * b.trace() / d * eye
-    ah, aih = _sqrtm(a), _sqrtm(a, inverse=True)
-    return _sqrtm(aih @ _sqrtm(ah @ b @ ah) @ aih).float()
+    return geometric_mean_root(q2.T @ q2 / q2.shape[0], k2.T @ k2 / k2.shape[0], eps).float()
 
 
 class PreconditionedKeys(WrappedQuantizer):

@@ -41,26 +41,16 @@ from design_study import (
     WrappedQuantizer,
     arm_rows,
     finish,
+    geometric_mean_root,
     held_out_windows,
     parse_and_load,
 )
 
 
-def _sqrtm(m: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    w, v = torch.linalg.eigh((m + m.T) / 2)
-    w = w.clamp_min(1e-12)
-    return (v * (w.rsqrt() if inverse else w.sqrt())) @ v.T
-
-
 def value_transform(c: torch.Tensor, m: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
     """``A = (C⁻¹ # M)^½`` (float64 ``(d, d)``, symmetric) from the value second moment ``c``
-    and the output metric ``m``, both ridge-regularized by ``eps`` × their mean eigenvalue."""
-    d = c.shape[0]
-    eye = torch.eye(d, dtype=torch.float64)
-    c = c + eps * c.trace() / d * eye
-    m = m + eps * m.trace() / d * eye
-    ch, cih = _sqrtm(c), _sqrtm(c, inverse=True)
-    return _sqrtm(cih @ _sqrtm(ch @ m @ ch) @ cih)
+    and the output metric ``m`` (:func:`design_study.geometric_mean_root`)."""
+    return geometric_mean_root(c, m, eps)
 
 
 class PreconditionedValues(WrappedQuantizer):
