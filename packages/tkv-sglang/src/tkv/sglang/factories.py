@@ -26,9 +26,10 @@ def rank_shard(runner) -> KvHeadShard:
     heads included) — the group SGLang sizes its KV pool with. Models do not all shard over
     that group (Qwen3 passes the attention-TP rank to ``QKVParallelLinear``, Llama and Qwen2 the
     plain TP rank; they differ under ``--enable-dp-attention``), so when the runner's model is
-    loaded the shard is checked against the heads its first ``QKVParallelLinear`` actually
-    loaded (:func:`loaded_kv_shard`): a mismatch would code the rank's heads with another
-    head's per-head offsets.
+    loaded the shard is checked against the heads its first decoder attention layer's
+    ``QKVParallelLinear`` actually loaded (:func:`loaded_kv_shard`; models without a fused
+    ``qkv_proj`` are not checked): a mismatch would code the rank's heads with another head's
+    per-head offsets.
 
     Raises:
         ShapeError: head counts SGLang cannot shard.
