@@ -20,6 +20,9 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 # chrome-trace categories of device work (torch.profiler / Kineto)
@@ -80,6 +83,38 @@ def step_summary(rows: list[dict], wall_ms_per_step: float | None = None) -> dic
             "kernels_per_step": round(sum(r["per_step"] for r in rows), 1),
             "wall_ms_per_step": None if wall_ms_per_step is None else round(wall_ms_per_step, 4),
             "gpu_busy": None if not wall_ms_per_step else round(dev / wall_ms_per_step, 3)}
+
+
+def measure_decode_step(generate: Callable[[int], object],
+                        capture: Callable[[int, Path], Path], steps: int) -> dict:
+    """The engine-independent half of the e2e scripts' ``--profile``: ``generate(tokens)`` runs
+    a fresh batch with ``tokens`` output tokens unprofiled; ``capture(tokens, folder)`` runs
+    one under the engine's profiler and returns the chrome trace it wrote under ``folder`` (a
+    temporary folder, deleted afterwards). Both run ``steps`` and ``2·steps`` tokens.
+
+    Returns ``{"walls": {"short": s, "long": s}, "rows": decode_step_kernels(...),
+    "summary": step_summary(rows, wall ms of one decode step)}`` — the wall ms being the
+    unprofiled difference / ``steps``.
+
+    Raises:
+        ValueError: ``steps`` < 1; whatever ``capture`` raises (e.g. no trace written)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    runs = {"short": steps, "long": 2 * steps}
+    walls = {}
+    for key, t in runs.items():
+        t0 = time.perf_counter()
+        generate(t)
+        walls[key] = time.perf_counter() - t0
+    totals = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, t in runs.items():
+            folder = Path(tmp) / key
+            folder.mkdir()
+            totals[key] = kernel_totals(capture(t, folder))
+    rows = decode_step_kernels(totals["short"], totals["long"], steps)
+    return {"walls": walls, "rows": rows,
+            "summary": step_summary(rows, 1e3 * (walls["long"] - walls["short"]) / steps)}
 
 
 def table(rows: list[dict], top: int = 30) -> str:

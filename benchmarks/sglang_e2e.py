@@ -169,53 +169,42 @@ def worker(a: argparse.Namespace) -> None:
 
 def profile_decode(llm, make_ids, steps: int, path: Path) -> dict:
     """One decode step's kernels in SGLang as it serves, computed like ``vllm_e2e.py
-    --profile`` (:mod:`kernel_trace`): ``make_ids()`` (a fresh batch of prompt ids) generated
-    with ``steps`` and ``2·steps`` greedy tokens, unprofiled (wall ms of one decode step: the
-    difference / ``steps``) and under SGLang's own profiler (``Engine.start_profile``: the
-    scheduler process's torch.profiler, GPU activity only, chrome traces into a temporary
-    folder; one decode step's kernels: the difference of the two traces / ``steps``). Writes
-    ``path`` (markdown) and returns :func:`kernel_trace.step_summary` with the
-    ``decode_kernels`` rows.
+    --profile`` (:func:`kernel_trace.measure_decode_step`): ``make_ids()`` (a fresh batch of
+    prompt ids) generated with ``steps`` and ``2·steps`` greedy tokens, unprofiled (wall ms of
+    one decode step) and under SGLang's own profiler (``Engine.start_profile``: the scheduler
+    process's torch.profiler, GPU activity only; one decode step's kernels from the difference
+    of the two traces). Writes ``path`` (markdown) and returns
+    :func:`kernel_trace.step_summary` with the ``decode_kernels`` rows.
 
     Raises:
         RuntimeError: SGLang wrote no trace."""
-    import tempfile
-
     import kernel_trace as kt
 
-    runs = {"short": steps, "long": 2 * steps}
+    seen: dict = {}
 
-    def params(t):
-        return {"max_new_tokens": t, "temperature": 0.0, "ignore_eos": True}
-
-    walls = {}
-    for key, t in runs.items():
+    def run(t):
         ids = make_ids()
-        t0 = time.perf_counter()
-        llm.generate(input_ids=ids, sampling_params=params(t))
-        walls[key] = time.perf_counter() - t0
-    totals = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for key, t in runs.items():
-            d = Path(tmp) / key
-            d.mkdir()
-            ids = make_ids()
-            llm.start_profile(output_dir=str(d), activities=["GPU"], with_stack=False,
-                              record_shapes=False)
-            llm.generate(input_ids=ids, sampling_params=params(t))
-            llm.stop_profile()
-            traces = sorted(d.glob("*.trace.json*"))
-            if not traces:
-                raise RuntimeError(f"SGLang's profiler wrote no trace into {d}")
-            totals[key] = kt.kernel_totals(traces[0])
-    rows = kt.decode_step_kernels(totals["short"], totals["long"], steps)
-    summary = kt.step_summary(rows, 1e3 * (walls["long"] - walls["short"]) / steps)
+        seen["prompts"] = len(ids)
+        llm.generate(input_ids=ids, sampling_params={"max_new_tokens": t, "temperature": 0.0,
+                                                     "ignore_eos": True})
+
+    def capture(t, folder):
+        llm.start_profile(output_dir=str(folder), activities=["GPU"], with_stack=False,
+                          record_shapes=False)
+        run(t)
+        llm.stop_profile()
+        traces = sorted(folder.glob("*.trace.json*"))
+        if not traces:
+            raise RuntimeError(f"SGLang's profiler wrote no trace into {folder}")
+        return traces[0]
+
+    m = kt.measure_decode_step(run, capture, steps)
     path.write_text(f"# one decode step ({2 * steps}-token run minus {steps}-token run, per "
-                    f"step), {len(make_ids())} prompts of {PROMPT_LEN} tokens\n\n{summary}\n\n"
-                    + kt.table(rows) + "\n")
-    return {"prompts": len(make_ids()), "tokens": steps,
-            "seconds": {k: round(v, 4) for k, v in walls.items()}, "table": path.name,
-            **summary, "decode_kernels": rows[:60]}
+                    f"step), {seen['prompts']} prompts of {PROMPT_LEN} tokens\n\n"
+                    f"{m['summary']}\n\n" + kt.table(m["rows"]) + "\n")
+    return {"prompts": seen["prompts"], "tokens": steps,
+            "seconds": {k: round(v, 4) for k, v in m["walls"].items()}, "table": path.name,
+            **m["summary"], "decode_kernels": m["rows"][:60]}
 
 
 def radix_check(llm, greedy: dict) -> dict:

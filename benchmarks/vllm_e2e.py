@@ -580,62 +580,56 @@ def profile_decode(llm, make_prompts, make_params, steps: int, path: Path) -> di
     this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the worker's ``--profile``).
 
     ``make_prompts()``: a fresh batch (no prefix-cache hits); ``make_params(tokens)``: its
-    greedy ``SamplingParams``. Generates ``steps`` and ``2·steps`` tokens twice each: unprofiled
-    (the wall time of one decode step is the difference / ``steps``) and under torch.profiler
-    (CPU + CUDA; the kernels of one decode step are the difference of the two traces,
-    :mod:`kernel_trace`, the same method as ``sglang_e2e.py --profile``). Writes ``path``: the
-    operator tables of the ``steps`` run sorted by self CPU time and by device time (top 40
-    each), then the decode-step kernel table. Returns the wall seconds, the ``steps`` run's
-    CUDA-graph and kernel launches and device time, and :func:`kernel_trace.step_summary` of
-    one decode step (device vs wall ms: ``gpu_busy``) with its ``decode_kernels`` rows."""
-    import tempfile
-
+    greedy ``SamplingParams``. :func:`kernel_trace.measure_decode_step` generates ``steps``
+    and ``2·steps`` tokens twice each: unprofiled (wall ms of one decode step) and under
+    torch.profiler (CPU + CUDA; one decode step's kernels from the difference of the two
+    traces — the same method as ``sglang_e2e.py --profile``). Writes ``path``: the operator
+    tables of the ``steps`` run sorted by self CPU time and by device time (top 40 each), then
+    the decode-step kernel table. Returns the wall seconds, the ``steps`` run's CUDA-graph and
+    kernel launches and device time, and :func:`kernel_trace.step_summary` of one decode step
+    (device vs wall ms: ``gpu_busy``) with its ``decode_kernels`` rows."""
     from torch.profiler import ProfilerActivity, profile
 
     kt = _kernel_trace()
+    seen: dict = {}
 
-    runs = {"short": steps, "long": 2 * steps}
-    walls = {}
-    for key, t in runs.items():
+    def run(t):
         prompts = make_prompts()
-        t0 = time.perf_counter()
+        seen["prompts"] = len(prompts)
         llm.generate(prompts, make_params(t), use_tqdm=False)
-        walls[key] = time.perf_counter() - t0
-    totals, head = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for key, t in runs.items():
-            prompts = make_prompts()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                         acc_events=True) as prof:
-                t0 = time.perf_counter()
-                llm.generate(prompts, make_params(t), use_tqdm=False)
-                prof_s = time.perf_counter() - t0
-            trace = Path(tmp) / f"{key}.json"
-            prof.export_chrome_trace(str(trace))
-            totals[key] = kt.kernel_totals(trace)
-            if key == "short":
-                ka = prof.key_averages()
-                count = {e.key: e.count for e in ka}
-                dev = sum(getattr(e, "self_device_time_total", 0) for e in ka)
-                head = {"seconds_profiled": round(prof_s, 4),
-                        "cuda_graph_launches": count.get("cudaGraphLaunch", 0),
-                        "kernel_launches": count.get("cudaLaunchKernel", 0)
-                        + count.get("cuLaunchKernel", 0) + count.get("cuLaunchKernelEx", 0),
-                        "device_ms": round(dev / 1e3, 3),
-                        "device_ms_per_step": round(dev / 1e3 / steps, 3)}
-                tables = (ka.table(sort_by="self_cpu_time_total", row_limit=40,
-                                   max_name_column_width=90),
-                          ka.table(sort_by="self_device_time_total", row_limit=40,
-                                   max_name_column_width=90))
-    rows = kt.decode_step_kernels(totals["short"], totals["long"], steps)
-    summary = kt.step_summary(rows, 1e3 * (walls["long"] - walls["short"]) / steps)
+
+    def capture(t, folder):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     acc_events=True) as prof:
+            t0 = time.perf_counter()
+            run(t)
+            prof_s = time.perf_counter() - t0
+        if t == steps:   # the operator tables and launch counts of the steps-token run
+            ka = prof.key_averages()
+            count = {e.key: e.count for e in ka}
+            dev = sum(getattr(e, "self_device_time_total", 0) for e in ka)
+            seen["head"] = {"seconds_profiled": round(prof_s, 4),
+                            "cuda_graph_launches": count.get("cudaGraphLaunch", 0),
+                            "kernel_launches": count.get("cudaLaunchKernel", 0)
+                            + count.get("cuLaunchKernel", 0) + count.get("cuLaunchKernelEx", 0),
+                            "device_ms": round(dev / 1e3, 3),
+                            "device_ms_per_step": round(dev / 1e3 / steps, 3)}
+            seen["tables"] = tuple(ka.table(sort_by=key, row_limit=40, max_name_column_width=90)
+                                   for key in ("self_cpu_time_total", "self_device_time_total"))
+        trace = folder / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return trace
+
+    m = kt.measure_decode_step(run, capture, steps)
+    head, tables, walls, rows, summary = (seen["head"], seen["tables"], m["walls"], m["rows"],
+                                          m["summary"])
     path.write_text(
-        f"# {len(make_prompts())} prompts x {steps} tokens: {walls['short']:.3f} s unprofiled, "
+        f"# {seen['prompts']} prompts x {steps} tokens: {walls['short']:.3f} s unprofiled, "
         f"{head['seconds_profiled']:.3f} s profiled\n\n## by self CPU time\n" + tables[0]
         + "\n\n## by device time\n" + tables[1]
         + f"\n\n## one decode step ({2 * steps}-token run minus {steps}-token run, per step)\n\n"
         + f"{summary}\n\n" + kt.table(rows) + "\n")
-    return {"prompts": len(make_prompts()), "tokens": steps, "seconds": round(walls["short"], 4),
+    return {"prompts": seen["prompts"], "tokens": steps, "seconds": round(walls["short"], 4),
             **head, "table": path.name, **summary, "decode_kernels": rows[:60]}
 
 
