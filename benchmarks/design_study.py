@@ -27,6 +27,16 @@ class WrappedQuantizer:
 HELD_OUT_FIRST = 6   # the bundle was fitted on the calibration text before window 6 (of 1,024)
 
 
+def fit_windows(tokenizer):
+    """The studies' fitting text: windows ``0 .. HELD_OUT_FIRST - 1`` of 1,024 tokens of
+    WikiText-2 *valid* — everything before :func:`held_out_windows`, int64
+    ``(HELD_OUT_FIRST, 1024)``."""
+    from tkv.calibrate.data import default_calib_text, tokenize_windows
+
+    return tokenize_windows(tokenizer, default_calib_text(), 1024,
+                            HELD_OUT_FIRST).subset(0, HELD_OUT_FIRST)
+
+
 def held_out_windows(tokenizer, count: int):
     """The studies' held-out text: ``count`` windows of 1,024 tokens of WikiText-2 *valid*
     from window :data:`HELD_OUT_FIRST` on (not used for calibration; never the test split),

@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 from tkv.calibrate.collect import collect_kv
-from tkv.calibrate.data import default_calib_text, tokenize_windows
 from tkv.calibrate.pipeline import tkv_arm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,6 +42,7 @@ from design_study import (
     TABLE_HEAD,
     arm_rows,
     finish,
+    fit_windows,
     held_out_windows,
     parse_and_load,
 )
@@ -83,19 +83,18 @@ def two_means(x: torch.Tensor, c: torch.Tensor, w: torch.Tensor, pin_first: bool
     return c
 
 
-def fitted_bundle(bundle, coll, weighting: str):
+def fitted_bundle(bundle, coll, received, weighting: str):
     """``bundle`` with every layer's k_channel_offset / k_sink_offset / v_sink_offset refitted
     on ``coll`` (a :class:`KVCollection` with every query kept) by 2-means under ``weighting``
-    ("none", "attn", "sqrt")."""
+    ("none", "attn", "sqrt"); ``received``: per layer, :func:`attention_received` of ``coll``."""
     d = bundle.geometry.head_dim
     layers = []
-    for cal, ls in zip(bundle.layers, coll.layers, strict=True):
+    for cal, ls, (w1, w2) in zip(bundle.layers, coll.layers, received, strict=True):
         sk = torch.tensor(cal.k_channel_scales) if cal.k_channel_scales else torch.ones(d)
         sv = torch.tensor(cal.v_channel_scales) if cal.v_channel_scales else torch.ones(d)
         mu, ksig, vsig = (cal.k_offset_tensor(d), cal.sink_offset_tensor("k", d),
                           cal.sink_offset_tensor("v", d))
         hkv = ls.k.shape[1]
-        w1, w2 = attention_received(ls.q, ls.k, coll.windows)
         new_mu, new_ks, new_vs = [], [], []
         for h in range(hkv):
             wk = {"none": torch.ones(len(w1)), "attn": w1[:, h], "sqrt": w1[:, h].sqrt()}[weighting]
@@ -116,9 +115,10 @@ def fitted_bundle(bundle, coll, weighting: str):
 def main() -> None:
     a, lm, bundle, t0 = parse_and_load(__doc__, "tkv-calibration/tkv_bundle.json", 4,
                                        "benchmarks/results/offset_fit_cpu.md")
-    calib = tokenize_windows(lm.tokenizer, default_calib_text(), 1024, HELD_OUT_FIRST).subset(0, HELD_OUT_FIRST)
+    calib = fit_windows(lm.tokenizer)
     coll = collect_kv(lm.model, calib, q_per_window=1024)
-    fits = {w: fitted_bundle(bundle, coll, w) for w in ("none", "attn", "sqrt")}
+    received = [attention_received(ls.q, ls.k, coll.windows) for ls in coll.layers]
+    fits = {w: fitted_bundle(bundle, coll, received, w) for w in ("none", "attn", "sqrt")}
     held = held_out_windows(lm.tokenizer, a.windows)
     lines = [f"# Offset-fit study — SmolLM2-135M-Instruct, bundle `{a.bundle}`", "",
              f"Offsets refitted on WikiText-2 *valid* windows 0-{HELD_OUT_FIRST - 1} "

@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from tkv.calibrate.collect import sink_offsets, window_sink_tokens
-from tkv.calibrate.data import default_calib_text, tokenize_windows
 from tkv.calibrate.evaluate import Arm
 from tkv.calibrate.pipeline import tkv_arm
 from tkv.calibrate.quantizers import TkvQuantizer
@@ -44,6 +43,7 @@ from design_study import (
     WrappedQuantizer,
     arm_rows,
     finish,
+    fit_windows,
     held_out_windows,
     parse_and_load,
 )
@@ -83,7 +83,7 @@ class SinkOffsetQuantizer(WrappedQuantizer):
 def main() -> None:
     a, lm, bundle, t0 = parse_and_load(__doc__, "benchmarks/results/calibrate_smollm2_bundle.json",
                                        4, "benchmarks/results/sink_offset_cpu.md")
-    calib = tokenize_windows(lm.tokenizer, default_calib_text(), 1024, 6).subset(0, 6)
+    calib = fit_windows(lm.tokenizer)
     # windows 0-5 only, before the held-out ones
     firsts = window_sink_tokens(calib)
     mus = sink_offsets(lm.model, firsts)

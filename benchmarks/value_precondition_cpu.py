@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from tkv.calibrate.collect import collect_kv
-from tkv.calibrate.data import default_calib_text, tokenize_windows
 from tkv.calibrate.evaluate import Arm
 from tkv.calibrate.pipeline import tkv_arm
 from tkv.codec import TurboKVCodec
@@ -41,6 +40,7 @@ from design_study import (
     WrappedQuantizer,
     arm_rows,
     finish,
+    fit_windows,
     geometric_mean_root,
     held_out_windows,
     parse_and_load,
@@ -77,8 +77,7 @@ class PreconditionedValues(WrappedQuantizer):
 def main() -> None:
     a, lm, bundle, t0 = parse_and_load(__doc__, "tkv-calibration/tkv_bundle.json", 4,
                                        "benchmarks/results/value_precondition_cpu.md")
-    fit = tokenize_windows(lm.tokenizer, default_calib_text(), 1024,
-                           HELD_OUT_FIRST).subset(0, HELD_OUT_FIRST)
+    fit = fit_windows(lm.tokenizer)
     col = collect_kv(lm.model, fit, show_progress=False)
     held = held_out_windows(lm.tokenizer, a.windows)
     d = bundle.geometry.head_dim
@@ -88,39 +87,39 @@ def main() -> None:
              f"{HELD_OUT_FIRST}..; never the test split). Teacher-forced, every attention reads "
              "the quantize-dequantized cache. Baseline named in every ratio: the bundle's row "
              "(diagonal value scales).", "", *TABLE_HEAD]
+    tags = ("check: the bundle's diagonal scales", "full A per layer", "full A per KV head")
+    mats = {tag: [] for tag in tags}   # tag -> per layer: per-head (d, d) transforms (any budget)
+    for li, s in enumerate(col.layers):
+        h, g = s.v.shape[1], s.q.shape[1] // s.v.shape[1]
+        w = s.o_proj.double()
+        cs = [s.v[:, i].double().T @ s.v[:, i].double() / s.v.shape[0] for i in range(h)]
+        ms = [sum(w[:, (i * g + j) * d:(i * g + j + 1) * d].T
+                  @ w[:, (i * g + j) * d:(i * g + j + 1) * d] for j in range(g))
+              for i in range(h)]
+        sc = bundle.layers[li].v_channel_scales      # the codec holds them as float32
+        mats[tags[0]].append([torch.diag(1 / torch.tensor(sc, dtype=torch.float32).double())
+                              if sc is not None else torch.eye(d, dtype=torch.float64)] * h)
+        mats[tags[1]].append([value_transform(sum(cs) / h, sum(ms) / h)] * h)
+        mats[tags[2]].append([value_transform(cs[i], ms[i]) for i in range(h)])
     for b in a.budgets.split(","):
         alloc = bundle.allocation(b)
         base = tkv_arm(bundle, alloc, f"TKV@{b} (bundle row: diagonal value scales)", "tkv")
         arms = [base]
-        for tag in ("check: the bundle's diagonal scales", "full A per layer", "full A per KV head"):
+        for tag in tags:
             qs = []
-            for li, s in enumerate(col.layers):
-                cod = bundle.codec(li, alloc.k_bits[li], alloc.v_bits[li], check_finite=False)
-                h, g = s.v.shape[1], s.q.shape[1] // s.v.shape[1]
-                w = s.o_proj.double()
-                cs = [s.v[:, i].double().T @ s.v[:, i].double() / s.v.shape[0] for i in range(h)]
-                ms = [sum(w[:, (i * g + j) * d:(i * g + j + 1) * d].T
-                          @ w[:, (i * g + j) * d:(i * g + j + 1) * d] for j in range(g))
-                      for i in range(h)]
-                if tag.startswith("check"):
-                    sc = cod.v.channel_scales
-                    mats = [torch.diag(1 / sc.double()) if sc is not None
-                            else torch.eye(d, dtype=torch.float64)] * h
-                elif tag.endswith("layer"):
-                    mats = [value_transform(sum(cs) / h, sum(ms) / h)] * h
-                else:
-                    mats = [value_transform(cs[i], ms[i]) for i in range(h)]
-                sig = cod.v.sink_offset
+            for li, per_head in enumerate(mats[tag]):
+                sig = bundle.codec(li, alloc.k_bits[li], alloc.v_bits[li],
+                                   check_finite=False).v.sink_offset
                 codecs = []
-                for i in range(h):
+                for i, m in enumerate(per_head):
                     so = None
                     if sig is not None:
                         si = sig.double().reshape(-1, d)
-                        so = (mats[i] @ si[i if si.shape[0] > 1 else 0]).float()
+                        so = (m @ si[i if si.shape[0] > 1 else 0]).float()
                     codecs.append(TurboKVCodec(d, k_bits=alloc.k_bits[li], v_bits=alloc.v_bits[li],
                                                seed=bundle.seed, v_sink_offset=so,
                                                check_finite=False))
-                qs.append(PreconditionedValues(base.quantizers[li], codecs, mats))
+                qs.append(PreconditionedValues(base.quantizers[li], codecs, per_head))
             arms.append(Arm(tag, qs, base.bytes_per_token_head, "tkv", base.meta))
         lines += arm_rows(lm.model, held, arms, b)
     finish(lines, t0, a.out)
