@@ -155,3 +155,25 @@ def test_goal_lines_check_bytes_vllm_ratio_and_needle():
     assert ("4", "needle TKV@4", "passes = uncompressed (10/12)", "9/12",
             "no (1 cell(s) fewer)") in missed
     assert all(t[-1] == "yes" for t in v if t not in missed)
+
+
+def test_goal_lines_keep_rejected_mix_goal_byte_miss_amounts_and_token_note():
+    """A 4.0 mix rejected on held-out text ships the uniform row: the SmartMix goal still shows,
+    as missed (ratio 1); a byte goal missed says by how many bytes; an evaluation on fewer than
+    the goals' 16 × 1,024 test tokens says so under the table."""
+    from tkv.calibrate.report import goal_lines, goal_verdicts
+
+    rows = [{"name": "TKV@4 SmartMix (rejected)", "group": "smartmix-rejected", "budget": 4.0,
+             "bytes_per_token_head": 68, "kl": 0.018, "delta_ppl_pct": 1.7},
+            {"name": "TKV@4 uniform K4V4", "group": "tkv", "budget": 4.0,
+             "bytes_per_token_head": 72, "kl": 0.015, "delta_ppl_pct": 1.0},
+            {"name": "KIVI int4 (K/ch g32, V/tok)", "group": "peer", "bytes_per_token_head": 80,
+             "kl": 0.015, "delta_ppl_pct": 1.1}]
+    md = "\n".join(goal_lines(rows, windows=(8, 1024)))
+    assert ("| 4 | SmartMix (mix rejected, uniform shipped) vs TKV@4 uniform K4V4 | "
+            "KL ratio ≤ 0.8 | 1.00 | no (by 0.20) |") in md
+    assert "(68.0) | 72.0 | no (+4.0 B over) |" in md
+    assert "16 × 1,024 test tokens; this evaluation used 8 × 1,024" in md
+    assert "this evaluation used" not in "\n".join(goal_lines(rows, windows=(16, 1024)))
+    assert ("4", "SmartMix (mix rejected, uniform shipped) vs TKV@4 uniform K4V4",
+            "KL ratio ≤ 0.8", "1.00", "no (by 0.20)") in goal_verdicts(rows)

@@ -442,7 +442,8 @@ def evaluate_bundle(bundle_path: str, out: str = "tkv-calibration", model: str |
     o.mkdir(parents=True, exist_ok=True)
     secs = time.perf_counter() - t0
     md = [f"# tkv evaluation — {lm.name}, bundle `{Path(bundle_path).name}`\n",
-          *evaluation_lines(ev, rows), *goal_lines(rows), f"Wall time: {secs:.0f} s ({machine_note()}).\n"]
+          *evaluation_lines(ev, rows), *goal_lines(rows, windows=(ev.windows, ev.window)),
+          f"Wall time: {secs:.0f} s ({machine_note()}).\n"]
     (o / "evaluation.md").write_text("\n".join(md) + "\n")
     plot_rows(rows, lm.name, o / "evaluation.png")
     res = {"model": lm.name, "bundle": str(bundle_path), "windows": ev.windows,
