@@ -106,6 +106,39 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     assert "without config.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, msg", [
+    (["run", "--eval-windows", "0"], "integer >= 1, got 0"),
+    (["run", "--eval-window", "1"], "integer >= 2, got 1"),
+    (["run", "--calib-window", "x"], "integer >= 2, got 'x'"),
+    (["run", "--threads", "0"], "integer >= 1"),
+    (["evaluate", "--eval-windows", "-3"], "integer >= 1, got -3"),
+    (["needle", "--needles", "5"], "invalid choice: 5"),
+    (["needle", "--max-new-tokens", "16"], "integer >= 24, got 16"),
+    (["needle", "--lengths", "1024,4k"], "integer >= 64, got '4k'"),
+    (["needle", "--lengths", ","], "at least one length"),
+    (["needle", "--depths", "0.5,1.5"], "outside [0, 1]"),
+    (["needle", "--depths", "mid"], "a fraction in [0, 1]"),
+])
+def test_cli_bad_counts_and_needle_grid_are_usage_errors(capsys, argv, msg):
+    """Counts, window sizes and the needle grid are checked by argparse: one usage line, exit
+    status 2, before torch or a model is loaded — never a ValueError traceback from deep in
+    the job."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_cli_needle_choices_match_the_shipped_needles():
+    from tkv.calibrate.cli import _parser
+    from tkv.calibrate.needle import NEEDLES
+
+    sub = next(a for a in _parser()._actions if a.dest == "cmd").choices["needle"]
+    needles = next(a for a in sub._actions if a.dest == "needles")
+    assert list(needles.choices) == list(range(1, len(NEEDLES) + 1))
+
+
 def test_unsupported_and_missing_models(tmp_path):
     from transformers import LlamaConfig, T5Config
 

@@ -65,6 +65,48 @@ def _budgets(s: str) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _at_least(lo: int):
+    """An argparse type: an integer ``>= lo`` (window counts ≥ 1, tokens per window ≥ 2 —
+    :func:`tkv.calibrate.data.tokenize_windows`' rule — threads ≥ 1, greedy tokens ≥ 24)."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
+        return v
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def _lengths(s: str) -> tuple[int, ...]:
+    """``needle --lengths``: comma-separated context lengths in tokens (each ≥ 64)."""
+    parse = _at_least(64)
+    out = tuple(parse(x.strip()) for x in s.split(",") if x.strip())
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one length, e.g. 1024,4096")
+    return out
+
+
+def _depths(s: str) -> tuple[float, ...]:
+    """``needle --depths``: comma-separated needle depths, fractions in [0, 1]."""
+    out = []
+    for x in (t.strip() for t in s.split(",")):
+        if not x:
+            continue
+        try:
+            v = float(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"depth must be a fraction in [0, 1], got {x!r}") from None
+        if not 0.0 <= v <= 1.0:
+            raise argparse.ArgumentTypeError(f"depth {x!r} is outside [0, 1] (0.5 = middle)")
+        out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one depth, e.g. 0.1,0.5,0.9")
+    return tuple(out)
+
+
 def _missing_input(a: argparse.Namespace) -> str | None:
     """First input path named on the command line that does not exist (checked before any
     model is loaded), as a one-line message; None when all exist."""
@@ -95,12 +137,12 @@ def _parser() -> argparse.ArgumentParser:
                    "[2.0, 8.0] (default: 3,4,5; with --full: 2.5,3,3.5,4,4.5,5,6,8)")
     r.add_argument("--full", action="store_true", help="full report: every budget, every peer, "
                    "16 evaluation windows, needle test (longer than 10 minutes)")
-    r.add_argument("--eval-windows", type=int, help="evaluation windows (default 8; --full 16)")
-    r.add_argument("--eval-window", type=int, default=1024, help="tokens per evaluation window")
-    r.add_argument("--collect-windows", type=int, default=8, help="calibration windows for K/V")
-    r.add_argument("--calib-window", type=int, default=512, help="tokens per calibration window")
-    r.add_argument("--sensitivity-windows", type=int, help="windows for per-layer sensitivity")
-    r.add_argument("--verify-windows", type=int, help="held-out windows for SmartMix verification")
+    r.add_argument("--eval-windows", type=_at_least(1), help="evaluation windows (default 8; --full 16)")
+    r.add_argument("--eval-window", type=_at_least(2), default=1024, help="tokens per evaluation window")
+    r.add_argument("--collect-windows", type=_at_least(1), default=8, help="calibration windows for K/V")
+    r.add_argument("--calib-window", type=_at_least(2), default=512, help="tokens per calibration window")
+    r.add_argument("--sensitivity-windows", type=_at_least(1), help="windows for per-layer sensitivity")
+    r.add_argument("--verify-windows", type=_at_least(1), help="held-out windows for SmartMix verification")
     r.add_argument("--peers", action="store_true", help="also evaluate fp8, KIVI, vLLM presets")
     r.add_argument("--needle", action="store_true", help="also run the needle test")
     r.add_argument("--no-decode", action="store_true", help="skip the decode-path metric")
@@ -126,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
                    "2,3,4,5,6,7,8). Decode speed differs by width (H200, B=32, L=8K: K2V2 "
                    "0.24 ms, K4V4 0.26, K3V3 0.50, K8V8 0.63, K5V5 0.82, K6V6 1.1): e.g. 2,4 "
                    "keeps every layer on the two fastest, at some fidelity per byte")
-    r.add_argument("--threads", type=int, help="torch CPU threads")
+    r.add_argument("--threads", type=_at_least(1), help="torch CPU threads")
     r.add_argument("--seed", type=int, default=0, help="rotation seed")
     r.add_argument("--quiet", action="store_true", help="no progress bars")
     e = sub.add_parser("evaluate", help="evaluate an existing bundle beside peers on test text")
@@ -134,12 +176,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--model")
     e.add_argument("--eval-text")
     e.add_argument("--out", default="tkv-calibration")
-    e.add_argument("--eval-windows", type=int, default=8)
-    e.add_argument("--eval-window", type=int, default=1024)
+    e.add_argument("--eval-windows", type=_at_least(1), default=8)
+    e.add_argument("--eval-window", type=_at_least(2), default=1024)
     e.add_argument("--budgets", type=_budgets, help="rows to evaluate (default: all)")
     e.add_argument("--no-peers", action="store_true")
     e.add_argument("--no-decode", action="store_true")
-    e.add_argument("--threads", type=int)
+    e.add_argument("--threads", type=_at_least(1))
     e.add_argument("--quiet", action="store_true")
     n = sub.add_parser("needle", help="needle-in-a-haystack pass rates: uncompressed vs TKV")
     n.add_argument("--model")
@@ -147,12 +189,13 @@ def _parser() -> argparse.ArgumentParser:
                    "uncalibrated TurboQuant if missing)")
     n.add_argument("--out", default="tkv-calibration")
     n.add_argument("--haystack", help="folder of .txt essays (default: shipped)")
-    n.add_argument("--lengths", default="1024,2048,4096,7168", help="context lengths in tokens")
-    n.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths (fractions)")
-    n.add_argument("--needles", type=int, default=2, help="number of needles (1..4)")
+    n.add_argument("--lengths", type=_lengths, default=(1024, 2048, 4096, 7168), help="context lengths in tokens")
+    n.add_argument("--depths", type=_depths, default=(0.1, 0.5, 0.9), help="needle depths (fractions)")
+    n.add_argument("--needles", type=int, choices=range(1, 5), default=2, help="number of needles (1..4)")
     n.add_argument("--budgets", type=_budgets, default=(4.0, 3.0))
-    n.add_argument("--max-new-tokens", type=int, default=32)
-    n.add_argument("--threads", type=int)
+    n.add_argument("--max-new-tokens", type=_at_least(24), default=32,
+                   help="greedy tokens per answer (>= 24: the model restates the question first)")
+    n.add_argument("--threads", type=_at_least(1))
     n.add_argument("--quiet", action="store_true")
     return p
 
@@ -218,8 +261,7 @@ def _needle(a) -> int:
         bundle.check_geometry(lm.geometry.num_layers, lm.geometry.num_kv_heads, lm.geometry.head_dim)
     elif a.bundle:
         raise FileNotFoundError(f"calibration bundle not found: {bpath}")
-    cfg = NeedleConfig(lengths=tuple(int(x) for x in a.lengths.split(",")),
-                       depths=tuple(float(x) for x in a.depths.split(",")),
+    cfg = NeedleConfig(lengths=tuple(a.lengths), depths=tuple(a.depths),
                        num_needles=a.needles, budgets=tuple(a.budgets),
                        max_new_tokens=a.max_new_tokens,
                        haystack=a.haystack)
