@@ -8,8 +8,9 @@ sessions: ``lint``, ``codec`` and ``tests``. Every venv installs pinned versions
 * ``codec``    — a fresh venv with ONLY tkv-codec, its torch dependency and the test tools:
                  proves the codec installs and works alone (e.g. beside FlashInfer).
 * ``tests``    — every package's CPU tests in the workspace env (Triton kernels under
-                 TRITON_INTERPRET=1, GPU tests skip). ``slow`` tests excluded; ``nox -s tests --
-                 -m slow`` runs them.
+                 TRITON_INTERPRET=1, GPU tests skip), the ``slow`` real-model test included
+                 (SmolLM2-135M: a small calibration job and TkvCache generation, ~1 min);
+                 ``nox -s tests -- -m "not slow"`` leaves it out.
 * ``kernels``, ``calibrate`` — one package's tests in a venv of its own.
 * ``vllm``, ``sglang`` — the engine adapters with the pinned engine installed (large downloads;
                  not in the default run).
@@ -51,8 +52,9 @@ def _install_locked(session: nox.Session, *export_args: str) -> None:
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
-    args = session.posargs or ["-m", "not slow"]
-    session.run("python", "-m", "pytest", *paths, *args)
+    """pytest over ``paths`` (default: the configured testpaths), every marker included unless
+    the command line passes its own arguments (e.g. ``-- -m "not slow"``)."""
+    session.run("python", "-m", "pytest", *paths, *session.posargs)
 
 
 @nox.session(python=PYTHON)
