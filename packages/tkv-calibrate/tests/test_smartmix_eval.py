@@ -43,6 +43,26 @@ def test_sensitivity_measured_and_validated(sensitivity, tiny):
     assert c["n"] == 9 and c["spearman"] > 0.5
 
 
+def test_sensitivity_validation_is_leave_one_out(sensitivity):
+    """Each validation point is predicted with the exponent fitted on the OTHER points (least
+    squares through 0 in log space), recomputed here from the measured values; the shipped
+    exponent uses all of them."""
+    import math
+
+    s = sensitivity
+    pts = [(layer, side, b, m, math.log(s.distortion(layer, side, b)
+                                         / s.distortion(layer, side, s.probe_bits)),
+            math.log(m / s.probe[side][layer])) for layer, side, b, m, _ in s.validation]
+    assert math.isclose(s.gamma, sum(x * y for *_, x, y in pts) / sum(x * x for *_, x, y in pts),
+                        rel_tol=1e-9)
+    for i, (layer, side, *_) in enumerate(pts):
+        rest = pts[:i] + pts[i + 1:]
+        g = sum(x * y for *_, x, y in rest) / sum(x * x for *_, x, y in rest)
+        want = s.probe[side][layer] * math.exp(g * pts[i][4])
+        assert math.isclose(s.validation[i][4], want, rel_tol=1e-9)
+        assert not math.isclose(g, s.gamma, rel_tol=1e-12)   # really left out
+
+
 def test_budget_cap_is_priced_by_layout():
     geo = ModelGeometry(30, 3, 64)
     cap = budget_cap_bytes(geo, 4.0)

@@ -220,7 +220,8 @@ def write_report(res, out: Path) -> tuple[Path, Path]:
     L.append(f"- Sensitivity: every layer's K and V measured alone at {res.sensitivity.probe_bits} "
              f"bits; other widths predicted as KL_probe · (D_b/D_probe)^γ, γ = "
              f"{res.sensitivity.gamma:.3f}; on a measured validation sample of {c['n']} "
-             f"(layer, side, width) points: Pearson r(log) = {c['pearson_log']:.3f}, Spearman ρ = "
+             f"(layer, side, width) points, each predicted with the γ of the other points "
+             f"(leave-one-out): Pearson r(log) = {c['pearson_log']:.3f}, Spearman ρ = "
              f"{c['spearman']:.3f}.")
     ks = res.sensitivity.probe["k"]
     vs = res.sensitivity.probe["v"]

@@ -11,7 +11,9 @@ use, :mod:`tkv.calibrate.fitting`), so
 
 with one exponent ``γ`` (≈ 1 in the small-error regime) fitted by least squares in log space
 on a validation sample measured at other widths. The report gives the Pearson correlation of
-log predicted vs log measured KL and the Spearman rank correlation on that sample.
+log predicted vs log measured KL and the Spearman rank correlation on that sample, each point
+predicted out of sample: with the ``γ`` fitted on the other points (leave-one-out), so the
+correlation validates the proxy rather than its own fit.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ class Sensitivity:
         probe_bits: width measured for every layer and side.
         probe: ``probe[side][l]`` = measured mean KL with only layer l's side at probe_bits.
         distortion: ``distortion(l, side, bits)`` → held-out codebook MSE.
-        gamma: fitted exponent. validation: list of (layer, side, bits, measured, predicted).
+        gamma: exponent fitted on the whole validation sample (what :meth:`predict` uses).
+        validation: list of (layer, side, bits, measured, predicted), each point predicted with
+            the exponent fitted on the other points (leave-one-out).
     """
 
     probe_bits: int
@@ -82,11 +86,12 @@ class Sensitivity:
     validation: list[tuple[int, str, int, float, float]] = field(default_factory=list)
     seconds: float = 0.0
 
-    def predict(self, layer: int, side: str, bits: int) -> float:
-        """Predicted mean KL (nats) of compressing only ``layer``'s ``side`` at ``bits``."""
+    def predict(self, layer: int, side: str, bits: int, gamma: float | None = None) -> float:
+        """Predicted mean KL (nats) of compressing only ``layer``'s ``side`` at ``bits``, with
+        exponent ``gamma`` (default: the fitted :attr:`gamma`)."""
         base = max(self.probe[side][layer], KL_FLOOR)
         r = self.distortion(layer, side, bits) / self.distortion(layer, side, self.probe_bits)
-        return base * r ** self.gamma
+        return base * r ** (self.gamma if gamma is None else gamma)
 
     def table(self, widths=range(2, 9)) -> dict[str, torch.Tensor]:
         """``{"k": (L, len(widths)), "v": ...}`` predicted KL, float64."""
@@ -95,7 +100,8 @@ class Sensitivity:
                                 dtype=torch.float64) for s in SIDES}
 
     def correlation(self) -> dict:
-        """Pearson (log-log) and Spearman correlation of predicted vs measured on the sample."""
+        """Pearson (log-log) and Spearman correlation of predicted (leave-one-out) vs measured
+        on the validation sample."""
         if len(self.validation) < 3:
             return {"n": len(self.validation), "pearson_log": float("nan"), "spearman": float("nan")}
         m = [max(v[3], KL_FLOOR) for v in self.validation]
@@ -152,16 +158,26 @@ def measure_sensitivity(model, windows: torch.Tensor, bundle: CalibrationBundle,
     kl = {c: v / count for c, v in sums.items()}
     probe = {s: [kl[(layer, s, probe_bits)] for layer in range(num_layers)] for s in SIDES}
     sens = Sensitivity(probe_bits, probe, distortion)
-    # Fit gamma: log(KL_b / KL_probe) = gamma * log(D_b / D_probe), least squares through 0.
-    xs, ys = [], []
-    for (layer, s, b) in sample:
-        m, m0 = kl[(layer, s, b)], probe[s][layer]
+    # Fit gamma: log(KL_b / KL_probe) = gamma * log(D_b / D_probe), least squares through 0;
+    # each validation point is then predicted with the gamma of the other points.
+    fit = {}   # sample point -> (x, y) of the regression, for points above the KL floor
+    for c in sample:
+        layer, s, b = c
+        m, m0 = kl[c], probe[s][layer]
         if m > KL_FLOOR and m0 > KL_FLOOR:
-            xs.append(math.log(distortion(layer, s, b) / distortion(layer, s, probe_bits)))
-            ys.append(math.log(m / m0))
-    if xs and sum(x * x for x in xs) > 0:
-        sens.gamma = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
-    sens.validation = [(layer, s, b, kl[(layer, s, b)], sens.predict(layer, s, b))
+            fit[c] = (math.log(distortion(layer, s, b) / distortion(layer, s, probe_bits)),
+                      math.log(m / m0))
+    sxy = sum(x * y for x, y in fit.values())
+    sxx = sum(x * x for x, _ in fit.values())
+    if sxx > 0:
+        sens.gamma = sxy / sxx
+
+    def held_out_gamma(c) -> float:
+        x, y = fit.get(c, (0.0, 0.0))
+        return (sxy - x * y) / (sxx - x * x) if sxx - x * x > 0 else sens.gamma
+
+    sens.validation = [(layer, s, b, kl[(layer, s, b)],
+                        sens.predict(layer, s, b, held_out_gamma((layer, s, b))))
                        for (layer, s, b) in sample]
     sens.seconds = time.perf_counter() - t0
     return sens
