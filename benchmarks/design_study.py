@@ -77,10 +77,10 @@ def finish(lines: list[str], t0: float, out: str | Path, reading: str | None = N
     Path(out).write_text(text)
 
 
-def parse_and_load(doc: str, bundle: str, windows: int, out: str):
-    """The studies' common command line (``--bundle --budgets --windows --threads --out``),
-    then torch threads set, the model (SmolLM2 default) and the bundle loaded. Returns
-    ``(args, loaded_model, bundle, t0)``."""
+def parse_and_load(doc: str, bundle: str, windows: int, out: str, extra=None):
+    """The studies' common command line (``--bundle --budgets --windows --threads --out``,
+    plus what ``extra(parser)`` adds), then torch threads set, the model (SmolLM2 default) and
+    the bundle loaded. Returns ``(args, loaded_model, bundle, t0)``."""
     import argparse
 
     import torch
@@ -94,6 +94,8 @@ def parse_and_load(doc: str, bundle: str, windows: int, out: str):
     ap.add_argument("--windows", type=int, default=windows)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=out)
+    if extra is not None:
+        extra(ap)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()

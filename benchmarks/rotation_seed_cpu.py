@@ -26,23 +26,20 @@ repository root::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from tkv.calibrate.evaluate import evaluate_arms
-from tkv.calibrate.model import load_model
 from tkv.calibrate.pipeline import tkv_arm
 from tkv.codec import CalibrationBundle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from design_study import finish, held_out_windows
+from design_study import finish, held_out_windows, parse_and_load
 
 
 def seed_arms(bundle: CalibrationBundle, budget: str, seeds: int) -> list:
@@ -80,18 +77,9 @@ def spread(xs: list[float]) -> tuple[float, float, float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bundle", default="tkv-calibration/tkv_bundle.json")
-    ap.add_argument("--budgets", default="4.0,3.0")
-    ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/rotation_seed_cpu.md")
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    t0 = time.perf_counter()
-    lm = load_model(None)
-    bundle = CalibrationBundle.load(a.bundle)
+    a, lm, bundle, t0 = parse_and_load(
+        __doc__, "tkv-calibration/tkv_bundle.json", 8, "benchmarks/results/rotation_seed_cpu.md",
+        extra=lambda ap: ap.add_argument("--seeds", type=int, default=8))
     held = held_out_windows(lm.tokenizer, a.windows)
     lines = [f"# Rotation-seed study — SmolLM2-135M-Instruct, bundle `{a.bundle}` "
              f"(fitted under seed {bundle.seed})", "",

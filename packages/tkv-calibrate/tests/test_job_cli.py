@@ -117,7 +117,7 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     (["needle", "--lengths", "1024,4k"], "integer >= 64, got '4k'"),
     (["needle", "--lengths", ","], "at least one length"),
     (["needle", "--depths", "0.5,1.5"], "outside [0, 1]"),
-    (["needle", "--depths", "mid"], "a fraction in [0, 1]"),
+    (["needle", "--depths", "mid"], "depth must be a number in [0, 1]"),
 ])
 def test_cli_bad_counts_and_needle_grid_are_usage_errors(capsys, argv, msg):
     """Counts, window sizes and the needle grid are checked by argparse: one usage line, exit

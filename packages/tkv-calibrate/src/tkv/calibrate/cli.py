@@ -48,9 +48,10 @@ def _widths(s: str) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _budgets(s: str) -> tuple[float, ...]:
-    # Torch-free on purpose (argument errors answer at once); the same [2.0, 8.0] rule as
-    # tkv.calibrate.smartmix.check_budget, which the job applies again.
+def _numbers(s: str, what: str, lo: float, hi: float, unit: str = "") -> tuple[float, ...]:
+    """Comma-separated finite numbers in ``[lo, hi]`` (empty items skipped); torch-free, so
+    argument errors answer at once. ``what`` names one item in the messages, which print the
+    bounds as given (``2.0`` stays ``2.0``)."""
     out = []
     for x in (t.strip() for t in s.split(",")):
         if not x:
@@ -58,11 +59,18 @@ def _budgets(s: str) -> tuple[float, ...]:
         try:
             v = float(x)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"budget must be a number in [2.0, 8.0], got {x!r}") from None
-        if not (math.isfinite(v) and 2.0 <= v <= 8.0):
-            raise argparse.ArgumentTypeError(f"budget {x!r} is outside [2.0, 8.0] bits per element")
+            raise argparse.ArgumentTypeError(f"{what} must be a number in [{lo}, {hi}], "
+                                             f"got {x!r}") from None
+        if not (math.isfinite(v) and lo <= v <= hi):
+            raise argparse.ArgumentTypeError(f"{what} {x!r} is outside [{lo}, {hi}]{unit}")
         out.append(v)
     return tuple(out)
+
+
+def _budgets(s: str) -> tuple[float, ...]:
+    """``--budgets``: bits per element in [2.0, 8.0] — the rule of
+    tkv.calibrate.smartmix.check_budget, which the job applies again."""
+    return _numbers(s, "budget", 2.0, 8.0, " bits per element")
 
 
 def _at_least(lo: int):
@@ -91,20 +99,10 @@ def _lengths(s: str) -> tuple[int, ...]:
 
 def _depths(s: str) -> tuple[float, ...]:
     """``needle --depths``: comma-separated needle depths, fractions in [0, 1]."""
-    out = []
-    for x in (t.strip() for t in s.split(",")):
-        if not x:
-            continue
-        try:
-            v = float(x)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"depth must be a fraction in [0, 1], got {x!r}") from None
-        if not 0.0 <= v <= 1.0:
-            raise argparse.ArgumentTypeError(f"depth {x!r} is outside [0, 1] (0.5 = middle)")
-        out.append(v)
+    out = _numbers(s, "depth", 0, 1, " (a fraction: 0.5 = the middle)")
     if not out:
         raise argparse.ArgumentTypeError("expected at least one depth, e.g. 0.1,0.5,0.9")
-    return tuple(out)
+    return out
 
 
 def _missing_input(a: argparse.Namespace) -> str | None:
