@@ -20,6 +20,7 @@ from tkv.codec import (
     load_config,
     resolve_allocation,
 )
+from tkv.codec.bundle import _digest
 
 
 def make_bundle(num_layers=3, heads=2, d=64) -> CalibrationBundle:
@@ -77,10 +78,9 @@ def test_per_head_offset_round_trip_and_old_form(tmp_path):
     x = torch.randn(5, heads, d)
     assert c.decompress_k(*c.compress_k(x)).shape == (5, heads, d)
     dd = b.to_dict()
-    dd.pop("integrity")
     dd["layers"][2]["k_channel_offset"] = [0.0] * ((heads + 1) * d)
     with pytest.raises(BundleSchemaError, match=r"layers\[2\]\.k_channel_offset"):
-        CalibrationBundle.from_dict(dd)
+        CalibrationBundle.from_dict(dd, verify_integrity=False)
     with pytest.raises(BundleGeometryError):
         b2.check_geometry(b.geometry.num_layers, heads + 1, d)
     # a TP rank's heads: the per-head rows are sliced, the shared μ is not
@@ -116,10 +116,9 @@ def test_sink_offsets_round_trip_slice_per_rank_and_reach_the_codec(tmp_path):
     assert torch.equal(cr.k.sink_offset[0], sk[1]) and torch.equal(cr.v.sink_offset, sv)
     assert "k_sink_offset" not in make_bundle().to_dict()["layers"][1]
     dd = b.to_dict()
-    dd.pop("integrity")
     dd["layers"][1]["v_sink_offset"] = [0.0] * (d + 1)
     with pytest.raises(BundleSchemaError, match=r"layers\[1\]\.v_sink_offset"):
-        CalibrationBundle.from_dict(dd)
+        CalibrationBundle.from_dict(dd, verify_integrity=False)
 
 
 def test_missing_row_lists_rows():
@@ -154,8 +153,8 @@ def test_geometry_mismatch_refused_by_name():
 ])
 def test_malformed_bundles_refused(tmp_path, mutate, match):
     d = make_bundle().to_dict()
-    d.pop("integrity")
     mutate(d)
+    d["integrity"] = _digest({k: v for k, v in d.items() if k != "integrity"})   # resealed
     p = tmp_path / "bad.json"
     p.write_text(json.dumps(d))
     with pytest.raises(BundleSchemaError, match=match):
@@ -225,10 +224,9 @@ def test_bundle_nan_duplicates_and_unsavable_contents_are_schema_errors(tmp_path
     with pytest.raises(BundleSchemaError, match="NaN"):
         dataclasses.replace(b, metrics={"kl": float("nan")}).save(tmp_path / "x.json")
     d = b.to_dict()
-    d.pop("integrity")
     d["byte_budget_table"]["4"] = d["byte_budget_table"]["3.5"]
     with pytest.raises(BundleSchemaError, match=r"byte_budget_table\.4.*second row for TKV_BITS=4\.0"):
-        CalibrationBundle.from_dict(d)
+        CalibrationBundle.from_dict(d, verify_integrity=False)
     bad = dataclasses.replace(b, byte_budget_table={"4.0": LayerAllocation((9, 9, 9), (4, 4, 4))})
     with pytest.raises(BundleSchemaError, match="outside"):
         bad.save(tmp_path / "bad.json")
@@ -259,8 +257,80 @@ def test_load_config_refuses_a_bad_geometry(geo):
 
 def test_schema_version_must_be_the_integer():
     d = make_bundle().to_dict()
-    d.pop("integrity")
     for bad in (True, 1.0, "1"):
         d["schema_version"] = bad
         with pytest.raises(BundleSchemaError, match="schema_version"):
-            CalibrationBundle.from_dict(d)
+            CalibrationBundle.from_dict(d, verify_integrity=False)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d["layers"][0].update(k_chanel_scales=d["layers"][0].pop("k_channel_scales")),
+     r"layers\[0\]: unknown field\(s\) 'k_chanel_scales'"),
+    (lambda d: d.update(byte_budget_tabel=d.pop("byte_budget_table")), "byte_budget_tabel|missing"),
+    (lambda d: d.update(notes="hand-written"), r"bundle: unknown field\(s\) 'notes'"),
+    (lambda d: d["geometry"].update(layer_type=["full"] * 3), r"geometry: unknown field"),
+    (lambda d: d["byte_budget_table"]["4.0"].update(k_bit=[4, 4, 4]), r"unknown field.*k_bit"),
+    (lambda d: d["layers"][0]["codebooks"]["k_bits_3"].update(scale=1.0), r"unknown field.*scale"),
+    (lambda d: d["layers"][0]["codebooks"].update(
+        k_bits_04=d["layers"][0]["codebooks"].pop("k_bits_3")), "k_bits_04.*plain ASCII digit"),
+    (lambda d: d["layers"][0]["codebooks"].update(
+        {"k_bits_\u0664": d["layers"][0]["codebooks"].pop("v_bits_4")}), "plain ASCII digit"),
+    (lambda d: d["layers"][1].update(k_channel_scales=[1e-300] * 64), "smallest normal float32"),
+    (lambda d: d["layers"][1].update(k_channel_scales=[1e300] * 64), "float32 range"),
+    (lambda d: d["layers"][0].update(k_channel_offset=[1e39] * 64), "float32 range"),
+    (lambda d: d["layers"][0].update(k_channel_offset=[10 ** 400] * 64), "non-finite"),
+])
+def test_hand_edits_that_would_be_ignored_or_overflow_are_refused(tmp_path, mutate, match):
+    """Resealed (valid integrity) but wrong: a misspelled field would silently drop its
+    calibration, a non-canonical codebook key would never be looked up, a scale outside the
+    float32 range would fail only inside a codec — each is a named BundleSchemaError on load,
+    and the message names the file."""
+    d = make_bundle().to_dict()
+    mutate(d)
+    d["integrity"] = _digest({k: v for k, v in d.items() if k != "integrity"})
+    p = tmp_path / "edited.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(BundleSchemaError, match=match) as e:
+        CalibrationBundle.load(p)
+    assert "edited.json" in str(e.value)
+
+
+def test_integrity_is_required_unless_resealing_on_purpose(tmp_path):
+    """Deleting ``integrity`` no longer disables the check; ``verify_integrity=False`` (still
+    fully validated) then ``save`` is the documented way to keep a deliberate edit."""
+    d = make_bundle().to_dict()
+    d.pop("integrity")
+    d["byte_budget_table"]["4.0"]["v_bits"][1] = 3
+    p = tmp_path / "b.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(BundleSchemaError, match="no integrity field.*reseal"):
+        CalibrationBundle.load(p)
+    CalibrationBundle.from_dict(json.loads(p.read_text()), verify_integrity=False).save(p)
+    assert CalibrationBundle.load(p).allocation(4.0).v_bits == (4, 3, 4)
+    d["layers"][0]["k_channel_scales"] = [0.0] * 64
+    with pytest.raises(BundleSchemaError, match="k_channel_scales"):
+        CalibrationBundle.from_dict(d, verify_integrity=False)
+
+
+def test_load_names_directories_and_deep_nesting(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is a directory"):
+        CalibrationBundle.load(tmp_path)
+    p = tmp_path / "deep.json"
+    p.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(BundleSchemaError, match="not valid JSON"):
+        CalibrationBundle.load(p)
+    with pytest.raises(FileNotFoundError, match="is a directory"):
+        load_config(3, 2, 64, {"TKV_CALIBRATION_FILE": str(tmp_path)})
+
+
+def test_blank_tkv_bits_is_the_default_and_the_missing_row_says_so(tmp_path):
+    p = str(make_bundle().save(tmp_path / "b.json"))
+    assert load_config(3, 2, 64, {"TKV_BITS": "   ", "TKV_CALIBRATION_FILE": p}).tkv_bits == "4.0"
+    b = make_bundle()
+    only = dataclasses.replace(b, byte_budget_table={"3.5": b.byte_budget_table["3.5"]})
+    q = str(only.save(tmp_path / "only35.json"))
+    with pytest.raises(BudgetRowMissingError, match="TKV_BITS is unset, so it defaulted to 4.0"):
+        load_config(3, 2, 64, {"TKV_CALIBRATION_FILE": q})
+    with pytest.raises(BudgetRowMissingError) as e:
+        load_config(3, 2, 64, {"TKV_BITS": "4", "TKV_CALIBRATION_FILE": q})
+    assert "defaulted" not in str(e.value)

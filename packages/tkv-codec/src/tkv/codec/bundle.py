@@ -79,6 +79,14 @@ BUNDLE_FORMAT = "tkv-calibration-bundle"
 DEFAULT_K_BITS = 4
 DEFAULT_V_BITS = 4
 LAYER_TYPES = ("full", "sliding")
+BUNDLE_FIELDS = ("format", "schema_version", "seed", "geometry", "layers", "byte_budget_table",
+                 "provenance", "metrics", "integrity")
+GEOMETRY_FIELDS = ("model", "num_layers", "num_kv_heads", "head_dim", "layer_types",
+                   "sliding_window")
+LAYER_FIELDS = ("k_channel_scales", "v_channel_scales", "codebooks", "k_channel_offset",
+                "k_sink_offset", "v_sink_offset")
+_RESEAL = ("Re-run tkv-calibrate, or, to keep a deliberate hand edit, reseal the file: "
+           "CalibrationBundle.from_dict(json.load(open(PATH)), verify_integrity=False).save(PATH)")
 
 
 def normalize_tkv_bits(value: str | float | int) -> str:
@@ -116,18 +124,43 @@ def _int(v: Any, path: str, lo: int | None = None, hi: int | None = None) -> int
     return v
 
 
+_F32_MAX = 3.4028234663852886e38    # largest finite float32
+_F32_TINY = 1.1754943508222875e-38  # smallest normal float32
+
+
+def _keys(d: Any, allowed: tuple[str, ...], path: str) -> None:
+    """Refuse keys outside ``allowed``: a misspelled field (``k_chanel_scales``) would
+    otherwise be ignored and its calibration silently dropped."""
+    if isinstance(d, Mapping):
+        extra = sorted(str(k) for k in d if k not in allowed)
+        if extra:
+            raise _fail(path, f"unknown field(s) {', '.join(map(repr, extra))}; "
+                              f"expected only {', '.join(allowed)}")
+
+
 def _floats(v: Any, path: str, n: int | None = None, positive: bool = False) -> list[float]:
+    """A list of ``n`` numbers the codec's float32 tensors hold exactly in range: finite,
+    ``|x| <= 3.4e38``, and with ``positive`` at least the smallest normal float32 (1.2e-38) —
+    a scale that rounds to 0 or inf in float32 is refused here, on load, not later in a
+    codec or kernel."""
     if not isinstance(v, list) or not all(
         isinstance(x, int | float) and not isinstance(x, bool) for x in v
     ):
         raise _fail(path, "expected a list of numbers")
     if n is not None and len(v) != n:
         raise _fail(path, f"expected {n} numbers, got {len(v)}")
-    if not all(math.isfinite(x) for x in v):
+    try:
+        vals = [float(x) for x in v]
+    except OverflowError:   # an integer beyond the float range
+        raise _fail(path, "non-finite number") from None
+    if not all(math.isfinite(x) for x in vals):
         raise _fail(path, "non-finite number")
-    if positive and not all(x > 0 for x in v):
-        raise _fail(path, "every entry must be > 0")
-    return [float(x) for x in v]
+    if not all(abs(x) <= _F32_MAX for x in vals):
+        raise _fail(path, "a number beyond the float32 range (|x| > 3.4e38)")
+    if positive and not all(x >= _F32_TINY for x in vals):
+        raise _fail(path, "every entry must be > 0 (at least 1.2e-38, the smallest normal "
+                          "float32)")
+    return vals
 
 
 # ----------------------------------------------------------------------------- records
@@ -160,6 +193,7 @@ class ModelGeometry:
     @classmethod
     def from_dict(cls, d: Mapping, path: str = "geometry") -> ModelGeometry:
         n = _int(_req(d, "num_layers", path), f"{path}.num_layers", 1)
+        _keys(d, GEOMETRY_FIELDS, path)
         types = d.get("layer_types") or ["full"] * n
         if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
             raise _fail(f"{path}.layer_types", f"expected {n} entries from {LAYER_TYPES}")
@@ -256,6 +290,9 @@ class LayerCalibration:
     @classmethod
     def from_dict(cls, d: Mapping, head_dim: int, path: str,
                   num_kv_heads: int | None = None) -> LayerCalibration:
+        if not isinstance(d, Mapping):
+            raise _fail(path, f"expected an object, got {type(d).__name__}")
+        _keys(d, LAYER_FIELDS, path)
         scales = {}
         for side in ("k", "v"):
             key = f"{side}_channel_scales"
@@ -267,11 +304,15 @@ class LayerCalibration:
             raise _fail(f"{path}.codebooks", "expected an object")
         cbs = {}
         for key, cb in cbs_raw.items():
-            side, _, bits_s = key.partition("_bits_")
-            if side not in ("k", "v") or not bits_s.isdigit() or not MIN_BITS <= int(bits_s) <= MAX_BITS:
-                raise _fail(f"{path}.codebooks.{key}", "key must be k_bits_N or v_bits_N, N in 2..8")
+            side, _, bits_s = str(key).partition("_bits_")
+            canonical = (side in ("k", "v") and bits_s in {str(b) for b in
+                                                           range(MIN_BITS, MAX_BITS + 1)})
+            if not canonical:   # "k_bits_04" / "k_bits_٤" would load and never be looked up
+                raise _fail(f"{path}.codebooks.{key}", "key must be k_bits_N or v_bits_N, N one of "
+                                                       "2..8 written as a plain ASCII digit")
             bits = int(bits_s)
             p = f"{path}.codebooks.{key}"
+            _keys(cb, ("centroids", "boundaries"), p)
             cents = _floats(_req(cb, "centroids", p), f"{p}.centroids", 1 << bits)
             bounds = _floats(_req(cb, "boundaries", p), f"{p}.boundaries", (1 << bits) - 1)
             try:
@@ -326,6 +367,7 @@ class LayerAllocation:
 
     @classmethod
     def from_dict(cls, d: Mapping, num_layers: int, path: str) -> LayerAllocation:
+        _keys(d, ("k_bits", "v_bits", "source"), path)
         out = []
         for side in ("k_bits", "v_bits"):
             v = _req(d, side, path)
@@ -385,8 +427,18 @@ class CalibrationBundle:
         return body
 
     @classmethod
-    def from_dict(cls, d: Any) -> CalibrationBundle:
-        """Validate and build. Raises BundleSchemaError naming the first offending field."""
+    def from_dict(cls, d: Any, verify_integrity: bool = True) -> CalibrationBundle:
+        """Validate and build.
+
+        ``verify_integrity``: require the ``integrity`` field and check it (default). False
+        accepts a deliberately hand-edited bundle — every field is still validated — so that
+        ``CalibrationBundle.from_dict(json.load(f), verify_integrity=False).save(path)`` reseals
+        it; engines always verify.
+
+        Raises:
+            BundleSchemaError: naming the first offending field, an unknown field, a missing or
+                mismatched ``integrity``.
+        """
         if not isinstance(d, Mapping):
             raise BundleSchemaError("a bundle must be a JSON object")
         if d.get("format") != BUNDLE_FORMAT:
@@ -394,12 +446,17 @@ class CalibrationBundle:
         ver = d.get("schema_version")
         if isinstance(ver, bool) or not isinstance(ver, int) or ver != SCHEMA_VERSION:
             raise _fail("schema_version", f"this tkv reads version {SCHEMA_VERSION}, got {ver!r}")
-        if "integrity" in d:
+        _keys(d, BUNDLE_FIELDS, "bundle")
+        if verify_integrity:
+            if "integrity" not in d:
+                raise BundleSchemaError(
+                    "bundle has no integrity field: tkv writes one into every bundle, so this "
+                    f"file was edited or built by hand. {_RESEAL}")
             body = {k: v for k, v in d.items() if k != "integrity"}
             if _digest(body) != d["integrity"]:
                 raise BundleSchemaError(
                     "bundle integrity check failed: the file was modified or corrupted "
-                    "after it was written (recompute with CalibrationBundle.save)")
+                    f"after it was written. {_RESEAL}")
         geo = ModelGeometry.from_dict(_req(d, "geometry", "bundle"))
         layers_raw = _req(d, "layers", "bundle")
         if not isinstance(layers_raw, list) or len(layers_raw) != geo.num_layers:
@@ -452,13 +509,19 @@ class CalibrationBundle:
             BundleSchemaError: not JSON, wrong format/version, bad field, integrity mismatch.
         """
         p = Path(path)
+        if p.is_dir():
+            raise FileNotFoundError(f"calibration bundle {str(p)!r} is a directory, not a file")
         if not p.is_file():
-            raise FileNotFoundError(f"calibration bundle not found: {p}")
+            raise FileNotFoundError(f"calibration bundle not found: {str(p)!r}")
         try:
             d = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BundleSchemaError(f"calibration bundle {p} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise BundleSchemaError(f"calibration bundle {str(p)!r} is not valid JSON (or nests "
+                                    f"deeper than Python's parser allows): {e}") from None
+        try:
+            return cls.from_dict(d)
+        except BundleSchemaError as e:
+            raise BundleSchemaError(f"calibration bundle {str(p)!r}: {e}") from None
 
     # ------------------------------------------------------------------ use
     def check_geometry(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from .bundle import CalibrationBundle, LayerAllocation, normalize_tkv_bits, resolve_allocation
 from .codec import TurboKVCodec
-from .errors import ShapeError
+from .errors import BudgetRowMissingError, ShapeError
 from .layout import SlotLayout
 from .sharding import KvHeadShard
 
@@ -120,14 +120,23 @@ def load_config(num_layers: int, num_kv_heads: int, head_dim: int,
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ShapeError(f"model geometry: {name} must be a positive int, got {v!r}")
     env = os.environ if env is None else env
-    raw_bits = env.get(ENV_BITS) or "4.0"
-    key = normalize_tkv_bits(raw_bits)
-    path = env.get(ENV_CALIBRATION_FILE)
+    raw_bits = (env.get(ENV_BITS) or "").strip()   # unset or blank: the default, like every TKV_*
+    key = normalize_tkv_bits(raw_bits or "4.0")
+    path = (env.get(ENV_CALIBRATION_FILE) or "").strip()
     bundle = None
     if path:
         p = Path(path).expanduser()
+        if p.is_dir():
+            raise FileNotFoundError(f"{ENV_CALIBRATION_FILE}={path!r} is a directory; it must "
+                                    "name a calibration bundle file (tkv_bundle.json)")
         if not p.is_file():
-            raise FileNotFoundError(f"{ENV_CALIBRATION_FILE}={path}: no such file")
+            raise FileNotFoundError(f"{ENV_CALIBRATION_FILE}={path!r}: no such file")
         bundle = CalibrationBundle.load(p)
-    alloc = resolve_allocation(bundle, key, num_layers, num_kv_heads, head_dim)
+    try:
+        alloc = resolve_allocation(bundle, key, num_layers, num_kv_heads, head_dim)
+    except BudgetRowMissingError as e:
+        if raw_bits:
+            raise
+        raise BudgetRowMissingError(f"{e} ({ENV_BITS} is unset, so it defaulted to 4.0: set "
+                                    f"{ENV_BITS} to one of the rows)") from None
     return TkvConfig(key, alloc, bundle, num_layers, num_kv_heads, head_dim)
