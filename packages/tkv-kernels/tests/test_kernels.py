@@ -1628,3 +1628,131 @@ def test_decode_fused_query_rotation_falls_back_where_not_hadamard():
     decode(q, cache, batch.block_table, batch.seq_lens, ld, _ws(), out=plain,
            block_n=ld.min_block_n, fused_query_rotation=False)
     assert torch.equal(out, plain)
+
+
+def _small_prefill(ld, seed=3, prefix=(9, 0), qlens=(20, 5), group=2):
+    """A small prefill batch on ``ld``: q, k, v, cu, seq_lens, block_table, cache."""
+    g = _gen(seed)
+    lens = [p + q for p, q in zip(prefix, qlens, strict=True)]
+    batch = make_paged_batch(lens, ld.block_size, DEV, generator=g)
+    cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
+    hkv, d = ld.num_kv_heads, ld.head_dim
+    ks, vs, qs = [], [], []
+    for i, (p, ql) in enumerate(zip(prefix, qlens, strict=True)):
+        kv = torch.randn(2, p + ql, hkv, d, generator=g).to(DEV, torch.bfloat16)
+        fill_cache(ld, cache, kv[0], kv[1], batch.slots(i))
+        ks.append(kv[0, p:])
+        vs.append(kv[1, p:])
+        qs.append(torch.randn(ql, hkv * group, d, generator=g).to(DEV, torch.bfloat16))
+    cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=DEV)
+    return (torch.cat(qs), torch.cat(ks), torch.cat(vs), cu, batch.seq_lens,
+            batch.block_table, cache)
+
+
+def test_truthy_options_and_launch_values_are_named_errors():
+    """A string or int where a bool option goes would pick the other code path silently (an
+    unrotated query read as rotated: wrong numbers); a NaN sm_scale would make every row NaN;
+    a non-power-of-two launch value would crash inside Triton; a loader or workspace of the
+    wrong type would fail on an attribute deep in the wrapper — each is refused by name."""
+    from tkv.codec.errors import NonFiniteError
+
+    ld = TkvLoader(TurboKVCodec(32, 4, device=DEV), 2, 16)
+    batch, cache = _scenario(ld, [5, 17], seed=1)
+    q = torch.randn(2, 4, 32, device=DEV, dtype=torch.bfloat16)
+    ws = _ws()
+    args = (q, cache, batch.block_table, batch.seq_lens, ld, ws)
+    for name in ("query_rotated", "output_rotated", "prefetch", "swap_qk"):
+        for bad in ("no", "False", 0, 1):
+            with pytest.raises(DtypeError, match=name):
+                decode(*args, **{name: bad})
+    for bad in (float("nan"), float("inf"), "0.1"):
+        with pytest.raises((NonFiniteError, DtypeError), match="sm_scale"):
+            decode(*args, sm_scale=bad)
+    for bad in (2.5, "2", True, 3):
+        with pytest.raises(ShapeError, match="num_splits"):
+            decode(*args, num_splits=bad)
+    for bad in (0, 3, 32, 4.0):
+        with pytest.raises(ShapeError, match="num_warps"):
+            decode(*args, num_warps=bad)
+    with pytest.raises(TypeError, match="Loader"):
+        decode(q, cache, batch.block_table, batch.seq_lens, None, ws)
+    with pytest.raises(TypeError, match="Workspace"):
+        decode(q, cache, batch.block_table, batch.seq_lens, ld, None)
+    pq, pk, pv, cu, sl, bt, pc = _small_prefill(ld)
+    pargs = (pq, pk, pv, cu, sl, 20, pc, bt, ld)
+    with pytest.raises(DtypeError, match="no_prefix"):
+        prefill(*pargs, no_prefix="no")
+    with pytest.raises(NonFiniteError, match="sm_scale"):
+        prefill(*pargs, sm_scale=float("nan"))
+    for kw in (dict(block_m=48), dict(block_m=64.0), dict(block_m=0), dict(block_m=True),
+               dict(num_warps=3), dict(num_warps=0)):
+        with pytest.raises(ShapeError, match=next(iter(kw))):
+            prefill(*pargs, **kw)
+    with pytest.raises(ShapeError, match="num_stages"):
+        prefill(*pargs, num_stages=0)
+    with pytest.raises(TypeError, match="Loader"):
+        prefill(pq, pk, pv, cu, sl, 20, pc, bt, "tkv")
+    for bad in (dict(num_kv_heads=0), dict(head_dim=32.0), dict(block_size=0)):
+        geo = {"num_kv_heads": 2, "head_dim": 32, "block_size": 16, **bad}
+        with pytest.raises(ShapeError, match=next(iter(bad))):
+            BypassLoader(**geo)
+        with pytest.raises(ShapeError, match=next(iter(bad))):
+            Fp8Loader(**geo, k_scale=torch.ones(1), v_scale=torch.ones(1))
+
+
+def test_prefill_out_sharing_memory_with_key_or_value_is_refused():
+    """Other programs still read the chunk's K/V while out is written: an out that overlaps
+    them fed its own rows back (measured: relative error 0.35-0.40) — now a ShapeError."""
+    bl = BypassLoader(2, 32, 16)
+    pq, pk, pv, cu, sl, bt, _ = _small_prefill(bl, prefix=(0, 0), group=1)
+    kv = torch.cat([pk, pv], 1)                       # (T, 4, 32): k and v share a tensor
+    k, v = kv[:, :2], kv[:, 2:]
+    cache = (torch.zeros(8, 16, 2, 32, dtype=torch.bfloat16, device=DEV),) * 2
+    for out in (kv[:, :2], kv[:, 2:], kv[:, 1:3]):
+        with pytest.raises(ShapeError, match="shares memory"):
+            prefill(pq, k, v, cu, sl, 20, cache, bt, bl, out=out, no_prefix=True)
+    prefill(pq, k, v, cu, sl, 20, cache, bt, bl, out=pq.clone(), no_prefix=True)
+
+
+@pytest.mark.parametrize("loader", ["tkv", "bypass"])
+def test_prefill_metadata_past_the_tensors_is_nan_not_out_of_bounds(loader):
+    """cu_seqlens_q ending past total_q used to read q/k/v and write out past their ends
+    (heap corruption on the CPU); max_query_len below a q_len left rows of uninitialized
+    scratch as numbers. Now a sequence reaching past total_q gets NaN in its existing rows,
+    nothing is touched past them, and rows the grid does not cover are NaN; check_metadata
+    names both with total_q."""
+    from tkv.kernels import MetadataError, check_metadata
+
+    ld = (TkvLoader(TurboKVCodec(32, 4, device=DEV), 2, 16) if loader == "tkv"
+          else BypassLoader(2, 32, 16))
+    pq, pk, pv, cu, sl, bt, pc = _small_prefill(ld)
+    guard = torch.full((30, 4, 32), 7.0, dtype=torch.float32, device=DEV)
+    out = guard[:25]                                   # rows 25.. must stay 7.0
+    out.fill_(float("nan"))
+    bad_cu = torch.tensor([0, 20, 29], dtype=torch.int32, device=DEV)   # 29 > total_q = 25
+    bad_sl = sl + torch.tensor([0, 4], dtype=torch.int32, device=DEV)
+    prefill(pq, pk, pv, bad_cu, bad_sl, 9, pc, bt, ld, out=out)
+    assert torch.equal(guard[25:], torch.full_like(guard[25:], 7.0))
+    assert torch.isnan(out[20:]).all() and torch.isfinite(out[:20]).all()
+    with pytest.raises(MetadataError, match="ends at 29"):
+        check_metadata(pc.shape[0] if loader == "tkv" else 8, 16, block_table=bt,
+                       seq_lens=bad_sl, cu_seqlens_q=bad_cu, total_q=25)
+    short = prefill(pq, pk, pv, cu, sl, 8, pc, bt, ld, block_m=16)   # grid covers 8 of 20
+    assert torch.isnan(short[8:20]).all() and torch.isfinite(short[:8]).all()
+
+
+def test_check_metadata_shapes_and_lengths_without_a_block_table():
+    from tkv.kernels import MetadataError, check_metadata
+
+    sl = torch.tensor([5, 3], dtype=torch.int32)
+    bt = torch.zeros(2, 1, dtype=torch.int32)
+    for kw, match in ((dict(block_table=bt[:1], seq_lens=sl), "1 rows for 2 seq_lens"),
+                      (dict(block_table=bt[0], seq_lens=sl), "block_table must have 2 dim"),
+                      (dict(seq_lens=sl, cu_seqlens_q=torch.tensor([0, 5])), "2 entries for 2"),
+                      (dict(seq_lens=sl, cu_seqlens_q=torch.tensor([0, 2, 6])), "q_len 4 > seq_len 3"),
+                      (dict(seq_lens=torch.tensor([-1, 3])), "negative"),
+                      (dict(slot_mapping=torch.zeros(2, 2)), "slot_mapping must have 1 dim"),
+                      (dict(cu_seqlens_q=torch.tensor([0, 3, 2])), "non-decreasing")):
+        with pytest.raises(MetadataError, match=match):
+            check_metadata(4, 16, **kw)
+    check_metadata(4, 16, seq_lens=sl, cu_seqlens_q=torch.tensor([0, 2, 5]), total_q=5)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
-from tkv.codec.errors import DeviceMismatchError, DtypeError, ShapeError
+from tkv.codec.errors import DeviceMismatchError, DtypeError, NonFiniteError, ShapeError
 
 __all__ = ["check_dtype", "check_int_tensor", "check_same_device", "check_tensor", "next_pow2"]
 
@@ -55,6 +56,69 @@ def check_last_dim_contiguous(x: torch.Tensor, name: str) -> None:
     """Kernels read the head_dim axis with unit stride."""
     if x.stride(-1) != 1:
         raise ShapeError(f"{name} must have unit stride on its last dim, got strides {x.stride()}")
+
+
+def check_flag(value, name: str) -> bool:
+    """A host ``bool`` option (``"no"`` / ``"False"`` / ``0`` would otherwise read as a truth
+    value and silently pick the other code path). Raises DtypeError."""
+    if not isinstance(value, bool):
+        raise DtypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_sm_scale(sm_scale, head_dim: int) -> float:
+    """The softmax scale as a float: ``1/sqrt(head_dim)`` for None. Raises DtypeError for a
+    non-number, NonFiniteError for NaN / ±inf (every output row would be NaN)."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, int | float):
+        raise DtypeError(f"sm_scale must be a float or None, got {sm_scale!r}")
+    v = float(sm_scale)
+    if not math.isfinite(v):
+        raise NonFiniteError(f"sm_scale must be finite, got {sm_scale!r}")
+    return v
+
+
+def check_pow2(value, name: str, lo: int = 1, hi: int | None = None) -> int:
+    """A host int that is a power of two in ``[lo, hi]`` (Triton tile sizes, warps, split
+    counts). Raises ShapeError naming ``name`` (a float, a bool or a string included)."""
+    if (isinstance(value, bool) or not isinstance(value, int) or value < lo
+            or value & (value - 1) or (hi is not None and value > hi)):
+        span = f"[{lo}, {hi}]" if hi is not None else f"≥ {lo}"
+        raise ShapeError(f"{name} must be an int power of two {span}, got {value!r}")
+    return value
+
+
+def check_no_overlap(out: torch.Tensor, **inputs: torch.Tensor) -> None:
+    """Raise ShapeError if ``out`` shares memory with one of ``inputs`` that other programs
+    still read while ``out`` is written (e.g. prefill's chunk K/V): the byte ranges the two
+    views span in one storage intersect. Host-side pointer arithmetic only (no sync)."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 0)
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    if out.numel() == 0:
+        return
+    o0, o1 = span(out)
+    for name, x in inputs.items():
+        if x is None or x.numel() == 0:
+            continue
+        if x.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
+            continue
+        x0, x1 = span(x)
+        if o0 < x1 and x0 < o1:
+            raise ShapeError(f"out shares memory with {name}, which the kernel still reads "
+                             "while it writes out: pass a separate output buffer")
+
+
+def check_side_args_device(device: torch.device, kargs, vargs) -> None:
+    """Every tensor a loader hands the kernels (cache views, codebook tables, scales) is on
+    ``device``. Raises DeviceMismatchError naming the side and argument."""
+    for side, args in (("k", kargs), ("v", vargs)):
+        for i, t in enumerate(args):
+            if isinstance(t, torch.Tensor) and t.device != device:
+                raise DeviceMismatchError(f"the loader's {side} argument {i} (cache view, table "
+                                          f"or scale) is on {t.device}, expected {device}")
 
 
 def check_out(out: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
@@ -125,7 +189,9 @@ def int_from_env(environ, name: str, ok, error: type[ValueError], expected: str)
     or blank: 0); a value that is not digits, or for which ``ok(n)`` is false, raises
     ``error`` naming the variable, its value and ``expected``."""
     raw = (os.environ if environ is None else environ).get(name, "0").strip() or "0"
-    n = int(raw) if raw.isascii() and raw.isdigit() else -1   # plain ASCII digits only
+    # plain ASCII digits only, and few enough that int() answers (it refuses > 4300 digits)
+    n = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else -1
     if n < 0 or not ok(n):
-        raise error(f"{name}={raw!r}: expected {expected}")
+        shown = raw if len(raw) <= 40 else raw[:40] + f"... ({len(raw)} characters)"
+        raise error(f"{name}={shown!r}: expected {expected}")
     return n

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -27,10 +25,14 @@ from ._planes import (
 )
 from ._util import (
     check_dtype,
+    check_flag,
     check_int_tensor,
     check_last_dim_contiguous,
     check_out,
+    check_pow2,
     check_same_device,
+    check_side_args_device,
+    check_sm_scale,
     check_tensor,
     dot_dtype_for,
     interpreting,
@@ -431,9 +433,24 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     Returns:
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError /
         WorkspaceTooSmallError on malformed inputs (host-side checks only; ShapeError also
-        for a ``window``, ``num_splits``, ``num_stages`` or ``min_split_tiles`` out of
-        range), ValueError for an unknown ``kernel``.
+        for a ``window``, ``num_splits`` (an int power of two), ``num_warps`` (power of two
+        ≤ 16), ``num_stages`` or ``min_split_tiles`` out of range; DtypeError for a bool
+        option that is not a bool), NonFiniteError for a NaN / inf ``sm_scale``, TypeError
+        for a ``loader`` / ``workspace`` of the wrong type, ValueError for an unknown
+        ``kernel``.
     """
+    if not isinstance(loader, Loader):
+        raise TypeError(f"loader must implement tkv.kernels.Loader (TkvLoader, BypassLoader, "
+                        f"Fp8Loader, ...), got {type(loader).__name__}")
+    if not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace must be a tkv.kernels.Workspace, got "
+                        f"{type(workspace).__name__}")
+    for name, flag in (("query_rotated", query_rotated), ("output_rotated", output_rotated),
+                       ("prefetch", prefetch)):
+        check_flag(flag, name)
+    if swap_qk is not None:
+        check_flag(swap_qk, "swap_qk")
+    check_pow2(num_warps, "num_warps", 1, 16)
     check_tensor(query, "query", 3)
     ns, hq, d = query.shape
     hkv = loader.num_kv_heads
@@ -464,6 +481,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     vargs = loader.side_args(cache, "v", dot_dtype)
     check_same_device(dev, block_table=block_table, seq_lens=seq_lens, cache_k=kargs[0],
                       cache_v=vargs[0], workspace=workspace._part_lse)
+    check_side_args_device(dev, kargs, vargs)
+    scale = check_sm_scale(sm_scale, d)
     if window is None:
         window = 0
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
@@ -485,9 +504,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     d_pad = max(16, next_pow2(d))
     g = hq // hkv
     block_h = max(16, next_pow2(g))
-    splits = workspace.splits_for(ns, hkv) if num_splits is None else int(num_splits)
-    if splits < 1 or splits & (splits - 1) or splits > workspace.max_splits:
-        raise ShapeError(f"num_splits must be a power of two in [1, {workspace.max_splits}]")
+    splits = (workspace.splits_for(ns, hkv) if num_splits is None
+              else check_pow2(num_splits, "num_splits", 1, workspace.max_splits))
     part_o, part_lse = workspace.partials(ns, hq, splits, d_pad)
     q = query
     br = row_block(ns * hq, d_pad)   # (sequence, head) rows per reduce program
@@ -515,7 +533,6 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         block_n = 32   # one warp: 64-token tiles spill at head_dim 128 (ptxas sm_90a)
     block_n = tile_tokens(block_n, d, loader.min_block_n,
                           small_head=getattr(loader, "preferred_block_n", 64))
-    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     if swap_qk is None:
         swap_qk = bool(getattr(loader, "k_operand_a", lambda _: False)(dot_dtype))
     k_shift, k_sink = sink_shift(loader, "k", part_lse)
@@ -550,7 +567,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             KP2=kargs[8], KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7],
             VP2=vargs[8], VP3=vargs[9], VNP=vargs[10], G=g, BLOCK_H=block_h, HEAD_DIM=d,
             D_PAD=d_pad, BLOCK_SIZE=loader.block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
-            DOT_DTYPE=_TL[dot_dtype], PREFETCH=bool(prefetch), SWAP_QK=bool(swap_qk),
+            DOT_DTYPE=_TL[dot_dtype], PREFETCH=prefetch, SWAP_QK=bool(swap_qk),
             K_SINK=k_sink, V_SINK=v_sink, QROT_LOG2=qrot_log2, EPILOGUE=epilogue,
             OROT_LOG2=orot_log2, MIN_SPLIT_TILES=0 if splits == 1 else min_split_tiles,
             num_warps=num_warps, num_stages=num_stages,

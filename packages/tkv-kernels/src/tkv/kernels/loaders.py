@@ -1138,6 +1138,15 @@ def identity_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.cons
     return (raw.to(OUT_DTYPE),)
 
 
+def _check_geometry(num_kv_heads, head_dim, block_size) -> None:
+    """Raise ShapeError unless every geometry value is a positive int (a float head_dim or a
+    zero block_size would otherwise reach the kernels as a malformed constant)."""
+    for name, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                    ("block_size", block_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ShapeError(f"{name} must be a positive int, got {v!r}")
+
+
 class BypassLoader:
     """Raw bf16/fp16 paged KV through the same kernels (baseline and first-chunk path).
 
@@ -1151,6 +1160,7 @@ class BypassLoader:
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype = torch.bfloat16):
+        _check_geometry(num_kv_heads, head_dim, block_size)
         check_dtype(torch.empty(0, dtype=dtype), "dtype", (torch.float16, torch.bfloat16))
         self.num_kv_heads, self.head_dim, self.block_size, self.dtype = (
             num_kv_heads, head_dim, block_size, dtype)
@@ -1208,8 +1218,9 @@ class Fp8Loader:
     """fp8-e4m3 paged KV with per-tensor float32 scales (value = fp8 · scale), vLLM-style.
 
     Args:
-        num_kv_heads, head_dim, block_size: geometry.
-        k_scale, v_scale: float32 tensors of one element on the cache's device.
+        num_kv_heads, head_dim, block_size: geometry (positive ints; ShapeError otherwise).
+        k_scale, v_scale: float32 tensors of one element on the cache's device (decode and
+            prefill raise DeviceMismatchError for a scale elsewhere).
 
     Cache: ``(k_cache, v_cache)``, each ``(num_blocks, block_size, num_kv_heads, head_dim)``
     ``torch.float8_e4m3fn`` (or its uint8 view). NaN encodings (0x7F/0xFF) are not decoded as
@@ -1221,6 +1232,7 @@ class Fp8Loader:
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int,
                  k_scale: torch.Tensor, v_scale: torch.Tensor):
+        _check_geometry(num_kv_heads, head_dim, block_size)
         for nm, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             check_tensor(s, nm)
             check_dtype(s, nm, (torch.float32,))

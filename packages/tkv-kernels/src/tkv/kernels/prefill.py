@@ -3,7 +3,6 @@ loader) + the current chunk from the uncompressed new K/V, flash-attention tilin
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -26,10 +25,15 @@ from ._planes import (
 )
 from ._util import (
     check_dtype,
+    check_flag,
     check_int_tensor,
     check_last_dim_contiguous,
+    check_no_overlap,
     check_out,
+    check_pow2,
     check_same_device,
+    check_side_args_device,
+    check_sm_scale,
     check_tensor,
     dot_dtype_for,
     next_pow2,
@@ -153,10 +157,11 @@ def _scaled(planes, scale, NP: tl.constexpr):
     return out
 
 
-@triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=["cu_q", "seq_lens"])
+@triton.jit(do_not_specialize=[*_VARYING_INTS, "total_q"],
+            do_not_specialize_on_alignment=["cu_q", "seq_lens"])
 def _prefill_kernel(
         Q, sq_t, sq_h, KN, sk_t, sk_h, VN, sv_t, sv_h, Out, so_t, so_h,
-        cu_q, seq_lens, block_table, s_bt, max_blocks, num_blocks,
+        cu_q, seq_lens, block_table, s_bt, max_blocks, num_blocks, total_q,
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
         scale_log2, window, k_shift, v_shift,
@@ -172,13 +177,17 @@ def _prefill_kernel(
     rotates them for rotated loaders, in the planar layout: ``PLANAR``); every K/V operand,
     cached or new, is handled as the loader's planes so prefix and chunk share one
     accumulator. ``K_SINK`` / ``V_SINK``: flagged prefix tokens as in decode's split kernel
-    (the chunk's own K/V are exact, never flagged)."""
+    (the chunk's own K/V are exact, never flagged). ``total_q``: rows of Q/KN/VN/Out —
+    metadata reaching past them (``cu_q[seq + 1] > total_q``) reads and writes only the rows
+    that exist, and those of the sequence become NaN (loud, never out of bounds)."""
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
     q0 = tl.load(cu_q + seq)
-    q_len = tl.load(cu_q + seq + 1) - q0
-    if tile * BLOCK_MT >= q_len:
+    q_end = tl.load(cu_q + seq + 1)
+    broken = q_end > total_q
+    q_len = tl.minimum(q_end, total_q) - q0
+    if (tile * BLOCK_MT >= q_len) | (q0 < 0):
         return
     L = tl.load(seq_lens + seq)
     prefix = L - q_len
@@ -255,6 +264,7 @@ def _prefill_kernel(
                         PLANAR)
         acc = accumulate(acc, alpha, p.to(DOT_DTYPE), v, VNP)
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+    inv = tl.where(broken, float("nan"), inv)
     if NO_PREFIX or DENSE:
         inv = tl.where(prefix < 0, float("nan"), inv)
     store_planes(Out, (q0 + tok).to(tl.int64) * so_t + qh * so_h, rmask, acc, inv, VNP, D_PAD,
@@ -282,15 +292,20 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Args:
         query: ``(total_q, num_q_heads, head_dim)`` float16/bfloat16.
         key, value: ``(total_q, num_kv_heads, head_dim)``, same dtype (new tokens, model space).
-        cu_seqlens_q: int32 ``(num_seqs + 1,)`` cumulative query lengths, starting at 0.
+        cu_seqlens_q: int32 ``(num_seqs + 1,)`` cumulative query lengths, starting at 0,
+            ending at ``total_q`` (a sequence reaching past ``total_q`` is not read or
+            written out of bounds: its existing rows become NaN).
         seq_lens: int32 ``(num_seqs,)`` total tokens per sequence (prefix + chunk).
         max_query_len: host int ≥ every q_len (sizes the grid).
         cache, block_table, loader: as :func:`tkv.kernels.decode` (block_table int32
             ``(num_seqs, max_blocks_per_seq)``).
         out: optional ``(total_q, num_q_heads, head_dim)`` output (query dtype default):
             float16 / bfloat16 / float32, unit stride on head_dim, no expanded (stride-0)
-            dim (ShapeError / DtypeError otherwise); must not overlap q / k / v when a
-            ``writes_out`` dense_attention writes into it.
+            dim (ShapeError / DtypeError otherwise); must not share memory with ``key`` /
+            ``value`` (ShapeError: other programs still read them while ``out`` is written),
+            nor with ``query`` when a ``writes_out`` dense_attention writes into it. Rows the
+            metadata does not cover (``max_query_len`` below a q_len, ``cu_seqlens_q[-1] <
+            total_q``) are not written — NaN when ``out`` is allocated here.
         sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
         window: sliding window (key visible iff ``q_pos − k_pos < window``; 0 = full).
         block_m, block_n, num_warps, num_stages: tiling overrides (defaults by head_dim).
@@ -343,7 +358,10 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ``Σ_j p_j v_j`` (TurboQuant Alg. 1 DeQuant is linear).
 
     Returns:
-        ``out``. Raises DtypeError / ShapeError / DeviceMismatchError on malformed inputs.
+        ``out``. Raises DtypeError / ShapeError / DeviceMismatchError on malformed inputs
+        (ShapeError also for ``block_m`` / ``num_warps`` not an int power of two, ``num_stages``
+        < 1; DtypeError for a bool option that is not a bool), NonFiniteError for a NaN / inf
+        ``sm_scale``, TypeError for a ``loader`` that is not a Loader.
     """
     if max_prefix_len is not None and (isinstance(max_prefix_len, bool) or not isinstance(
             max_prefix_len, int) or max_prefix_len < 0):
@@ -362,6 +380,17 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     dense_writes_out = getattr(dense_attention, "writes_out", False)
     if not isinstance(dense_writes_out, bool):
         raise DtypeError(f"dense_attention.writes_out must be a bool, got {dense_writes_out!r}")
+    if not isinstance(loader, Loader):
+        raise TypeError(f"loader must implement tkv.kernels.Loader (TkvLoader, BypassLoader, "
+                        f"Fp8Loader, ...), got {type(loader).__name__}")
+    check_flag(no_prefix, "no_prefix")
+    if num_warps is not None:
+        check_pow2(num_warps, "num_warps", 1, 16)
+    if block_m is not None:
+        check_pow2(block_m, "block_m", 1)
+    if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
+                                   or num_stages < 1):
+        raise ShapeError(f"num_stages must be None or an int ≥ 1, got {num_stages!r}")
     check_tensor(query, "query", 3)
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     tq, hq, d = query.shape
@@ -399,10 +428,17 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     dev = query.device
     check_same_device(dev, key=key, value=value, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
                       block_table=block_table, cache_k=kargs[0], cache_v=vargs[0])
+    check_side_args_device(dev, kargs, vargs)
+    scale = check_sm_scale(sm_scale, d)
     if out is None:
-        out = torch.empty_like(query)
+        # NaN until written: rows the metadata leaves out (max_query_len below a q_len,
+        # cu_seqlens_q short of total_q) read as NaN, never as stale memory
+        out = torch.full_like(query, float("nan"))
     else:
         check_out(out, (tq, hq, d), dev)
+        # programs still read the chunk's K/V (every query tile of a sequence, every head of
+        # its group) while others write out: an overlapping out would feed back into them
+        check_no_overlap(out, key=key, value=value)
     if ns == 0 or tq == 0 or max_query_len == 0:
         return out
     g = hq // hkv
@@ -431,7 +467,6 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     final = None
     fetch, dequant = loader.fetch, loader.dequant
     planar = bool(loader.rotated) and not no_prefix
-    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     if no_prefix and dense_attention is not None and dense_first_chunks:
         # the bypass through the caller's kernel, straight into ``out`` where it can write
         # there (FlashAttention's ``out=``: no copy of the chunk's output)
@@ -463,7 +498,10 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, key, value = (rot(query, loader.q_in_planar, hq),
                              rot(key, loader.k_in_planar, hkv, loader.k_mu_planar),
                              rot(value, loader.v_in_planar, hkv))
-        final, out = out, torch.empty(tq, hq, d_pad, dtype=torch.float32, device=dev)
+        # rotated-space rows, NaN until written (rows the metadata leaves out stay NaN
+        # through the unrotation instead of turning stale memory into numbers)
+        final, out = out, torch.full((tq, hq, d_pad), float("nan"), dtype=torch.float32,
+                                     device=dev)
     dense = (planar and scratch is not None and max_prefix_len is not None
              and max_prefix_len > 0 and max_query_len > block_mt)
     bt, nblk, maxb, bs = block_table, num_blocks, block_table.shape[1], loader.block_size
@@ -511,7 +549,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, query.stride(0), query.stride(1), key, key.stride(0), key.stride(1),
         value, value.stride(0), value.stride(1), out, out.stride(0), out.stride(1),
         cu_seqlens_q, seq_lens, bt, bt.stride(0), maxb,
-        nblk, *kargs[:6], *vargs[:6], scale * _LOG2E, window, k_shift, v_shift,
+        nblk, tq, *kargs[:6], *vargs[:6], scale * _LOG2E, window, k_shift, v_shift,
         FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
         VP3=vargs[9], VNP=vargs[10], G=g, G_PAD=g_pad, BLOCK_MT=block_mt, BLOCK_N=block_n,
@@ -548,15 +586,18 @@ def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
         sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True) if n > 1)
 
 
-@triton.jit(do_not_specialize=["s_t", "s_h"], do_not_specialize_on_alignment=["cu_q", "seq_lens"])
-def _nan_broken_promise_kernel(out, s_t, s_h, cu_q, seq_lens, HEAD_DIM: tl.constexpr,
+@triton.jit(do_not_specialize=["s_t", "s_h", "total"],
+            do_not_specialize_on_alignment=["cu_q", "seq_lens"])
+def _nan_broken_promise_kernel(out, s_t, s_h, cu_q, seq_lens, total, HEAD_DIM: tl.constexpr,
                                D_BLOCK: tl.constexpr):
     """Program (sequence, head): if the sequence has a prefix (``seq_len ≠ q_len``, a broken
-    ``no_prefix`` promise), its rows of that head become NaN; else nothing is written."""
+    ``no_prefix`` promise) or reaches past ``out``'s ``total`` rows, its rows of that head
+    (those that exist) become NaN; else nothing is written."""
     seq, head = tl.program_id(0), tl.program_id(1)
     a = tl.load(cu_q + seq)
-    b = tl.load(cu_q + seq + 1)
-    if tl.load(seq_lens + seq) != b - a:
+    b_meta = tl.load(cu_q + seq + 1)
+    b = tl.minimum(b_meta, total)
+    if (a >= 0) & ((tl.load(seq_lens + seq) != b_meta - a) | (b_meta > total)):
         cols = tl.arange(0, D_BLOCK)
         nan = tl.full([D_BLOCK], float("nan"), tl.float32)   # stored in out's dtype
         row = out + a.to(tl.int64) * s_t + head * s_h
@@ -574,8 +615,8 @@ def _nan_rows_with_prefix(out: torch.Tensor, cu_seqlens_q: torch.Tensor,
     ns, hq, d = cu_seqlens_q.shape[0] - 1, out.shape[1], out.shape[2]
     if ns > 0 and out.shape[0] > 0:
         _nan_broken_promise_kernel[(ns, hq)](out, out.stride(0), out.stride(1), cu_seqlens_q,
-                                             seq_lens, HEAD_DIM=d, D_BLOCK=next_pow2(d),
-                                             num_warps=1)
+                                             seq_lens, out.shape[0], HEAD_DIM=d,
+                                             D_BLOCK=next_pow2(d), num_warps=1)
     return out
 
 

@@ -409,6 +409,12 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             program: 1.9-3.6× slower at prefill sizes); ``"auto"`` (default): ``"split"`` for
             bfloat16 / float16 sides, ``"tf32x3"`` for float32.
 
+    Values are not checked for NaN / ±inf (that would read them back to the host, a device
+    sync inside every layer of a CUDA graph): a non-finite K/V element stores a non-finite
+    norm, and attention over that token is NaN — loud downstream, where the codec's
+    ``compress_k`` raises NonFiniteError at once. Likewise a vector beyond ~1.8e19 in norm
+    (float32 Σx² overflows) stores an inf norm.
+
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
         no device sync). ValueError: unknown ``rotation``, or ``"split"`` with a float32 side.

@@ -19,23 +19,46 @@ class MetadataError(ShapeError):
     """Block table / seq_lens / cu_seqlens / slot_mapping inconsistent with the cache."""
 
 
+def _host(x: torch.Tensor | None, name: str, ndim: int) -> torch.Tensor | None:
+    """``x`` as a host int64 tensor, after checking it is a tensor of ``ndim`` dims."""
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        raise MetadataError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise MetadataError(f"{name} must have {ndim} dim(s), got shape {tuple(x.shape)}")
+    return x.detach().long().cpu()
+
+
 def check_metadata(num_blocks: int, block_size: int, *, block_table: torch.Tensor | None = None,
                    seq_lens: torch.Tensor | None = None,
                    cu_seqlens_q: torch.Tensor | None = None,
-                   slot_mapping: torch.Tensor | None = None) -> None:
-    """Raise :class:`MetadataError` unless the metadata addresses only existing cache slots.
+                   slot_mapping: torch.Tensor | None = None,
+                   total_q: int | None = None) -> None:
+    """Raise :class:`MetadataError` unless the metadata addresses only existing cache slots
+    and query rows.
 
-    Checks: ``0 ≤ seq_lens[i] ≤ max_blocks_per_seq · block_size``; every block id a sequence
-    uses (``block_table[i, :ceil(seq_lens[i]/block_size)]``) in ``[0, num_blocks)``;
-    ``cu_seqlens_q`` non-decreasing from 0 with ``q_len ≤ seq_len``; slots ``-1`` or in
-    ``[0, num_blocks · block_size)``. Syncs with the device.
+    Checks, each with whatever is given: ``block_table`` 2-D, ``seq_lens`` / ``slot_mapping``
+    1-D, ``cu_seqlens_q`` 1-D with ``len(seq_lens) + 1`` entries and ``block_table`` with
+    ``len(seq_lens)`` rows; ``seq_lens ≥ 0`` and ``≤ max_blocks_per_seq · block_size``; every
+    block id a sequence uses (``block_table[i, :ceil(seq_lens[i]/block_size)]``) in
+    ``[0, num_blocks)``; ``cu_seqlens_q`` non-decreasing from 0 with ``q_len ≤ seq_len`` and,
+    with ``total_q`` (the rows of the query / key / value tensors), ending at ``total_q``;
+    slots ``-1`` or in ``[0, num_blocks · block_size)``. Syncs with the device.
     """
-    if seq_lens is not None and block_table is not None:
-        sl = seq_lens.detach().long().cpu()
-        bt = block_table.detach().long().cpu()
+    sl = _host(seq_lens, "seq_lens", 1)
+    bt = _host(block_table, "block_table", 2)
+    cu = _host(cu_seqlens_q, "cu_seqlens_q", 1)
+    s = _host(slot_mapping, "slot_mapping", 1)
+    if sl is not None and (sl < 0).any():
+        i = int((sl < 0).nonzero()[0])
+        raise MetadataError(f"seq_lens[{i}] = {int(sl[i])} is negative")
+    if sl is not None and bt is not None:
+        if bt.shape[0] != sl.shape[0]:
+            raise MetadataError(f"block_table has {bt.shape[0]} rows for {sl.shape[0]} seq_lens")
         cap = bt.shape[1] * block_size
-        if (sl < 0).any() or (sl > cap).any():
-            i = int(((sl < 0) | (sl > cap)).nonzero()[0])
+        if (sl > cap).any():
+            i = int((sl > cap).nonzero()[0])
             raise MetadataError(f"seq_lens[{i}] = {int(sl[i])} outside [0, {cap}] "
                                 f"(max_blocks_per_seq={bt.shape[1]}, block_size={block_size})")
         need = (sl + block_size - 1) // block_size
@@ -45,16 +68,21 @@ def check_metadata(num_blocks: int, block_size: int, *, block_table: torch.Tenso
             i, j = (int(v) for v in bad.nonzero()[0])
             raise MetadataError(f"block_table[{i}, {j}] = {int(bt[i, j])} is not a block of a "
                                 f"cache with {num_blocks} blocks")
-        if cu_seqlens_q is not None:
-            cu = cu_seqlens_q.detach().long().cpu()
-            ql = cu[1:] - cu[:-1]
-            if int(cu[0]) != 0 or (ql < 0).any():
-                raise MetadataError("cu_seqlens_q must start at 0 and be non-decreasing")
+    if cu is not None:
+        if cu.numel() == 0 or int(cu[0]) != 0 or (cu[1:] < cu[:-1]).any():
+            raise MetadataError("cu_seqlens_q must start at 0 and be non-decreasing")
+        ql = cu[1:] - cu[:-1]
+        if sl is not None:
+            if ql.shape[0] != sl.shape[0]:
+                raise MetadataError(f"cu_seqlens_q has {cu.shape[0]} entries for "
+                                    f"{sl.shape[0]} seq_lens (expected {sl.shape[0] + 1})")
             if (ql > sl).any():
                 i = int((ql > sl).nonzero()[0])
                 raise MetadataError(f"sequence {i}: q_len {int(ql[i])} > seq_len {int(sl[i])}")
-    if slot_mapping is not None:
-        s = slot_mapping.detach().long().cpu()
+        if total_q is not None and int(cu[-1]) != int(total_q):
+            raise MetadataError(f"cu_seqlens_q ends at {int(cu[-1])}, the query has {total_q} "
+                                "rows")
+    if s is not None:
         bad = (s >= num_blocks * block_size) | (s < -1)
         if bad.any():
             i = int(bad.nonzero()[0])
