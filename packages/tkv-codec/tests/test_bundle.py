@@ -303,7 +303,7 @@ def test_integrity_is_required_unless_resealing_on_purpose(tmp_path):
     d["byte_budget_table"]["4.0"]["v_bits"][1] = 3
     p = tmp_path / "b.json"
     p.write_text(json.dumps(d))
-    with pytest.raises(BundleSchemaError, match="no integrity field.*reseal"):
+    with pytest.raises(BundleSchemaError, match=r"no integrity field.*reseal"):
         CalibrationBundle.load(p)
     CalibrationBundle.from_dict(json.loads(p.read_text()), verify_integrity=False).save(p)
     assert CalibrationBundle.load(p).allocation(4.0).v_bits == (4, 3, 4)
@@ -329,7 +329,7 @@ def test_blank_tkv_bits_is_the_default_and_the_missing_row_says_so(tmp_path):
     b = make_bundle()
     only = dataclasses.replace(b, byte_budget_table={"3.5": b.byte_budget_table["3.5"]})
     q = str(only.save(tmp_path / "only35.json"))
-    with pytest.raises(BudgetRowMissingError, match="TKV_BITS is unset, so it defaulted to 4.0"):
+    with pytest.raises(BudgetRowMissingError, match=r"TKV_BITS is unset, so it defaulted to 4\.0"):
         load_config(3, 2, 64, {"TKV_CALIBRATION_FILE": q})
     with pytest.raises(BudgetRowMissingError) as e:
         load_config(3, 2, 64, {"TKV_BITS": "4", "TKV_CALIBRATION_FILE": q})

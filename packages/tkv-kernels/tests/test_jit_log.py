@@ -189,3 +189,24 @@ def test_isolation_restores_an_earlier_install(tmp_path):
         _fire("_decode_split_kernel")
         assert len(jit_log.read_events(tmp_path / "outer.tsv")) == 1
         assert jit_log.read_events(tmp_path / "inner.tsv") == []
+
+
+def test_an_unusable_env_path_is_named_and_the_plugins_carry_on(tmp_path, hooks, monkeypatch,
+                                                                caplog):
+    """A directory, or a path under a file, raises an OSError naming TKV_JIT_LOG (not a bare
+    IsADirectoryError); the engine plugins' variant logs it and returns None; a blank value
+    is unset (no file named " " in the working directory)."""
+    import logging
+
+    (tmp_path / "file").write_text("x")
+    for bad in (str(tmp_path), str(tmp_path / "file" / "log.tsv")):
+        monkeypatch.setenv(jit_log.ENV, bad)
+        with pytest.raises(OSError, match="TKV_JIT_LOG="):
+            jit_log.install_from_env()
+        with caplog.at_level(logging.ERROR, logger="tkv.test"):
+            assert jit_log.install_from_env_or_log(logging.getLogger("tkv.test")) is None
+        assert "TKV_JIT_LOG=" in caplog.text
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(jit_log.ENV, "   ")
+    assert jit_log.install_from_env() is None
+    assert not (tmp_path / "   ").exists()

@@ -274,6 +274,20 @@ def test_lookup_from_env_validates_tkv_lookup():
         assert lookup_from_env({ENV_LOOKUP: name}) == name
     with pytest.raises(LookupConfigError, match=r"TKV_LOOKUP='prmt2'.*prmti"):
         lookup_from_env({ENV_LOOKUP: "prmt2"})
+    # any case, as TKV_PREFILL_ATTENTION; the errors are TkvErrors too (one except clause)
+    assert lookup_from_env({ENV_LOOKUP: " PRMTI "}) == "prmti"
+    from tkv.codec.errors import TkvError
+
+    assert issubclass(LookupConfigError, TkvError) and issubclass(LookupConfigError, ValueError)
+
+
+def test_integer_env_options_refuse_huge_values_by_name():
+    """A 5,000-digit TKV_DECODE_MIN_SPLIT_TILES used to escape as int()'s own ValueError
+    ("Exceeds the limit (4300 digits)"); now the option's named error, message shortened."""
+    from tkv.kernels import MinSplitTilesConfigError, decode_min_split_tiles_from_env
+
+    with pytest.raises(MinSplitTilesConfigError, match=r"TKV_DECODE_MIN_SPLIT_TILES=.*5000 char"):
+        decode_min_split_tiles_from_env({"TKV_DECODE_MIN_SPLIT_TILES": "7" * 5000})
 
 
 @pytest.mark.parametrize("parse,name,error,default", [

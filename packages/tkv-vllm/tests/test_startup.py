@@ -138,3 +138,66 @@ def test_per_head_key_offset_is_sliced_to_the_tp_rank(tmp_path):
     pf, nf = full.compress_k(x)
     pr, nr = c.compress_k(x[:, list(shard.heads)])
     assert torch.equal(pf[:, list(shard.heads)], pr) and torch.equal(nf[:, list(shard.heads)], nr)
+
+
+@pytest.mark.parametrize("head_dim", [8, 48, 80, 96, 512])
+def test_unservable_head_dim_is_refused_at_startup_by_name(head_dim):
+    """vLLM's own refusal comes later, in the worker, without naming tkv or the sizes."""
+    vc = fake_vllm_config(fake_model_config(head_dim=head_dim))
+    with pytest.raises(UnsupportedModelError, match=r"head_dim .*16, 32, 64, 128 or 256"):
+        startup.tkv_config(vc, {})
+
+
+@pytest.mark.parametrize(("heads", "tp"), [(8, 3), (6, 4), (3, 2), (2, 3)])
+def test_tp_size_that_does_not_shard_the_kv_heads_fails_at_startup(heads, tp):
+    from tkv.codec.errors import ShapeError
+
+    vc = fake_vllm_config(fake_model_config(num_kv_heads=heads), tp=tp)
+    with pytest.raises(ShapeError, match="TP"):
+        startup.tkv_config(vc, {})
+
+
+@pytest.mark.parametrize("attr", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused(attr):
+    from tkv.codec.errors import UnsupportedFeatureError
+
+    vc = fake_vllm_config()
+    setattr(vc.parallel_config, attr, 2)
+    with pytest.raises(UnsupportedFeatureError, match="context parallelism"):
+        startup.tkv_config(vc, {})
+
+
+def test_bundle_of_another_model_with_the_same_shape(tmp_path, caplog):
+    """Same (layers, KV heads, head_dim): the attention kinds and sliding window are compared
+    too; a different name only warns."""
+    import json
+    from types import SimpleNamespace
+
+    from tkv.codec.bundle import CalibrationBundle
+
+    path = make_bundle(tmp_path / "b.json")
+    env = {"TKV_CALIBRATION_FILE": str(path)}
+    mc = fake_model_config(hf_text_config=SimpleNamespace(
+        layer_types=["full_attention", "sliding_attention"] * 2, sliding_window=128))
+    with pytest.raises(BundleGeometryError, match="layer 1 is 'full' attention in the bundle"):
+        startup.tkv_config(fake_vllm_config(mc), env)
+    d = json.loads(path.read_text())
+    d["geometry"].update(layer_types=["full", "sliding"] * 2, sliding_window=64)
+    CalibrationBundle.from_dict(d, verify_integrity=False).save(path)
+    startup._CONFIGS.clear()
+    with pytest.raises(BundleGeometryError, match="sliding_window 64"):
+        startup.tkv_config(fake_vllm_config(mc), env)
+    d["geometry"].update(sliding_window=128, model="meta-llama/Llama-3.1-8B")
+    CalibrationBundle.from_dict(d, verify_integrity=False).save(path)
+    startup._CONFIGS.clear()
+    with caplog.at_level("WARNING", logger="tkv.vllm"):
+        startup.tkv_config(fake_vllm_config(mc), env)
+    assert "made for 'meta-llama/Llama-3.1-8B'" in caplog.text
+
+
+def test_tp_rank_unknown_is_an_error_not_rank_0():
+    from tkv.codec.errors import UnsupportedFeatureError
+
+    pytest.importorskip("vllm", reason="vllm not installed (nox -s vllm installs it)")
+    with pytest.raises(UnsupportedFeatureError, match="no TP rank"):
+        startup.tp_shard(fake_vllm_config(fake_model_config(num_kv_heads=4), tp=2))

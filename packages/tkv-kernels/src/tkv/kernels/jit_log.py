@@ -33,7 +33,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ENV", "JitEvent", "install", "install_from_env", "read_events"]
+__all__ = ["ENV", "JitEvent", "install", "install_from_env", "install_from_env_or_log",
+           "read_events"]
 
 ENV = "TKV_JIT_LOG"
 # "path": the file tkv's listener appends to (read at every event); "listener": tkv's
@@ -118,12 +119,33 @@ def install(path: str | os.PathLike) -> None:
 
 
 def install_from_env() -> str | None:
-    """:func:`install` at ``$TKV_JIT_LOG`` if it is set; returns the path (None if unset)."""
-    path = os.environ.get(ENV)
+    """:func:`install` at ``$TKV_JIT_LOG`` if it is set; returns the path (None if unset or
+    blank).
+
+    Raises:
+        OSError: the path cannot be appended to (a directory, a parent that is a file, no
+            permission), with a message naming ``TKV_JIT_LOG``. The engine plugins log it and
+            carry on without the log: a diagnostic must not stop a process from serving.
+    """
+    path = (os.environ.get(ENV) or "").strip()
     if not path:
         return None
-    install(path)
+    try:
+        install(path)
+    except OSError as e:
+        raise OSError(f"{ENV}={path!r}: cannot append Triton JIT events there "
+                      f"({e.strerror or e}); set it to a writable file path or unset it") from None
     return path
+
+
+def install_from_env_or_log(logger) -> str | None:
+    """:func:`install_from_env` for engine plugins: an unusable ``TKV_JIT_LOG`` is logged as
+    an error on ``logger`` (a :class:`logging.Logger`) and the process runs without the log."""
+    try:
+        return install_from_env()
+    except OSError as e:
+        logger.error("tkv: %s; Triton JIT events are not logged", e)
+        return None
 
 
 def read_events(path: str | os.PathLike, since: float | None = None,

@@ -56,7 +56,7 @@ import triton.language as tl
 
 from tkv.codec import TurboKVCodec
 from tkv.codec.codebooks import default_codebook
-from tkv.codec.errors import DtypeError, ShapeError
+from tkv.codec.errors import DtypeError, ShapeError, TkvError
 from tkv.codec.layout import SlotLayout
 from tkv.codec.packing import code_group
 
@@ -464,7 +464,7 @@ _LOOKUPS = ("auto", "pair", "gather", "shuffle", *_PRMT_FAMILY)
 ENV_LOOKUP = "TKV_LOOKUP"
 
 
-class LookupConfigError(ValueError):
+class LookupConfigError(TkvError, ValueError):
     """``TKV_LOOKUP`` names no codebook lookup of :class:`TkvLoader`."""
 
 
@@ -472,11 +472,11 @@ ENV_SMALL_HEAD_GROUPS = "TKV_SMALL_HEAD_GROUPS"
 ENV_FUSED_QUERY_ROTATION = "TKV_FUSED_QUERY_ROTATION"
 
 
-class SmallHeadGroupsConfigError(ValueError):
+class SmallHeadGroupsConfigError(TkvError, ValueError):
     """``TKV_SMALL_HEAD_GROUPS`` is neither ``0`` nor ``1``."""
 
 
-class FusedQueryRotationConfigError(ValueError):
+class FusedQueryRotationConfigError(TkvError, ValueError):
     """``TKV_FUSED_QUERY_ROTATION`` is neither ``0`` nor ``1``."""
 
 
@@ -518,7 +518,7 @@ def lookup_from_env(environ=None) -> str:
         LookupConfigError: an unknown name (the message lists the choices).
     """
     env = os.environ if environ is None else environ
-    name = env.get(ENV_LOOKUP, "auto").strip() or "auto"
+    name = (env.get(ENV_LOOKUP) or "").strip().lower() or "auto"   # any case, like the others
     if name not in _LOOKUPS:
         raise LookupConfigError(f"{ENV_LOOKUP}={name!r} is not a tkv codebook lookup; choose "
                                 f"one of {', '.join(_LOOKUPS)} (default auto)")
@@ -559,7 +559,7 @@ def _warn_per_codebook_compiles(lookup: str) -> None:
 ENV_PRMTI_MAXNREG = "TKV_PRMTI_MAXNREG"
 
 
-class MaxnregConfigError(ValueError):
+class MaxnregConfigError(TkvError, ValueError):
     """``TKV_PRMTI_MAXNREG`` is neither 0 nor a register count in 64..255."""
 
 
@@ -582,7 +582,7 @@ PRMTI_MAXNREG = _prmti_maxnreg_from_env()
 ENV_DECODE_PIPELINE = "TKV_DECODE_PIPELINE"
 
 
-class PipelineConfigError(ValueError):
+class PipelineConfigError(TkvError, ValueError):
     """``TKV_DECODE_PIPELINE`` is neither ``0`` nor ``1``."""
 
 

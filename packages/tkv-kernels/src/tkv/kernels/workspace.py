@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tkv.codec.errors import ShapeError
+from tkv.codec.errors import ShapeError, TkvError
 
 from ._util import flag_from_env, int_from_env, next_pow2
 
@@ -19,7 +19,7 @@ ENV_DECODE_SINGLE_SPLIT = "TKV_DECODE_SINGLE_SPLIT"
 SINGLE_SPLIT_TARGETS = 2
 
 
-class SingleSplitConfigError(ValueError):
+class SingleSplitConfigError(TkvError, ValueError):
     """``TKV_DECODE_SINGLE_SPLIT`` is neither ``0`` nor ``1``."""
 
 
@@ -50,7 +50,7 @@ ENV_DECODE_MIN_SPLIT_TILES = "TKV_DECODE_MIN_SPLIT_TILES"
 MAX_MIN_SPLIT_TILES = 4096   # a constexpr of the split kernel: each value compiles anew
 
 
-class MinSplitTilesConfigError(ValueError):
+class MinSplitTilesConfigError(TkvError, ValueError):
     """``TKV_DECODE_MIN_SPLIT_TILES`` is not an integer in [0, MAX_MIN_SPLIT_TILES]."""
 
 

@@ -61,7 +61,7 @@ def register() -> None:
     """
     from tkv.kernels import jit_log
 
-    jit_log.install_from_env()
+    jit_log.install_from_env_or_log(log)
     _check_version()
     try:
         from sglang.srt.mem_cache import kv_cache_dtype_registry as reg

@@ -55,7 +55,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from .errors import PatchesNotAppliedError, UnsupportedModelError
 from .prefill_attention import prefill_attention
 from .spec import TKV_DTYPE, kv_cache_spec_for_layer, page_plan
-from .startup import layer_codec, layer_index, tkv_config, tp_shard
+from .startup import layer_codec, layer_index, supports_head_size, tkv_config, tp_shard
 from .workspace import shared_prefill_scratch, shared_workspace
 
 __all__ = ["TurboAttnBackend", "TurboAttnImpl", "TurboAttnMetadata", "TurboAttnMetadataBuilder"]
@@ -91,8 +91,9 @@ class TurboAttnBackend(AttentionBackend):
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
-        # The randomized Walsh-Hadamard rotation needs a power-of-two head_dim.
-        return head_size >= 16 and head_size & (head_size - 1) == 0 and head_size <= 256
+        # The randomized Walsh-Hadamard rotation needs a power-of-two head_dim (one rule,
+        # also checked by name at startup: tkv.vllm.startup.supports_head_size).
+        return supports_head_size(head_size)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -281,6 +282,12 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
     if getattr(impl, "_tkv_state", None) is not None:
         return impl._tkv_state
     cfg = tkv_config(vllm_config)
+    if int(impl.head_size) != cfg.head_dim:
+        # the page plan and the codec are sized for the model's head_dim: a layer with
+        # another one would read pages of the wrong size
+        raise UnsupportedModelError(
+            f"tkv: layer {layer.layer_name} has head_size {impl.head_size}, the model's "
+            f"head_dim is {cfg.head_dim} (per-layer head sizes are not supported)")
     plan = page_plan(vllm_config)
     idx = layer_index(layer.layer_name, cfg.num_layers)
     k_bits, v_bits = plan.served[idx]

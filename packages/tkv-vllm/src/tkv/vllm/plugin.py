@@ -62,9 +62,12 @@ def validate(vllm_config) -> None:
     logs the effective values, so a bad one stops the launch before an engine process starts.
 
     Raises:
-        BackendMismatchError, UnsupportedModelError, the codec's config errors
-        (TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
-        BudgetRowMissingError), and the kernel settings' (LookupConfigError,
+        BackendMismatchError, UnsupportedModelError (incl. a head_dim the kernels do not
+        serve), UnsupportedFeatureError (context parallelism), ShapeError (a TP size that
+        does not shard the KV heads), the codec's config errors (TkvBitsError,
+        FileNotFoundError, BundleSchemaError, BundleGeometryError — also a bundle whose
+        layer kinds or sliding window are not the model's — BudgetRowMissingError), and the
+        kernel settings' (LookupConfigError,
         SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
         PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError,
         SingleSplitConfigError, MinSplitTilesConfigError).
@@ -93,7 +96,7 @@ def register() -> None:
     (:mod:`tkv.kernels.jit_log`)."""
     from tkv.kernels import jit_log
 
-    jit_log.install_from_env()
+    jit_log.install_from_env_or_log(log)
     try:
         check_patched()
     except PatchesNotAppliedError as e:

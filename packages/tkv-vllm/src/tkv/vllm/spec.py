@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWi
 
 from .errors import UnsupportedModelError
 from .pages import PagePlan, plan_pages
-from .startup import layer_index, tkv_config, tp_shard
+from .startup import check_parallel_supported, layer_index, tkv_config
 
 __all__ = ["TKV_DTYPE", "TkvFullAttentionSpec", "TkvSlidingWindowSpec", "kv_cache_spec_for_layer",
            "page_plan", "tkv_attention_layers"]
@@ -105,7 +105,7 @@ def page_plan(vllm_config: Any) -> PagePlan:
     """The :class:`PagePlan` of this engine (per-layer or common pages), computed from the
     validated config, this rank's KV heads and the sliding windows of the tkv layers."""
     cfg = tkv_config(vllm_config)
-    shard = tp_shard(vllm_config)
+    shard = check_parallel_supported(vllm_config)   # every rank holds as many heads as rank 0
     kinds = [lay.sliding_window for lay in tkv_attention_layers(vllm_config).values()]
     plan = plan_pages(cfg.allocation, cfg.head_dim, shard.num_local_heads, kinds,
                       _hybrid_manager(vllm_config))

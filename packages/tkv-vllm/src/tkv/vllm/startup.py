@@ -21,12 +21,14 @@ import torch
 
 from tkv.codec.codec import TurboKVCodec
 from tkv.codec.config import ENV_BITS, ENV_CALIBRATION_FILE, TkvConfig, load_config
+from tkv.codec.errors import BundleGeometryError, UnsupportedFeatureError
 from tkv.codec.sharding import KvHeadShard, shard_kv_heads
 
 from .errors import UnsupportedModelError
 
-__all__ = ["check_model_supported", "layer_codec", "layer_index", "model_geometry",
-           "tkv_config", "tp_shard"]
+__all__ = ["check_bundle_matches_model", "check_model_supported", "check_parallel_supported",
+           "layer_codec", "layer_index", "model_geometry", "supports_head_size", "tkv_config",
+           "tp_shard"]
 
 log = logging.getLogger("tkv.vllm")
 
@@ -39,12 +41,19 @@ def model_geometry(model_config: Any) -> tuple[int, int, int]:
             int(model_config.get_total_num_kv_heads()), int(model_config.get_head_size()))
 
 
+def supports_head_size(head_size: int) -> bool:
+    """Whether turbo-attn serves ``head_size``: a power of two in 16..256 (the randomized
+    Walsh–Hadamard rotation the kernels fuse; the backend's ``supports_head_size``)."""
+    return 16 <= head_size <= 256 and head_size & (head_size - 1) == 0
+
+
 def check_model_supported(model_config: Any) -> None:
     """Refuse models the turbo-attn backend cannot serve, naming the reason.
 
     Raises:
         UnsupportedModelError: MLA, encoder-decoder, hybrid Mamba/linear-attention,
-        attention-free, no-op-layer or chunked-local-attention models.
+        attention-free, no-op-layer or chunked-local-attention models, or a head_dim the
+        kernels do not serve (power of two in 16..256).
     """
     name = getattr(model_config, "model", "the model")
     checks = (
@@ -63,6 +72,73 @@ def check_model_supported(model_config: Any) -> None:
         raise UnsupportedModelError(
             f"--kv-cache-dtype tkv: {name} uses chunked local attention (attention_chunk_size),"
             " whose KV-cache spec bypasses the tkv page layout")
+    head = int(model_config.get_head_size())
+    if not supports_head_size(head):
+        raise UnsupportedModelError(
+            f"--kv-cache-dtype tkv: {name} has head_dim {head}; turbo-attn serves head_dim "
+            "16, 32, 64, 128 or 256 (a power of two: the kernels' Walsh–Hadamard rotation)")
+
+
+def check_parallel_supported(vllm_config: Any) -> KvHeadShard:
+    """Refuse parallel layouts tkv cannot shard and return rank 0's KV-head shard (the rule
+    every rank uses), so a bad TP size fails at startup, not in a worker.
+
+    Raises:
+        UnsupportedFeatureError: decode / prefill context parallelism (their KV-cache paths
+            bypass the tkv page layout). ShapeError: a TP size that does not divide the KV
+            heads nor is a multiple of them (:func:`tkv.codec.sharding.shard_kv_heads`).
+    """
+    pc = vllm_config.parallel_config
+    for attr, flag in (("decode_context_parallel_size", "--decode-context-parallel-size"),
+                       ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
+        n = int(getattr(pc, attr, 1) or 1)
+        if n > 1:
+            raise UnsupportedFeatureError(
+                f"--kv-cache-dtype tkv does not support context parallelism ({flag} {n}): "
+                "its KV-cache paths bypass the tkv page layout")
+    tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    return shard_kv_heads(int(vllm_config.model_config.get_total_num_kv_heads()), tp, 0)
+
+
+_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def check_bundle_matches_model(config: TkvConfig, model_config: Any) -> None:
+    """Beyond the geometry :func:`load_config` checks: the bundle's per-layer attention kinds
+    and sliding window must be the served model's (a bundle of another model with the same
+    shape would otherwise serve silently); a different model name only warns (a local path
+    and a hub name of one model differ).
+
+    Raises:
+        BundleGeometryError: ``layer_types`` or ``sliding_window`` differ from the model's.
+    """
+    b = config.bundle
+    if b is None:
+        return
+    g = b.geometry
+    text_cfg = getattr(model_config, "hf_text_config", None)
+    kinds = getattr(text_cfg, "layer_types", None)
+    if isinstance(kinds, list | tuple) and len(kinds) == g.num_layers:
+        mine = tuple(_LAYER_KINDS.get(k, str(k)) for k in kinds)
+        if mine != tuple(g.layer_types):
+            diff = next(i for i, (a, c) in enumerate(zip(mine, g.layer_types, strict=True))
+                        if a != c)
+            raise BundleGeometryError(
+                f"calibration bundle for {g.model or 'another model'}: layer {diff} is "
+                f"{g.layer_types[diff]!r} attention in the bundle, {mine[diff]!r} in the model "
+                "being served (the bundle was calibrated for another model)")
+    sw = getattr(text_cfg, "sliding_window", None)
+    if (g.sliding_window is not None and isinstance(sw, int) and not isinstance(sw, bool)
+            and sw != g.sliding_window):
+        raise BundleGeometryError(
+            f"calibration bundle for {g.model or 'another model'}: sliding_window "
+            f"{g.sliding_window}, the model being served {sw}")
+    served = str(getattr(model_config, "model", "") or "").rstrip("/").rsplit("/", 1)[-1]
+    if g.model and served and (g.model.lower() not in served.lower()
+                               and served.lower() not in g.model.lower()):
+        log.warning("tkv: the calibration bundle was made for %r, the served model is %r; "
+                    "the geometry matches, so it is used — check TKV_CALIBRATION_FILE",
+                    g.model, served)
 
 
 def tkv_config(vllm_config: Any, env: dict[str, str] | None = None) -> TkvConfig:
@@ -70,19 +146,27 @@ def tkv_config(vllm_config: Any, env: dict[str, str] | None = None) -> TkvConfig
     geometry and the two environment variables)."""
     mc = vllm_config.model_config
     check_model_supported(mc)
+    check_parallel_supported(vllm_config)
     geo = model_geometry(mc)
     e = os.environ if env is None else env
     key = (*geo, e.get(ENV_BITS), e.get(ENV_CALIBRATION_FILE))
     cfg = _CONFIGS.get(key)
     if cfg is None:
         cfg = load_config(*geo, env=e)
+        check_bundle_matches_model(cfg, mc)
         _CONFIGS[key] = cfg
         log.warning("%s", cfg.describe())
     return cfg
 
 
 def tp_shard(vllm_config: Any) -> KvHeadShard:
-    """KV heads of this process's TP rank."""
+    """KV heads of this process's TP rank.
+
+    Raises:
+        UnsupportedFeatureError: TP > 1 but vLLM's TP group is not set up in this process, so
+            the rank is unknown (guessing rank 0 would give other ranks rank 0's per-head
+            offsets). ShapeError: heads and TP size do not shard.
+    """
     pc = vllm_config.parallel_config
     tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
     rank = 0
@@ -91,8 +175,10 @@ def tp_shard(vllm_config: Any) -> KvHeadShard:
             from vllm.distributed import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
-        except (ImportError, AssertionError, RuntimeError):
-            rank = 0
+        except (ImportError, AssertionError, RuntimeError) as e:
+            raise UnsupportedFeatureError(
+                f"tkv: tensor_parallel_size={tp} but this process has no TP rank ({e!r}); "
+                "the layer's per-head offsets cannot be sliced") from None
     return shard_kv_heads(vllm_config.model_config.get_total_num_kv_heads(), tp, rank)
 
 
