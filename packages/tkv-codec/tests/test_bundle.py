@@ -334,3 +334,15 @@ def test_blank_tkv_bits_is_the_default_and_the_missing_row_says_so(tmp_path):
     with pytest.raises(BudgetRowMissingError) as e:
         load_config(3, 2, 64, {"TKV_BITS": "4", "TKV_CALIBRATION_FILE": q})
     assert "defaulted" not in str(e.value)
+
+
+def test_layer_kinds_and_window_of_the_served_model_are_compared():
+    g = ModelGeometry(3, 2, 64, ("full", "sliding", "full"), 128, "m")
+    g.check_layer_kinds(["full_attention", "sliding_attention", "full_attention"], 128)
+    g.check_layer_kinds(("full", "sliding", "full"), None)        # window not listed
+    g.check_layer_kinds(None, 128)                                # kinds not listed
+    g.check_layer_kinds(["full_attention"] * 5, 128)              # another count: not listed
+    with pytest.raises(BundleGeometryError, match="layer 1 is 'sliding' attention in the bundle"):
+        g.check_layer_kinds(["full_attention"] * 3)
+    with pytest.raises(BundleGeometryError, match="sliding_window 128, the model being served 64"):
+        g.check_layer_kinds(None, 64)

@@ -53,6 +53,30 @@ def test_bundle_for_another_model_is_refused(tkv_env, bundle_file):
         tkv_config(AttentionGeometry(4, 8, 64))
 
 
+def test_bundle_of_a_model_with_other_layer_kinds_is_refused(tkv_env, bundle_file):
+    """Same shape, but the served model's config lists sliding layers the bundle (calibrated
+    on an all-full-attention model) never saw: BundleGeometryError naming the layer."""
+    tkv_env("4.5", bundle_file)
+    kinds = ("full_attention", "sliding_attention") * 2
+    with pytest.raises(BundleGeometryError, match="layer 1 is 'full' attention in the bundle"):
+        tkv_config(AttentionGeometry(4, 2, 64, kinds, 512))
+    assert tkv_config(AttentionGeometry(4, 2, 64, ("full_attention",) * 4, None)).bundle
+
+
+def test_geometry_reads_layer_kinds_and_window_from_the_text_config():
+    from types import SimpleNamespace
+
+    mc = SimpleNamespace(num_hidden_layers=2, head_dim=64, get_total_num_kv_heads=lambda: 2,
+                         hf_text_config=SimpleNamespace(
+                             layer_types=["full_attention", "sliding_attention"],
+                             sliding_window=256))
+    g = geometry_from_model_config(mc)
+    assert (g.layer_types, g.sliding_window) == (("full_attention", "sliding_attention"), 256)
+    mc.hf_text_config = SimpleNamespace()
+    g = geometry_from_model_config(mc)
+    assert (g.layer_types, g.sliding_window) == (None, None)
+
+
 def test_corrupted_bundle_is_refused(tkv_env, bundle_file):
     d = json.loads(bundle_file.read_text())
     d["byte_budget_table"]["4.5"]["k_bits"][0] = 6

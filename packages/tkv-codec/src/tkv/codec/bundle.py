@@ -79,6 +79,7 @@ BUNDLE_FORMAT = "tkv-calibration-bundle"
 DEFAULT_K_BITS = 4
 DEFAULT_V_BITS = 4
 LAYER_TYPES = ("full", "sliding")
+HF_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}   # config spelling
 BUNDLE_FIELDS = ("format", "schema_version", "seed", "geometry", "layers", "byte_budget_table",
                  "provenance", "metrics", "integrity")
 GEOMETRY_FIELDS = ("model", "num_layers", "num_kv_heads", "head_dim", "layer_types",
@@ -189,6 +190,35 @@ class ModelGeometry:
         return {"model": self.model, "num_layers": self.num_layers,
                 "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 "layer_types": list(self.layer_types), "sliding_window": self.sliding_window}
+
+    def check_layer_kinds(self, layer_types=None, sliding_window=None) -> None:
+        """Refuse a served model whose per-layer attention kinds or sliding window differ from
+        the ones this bundle was calibrated on (a bundle of another model with the same
+        layers / KV heads / head_dim would otherwise serve silently).
+
+        Args:
+            layer_types: the model config's per-layer kinds, Hugging Face spelling
+                (``"full_attention"`` / ``"sliding_attention"``) or this bundle's
+                (``"full"`` / ``"sliding"``); None or a length other than ``num_layers``:
+                not compared (the config does not list them).
+            sliding_window: the model config's window in tokens; None: not compared.
+
+        Raises:
+            BundleGeometryError: naming the first layer that differs, or both windows.
+        """
+        if isinstance(layer_types, list | tuple) and len(layer_types) == self.num_layers:
+            mine = tuple(HF_LAYER_KINDS.get(k, str(k)) for k in layer_types)
+            for i, (a, b) in enumerate(zip(self.layer_types, mine, strict=True)):
+                if a != b:
+                    raise BundleGeometryError(
+                        f"calibration bundle for {self.model or 'another model'}: layer {i} is "
+                        f"{a!r} attention in the bundle, {b!r} in the model being served (the "
+                        "bundle was calibrated for another model)")
+        if (self.sliding_window is not None and isinstance(sliding_window, int)
+                and not isinstance(sliding_window, bool) and sliding_window != self.sliding_window):
+            raise BundleGeometryError(
+                f"calibration bundle for {self.model or 'another model'}: sliding_window "
+                f"{self.sliding_window}, the model being served {sliding_window}")
 
     @classmethod
     def from_dict(cls, d: Mapping, path: str = "geometry") -> ModelGeometry:

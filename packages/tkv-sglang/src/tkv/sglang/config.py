@@ -24,7 +24,8 @@ def tkv_config(geometry: AttentionGeometry) -> TkvConfig:
     use and cached per (geometry, ``TKV_BITS``, ``TKV_CALIBRATION_FILE``) in this process.
 
     Raises:
-        TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
+        TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError (also for a
+        bundle whose per-layer attention kinds or sliding window are not the model's),
         BudgetRowMissingError: see :mod:`tkv.codec.config`.
     """
     key = (geometry, os.environ.get(ENV_BITS), os.environ.get(ENV_CALIBRATION_FILE))
@@ -32,6 +33,9 @@ def tkv_config(geometry: AttentionGeometry) -> TkvConfig:
         cfg = _cache.get(key)
         if cfg is None:
             cfg = load_config(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim)
+            if cfg.bundle is not None:   # another model's bundle of the same shape
+                cfg.bundle.geometry.check_layer_kinds(geometry.layer_types,
+                                                      geometry.sliding_window)
             _cache[key] = cfg
             log.info(cfg.describe())
         return cfg

@@ -22,11 +22,16 @@ class AttentionGeometry:
         num_layers: attention layers (= the bundle's ``geometry.num_layers``).
         num_kv_heads: KV heads per layer, whole model.
         head_dim: elements per K/V head vector (K and V equal).
+        layer_types: the config's per-layer attention kinds (``"full_attention"`` ...), or
+            None when it lists none; sliding_window: its window in tokens, or None. Compared
+            with a bundle's by :meth:`tkv.codec.ModelGeometry.check_layer_kinds`.
     """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
 
 
 def geometry_from_model_config(model_config) -> AttentionGeometry:
@@ -62,4 +67,10 @@ def geometry_from_model_config(model_config) -> AttentionGeometry:
         raise UnsupportedFeatureError(
             f"{name} has v_head_dim={v_head_dim} != head_dim={head_dim}; tkv needs equal K/V "
             "head sizes")
-    return AttentionGeometry(num_hidden, int(model_config.get_total_num_kv_heads()), head_dim)
+    text = getattr(model_config, "hf_text_config", None)
+    kinds = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None)
+    return AttentionGeometry(
+        num_hidden, int(model_config.get_total_num_kv_heads()), head_dim,
+        tuple(str(k) for k in kinds) if isinstance(kinds, list | tuple) else None,
+        window if isinstance(window, int) and not isinstance(window, bool) else None)

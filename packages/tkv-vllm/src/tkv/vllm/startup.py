@@ -21,7 +21,7 @@ import torch
 
 from tkv.codec.codec import TurboKVCodec
 from tkv.codec.config import ENV_BITS, ENV_CALIBRATION_FILE, TkvConfig, load_config
-from tkv.codec.errors import BundleGeometryError, UnsupportedFeatureError
+from tkv.codec.errors import UnsupportedFeatureError
 from tkv.codec.sharding import KvHeadShard, shard_kv_heads
 
 from .errors import UnsupportedModelError
@@ -100,14 +100,11 @@ def check_parallel_supported(vllm_config: Any) -> KvHeadShard:
     return shard_kv_heads(int(vllm_config.model_config.get_total_num_kv_heads()), tp, 0)
 
 
-_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
-
-
 def check_bundle_matches_model(config: TkvConfig, model_config: Any) -> None:
     """Beyond the geometry :func:`load_config` checks: the bundle's per-layer attention kinds
-    and sliding window must be the served model's (a bundle of another model with the same
-    shape would otherwise serve silently); a different model name only warns (a local path
-    and a hub name of one model differ).
+    and sliding window must be the served model's
+    (:meth:`tkv.codec.ModelGeometry.check_layer_kinds`); a different model name only warns
+    (a local path and a hub name of one model differ).
 
     Raises:
         BundleGeometryError: ``layer_types`` or ``sliding_window`` differ from the model's.
@@ -117,22 +114,8 @@ def check_bundle_matches_model(config: TkvConfig, model_config: Any) -> None:
         return
     g = b.geometry
     text_cfg = getattr(model_config, "hf_text_config", None)
-    kinds = getattr(text_cfg, "layer_types", None)
-    if isinstance(kinds, list | tuple) and len(kinds) == g.num_layers:
-        mine = tuple(_LAYER_KINDS.get(k, str(k)) for k in kinds)
-        if mine != tuple(g.layer_types):
-            diff = next(i for i, (a, c) in enumerate(zip(mine, g.layer_types, strict=True))
-                        if a != c)
-            raise BundleGeometryError(
-                f"calibration bundle for {g.model or 'another model'}: layer {diff} is "
-                f"{g.layer_types[diff]!r} attention in the bundle, {mine[diff]!r} in the model "
-                "being served (the bundle was calibrated for another model)")
-    sw = getattr(text_cfg, "sliding_window", None)
-    if (g.sliding_window is not None and isinstance(sw, int) and not isinstance(sw, bool)
-            and sw != g.sliding_window):
-        raise BundleGeometryError(
-            f"calibration bundle for {g.model or 'another model'}: sliding_window "
-            f"{g.sliding_window}, the model being served {sw}")
+    g.check_layer_kinds(getattr(text_cfg, "layer_types", None),
+                        getattr(text_cfg, "sliding_window", None))
     served = str(getattr(model_config, "model", "") or "").rstrip("/").rsplit("/", 1)[-1]
     if g.model and served and (g.model.lower() not in served.lower()
                                and served.lower() not in g.model.lower()):
