@@ -18,6 +18,7 @@ from tkv.codec import (
     TkvBitsError,
     fit_codebook,
     load_config,
+    normalize_tkv_bits,
     resolve_allocation,
 )
 from tkv.codec.bundle import _digest
@@ -346,3 +347,9 @@ def test_layer_kinds_and_window_of_the_served_model_are_compared():
         g.check_layer_kinds(["full_attention"] * 3)
     with pytest.raises(BundleGeometryError, match="sliding_window 128, the model being served 64"):
         g.check_layer_kinds(None, 64)
+
+
+def test_tkv_bits_error_shortens_a_huge_value():
+    with pytest.raises(TkvBitsError, match=r"got '44444.*\.\.\. \(5002 characters\)") as e:
+        normalize_tkv_bits("4" * 5000)
+    assert len(str(e.value)) < 120

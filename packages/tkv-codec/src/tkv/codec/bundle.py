@@ -96,12 +96,14 @@ def normalize_tkv_bits(value: str | float | int) -> str:
     Raises:
         TkvBitsError: not a number, not finite, or outside [2.0, 8.0].
     """
+    r = repr(value)
+    shown = r if len(r) <= 40 else f"{r[:40]}... ({len(r)} characters)"   # never echo 5 KB
     try:
         v = float(value)
-    except (TypeError, ValueError):
-        raise TkvBitsError(f"TKV_BITS must be a number in [2.0, 8.0], got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise TkvBitsError(f"TKV_BITS must be a number in [2.0, 8.0], got {shown}") from None
     if not math.isfinite(v) or not 2.0 <= v <= 8.0:
-        raise TkvBitsError(f"TKV_BITS must be in [2.0, 8.0], got {value!r}")
+        raise TkvBitsError(f"TKV_BITS must be in [2.0, 8.0], got {shown}")
     return repr(v)
 
 
