@@ -39,7 +39,7 @@ from ._util import (
     next_pow2,
     tile_tokens,
 )
-from .loaders import Loader, sink_shift
+from .loaders import Loader, check_loader, sink_shift
 from .rotate import rotate_rows, row_block, slab
 from .workspace import Workspace, check_min_split_tiles
 
@@ -439,9 +439,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         for a ``loader`` / ``workspace`` of the wrong type, ValueError for an unknown
         ``kernel``.
     """
-    if not isinstance(loader, Loader):
-        raise TypeError(f"loader must implement tkv.kernels.Loader (TkvLoader, BypassLoader, "
-                        f"Fp8Loader, ...), got {type(loader).__name__}")
+    check_loader(loader)
     if not isinstance(workspace, Workspace):
         raise TypeError(f"workspace must be a tkv.kernels.Workspace, got "
                         f"{type(workspace).__name__}")

@@ -116,6 +116,22 @@ class Loader(Protocol):
         """Cache bytes one token of this layer occupies (all heads, K and V)."""
 
 
+_LOADER_TYPES: set[type] = set()   # classes already found to implement Loader
+
+
+def check_loader(loader) -> None:
+    """Raise TypeError unless ``loader`` implements :class:`Loader`. The structural check
+    (``isinstance`` on the runtime-checkable protocol, ~30 µs) runs once per loader class;
+    later calls are a set lookup, so a per-layer kernel call pays nothing measurable."""
+    t = type(loader)
+    if t in _LOADER_TYPES:
+        return
+    if not isinstance(loader, Loader):
+        raise TypeError(f"loader must implement tkv.kernels.Loader (TkvLoader, BypassLoader, "
+                        f"Fp8Loader, ...), got {t.__name__}")
+    _LOADER_TYPES.add(t)
+
+
 def _hadamard_weights(q_in: torch.Tensor, d_pad: int, device) -> torch.Tensor | None:
     """``w`` (float32 ``(d,)`` on ``device``) with ``q_in = diag(w) @ H`` (``H`` the
     unnormalized Sylvester Walsh–Hadamard matrix of order d), or None when d is not a power of

@@ -40,7 +40,7 @@ from ._util import (
     tile_tokens,
 )
 from .dense_attention import DenseAttention, check_dense_output
-from .loaders import Loader, bypass_fetch, identity_dequant, sink_shift
+from .loaders import Loader, bypass_fetch, check_loader, identity_dequant, sink_shift
 from .rotate import rotate_rows
 
 __all__ = ["DENSE_PREFIX_CAP", "dense_prefix_bytes", "prefill"]
@@ -380,9 +380,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     dense_writes_out = getattr(dense_attention, "writes_out", False)
     if not isinstance(dense_writes_out, bool):
         raise DtypeError(f"dense_attention.writes_out must be a bool, got {dense_writes_out!r}")
-    if not isinstance(loader, Loader):
-        raise TypeError(f"loader must implement tkv.kernels.Loader (TkvLoader, BypassLoader, "
-                        f"Fp8Loader, ...), got {type(loader).__name__}")
+    check_loader(loader)
     check_flag(no_prefix, "no_prefix")
     if num_warps is not None:
         check_pow2(num_warps, "num_warps", 1, 16)
