@@ -739,8 +739,10 @@ def test_fp8_tile_decodes_every_byte():
 
 
 # --------------------------------------------------------------------- prefill
-def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.float16, tol=None,
-                   **kw):
+def _prefill_batch(loader, prefix, qlens, group, seed, dtype=torch.float16):
+    """A prefill batch on fresh random data: each sequence's prefix + chunk K/V written into a
+    paged cache (the whole sequence, as engines do), its chunk's K/V and queries returned.
+    ``(q, k, v, cu_seqlens_q, batch, cache)``."""
     lens = [p + q for p, q in zip(prefix, qlens, strict=True)]
     g = _gen(seed)
     batch = make_paged_batch(lens, loader.block_size, DEV, generator=g)
@@ -749,12 +751,17 @@ def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.flo
     qs, ks, vs = [], [], []
     for i, (p, ql) in enumerate(zip(prefix, qlens, strict=True)):
         kv = torch.randn(2, p + ql, hkv, d, generator=g).to(DEV, dtype)
-        fill_cache(loader, cache, kv[0], kv[1], batch.slots(i))  # whole sequence, as engines do
+        fill_cache(loader, cache, kv[0], kv[1], batch.slots(i))
         ks.append(kv[0, p:])
         vs.append(kv[1, p:])
         qs.append(torch.randn(ql, hkv * group, d, generator=g).to(DEV, dtype))
-    q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
     cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=DEV)
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), cu, batch, cache
+
+
+def _prefill_check(loader, prefix, qlens, group, seed, window=0, dtype=torch.float16, tol=None,
+                   **kw):
+    q, k, v, cu, batch, cache = _prefill_batch(loader, prefix, qlens, group, seed, dtype)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
     prefill(q, k, v, cu, batch.seq_lens, max(qlens), cache, batch.block_table, loader, out=out,
             window=window, block_m=16 * min(group, 2), block_n=loader.min_block_n, **kw)
@@ -1631,22 +1638,9 @@ def test_decode_fused_query_rotation_falls_back_where_not_hadamard():
 
 
 def _small_prefill(ld, seed=3, prefix=(9, 0), qlens=(20, 5), group=2):
-    """A small prefill batch on ``ld``: q, k, v, cu, seq_lens, block_table, cache."""
-    g = _gen(seed)
-    lens = [p + q for p, q in zip(prefix, qlens, strict=True)]
-    batch = make_paged_batch(lens, ld.block_size, DEV, generator=g)
-    cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
-    hkv, d = ld.num_kv_heads, ld.head_dim
-    ks, vs, qs = [], [], []
-    for i, (p, ql) in enumerate(zip(prefix, qlens, strict=True)):
-        kv = torch.randn(2, p + ql, hkv, d, generator=g).to(DEV, torch.bfloat16)
-        fill_cache(ld, cache, kv[0], kv[1], batch.slots(i))
-        ks.append(kv[0, p:])
-        vs.append(kv[1, p:])
-        qs.append(torch.randn(ql, hkv * group, d, generator=g).to(DEV, torch.bfloat16))
-    cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=DEV)
-    return (torch.cat(qs), torch.cat(ks), torch.cat(vs), cu, batch.seq_lens,
-            batch.block_table, cache)
+    """A small bfloat16 prefill batch on ``ld``: q, k, v, cu, seq_lens, block_table, cache."""
+    q, k, v, cu, batch, cache = _prefill_batch(ld, prefix, qlens, group, seed, torch.bfloat16)
+    return q, k, v, cu, batch.seq_lens, batch.block_table, cache
 
 
 def test_truthy_options_and_launch_values_are_named_errors():
