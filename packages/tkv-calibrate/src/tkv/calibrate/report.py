@@ -339,7 +339,7 @@ def print_summary(res, console=None) -> None:
             t.add_row(r["name"], f"{r['bytes_per_token_head']:.1f}",
                       f"{r['capacity_vs_bf16']:.2f}", f"{r['ppl']:.3f}",
                       f"{r['delta_ppl_pct']:+.2f}%", _fmt_kl(r["kl"]), f"{100 * r['top1']:.1f}%",
-                      _fmt_kl(r["decode_kl"]), _fmt_pct(r["decode_top1"]))
+                      _fmt_kl(r["decode_kl"]), _fmt_pct(r["decode_top1"]).replace(" %", "%"))
         console.print(t)
     for d in res.decisions:
         console.print(f"budget {d.budget:g}: shipped {d.chosen.source} "
@@ -348,11 +348,12 @@ def print_summary(res, console=None) -> None:
     if rows:
         verdicts = goal_verdicts(rows, getattr(res, "needle", None))
         missed = [v for v in verdicts if not v[-1].startswith("yes")]
-        console.print(f"goals (issue reference, report.md): {len(verdicts) - len(missed)} of "
-                      f"{len(verdicts)} met" + ("; not met: " if missed else "")
-                      + "; ".join(f"{b} {goal}: {got} " + (met[3:] if met.startswith("no (")
-                                                            else f"({met})")
-                                  for b, _, goal, got, met in missed))
+        line = (f"goals (issue reference, report.md): {len(verdicts) - len(missed)} of "
+                f"{len(verdicts)} met" + ("; not met: " if missed else "")
+                + "; ".join(f"{b} {goal}: {got} " + (met[3:] if met.startswith("no (")
+                                                      else f"({met})")
+                            for b, _, goal, got, met in missed))
+        console.print(line, soft_wrap=True)   # one line, however long, for logs and greps
     out = res.bundle_path.parent
     console.print(f"bundle: {res.bundle_path}   report: {out / 'report.md'}, "
                   f"{out / 'report.png'}   metrics: {out / 'metrics.json'}")
