@@ -66,6 +66,14 @@ def check_flag(value, name: str) -> bool:
     return value
 
 
+def check_positive_int(value, name: str) -> int:
+    """A host int ≥ 1 (geometry, launch stages); a bool, float or string raises ShapeError
+    naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ShapeError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
 def check_sm_scale(sm_scale, head_dim: int) -> float:
     """The softmax scale as a float: ``1/sqrt(head_dim)`` for None. Raises DtypeError for a
     non-number, NonFiniteError for NaN / ±inf (every output row would be NaN)."""

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tkv.codec.errors import DeviceMismatchError, DtypeError, ShapeError
+from tkv.codec.errors import DeviceMismatchError, ShapeError
 
 from . import gluon_decode
 from ._planes import (
@@ -29,6 +29,7 @@ from ._util import (
     check_int_tensor,
     check_last_dim_contiguous,
     check_out,
+    check_positive_int,
     check_pow2,
     check_same_device,
     check_side_args_device,
@@ -490,11 +491,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         out = torch.empty(ns, hq, d, dtype=out_dtype, device=dev)
     else:
         check_out(out, (ns, hq, d), dev)
-    if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
-                                   or num_stages < 1):
-        raise ShapeError(f"num_stages must be None or an int ≥ 1, got {num_stages!r}")
-    if not isinstance(single_split_epilogue, bool):
-        raise DtypeError(f"single_split_epilogue must be a bool, got {single_split_epilogue!r}")
+    if num_stages is not None:
+        check_positive_int(num_stages, "num_stages")
+    check_flag(single_split_epilogue, "single_split_epilogue")
     min_split_tiles = check_min_split_tiles(
         workspace.min_split_tiles if min_split_tiles is None else min_split_tiles)
     if ns == 0:
@@ -513,9 +512,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         hw = getattr(loader, "q_hadamard", None)
         if fused_query_rotation is None:
             fused_query_rotation = getattr(loader, "fused_query_rotation", False)
-        if not isinstance(fused_query_rotation, bool):   # "0" would read as True
-            raise DtypeError(f"fused_query_rotation must be a bool or None, got "
-                             f"{fused_query_rotation!r}")
+        check_flag(fused_query_rotation, "fused_query_rotation")   # "0" would read as True
         if fused_query_rotation and kernel == "triton" and hw is not None:
             if hw.device != dev:
                 raise DeviceMismatchError(f"loader.q_hadamard is on {hw.device}, the query on "

@@ -65,6 +65,7 @@ from ._planes import merge_planes, to_planar_columns
 from ._util import (
     check_dtype,
     check_last_dim_contiguous,
+    check_positive_int,
     check_tensor,
     int_from_env,
     interpreting,
@@ -1159,8 +1160,7 @@ def _check_geometry(num_kv_heads, head_dim, block_size) -> None:
     zero block_size would otherwise reach the kernels as a malformed constant)."""
     for name, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                     ("block_size", block_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ShapeError(f"{name} must be a positive int, got {v!r}")
+        check_positive_int(v, name)
 
 
 class BypassLoader:

@@ -30,6 +30,7 @@ from ._util import (
     check_last_dim_contiguous,
     check_no_overlap,
     check_out,
+    check_positive_int,
     check_pow2,
     check_same_device,
     check_side_args_device,
@@ -368,27 +369,23 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ShapeError(f"max_prefix_len must be a host int ≥ 0 or None, got {max_prefix_len!r}")
     if scratch is not None and not isinstance(scratch, torch.Tensor):
         raise DtypeError(f"scratch must be a torch.Tensor or None, got {type(scratch).__name__}")
-    if not isinstance(exact_prefix, bool):
-        raise DtypeError(f"exact_prefix must be a bool, got {type(exact_prefix).__name__}")
+    check_flag(exact_prefix, "exact_prefix")
     if dense_attention is not None and not callable(dense_attention):
         raise DtypeError("dense_attention must be a DenseAttention callable or None, got "
                          f"{type(dense_attention).__name__}")
     # False: first chunks stay on tkv's Triton bypass (TKV_PREFILL_ATTENTION=continuation)
-    dense_first_chunks = getattr(dense_attention, "first_chunks", True)
-    if not isinstance(dense_first_chunks, bool):
-        raise DtypeError(f"dense_attention.first_chunks must be a bool, got {dense_first_chunks!r}")
-    dense_writes_out = getattr(dense_attention, "writes_out", False)
-    if not isinstance(dense_writes_out, bool):
-        raise DtypeError(f"dense_attention.writes_out must be a bool, got {dense_writes_out!r}")
+    dense_first_chunks = check_flag(getattr(dense_attention, "first_chunks", True),
+                                    "dense_attention.first_chunks")
+    dense_writes_out = check_flag(getattr(dense_attention, "writes_out", False),
+                                  "dense_attention.writes_out")
     check_loader(loader)
     check_flag(no_prefix, "no_prefix")
     if num_warps is not None:
         check_pow2(num_warps, "num_warps", 1, 16)
     if block_m is not None:
         check_pow2(block_m, "block_m", 1)
-    if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
-                                   or num_stages < 1):
-        raise ShapeError(f"num_stages must be None or an int ≥ 1, got {num_stages!r}")
+    if num_stages is not None:
+        check_positive_int(num_stages, "num_stages")
     check_tensor(query, "query", 3)
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     tq, hq, d = query.shape

@@ -16,6 +16,7 @@ from ._util import (
     check_dtype,
     check_int_tensor,
     check_last_dim_contiguous,
+    check_pow2,
     check_same_device,
     check_tensor,
     interpreting,
@@ -449,8 +450,7 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     if chunk is None:
         chunk = 64 if loader.d_pad <= 128 else 32
     for name, val, lo in (("block_t", block_t, 1), ("chunk", chunk, 16), ("num_warps", num_warps, 1)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < lo or val & (val - 1):
-            raise ShapeError(f"{name} must be a power of two >= {lo} (int), got {val!r}")
+        check_pow2(val, name, lo)
     if rotation not in _ROTATIONS:
         raise ValueError(f"rotation must be one of {_ROTATIONS}, got {rotation!r}")
     modes, operands = [], []   # kernel SPLIT: 0 tf32x3, 1 bf16 terms, 2 scaled fp16 terms

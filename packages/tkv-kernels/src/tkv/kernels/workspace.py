@@ -6,7 +6,7 @@ import torch
 
 from tkv.codec.errors import ShapeError, TkvError
 
-from ._util import flag_from_env, int_from_env, next_pow2
+from ._util import check_positive_int, flag_from_env, int_from_env, next_pow2
 
 __all__ = ["DECODE_MIN_SPLIT_TILES", "DECODE_SINGLE_SPLIT", "ENV_DECODE_MIN_SPLIT_TILES",
            "ENV_DECODE_SINGLE_SPLIT", "MAX_MIN_SPLIT_TILES", "SINGLE_SPLIT_TARGETS",
@@ -134,8 +134,7 @@ class Workspace:
                  single_split_ctas: int | None = None, min_split_tiles: int | None = None):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_q_heads", max_num_q_heads),
                         ("max_head_dim", max_head_dim), ("max_splits", max_splits)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ShapeError(f"Workspace.{name} must be a positive int, got {v!r}")
+            check_positive_int(v, f"Workspace.{name}")
         if max_splits & (max_splits - 1):
             raise ShapeError(f"max_splits must be a power of two, got {max_splits}")
         if (isinstance(min_splits, bool) or not isinstance(min_splits, int) or min_splits < 1
