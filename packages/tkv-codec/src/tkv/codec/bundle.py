@@ -328,10 +328,10 @@ class LayerCalibration:
         scales = {}
         for side in ("k", "v"):
             key = f"{side}_channel_scales"
-            v = d.get(key) if isinstance(d, Mapping) else None
+            v = d.get(key)
             scales[side] = None if v is None else tuple(
                 _floats(v, f"{path}.{key}", head_dim, positive=True))
-        cbs_raw = d.get("codebooks", {}) if isinstance(d, Mapping) else None
+        cbs_raw = d.get("codebooks", {})
         if not isinstance(cbs_raw, Mapping):
             raise _fail(f"{path}.codebooks", "expected an object")
         cbs = {}
@@ -356,7 +356,7 @@ class LayerCalibration:
             cbs[key] = book
         offsets = {}
         for name in ("k_channel_offset", "k_sink_offset", "v_sink_offset"):
-            off = d.get(name) if isinstance(d, Mapping) else None
+            off = d.get(name)
             offsets[name] = None
             if off is not None:
                 p = f"{path}.{name}"
