@@ -147,22 +147,31 @@ def run(spec_k: int) -> float:
         md = builder.build(0, cam)
         assert (md.num_decodes, md.decode_query_len, md.num_prefills,
                 md.num_prefill_tokens) == (1, 1 + spec_k, 2, 16), md
-        # the continuation row's 13 cached tokens: the decompress-once bound
-        assert md.max_prefill_prefix_len == 13 and not md.prefill_no_prefix, md
-        assert not md.prefill_prefix_exact, md   # two prefill rows: the bound only
-        out = torch.full((n, hq, hd), float("nan"), dtype=torch.bfloat16)
-        impl.forward(layer, q, k, v, cache, md, output=out)
+        # two kernel calls: the continuation row (13 cached tokens, exactly known: one row
+        # longer than the decode threshold) and the first chunk (the prefill bypass)
+        assert [(r.row_lo, r.row_hi, r.tok_lo, r.tok_hi, r.max_prefix_len, r.no_prefix,
+                 r.prefix_exact) for r in md.prefill_runs] == [
+            (1, 2, 1 + spec_k, 8 + spec_k, 13, False, True),
+            (2, 3, 8 + spec_k, 17 + spec_k, 0, True, False)], md
+        assert [c.tolist() for c in md.prefill_cu_seqlens] == [[0, 7], [0, 9]]
         loader = impl._tkv_state.loader(bs)
-        for r in range(3):
-            a, b = int(qsl[r]), int(qsl[r + 1])
-            kc, vcache = gather_kv(cache, loader, bt[r], seq_lens[r])
-            ref = reference(q[a:b], k[a:b], v[a:b], kc, vcache, ctx_lens[r], window,
-                            hd ** -0.5, decode=(r == 0 and not spec_k))
-            err = (out[a:b].double() - ref).abs().max().item() / ref.abs().max().item()
-            print(f"spec_k={spec_k} layer {li} K{spec.tkv_k_bits}V{spec.tkv_v_bits} "
-                  f"window={window} request {r}: rel err {err:.2e}")
-            worst = max(worst, err)
-        assert torch.isfinite(out.float()).all()
+        # TKV_PREFILL_ATTENTION=tkv, then =flash (faked): the first chunk's run through it
+        for flash in (False, True) if not spec_k else (False,):
+            with flash_attention(impl, flash) as calls:
+                out = torch.full((n, hq, hd), float("nan"), dtype=torch.bfloat16)
+                impl.forward(layer, q, k, v, cache, md, output=out)
+            assert len(calls) == int(flash), calls
+            for r in range(3):
+                a, b = int(qsl[r]), int(qsl[r + 1])
+                kc, vcache = gather_kv(cache, loader, bt[r], seq_lens[r])
+                ref = reference(q[a:b], k[a:b], v[a:b], kc, vcache, ctx_lens[r], window,
+                                hd ** -0.5, decode=(r == 0 and not spec_k))
+                err = (out[a:b].double() - ref).abs().max().item() / ref.abs().max().item()
+                print(f"{'flash ' if flash else ''}spec_k={spec_k} layer {li} "
+                      f"K{spec.tkv_k_bits}V{spec.tkv_v_bits} window={window} request {r}: "
+                      f"rel err {err:.2e}")
+                worst = max(worst, err)
+            assert torch.isfinite(out.float()).all()
         if not spec_k:
             worst = max(worst, padded_decode_step(B, impl, layer, cache, bt, seq_lens, slots,
                                                   window, builder, loader, gather_kv,
@@ -237,8 +246,8 @@ def long_continuation_step(impl, layer, shape, builder, window, CommonAttentionM
         num_actual_tokens=ql, max_query_len=ql, max_seq_len=ctx + ql, block_table_tensor=bt,
         slot_mapping=sm, seq_lens_cpu_upper_bound=sl.clone())
     md = builder.build(0, cam)
-    assert md.num_prefills == 1 and md.max_prefill_prefix_len == ctx, md
-    assert md.prefill_prefix_exact, md
+    (run,) = md.prefill_runs
+    assert md.num_prefills == 1 and run.max_prefix_len == ctx and run.prefix_exact, md
     out = torch.full((ql, hq, hd), float("nan"), dtype=torch.bfloat16)
     with mock.patch.object(CausalBias, "_dispatch", wraps=CausalBias._dispatch) as spy:
         impl.forward(layer, q, k, v, cache, md, output=out)
@@ -277,7 +286,8 @@ def first_prefill_step(impl, layer, shape, builder, window, CommonAttentionMetad
         max_query_len=5, max_seq_len=5, block_table_tensor=bt, slot_mapping=sm,
         seq_lens_cpu_upper_bound=torch.tensor(q_lens, dtype=torch.int32))
     md = builder.build(0, cam)
-    assert md.num_prefills == 2 and md.prefill_no_prefix, md
+    (run,) = md.prefill_runs
+    assert md.num_prefills == 2 and run.no_prefix and run.max_query_len == 5, md
     impl._prefix_variant_warm = False
     out = torch.full((n, hq, hd), float("nan"), dtype=torch.bfloat16)
     impl.forward(layer, q, k, v, cache, md, output=out)

@@ -35,6 +35,8 @@ def test_mixed_batch_forward_matches_float64_reference(patched_vllm, small_head_
     assert r.returncode == 0, f"{report}\n{r.stderr[-3000:]}"
     # per-layer widths, sliding window, and spec-decode verify rows exercised
     assert "spec_k=2 layer 1 K3V2 window=12 request 0" in report
+    # the mixed batch's prefill rows as two runs, the first chunk's through FlashAttention
+    assert "flash spec_k=0 layer 1 K3V2 window=12 request 2" in report
     assert "padded decode layer 1 request 1" in report  # CUDA-graph padded decode batch
     assert "first prefill layer 1 request 1" in report   # bypass + prefix-variant warm-up
     assert "long continuation layer 0 window=0" in report   # one exact prefix: SDPA path

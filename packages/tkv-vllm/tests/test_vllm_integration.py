@@ -424,24 +424,30 @@ def test_model_runners_view_each_layer_with_its_own_page(patched_vllm, tmp_path,
             lay.views(kv)  # the codec's own typed views accept it
 
 
-def test_prefill_prefix_facts_from_host_metadata():
-    """The metadata builder takes the longest cached prefix of a batch's prefill rows from
-    vLLM's CPU sequence lengths: 0 = first chunks only (the prefill bypass), > 0 sizes the
-    kernels' decompress-once path; no CPU lengths at all → None (the general inline path)."""
+def test_prefill_runs_from_host_metadata():
+    """The metadata builder takes the prefill rows' cached prefixes from vLLM's CPU sequence
+    lengths (``seq_lens_cpu_upper_bound``, else the runner's ``_seq_lens_cpu``): 0 = a first
+    chunk (the prefill bypass), > 0 = a continuation (exact when alone in its run); no CPU
+    lengths at all → one run with no bound (the general inline path)."""
     pytest.importorskip("vllm", reason="vllm not installed (nox -s vllm installs it)")
     from types import SimpleNamespace
 
-    from tkv.vllm.backend import _max_cached_prefix
+    from tkv.vllm.backend import _seq_lens_cpu
+    from tkv.vllm.prefill_runs import plan_prefill_runs
 
     qsl = torch.tensor([0, 1, 2, 7, 19], dtype=torch.int32)   # 2 decodes, prefills 5 and 12
-    p_cpu = qsl[2:]
+
+    def runs(cam):
+        return [(r.row_lo, r.row_hi, r.max_prefix_len, r.no_prefix, r.prefix_exact)
+                for r in plan_prefill_runs(qsl, _seq_lens_cpu(cam), 2, 4, 1)]
+
     first = SimpleNamespace(seq_lens_cpu_upper_bound=torch.tensor([30, 9, 5, 12]))
-    assert _max_cached_prefix(first, 2, 4, p_cpu) == 0
+    assert runs(first) == [(2, 4, 0, True, False)]
     cont = SimpleNamespace(seq_lens_cpu_upper_bound=torch.tensor([30, 9, 5, 40]))
-    assert _max_cached_prefix(cont, 2, 4, p_cpu) == 28
+    assert runs(cont) == [(2, 3, 0, True, False), (3, 4, 28, False, True)]
     legacy = SimpleNamespace(seq_lens_cpu_upper_bound=None, _seq_lens_cpu=torch.tensor([3, 4, 5, 12]))
-    assert _max_cached_prefix(legacy, 2, 4, p_cpu) == 0
-    assert _max_cached_prefix(SimpleNamespace(), 2, 4, p_cpu) is None
+    assert runs(legacy) == [(2, 4, 0, True, False)]
+    assert runs(SimpleNamespace()) == [(2, 4, None, False, False)]
 
 
 def test_prefill_scratch_sized_from_max_model_len_and_capped():

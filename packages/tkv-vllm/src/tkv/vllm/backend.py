@@ -54,6 +54,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from .errors import PatchesNotAppliedError, UnsupportedModelError
 from .prefill_attention import prefill_attention
+from .prefill_runs import PrefillRun, plan_prefill_runs
 from .spec import TKV_DTYPE, kv_cache_spec_for_layer, page_plan
 from .startup import layer_codec, layer_index, supports_head_size, tkv_config, tp_shard
 from .workspace import shared_prefill_scratch, shared_workspace
@@ -135,20 +136,14 @@ class TurboAttnMetadata(AttentionMetadata):
 
     Host ints: num_actual_tokens, num_reqs, num_decodes, num_decode_tokens,
     decode_query_len (upper bound of the decode rows' query lengths), num_prefills,
-    num_prefill_tokens, max_prefill_query_len, block_size.
+    num_prefill_tokens, block_size.
     Device tensors — vLLM's persistent buffers, so CUDA-graph replays see the same
     addresses: query_start_loc int32 (num_reqs + 1,), seq_lens int32 (≥ num_reqs,),
-    block_table int32 (≥ num_reqs, max_blocks), slot_mapping int64; and, eager batches only,
-    prefill_cu_seqlens int32 (num_prefills + 1,): the prefill rows' offsets rebased to 0.
-    prefill_no_prefix (host bool): no prefill row has cached tokens (all first chunks), so
-    the kernels' prefill bypass applies (plain attention, no rotation).
-    max_prefill_prefix_len (host int or None): the longest cached prefix of a prefill row,
-    for the kernels' decompress-once prefill path (None: unknown, inline path).
-    prefill_prefix_exact (host bool): one prefill row, longer than any decode row can be, so
-    ``max_prefill_prefix_len`` is exactly its prefix (vLLM's CPU sequence lengths are precise
-    for prefill rows; only async spec-decode rows — at most ``reorder_batch_threshold``
-    tokens — are optimistic): the kernels may run its attention through SDPA
-    (``prefill(exact_prefix=True)``).
+    block_table int32 (≥ num_reqs, max_blocks), slot_mapping int64.
+    Eager batches with prefill rows only: ``prefill_runs`` — the prefill rows as runs of
+    rows with / without a cached prefix, one :func:`tkv.kernels.prefill` call each
+    (:mod:`tkv.vllm.prefill_runs` says why), and ``prefill_cu_seqlens``, one int32
+    ``(rows + 1,)`` device tensor per run: its rows' query offsets rebased to 0.
     """
 
     num_actual_tokens: int
@@ -163,11 +158,8 @@ class TurboAttnMetadata(AttentionMetadata):
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
-    max_prefill_query_len: int = 0
-    prefill_cu_seqlens: torch.Tensor | None = None
-    prefill_no_prefix: bool = False
-    max_prefill_prefix_len: int | None = None
-    prefill_prefix_exact: bool = False
+    prefill_runs: tuple[PrefillRun, ...] = ()
+    prefill_cu_seqlens: tuple[torch.Tensor, ...] = ()
 
 
 class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
@@ -207,31 +199,20 @@ class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
             query_start_loc=cam.query_start_loc, seq_lens=cam.seq_lens,
             block_table=cam.block_table_tensor, slot_mapping=cam.slot_mapping)
         if num_prefills:
-            p_cpu = qsl_cpu[num_decodes:cam.num_reqs + 1]
-            md.max_prefill_query_len = int((p_cpu[1:] - p_cpu[:-1]).max())
-            qsl = cam.query_start_loc[num_decodes:cam.num_reqs + 1]
-            md.prefill_cu_seqlens = (qsl - num_decode_tokens).to(torch.int32)
-            mp = _max_cached_prefix(cam, num_decodes, cam.num_reqs, p_cpu)
-            md.prefill_no_prefix = mp == 0
-            md.max_prefill_prefix_len = mp
-            md.prefill_prefix_exact = (mp is not None and num_prefills == 1
-                                       and md.max_prefill_query_len > threshold)
+            md.prefill_runs = plan_prefill_runs(qsl_cpu, _seq_lens_cpu(cam), num_decodes,
+                                                cam.num_reqs, threshold)
+            md.prefill_cu_seqlens = tuple(
+                (cam.query_start_loc[r.row_lo:r.row_hi + 1] - r.tok_lo).to(torch.int32)
+                for r in md.prefill_runs)
         return md
 
 
-def _max_cached_prefix(cam: CommonAttentionMetadata, lo: int, hi: int,
-                       qsl_cpu: torch.Tensor) -> int | None:
-    """Host-side: the longest cached prefix (``seq_len − query_len``) among rows ``lo:hi``
-    — 0 means all first chunks. Uses vLLM's CPU sequence lengths
-    (``seq_lens_cpu_upper_bound``, exact for prefill rows, or the runner's
-    ``_seq_lens_cpu``); None when neither is there (the general path is always right)."""
+def _seq_lens_cpu(cam: CommonAttentionMetadata) -> torch.Tensor | None:
+    """vLLM's CPU sequence lengths (``seq_lens_cpu_upper_bound``: exact for prefill rows,
+    optimistic only for async spec-decode rows; else the runner's ``_seq_lens_cpu``), or None
+    when neither is there (then the kernels' inline prefill path, which needs no bound)."""
     sl = getattr(cam, "seq_lens_cpu_upper_bound", None)
-    if sl is None:
-        sl = getattr(cam, "_seq_lens_cpu", None)
-    if sl is None or hi <= lo:
-        return None
-    q = qsl_cpu[1:] - qsl_cpu[:-1]
-    return int((sl[lo:hi].to(q.dtype) - q[: hi - lo]).max())
+    return getattr(cam, "_seq_lens_cpu", None) if sl is None else sl
 
 
 # ----------------------------------------------------------------------------- per-layer state
@@ -403,7 +384,7 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
         st = self._state(layer)
         loader = st.loader(md.block_size)
         ws = shared_workspace(query.device)
-        nd, ndt, n = md.num_decodes, md.num_decode_tokens, md.num_actual_tokens
+        nd, ndt = md.num_decodes, md.num_decode_tokens
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         q = query.view(query.shape[0], self.num_heads, self.head_size)
         kv_shape = (key.shape[0], self.num_kv_heads, self.head_size)
@@ -416,20 +397,18 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
                             md.seq_lens[:nd], md.decode_query_len, kv_cache,
                             md.block_table[:nd], loader, out=out[:ndt], sm_scale=self.scale,
                             window=self._window)
-        if md.num_prefills:
-            r1 = md.num_reqs
-            scratch = shared_prefill_scratch(query.device)
-            kernels.prefill(q[ndt:n], k[ndt:n], v[ndt:n], md.prefill_cu_seqlens,
-                            md.seq_lens[nd:r1], md.max_prefill_query_len, kv_cache,
-                            md.block_table[nd:r1], loader, out=out[ndt:n], sm_scale=self.scale,
-                            window=self._window, no_prefix=md.prefill_no_prefix,
-                            max_prefix_len=md.max_prefill_prefix_len, scratch=scratch,
-                            exact_prefix=md.prefill_prefix_exact,
-                            dense_attention=st.dense_attention)
-            if md.prefill_no_prefix and not self._prefix_variant_warm:
+        scratch = shared_prefill_scratch(query.device) if md.prefill_runs else None
+        for run, cu in zip(md.prefill_runs, md.prefill_cu_seqlens, strict=True):
+            a, b, r0, r1 = run.tok_lo, run.tok_hi, run.row_lo, run.row_hi
+            kernels.prefill(q[a:b], k[a:b], v[a:b], cu, md.seq_lens[r0:r1], run.max_query_len,
+                            kv_cache, md.block_table[r0:r1], loader, out=out[a:b],
+                            sm_scale=self.scale, window=self._window, no_prefix=run.no_prefix,
+                            max_prefix_len=run.max_prefix_len, scratch=scratch,
+                            exact_prefix=run.prefix_exact, dense_attention=st.dense_attention)
+            if run.no_prefix and not self._prefix_variant_warm:
                 # compile the prefix-reading variant now, not at the first continuation chunk
                 self._prefix_variant_warm = True
-                kernels.warm_prefix_variant(q[ndt:n], k[ndt:n], v[ndt:n], kv_cache,
-                                            md.block_table[nd:r1], loader, sm_scale=self.scale,
+                kernels.warm_prefix_variant(q[a:b], k[a:b], v[a:b], kv_cache,
+                                            md.block_table[r0:r1], loader, sm_scale=self.scale,
                                             window=self._window, scratch=scratch)
         return output
