@@ -530,6 +530,84 @@ def prefill_rows():
         torch.cuda.empty_cache()
 
 
+def mixed_prefill_rows(copy_gbs, chunk=512, num_rows=32):
+    """vLLM's chunked-prefill mixed step at kernel level (session 22's profile:
+    ``results/vllm_sglang_profile_2026-12-05_s22/``): one continuation row (a 32-token cached
+    prefix, a 480-token chunk) then 31 first chunks of 512 tokens — 16,352 prefill tokens,
+    Qwen3-8B-like heads, K4V4. ``one call``: the prefill rows in one :func:`prefill` call
+    (tkv-vllm until session 22: every first chunk rotated and run through the Triton loop);
+    ``runs``: the continuation row alone (exact prefix: SDPA over the decompressed prefix)
+    plus the first chunks through the bypass (tkv.vllm.prefill_runs); ``all first chunks``:
+    the bypass over every row, the floor. Then ``rotate_rows`` at the step's query rows
+    (bf16 in, bf16 planar out) and output rows (float32 planar in, bf16 out) per rows-per-
+    program × warps, each against the default launch."""
+    from tkv.kernels.rotate import rotate_rows
+    hq, hkv, d, block = 32, 8, 128, 16
+    q_lens, prefixes = [chunk - 32] + [chunk] * (num_rows - 1), [32] + [0] * (num_rows - 1)
+    seq = [p + q for p, q in zip(prefixes, q_lens, strict=True)]
+    total = sum(q_lens)
+    nb = [-(-s // block) for s in seq]
+    nblk = sum(nb)
+    perm = torch.randperm(nblk, device=DEV).int()
+    bt = torch.full((len(seq), max(nb)), -1, dtype=torch.int32, device=DEV)
+    at = 0
+    for i, n in enumerate(nb):
+        bt[i, :n] = perm[at:at + n]
+        at += n
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device=DEV)
+    sl = torch.tensor(seq, dtype=torch.int32, device=DEV)
+    q = torch.randn(total, hq, d, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(total, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+    ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, block)
+    cache = tkv_cache(ld, nblk, device=DEV)
+    scratch = torch.empty(dense_prefix_bytes(len(seq), 2 * chunk, hkv, d), dtype=torch.uint8,
+                          device=DEV)
+    base = dict(kernel="mixed_prefill", rows=len(seq), tokens=total, Hq=hq, Hkv=hkv, D=d)
+    a = q_lens[0]
+    cu0, cu1 = cu[:2], cu[1:] - a
+
+    def one_call():
+        prefill(q, k, v, cu, sl, chunk, cache, bt, ld, out=out, max_prefix_len=32,
+                scratch=scratch)
+
+    def runs():
+        prefill(q[:a], k[:a], v[:a], cu0, sl[:1], a, cache, bt[:1], ld, out=out[:a],
+                max_prefix_len=32, scratch=scratch, exact_prefix=True)
+        prefill(q[a:], k[a:], v[a:], cu1, sl[1:], chunk, cache, bt[1:], ld, out=out[a:],
+                no_prefix=True)
+
+    def floor():
+        prefill(q, k, v, cu, cu[1:] - cu[:-1], chunk, cache, bt, ld, out=out, no_prefix=True)
+
+    ref = None
+    for impl, fn in (("one call (before)", one_call), ("runs (tkv-vllm now)", runs),
+                     ("all first chunks (floor)", floor)):
+        ms = timed_row(base, impl, fn, ref_ms=ref)
+        ref = ref if ref is not None else ms
+    runs()
+    split = out.clone()
+    one_call()
+    log({**base, "impl": "runs vs one call: max abs diff",
+         "value": float((split.float() - out.float()).abs().max())})
+    rows = total * hq
+    for what, x, dst, m in (
+            ("query rows", q, torch.empty(total, hq, d, device=DEV, dtype=torch.bfloat16),
+             ld.q_in_planar),
+            ("output rows", torch.randn(total, hq, d, device=DEV), out, ld.out_planar)):
+        rb = dict(kernel="rotate_rows", what=what, rows=rows, K=d, N=d)
+        ref = timed_row(rb, "default", lambda: rotate_rows(x, m, dst))
+        for br in (16, 32, 64, 128):
+            for nw in (4, 8):
+                timed_row(rb, "override", lambda br=br, nw=nw: rotate_rows(
+                    x, m, dst, block_r=br, num_warps=nw), block_r=br, num_warps=nw,
+                    ref_ms=ref)
+    del cache, scratch
+    torch.cuda.empty_cache()
+
+
 def sink_rows(copy_gbs):
     """What sink offsets cost: the same kernels with a K4V4 codec without and with K and V sink
     offsets (random per-head σ; in the decode/prefill caches a third of the tokens flagged),
@@ -601,12 +679,13 @@ def table(copy_gbs, path, device=None):
              "| kernel | shape | impl | opts | ms | GB/s | % copy BW | TFLOP/s |",
              "|---|---|---|---|---:|---:|---:|---:|"]
     for r in ROWS:
-        shape = ", ".join(f"{k}={r[k]}" for k in ("B", "L", "T", "q_len", "prefix", "Hq", "Hkv", "D")
-                          if k in r)
+        shape = ", ".join(f"{k}={r[k]}" for k in ("B", "L", "T", "q_len", "prefix", "rows",
+                                                   "tokens", "what", "Hq", "Hkv", "D") if k in r)
         opts = ", ".join(f"{k}={r[k]}" for k in ("lookup", "swap_qk", "maxnreg", "block_n",
                                                   "num_warps", "num_stages", "prefetch",
                                                   "num_splits", "auto_splits", "block_m",
-                                                  "block_t", "chunk", "rotation", "layers",
+                                                  "block_t", "block_r", "chunk", "rotation",
+                                                  "layers",
                                                   "x_default",
                                                   "x_bf16", "rel_err", "ctas",
                                                   "rule_stages", "arm", "rule_splits",
@@ -622,7 +701,7 @@ def table(copy_gbs, path, device=None):
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {parts} | | | | |")
             continue
         if "ms" not in r:   # a check row (e.g. rel_err), no time
-            vals = "; ".join(f"{k} {r[k]:.3g}" for k in ("rel_err",) if k in r)
+            vals = "; ".join(f"{k} {r[k]:.3g}" for k in ("rel_err", "value") if k in r)
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {vals} | | | | |")
             continue
         gbs = f"{r['GBps']:.0f}" if "GBps" in r else ""
@@ -1269,6 +1348,9 @@ def main():
     ap.add_argument("--stages-small", action="store_true",
                     help="only small decode batches: the pipelining rule vs 1 / 2 stages at 32 "
                          "and 128 max splits (stage_small_rows)")
+    ap.add_argument("--mixed-prefill", action="store_true",
+                    help="alone: vLLM's chunked-prefill mixed step at kernel level, one call "
+                         "vs runs, and the rotate_rows launch sweep (mixed_prefill_rows)")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
@@ -1300,7 +1382,8 @@ def main():
     # pipelining sweeps together)
     stages = [fn for flag, fn in ((a.stages_small, stage_small_rows), (a.stages, stage_rows))
               if flag]
-    alone = next((fns for flag, fns in ((a.split_rule, [split_rule_rows]),
+    alone = next((fns for flag, fns in ((a.mixed_prefill, [mixed_prefill_rows]),
+                                        (a.split_rule, [split_rule_rows]),
                                         (a.smollm2_step, [smollm2_step_rows]),
                                         (bool(stages), stages), (a.qrot, [qrot_rows]),
                                         (a.widths, [width_rows]), (a.variants, [variant_rows]))

@@ -33,6 +33,22 @@ def test_rotate_rows_matches_float64(t, h, k, n, xdt, odt, mu_rows):
     assert err < (4e-3 if odt != torch.float32 else 1e-5), err
 
 
+@pytest.mark.parametrize(("block_r", "num_warps"), [(64, 4), (128, 8)])
+def test_rotate_rows_launch_overrides_give_the_same_rows(block_r, num_warps):
+    # more rows per program than the default (the matrix read once per block_r rows)
+    g = torch.Generator().manual_seed(block_r)
+    x = torch.randn(53, 3, 128, generator=g).to(torch.bfloat16)
+    m = torch.randn(128, 128, generator=g) / 128 ** 0.5
+    mu = torch.randn(3, 128, generator=g)
+    ref = x.double() @ m.double() - mu.double()[None]
+    res = rotate_rows(x.to(DEV), m.to(DEV), torch.empty(53, 3, 128, device=DEV), mu.to(DEV),
+                      block_r=block_r, num_warps=num_warps).cpu()
+    assert ((res.double() - ref).norm() / ref.norm()).item() < 1e-5
+    for bad in ({"block_r": 48}, {"block_r": 8}, {"num_warps": 3}, {"block_r": 64.0}):
+        with pytest.raises(ShapeError):
+            rotate_rows(x.to(DEV), m.to(DEV), torch.empty(53, 3, 128, device=DEV), **bad)
+
+
 def test_rotate_rows_writes_only_its_columns():
     x = torch.randn(4, 2, 64).to(DEV)
     m = torch.randn(64, 64).to(DEV)

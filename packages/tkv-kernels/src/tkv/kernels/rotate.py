@@ -20,7 +20,7 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
-from ._util import next_pow2
+from ._util import check_pow2, next_pow2
 
 __all__ = ["rotate_rows", "row_block", "slab"]
 
@@ -71,7 +71,8 @@ def slab(n_pad: int) -> int:
 
 
 def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
-                mu: torch.Tensor | None = None) -> torch.Tensor:
+                mu: torch.Tensor | None = None, *, block_r: int | None = None,
+                num_warps: int = 8) -> torch.Tensor:
     """``out[t, h] = x[t, h] @ m − mu[h]`` (float32 accuracy, one launch).
 
     Args:
@@ -80,6 +81,9 @@ def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
             outputs; e.g. the top-left block of a padded matrix).
         out: ``(T, H, N)`` any float dtype, unit stride on the last dim (written).
         mu: optional float32 ``(1 or H, N)`` contiguous, subtracted per head (``1``: shared).
+        block_r, num_warps: launch overrides (rows per program, default :func:`row_block`;
+            warps, default 8), powers of two (ShapeError otherwise) — a tuning knob
+            (``benchmarks/kernels_gpu.py --mixed-prefill`` sweeps them).
 
     Returns:
         ``out``. Raises ShapeError on mismatched shapes or strides (host-side checks).
@@ -103,10 +107,14 @@ def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
     if rows == 0:
         return out
     k_pad, n_pad = max(16, next_pow2(k)), max(16, next_pow2(n))
-    br = row_block(rows, n_pad)
+    if block_r is None:
+        br = row_block(rows, n_pad)
+    else:
+        br = check_pow2(block_r, "block_r", 16, 256)
+    check_pow2(num_warps, "num_warps", 1, 16)
     _rotate_rows_kernel[(triton.cdiv(rows, br),)](
         x, x.stride(0), x.stride(1), m, m.stride(0), out, out.stride(0), out.stride(1),
         m if mu is None else mu, 0 if mu is None or mu.shape[0] == 1 else n, rows,
         HQ=h, BLOCK_R=br, K_IN=k, K_PAD=k_pad, N_OUT=n, N_PAD=n_pad,
-        KC=min(slab(n_pad), k_pad), HAS_MU=mu is not None, num_warps=8)
+        KC=min(slab(n_pad), k_pad), HAS_MU=mu is not None, num_warps=num_warps)
     return out
