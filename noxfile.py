@@ -127,4 +127,8 @@ def sglang(session: nox.Session) -> None:
                     "./packages/tkv-sglang")
     session.run("tkv-sglang", "patch", "apply")
     session.env["TRITON_INTERPRET"] = "1"
+    # sglang's import chain reaches deep_gemm -> torch.utils.cpp_extension -> setuptools after
+    # the standard library's distutils is already loaded; setuptools' distutils shim then
+    # asserts (seen 2026-12-05 on a fresh machine). Python 3.11's own distutils serves.
+    session.env["SETUPTOOLS_USE_DISTUTILS"] = "stdlib"
     _pytest(session, "packages/tkv-sglang/tests")
