@@ -463,27 +463,36 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
     assert w.pool.loader(w.layer.layer_id).fused_query_rotation is (small_head_groups is None)
     FM = sgl.ForwardMode
     bf = torch.bfloat16
-    for row, pages in ((1, [6, 1]), (2, [2, 9])):
+    for row, pages in ((1, [6, 1]), (2, [2, 9]), (3, [4])):
         w.req_to_token[row, : len(pages) * PAGE] = torch.cat(
             [torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages]).int()
         w.k[row] = w.rand(32, 2, 64).to(bf).float()
         w.v[row] = w.rand(32, 2, 64).to(bf).float()
-    for prev, lens in (([0, 0], [20, 7]), ([20, 7], [29, 19])):
+    # first chunks (one run: the bypass); two continuations (one run: the decompress-once
+    # bound); a continuation then a new request (two runs: exact prefix, then the bypass)
+    for rows, prev, lens, want in (
+            ([1, 2], [0, 0], [20, 7], [(0, 2, 0, True, False)]),
+            ([1, 2], [20, 7], [29, 19], [(0, 2, 20, False, False)]),
+            ([1, 3], [29, 0], [32, 11], [(0, 1, 29, False, True), (1, 2, 0, True, False)])):
         ext = [n - p for n, p in zip(lens, prev, strict=True)]
-        fb = w.batch(FM.EXTEND, [1, 2], lens, ext)
+        fb = w.batch(FM.EXTEND, rows, lens, ext)
         w.backend.init_forward_metadata(fb)
+        md = w.backend.forward_metadata
+        assert [(r.row_lo, r.row_hi, r.max_prefix_len, r.no_prefix, r.prefix_exact)
+                for r in md.runs] == want, md.runs
+        assert [c.tolist() for c in md.run_cu_seqlens] == [
+            [0, *torch.tensor(ext[r.row_lo:r.row_hi]).cumsum(0).tolist()] for r in md.runs]
         q = w.rand(sum(ext), 4, 64).to(bf)
-        kk = torch.cat([w.k[1][prev[0]:lens[0]], w.k[2][prev[1]:lens[1]]]).to(bf)
-        vv = torch.cat([w.v[1][prev[0]:lens[0]], w.v[2][prev[1]:lens[1]]]).to(bf)
+        kk = torch.cat([w.k[r][p:n] for r, p, n in zip(rows, prev, lens, strict=True)]).to(bf)
+        vv = torch.cat([w.v[r][p:n] for r, p, n in zip(rows, prev, lens, strict=True)]).to(bf)
         o = w.backend.forward_extend(q.reshape(len(q), -1), kk.reshape(len(q), -1),
                                      vv.reshape(len(q), -1), w.layer, fb)
-        exp = w.expected([1, 2], lens, q.float(), ext, chunk_exact=True)
+        exp = w.expected(rows, lens, q.float(), ext, chunk_exact=True)
         assert torch.allclose(o.view(-1, 4, 64).double(), exp, atol=3e-2, rtol=3e-2)
-        # the first chunks take the bypass and compile the prefix-reading variant right away
-        assert w.backend.forward_metadata.no_prefix == (prev == [0, 0])
-        assert w.backend.forward_metadata.max_prefix_len == max(prev)  # decompress-once bound
+        # the first chunks compile the prefix-reading variant right away
         assert w.layer.layer_id in w.backend._prefix_variant_warm
-    assert calls == ([(27, 4, 64)] if flash else [])
+    # FlashAttention runs the first chunks: both requests at once, then the new request alone
+    assert calls == ([(27, 4, 64), (11, 4, 64)] if flash else [])
 
 
 def test_prefill_attention_choice_is_validated(sgl, monkeypatch):

@@ -432,22 +432,22 @@ def test_prefill_runs_from_host_metadata():
     pytest.importorskip("vllm", reason="vllm not installed (nox -s vllm installs it)")
     from types import SimpleNamespace
 
-    from tkv.vllm.backend import _seq_lens_cpu
-    from tkv.vllm.prefill_runs import plan_prefill_runs
+    from tkv.vllm.backend import _prefill_runs
 
     qsl = torch.tensor([0, 1, 2, 7, 19], dtype=torch.int32)   # 2 decodes, prefills 5 and 12
 
     def runs(cam):
-        return [(r.row_lo, r.row_hi, r.max_prefix_len, r.no_prefix, r.prefix_exact)
-                for r in plan_prefill_runs(qsl, _seq_lens_cpu(cam), 2, 4, 1)]
+        cam.query_start_loc_cpu, cam.num_reqs = qsl, 4
+        return [(r.row_lo, r.row_hi, r.tok_lo, r.tok_hi, r.max_prefix_len, r.no_prefix,
+                 r.prefix_exact) for r in _prefill_runs(cam, 2, 2, 1)]
 
     first = SimpleNamespace(seq_lens_cpu_upper_bound=torch.tensor([30, 9, 5, 12]))
-    assert runs(first) == [(2, 4, 0, True, False)]
+    assert runs(first) == [(2, 4, 2, 19, 0, True, False)]
     cont = SimpleNamespace(seq_lens_cpu_upper_bound=torch.tensor([30, 9, 5, 40]))
-    assert runs(cont) == [(2, 3, 0, True, False), (3, 4, 28, False, True)]
+    assert runs(cont) == [(2, 3, 2, 7, 0, True, False), (3, 4, 7, 19, 28, False, True)]
     legacy = SimpleNamespace(seq_lens_cpu_upper_bound=None, _seq_lens_cpu=torch.tensor([3, 4, 5, 12]))
-    assert runs(legacy) == [(2, 4, 0, True, False)]
-    assert runs(SimpleNamespace()) == [(2, 4, None, False, False)]
+    assert runs(legacy) == [(2, 4, 2, 19, 0, True, False)]
+    assert runs(SimpleNamespace()) == [(2, 4, 2, 19, None, False, False)]
 
 
 def test_prefill_scratch_sized_from_max_model_len_and_capped():

@@ -3,7 +3,8 @@
 Public API: :class:`TkvLoader` (per-layer tkv format), :class:`BypassLoader`,
 :class:`Fp8Loader`, the :class:`Loader` protocol, :class:`Workspace` (shared scratch),
 :func:`compress_store`, :func:`decode`, :func:`prefill` (+ :func:`warm_prefix_variant`,
-:func:`dense_prefix_bytes`, and the :class:`DenseAttention` seam for an engine's
+:func:`dense_prefix_bytes`, :func:`plan_prefill_runs` — how an engine splits a batch's
+prefill rows into calls — and the :class:`DenseAttention` seam for an engine's
 flash-attention kernel);
 :mod:`tkv.kernels.reference` is the
 float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
@@ -43,8 +44,9 @@ from .loaders import (
     small_head_groups_from_env,
 )
 from .prefill import DENSE_PREFIX_CAP, dense_prefix_bytes, prefill, warm_prefix_variant
+from .prefill_runs import MAX_PREFILL_RUNS, PrefillRun, plan_prefill_runs
 from .store import compress_store
-from .validate import MetadataError, check_metadata
+from .validate import SERVED_HEAD_DIMS, MetadataError, check_metadata, serves_head_dim
 from .workspace import (
     ENV_DECODE_MIN_SPLIT_TILES,
     ENV_DECODE_SINGLE_SPLIT,
@@ -71,6 +73,8 @@ __all__ = [
     "ENV_LOOKUP",
     "ENV_PREFILL_ATTENTION",
     "ENV_SMALL_HEAD_GROUPS",
+    "MAX_PREFILL_RUNS",
+    "SERVED_HEAD_DIMS",
     "BypassLoader",
     "DenseAttention",
     "EngineKernelSettings",
@@ -86,6 +90,7 @@ __all__ = [
     "PerCodebookCompileWarning",
     "PipelineConfigError",
     "PrefillAttentionConfigError",
+    "PrefillRun",
     "SdpaDenseAttention",
     "SingleSplitConfigError",
     "SmallHeadGroupsConfigError",
@@ -103,8 +108,10 @@ __all__ = [
     "flash_device",
     "fused_query_rotation_from_env",
     "lookup_from_env",
+    "plan_prefill_runs",
     "prefill",
     "prefill_attention_from_env",
+    "serves_head_dim",
     "small_head_groups_from_env",
     "warm_prefix_variant",
 ]

@@ -1,29 +1,28 @@
-"""How a batch's prefill rows are handed to :func:`tkv.kernels.prefill`: contiguous runs of
-rows that do or do not have a cached prefix, one kernel call each.
+"""How an engine hands a batch's prefill rows to :func:`tkv.kernels.prefill`: contiguous runs
+of rows that do or do not have a cached prefix, one call each.
 
-Why: with chunked prefill vLLM fills a step's token budget with decode rows, then
-``[continuation rows][first chunks]`` — the request whose prompt did not fit into the
-previous step continues first, the new prompts follow. Handed to the kernels as ONE call,
-the one continuation row forces the whole call off the prefill bypass: every first chunk
-of the step is rotated into the cache's space and back (query, key, value, output) and runs
-through the Triton loop instead of the engine's FlashAttention. Profiled on the H200
-(Qwen3-8B-like, 256 × 512-token prompts, ``max_num_batched_tokens`` 16,384: 7 such mixed
-steps per run): those rotations alone took 447 ms of device time and the Triton prefill
-132 ms where FlashAttention needs ~100 ms — the whole of tkv-vllm's end-to-end gap to bf16
+Why: a first chunk (no cached prefix) takes the prefill bypass — plain attention in model
+space, through the engine's FlashAttention where one is bound. A call with even ONE row that
+has a prefix takes the rotated path for all its rows: query, key, value and output of every
+token rotated into the cache's space and back (``rotate_rows``) and the Triton loop. With
+chunked prefill, vLLM fills a step's token budget with decode rows, then
+``[the prompt the previous step could not finish][new prompts]``; as one call, the one
+continuation row sent every new prompt of the step down the rotated path. Profiled on the
+H200 (Qwen3-8B-like, 256 × 512-token prompts, ``max_num_batched_tokens`` 16,384: 7 such
+mixed steps per run) those rotations took 447 ms of device time and the Triton loop 132 ms,
+where FlashAttention needs ~100 ms — the whole of tkv-vllm's end-to-end gap to bf16
 (``benchmarks/results/vllm_sglang_profile_2026-12-05_s22/``). Split into runs, the first
-chunks go through the bypass (FlashAttention where bound), and a lone continuation row takes
-the exact-prefix path (its prefix decompressed once, only its own chunk rotated).
+chunks keep the bypass and a lone continuation row takes the exact-prefix path (its prefix
+decompressed once, only its own chunk rotated).
 
-Host-side only (vLLM's CPU copies of ``query_start_loc`` and the sequence lengths): no
-device sync, nothing here is captured in a CUDA graph (mixed batches run eagerly).
+Host-side only (the engines' CPU copies of query and prefix lengths): no device sync.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
-
-import torch
+from itertools import accumulate
 
 __all__ = ["MAX_PREFILL_RUNS", "PrefillRun", "plan_prefill_runs"]
 
@@ -34,15 +33,15 @@ MAX_PREFILL_RUNS = 4
 
 @dataclass(frozen=True)
 class PrefillRun:
-    """Prefill rows ``row_lo:row_hi`` of the batch (request indices) = token rows
-    ``tok_lo:tok_hi``, handed to one :func:`tkv.kernels.prefill` call.
+    """Prefill rows ``row_lo:row_hi`` (indices among the rows planned) = token rows
+    ``tok_lo:tok_hi`` (offsets from the first planned row's first token), one
+    :func:`tkv.kernels.prefill` call.
 
-    ``max_query_len``: the longest chunk (tokens). ``max_prefix_len``: the longest cached
-    prefix (tokens; None when the host does not know the sequence lengths — then the inline
-    path, which needs no bound). ``no_prefix``: every row is a first chunk (the prefill
-    bypass). ``prefix_exact``: one row whose prefix is exactly ``max_prefix_len`` (vLLM's CPU
-    sequence lengths are exact for prefill rows longer than the decode threshold), so the
-    kernels may run its attention densely over the decompressed prefix.
+    ``max_query_len``: the longest chunk (tokens) — the call's ``max_query_len``.
+    ``max_prefix_len``: the longest cached prefix (tokens; None when the engine gave no prefix
+    lengths) — the call's ``max_prefix_len``. ``no_prefix``: every row is a first chunk — the
+    call's ``no_prefix``. ``prefix_exact``: one row whose prefix the engine knows exactly —
+    the call's ``exact_prefix``.
     """
 
     row_lo: int
@@ -55,41 +54,47 @@ class PrefillRun:
     prefix_exact: bool
 
 
-def plan_prefill_runs(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor | None,
-                      row_lo: int, row_hi: int, decode_threshold: int,
+def plan_prefill_runs(query_lens: Sequence[int], prefix_lens: Sequence[int] | None, *,
+                      exact_min_query_len: int = 0,
                       max_runs: int = MAX_PREFILL_RUNS) -> tuple[PrefillRun, ...]:
-    """Split prefill rows ``row_lo:row_hi`` into runs of rows with / without a cached prefix.
+    """Split prefill rows into runs of rows with / without a cached prefix, in row order.
 
     Args:
-        query_start_loc_cpu: int ``(num_reqs + 1,)`` host tensor, cumulative query lengths.
-        seq_lens_cpu: int ``(≥ row_hi,)`` host tensor of sequence lengths (prefix + chunk;
-            an upper bound is fine: a row whose bound leaves no prefix has none), or None.
-        row_lo, row_hi: the prefill rows (after the decode rows).
-        decode_threshold: vLLM's ``reorder_batch_threshold``: only a row with a longer chunk
-            may be ``prefix_exact`` (shorter rows may be async spec-decode rows, whose CPU
-            lengths are optimistic).
+        query_lens: host ints, each row's new tokens (≥ 1).
+        prefix_lens: host ints, each row's cached tokens (an upper bound is fine for the
+            bound, but only exact lengths may make a run ``prefix_exact``), or None when the
+            engine does not know them: then one run with no bound (the inline path).
+        exact_min_query_len: a lone row is ``prefix_exact`` only with a longer chunk (vLLM:
+            its ``reorder_batch_threshold`` — shorter rows may be async spec-decode rows whose
+            CPU lengths are optimistic; SGLang's prefix lengths are exact: 0).
         max_runs: more runs than this → one run over all rows.
 
     Returns:
-        The runs in row order, covering ``row_lo:row_hi`` exactly (empty when no rows).
-        Raises ValueError on an empty or inverted row range with rows, or ``max_runs`` < 1.
+        The runs, covering every row exactly once (empty for no rows).
+
+    Raises:
+        ValueError: ``max_runs`` < 1, lengths of different counts, a query length < 1 or a
+            negative prefix length.
     """
     if max_runs < 1:
         raise ValueError(f"max_runs must be ≥ 1, got {max_runs}")
-    if row_hi <= row_lo:
+    q = [int(x) for x in query_lens]
+    if any(x < 1 for x in q):
+        raise ValueError(f"every prefill row needs ≥ 1 query token, got {q}")
+    if not q:
         return ()
-    qsl = query_start_loc_cpu[row_lo:row_hi + 1].tolist()
-    q = [b - a for a, b in pairwise(qsl)]
-    if seq_lens_cpu is None:
-        return (PrefillRun(row_lo, row_hi, qsl[0], qsl[-1], max(q), None, False, False),)
-    prefix = [s - ql for s, ql in zip(seq_lens_cpu[row_lo:row_hi].tolist(), q, strict=True)]
-    cuts = [0] + [i for i in range(1, len(q)) if (prefix[i] > 0) != (prefix[i - 1] > 0)]
+    tok = [0, *accumulate(q)]
+    if prefix_lens is None:
+        return (PrefillRun(0, len(q), 0, tok[-1], max(q), None, False, False),)
+    p = [int(x) for x in prefix_lens]
+    if len(p) != len(q) or any(x < 0 for x in p):
+        raise ValueError(f"prefix_lens must be {len(q)} ints ≥ 0, got {p}")
+    cuts = [0] + [i for i in range(1, len(q)) if (p[i] > 0) != (p[i - 1] > 0)]
     if len(cuts) > max_runs:
         cuts = [0]
     runs = []
     for a, b in zip(cuts, [*cuts[1:], len(q)], strict=True):
-        mp = max(prefix[a:b])
-        runs.append(PrefillRun(
-            row_lo + a, row_lo + b, qsl[a], qsl[b], max(q[a:b]), mp, mp <= 0,
-            b - a == 1 and mp > 0 and q[a] > decode_threshold))
+        mp = max(p[a:b])
+        runs.append(PrefillRun(a, b, tok[a], tok[b], max(q[a:b]), mp, mp == 0,
+                               b - a == 1 and mp > 0 and q[a] > exact_min_query_len))
     return tuple(runs)

@@ -1,4 +1,5 @@
-"""Host-side checks of engine metadata (block tables, lengths, slots) against a cache.
+"""Host-side checks of engine metadata (block tables, lengths, slots) against a cache, and
+which head_dim the engine adapters serve.
 
 The kernels never read out of bounds (block ids outside ``[0, num_blocks)`` and slots past the
 cache are masked), but masked reads silently drop tokens. These checks read the metadata back
@@ -12,7 +13,19 @@ import torch
 
 from tkv.codec.errors import ShapeError
 
-__all__ = ["MetadataError", "check_metadata"]
+__all__ = ["SERVED_HEAD_DIMS", "MetadataError", "check_metadata", "serves_head_dim"]
+
+# head_dim the engine adapters (tkv-vllm, tkv-sglang) serve: powers of two, so that the
+# random Walsh–Hadamard rotation is one Hadamard block that the decode kernel applies to the
+# query in registers (fused query rotation) and prefill's tiles need no padded columns. The
+# kernels themselves also run padded head_dims (e.g. 96 in 128 columns, tested under the
+# interpreter); no engine serves one until it is measured end to end.
+SERVED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def serves_head_dim(head_dim: int) -> bool:
+    """Whether the engine adapters serve ``head_dim`` (:data:`SERVED_HEAD_DIMS`)."""
+    return head_dim in SERVED_HEAD_DIMS
 
 
 class MetadataError(ShapeError):

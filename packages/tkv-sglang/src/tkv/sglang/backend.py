@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from tkv.kernels import PrefillRun, plan_prefill_runs
 
 from .errors import UnsupportedFeatureError
 from .pool import TkvTokenToKVPool
@@ -54,20 +55,21 @@ class TurboAttnMetadata:
         seq_lens: int32 ``(batch,)`` tokens in the cache per request after this step.
         cu_seqlens_q: int32 ``(batch + 1,)`` query offsets (extend only, else None).
         max_seq_len_q: longest query chunk (tokens; 1 for decode).
-        no_prefix: extend where no request has cached tokens (host-side
-            ``extend_prefix_lens_cpu`` all 0): the kernels' prefill bypass.
-        max_prefix_len: the longest cached prefix of an extend request (host int; None when
-            SGLang gives no CPU prefix lengths): sizes the kernels' decompress-once path; exact
-            (``extend_prefix_lens_cpu``), so one-sequence extends may take the kernels' SDPA
-            path (``prefill(exact_prefix=True)``).
+        runs: extend only — the requests as runs of requests with / without cached tokens
+            (host-side ``extend_prefix_lens_cpu``), one :func:`tkv.kernels.prefill` call each
+            (:mod:`tkv.kernels.prefill_runs` says why): first chunks take the prefill bypass,
+            a lone request with a prefix the exact-prefix path (SGLang's prefix lengths are
+            exact); one run with no bound when SGLang gives no CPU prefix lengths.
+        run_cu_seqlens: one int32 ``(requests + 1,)`` device tensor per run, its query
+            offsets rebased to 0.
     """
 
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor | None = None
     max_seq_len_q: int = 1
-    no_prefix: bool = False
-    max_prefix_len: int | None = None
+    runs: tuple[PrefillRun, ...] = ()
+    run_cu_seqlens: tuple[torch.Tensor, ...] = ()
 
 
 def _window(layer) -> int:
@@ -244,10 +246,10 @@ class TurboAttnBackend(AttentionBackend):
         cu = torch.nn.functional.pad(torch.cumsum(ext, dim=0, dtype=torch.int32), (1, 0))
         ext_cpu = [int(x) for x in forward_batch.extend_seq_lens_cpu]   # list or CPU tensor
         pre_cpu = getattr(forward_batch, "extend_prefix_lens_cpu", None)
-        max_prefix = None if pre_cpu is None else max((int(x) for x in pre_cpu), default=0)
-        self.forward_metadata = TurboAttnMetadata(block_table, seq_lens, cu,
-                                                  max(ext_cpu, default=0), max_prefix == 0,
-                                                  max_prefix)
+        runs = plan_prefill_runs(ext_cpu, None if pre_cpu is None else [int(x) for x in pre_cpu])
+        self.forward_metadata = TurboAttnMetadata(
+            block_table, seq_lens, cu, max(ext_cpu, default=0), runs,
+            tuple(cu[r.row_lo:r.row_hi + 1] - r.tok_lo for r in runs))
 
     # ---------------------------------------------------------------- CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -350,20 +352,24 @@ class TurboAttnBackend(AttentionBackend):
 
             lid = layer.layer_id
             cache, loader = self.pool.get_key_buffer(lid), self.pool.loader(lid)
-            prefill(q3, k3, v3, md.cu_seqlens_q, md.seq_lens, md.max_seq_len_q, cache,
-                    md.block_table, loader, out=out.view(-1, hq, d),
-                    sm_scale=layer.scaling, window=_window(layer), no_prefix=md.no_prefix,
-                    max_prefix_len=md.max_prefix_len,
-                    scratch=self._scratch_for(md.seq_lens.shape[0], md.max_prefix_len, hkv,
-                                              q3.dtype, md.max_seq_len_q),
-                    exact_prefix=md.max_prefix_len is not None,
-                    dense_attention=self.dense_attention)
-            if md.no_prefix and lid not in self._prefix_variant_warm:
-                # compile the prefix-reading variant now, not at the first continuation chunk
-                self._prefix_variant_warm.add(lid)
-                warm_prefix_variant(q3, k3, v3, cache, md.block_table, loader,
-                                    sm_scale=layer.scaling, window=_window(layer),
-                                    scratch=self._scratch_for(1, self.page_size, hkv, q3.dtype))
+            o3, win = out.view(-1, hq, d), _window(layer)
+            for run, cu in zip(md.runs, md.run_cu_seqlens, strict=True):
+                a, b, r0, r1 = run.tok_lo, run.tok_hi, run.row_lo, run.row_hi
+                prefill(q3[a:b], k3[a:b], v3[a:b], cu, md.seq_lens[r0:r1], run.max_query_len,
+                        cache, md.block_table[r0:r1], loader, out=o3[a:b],
+                        sm_scale=layer.scaling, window=win, no_prefix=run.no_prefix,
+                        max_prefix_len=run.max_prefix_len,
+                        scratch=self._scratch_for(r1 - r0, run.max_prefix_len, hkv, q3.dtype,
+                                                  run.max_query_len),
+                        exact_prefix=run.prefix_exact, dense_attention=self.dense_attention)
+                if run.no_prefix and lid not in self._prefix_variant_warm:
+                    # compile the prefix-reading variant now, not at the first continuation
+                    self._prefix_variant_warm.add(lid)
+                    warm_prefix_variant(q3[a:b], k3[a:b], v3[a:b], cache,
+                                        md.block_table[r0:r1], loader, sm_scale=layer.scaling,
+                                        window=win,
+                                        scratch=self._scratch_for(1, self.page_size, hkv,
+                                                                  q3.dtype))
         else:
             out.view(-1, hq, d).copy_(reference_attention(
                 self.pool, layer.layer_id, q3, k3, v3, self._token_locs(forward_batch),

@@ -31,7 +31,7 @@ later except transient prefill tensors.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -39,6 +39,7 @@ import torch
 from tkv import kernels
 from tkv.codec.errors import UnsupportedFeatureError
 from tkv.codec.layout import SlotLayout
+from tkv.kernels import PrefillRun, plan_prefill_runs
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -54,7 +55,6 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from .errors import PatchesNotAppliedError, UnsupportedModelError
 from .prefill_attention import prefill_attention
-from .prefill_runs import PrefillRun, plan_prefill_runs
 from .spec import TKV_DTYPE, kv_cache_spec_for_layer, page_plan
 from .startup import layer_codec, layer_index, supports_head_size, tkv_config, tp_shard
 from .workspace import shared_prefill_scratch, shared_workspace
@@ -142,7 +142,7 @@ class TurboAttnMetadata(AttentionMetadata):
     block_table int32 (≥ num_reqs, max_blocks), slot_mapping int64.
     Eager batches with prefill rows only: ``prefill_runs`` — the prefill rows as runs of
     rows with / without a cached prefix, one :func:`tkv.kernels.prefill` call each
-    (:mod:`tkv.vllm.prefill_runs` says why), and ``prefill_cu_seqlens``, one int32
+    (:mod:`tkv.kernels.prefill_runs` says why; row and token indices are the batch's), and ``prefill_cu_seqlens``, one int32
     ``(rows + 1,)`` device tensor per run: its rows' query offsets rebased to 0.
     """
 
@@ -199,12 +199,27 @@ class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
             query_start_loc=cam.query_start_loc, seq_lens=cam.seq_lens,
             block_table=cam.block_table_tensor, slot_mapping=cam.slot_mapping)
         if num_prefills:
-            md.prefill_runs = plan_prefill_runs(qsl_cpu, _seq_lens_cpu(cam), num_decodes,
-                                                cam.num_reqs, threshold)
+            md.prefill_runs = _prefill_runs(cam, num_decodes, num_decode_tokens, threshold)
             md.prefill_cu_seqlens = tuple(
                 (cam.query_start_loc[r.row_lo:r.row_hi + 1] - r.tok_lo).to(torch.int32)
                 for r in md.prefill_runs)
         return md
+
+
+def _prefill_runs(cam: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int,
+                  threshold: int) -> tuple[PrefillRun, ...]:
+    """The prefill rows ``num_decodes:num_reqs`` as :func:`tkv.kernels.plan_prefill_runs`
+    runs, with the batch's row and token indices; prefix lengths from vLLM's CPU sequence
+    lengths (:func:`_seq_lens_cpu`; exact only for rows longer than ``threshold``)."""
+    r0, r1 = num_decodes, cam.num_reqs
+    qsl = cam.query_start_loc_cpu
+    q_lens = (qsl[r0 + 1:r1 + 1] - qsl[r0:r1]).tolist()
+    sl = _seq_lens_cpu(cam)
+    prefix = None if sl is None else [s - q for s, q in zip(sl[r0:r1].tolist(), q_lens,
+                                                            strict=True)]
+    return tuple(replace(r, row_lo=r.row_lo + r0, row_hi=r.row_hi + r0,
+                         tok_lo=r.tok_lo + num_decode_tokens, tok_hi=r.tok_hi + num_decode_tokens)
+                 for r in plan_prefill_runs(q_lens, prefix, exact_min_query_len=threshold))
 
 
 def _seq_lens_cpu(cam: CommonAttentionMetadata) -> torch.Tensor | None:
