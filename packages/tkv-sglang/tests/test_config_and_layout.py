@@ -158,6 +158,8 @@ def test_geometry_from_model_config(fakes):
     ({"is_encoder_decoder": True}, "encoder-decoder"),
     ({"num_attention_layers": 8}, "attention layers"),
     ({"v_head_dim": 128}, "v_head_dim"),
+    ({"head_dim": 96, "v_head_dim": 96}, "head_dim 96"),
+    ({"head_dim": 512, "v_head_dim": 512}, "head_dim 512"),
 ])
 def test_unsupported_models_are_refused(fakes, change, match):
     mc = fakes.ModelConfig()

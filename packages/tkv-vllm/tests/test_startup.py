@@ -144,7 +144,7 @@ def test_per_head_key_offset_is_sliced_to_the_tp_rank(tmp_path):
 def test_unservable_head_dim_is_refused_at_startup_by_name(head_dim):
     """vLLM's own refusal comes later, in the worker, without naming tkv or the sizes."""
     vc = fake_vllm_config(fake_model_config(head_dim=head_dim))
-    with pytest.raises(UnsupportedModelError, match=r"head_dim .*16, 32, 64, 128 or 256"):
+    with pytest.raises(UnsupportedModelError, match=r"head_dim .*16, 32, 64, 128, 256"):
         startup.tkv_config(vc, {})
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tkv.kernels import SERVED_HEAD_DIMS, serves_head_dim
+
 from .errors import UnsupportedFeatureError
 
 __all__ = ["AttentionGeometry", "geometry_from_model_config"]
@@ -39,7 +41,8 @@ def geometry_from_model_config(model_config) -> AttentionGeometry:
 
     Raises:
         UnsupportedFeatureError: MLA attention, hybrid sliding-window models (Gemma 2/3 style
-            SWA pools), encoder-decoder or cross-attention models, ``v_head_dim != head_dim``.
+            SWA pools), encoder-decoder or cross-attention models, ``v_head_dim != head_dim``,
+            a head_dim the adapters do not serve (:data:`tkv.kernels.SERVED_HEAD_DIMS`).
             (Hybrid linear-attention / Mamba models are refused by the pool factory, which
             sees the ModelRunner.)
     """
@@ -67,6 +70,11 @@ def geometry_from_model_config(model_config) -> AttentionGeometry:
         raise UnsupportedFeatureError(
             f"{name} has v_head_dim={v_head_dim} != head_dim={head_dim}; tkv needs equal K/V "
             "head sizes")
+    if not serves_head_dim(head_dim):
+        raise UnsupportedFeatureError(
+            f"{name} has head_dim {head_dim}; --kv-cache-dtype tkv serves head_dim "
+            f"{', '.join(map(str, SERVED_HEAD_DIMS))} (a power of two: the kernels' "
+            "Walsh–Hadamard rotation)")
     text = getattr(model_config, "hf_text_config", None)
     kinds = getattr(text, "layer_types", None)
     window = getattr(text, "sliding_window", None)

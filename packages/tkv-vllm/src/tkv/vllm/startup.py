@@ -23,6 +23,7 @@ from tkv.codec.codec import TurboKVCodec
 from tkv.codec.config import ENV_BITS, ENV_CALIBRATION_FILE, TkvConfig, load_config
 from tkv.codec.errors import UnsupportedFeatureError
 from tkv.codec.sharding import KvHeadShard, shard_kv_heads
+from tkv.kernels import SERVED_HEAD_DIMS, serves_head_dim
 
 from .errors import UnsupportedModelError
 
@@ -42,9 +43,9 @@ def model_geometry(model_config: Any) -> tuple[int, int, int]:
 
 
 def supports_head_size(head_size: int) -> bool:
-    """Whether turbo-attn serves ``head_size``: a power of two in 16..256 (the randomized
-    Walsh–Hadamard rotation the kernels fuse; the backend's ``supports_head_size``)."""
-    return 16 <= head_size <= 256 and head_size & (head_size - 1) == 0
+    """Whether turbo-attn serves ``head_size`` (the backend's ``supports_head_size``): the
+    rule both engine adapters share, :func:`tkv.kernels.serves_head_dim`."""
+    return serves_head_dim(head_size)
 
 
 def check_model_supported(model_config: Any) -> None:
@@ -76,7 +77,8 @@ def check_model_supported(model_config: Any) -> None:
     if not supports_head_size(head):
         raise UnsupportedModelError(
             f"--kv-cache-dtype tkv: {name} has head_dim {head}; turbo-attn serves head_dim "
-            "16, 32, 64, 128 or 256 (a power of two: the kernels' Walsh–Hadamard rotation)")
+            f"{', '.join(map(str, SERVED_HEAD_DIMS))} (a power of two: the kernels' "
+            "Walsh–Hadamard rotation)")
 
 
 def check_parallel_supported(vllm_config: Any) -> KvHeadShard:
