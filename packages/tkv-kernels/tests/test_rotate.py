@@ -49,6 +49,17 @@ def test_rotate_rows_launch_overrides_give_the_same_rows(block_r, num_warps):
             rotate_rows(x.to(DEV), m.to(DEV), torch.empty(53, 3, 128, device=DEV), **bad)
 
 
+def test_rotate_rows_prefill_sized_default_launch():
+    # from 65,536 rows the default launch takes 128 rows per program (rows not a multiple of it)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2051, 32, 128, generator=g).to(torch.bfloat16)
+    m = torch.randn(128, 128, generator=g) / 128 ** 0.5
+    res = rotate_rows(x.to(DEV), m.to(DEV), torch.empty(2051, 32, 128, dtype=torch.bfloat16,
+                                                        device=DEV)).cpu()
+    ref = x.double() @ m.double()
+    assert ((res.double() - ref).norm() / ref.norm()).item() < 4e-3
+
+
 def test_rotate_rows_writes_only_its_columns():
     x = torch.randn(4, 2, 64).to(DEV)
     m = torch.randn(64, 64).to(DEV)

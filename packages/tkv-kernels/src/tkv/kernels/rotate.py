@@ -57,6 +57,14 @@ def _rotate_rows_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu, num_rows,
              acc.to(Y.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
+# From this many rows (prefill chunks: 2K tokens x 32 heads) rotate_rows runs 128 rows per
+# program with 8 warps: 1.18x (bf16 query rows) / 1.20x (float32 output rows) the 32-row
+# launch at 523K rows of 128 on the H200, where 64 rows measured 0.61-0.86x
+# (benchmarks/results/kernels_gpu_2026-12-05_s22_mixed_prefill.md). Decode's batches stay
+# on row_block.
+_WIDE_ROWS = 65536
+
+
 def row_block(num_rows: int, n_pad: int) -> int:
     """Rows per program of the rotation (and decode's reduce) kernels: 32 (the matrix read
     once per 32 rows); 16 for small batches, so that they still spread over a few programs,
@@ -81,9 +89,10 @@ def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
             outputs; e.g. the top-left block of a padded matrix).
         out: ``(T, H, N)`` any float dtype, unit stride on the last dim (written).
         mu: optional float32 ``(1 or H, N)`` contiguous, subtracted per head (``1``: shared).
-        block_r, num_warps: launch overrides (rows per program, default :func:`row_block`;
-            warps, default 8), powers of two (ShapeError otherwise) — a tuning knob
-            (``benchmarks/kernels_gpu.py --mixed-prefill`` sweeps them).
+        block_r, num_warps: launch overrides (rows per program — default 128 from 65,536 rows
+            of ≤ 128 outputs, else :func:`row_block`; warps, default 8), powers of two
+            (ShapeError otherwise) — a tuning knob (``benchmarks/kernels_gpu.py
+            --mixed-prefill`` sweeps them).
 
     Returns:
         ``out``. Raises ShapeError on mismatched shapes or strides (host-side checks).
@@ -107,10 +116,12 @@ def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
     if rows == 0:
         return out
     k_pad, n_pad = max(16, next_pow2(k)), max(16, next_pow2(n))
-    if block_r is None:
-        br = row_block(rows, n_pad)
-    else:
+    if block_r is not None:
         br = check_pow2(block_r, "block_r", 16, 256)
+    elif rows >= _WIDE_ROWS and n_pad <= 128:
+        br = 128   # prefill-sized: the matrix read once per 128 rows (H200: 1.18-1.20x)
+    else:
+        br = row_block(rows, n_pad)
     check_pow2(num_warps, "num_warps", 1, 16)
     _rotate_rows_kernel[(triton.cdiv(rows, br),)](
         x, x.stride(0), x.stride(1), m, m.stride(0), out, out.stride(0), out.stride(1),
