@@ -349,6 +349,18 @@ def test_layer_kinds_and_window_of_the_served_model_are_compared():
         g.check_layer_kinds(None, 64)
 
 
+@pytest.mark.parametrize(("served", "other"), [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", False),   # hub name containing the bundle's
+    ("/models/smollm2-135m-instruct/", False),          # local path, case and slash
+    ("smollm2", False),                                  # the bundle's name contains it
+    ("meta-llama/Llama-3.1-8B", True),
+    ("", False), (None, False),                          # no name: nothing to compare
+])
+def test_other_model_compares_last_path_components(served, other):
+    assert ModelGeometry(3, 2, 64, model="SmolLM2-135M-Instruct").other_model(served) is other
+    assert ModelGeometry(3, 2, 64).other_model(served) is False   # bundle without a name
+
+
 def test_tkv_bits_error_shortens_a_huge_value():
     with pytest.raises(TkvBitsError, match=r"got '44444.*\.\.\. \(5002 characters\)") as e:
         normalize_tkv_bits("4" * 5000)

@@ -63,6 +63,20 @@ def test_bundle_of_a_model_with_other_layer_kinds_is_refused(tkv_env, bundle_fil
     assert tkv_config(AttentionGeometry(4, 2, 64, ("full_attention",) * 4, None)).bundle
 
 
+def test_bundle_of_another_model_name_only_warns(tkv_env, bundle_file, caplog, fakes):
+    """Same geometry, another name (SGLang's model_path): used, with one warning naming both."""
+    tkv_env("4.5", bundle_file)
+    mc = fakes.ModelConfig(model_path="/models/Llama-3.1-8B")
+    with caplog.at_level("WARNING", logger="tkv.sglang"):
+        assert tkv_config(geometry_from_model_config(mc)).bundle is not None
+    assert "made for 'tiny-test'" in caplog.text and "Llama-3.1-8B" in caplog.text
+    caplog.clear()
+    mc = fakes.ModelConfig(model_path="/models/tiny-test-v2")
+    with caplog.at_level("WARNING", logger="tkv.sglang"):
+        tkv_config(geometry_from_model_config(mc))
+    assert "made for" not in caplog.text
+
+
 def test_geometry_reads_layer_kinds_and_window_from_the_text_config():
     from types import SimpleNamespace
 

@@ -193,6 +193,15 @@ class ModelGeometry:
                 "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 "layer_types": list(self.layer_types), "sliding_window": self.sliding_window}
 
+    def other_model(self, served: str | None) -> bool:
+        """Whether ``served`` (the engine's model name or path) names another model than the
+        bundle's ``model`` — neither name containing the other, case-insensitive, the last
+        path component only (a local path and a hub name of one model differ). False when
+        either is empty. Engines only warn on it: the geometry checks decide."""
+        name = str(served or "").rstrip("/").rsplit("/", 1)[-1].lower()
+        mine = self.model.lower()
+        return bool(mine and name) and mine not in name and name not in mine
+
     def check_layer_kinds(self, layer_types=None, sliding_window=None) -> None:
         """Refuse a served model whose per-layer attention kinds or sliding window differ from
         the ones this bundle was calibrated on (a bundle of another model with the same

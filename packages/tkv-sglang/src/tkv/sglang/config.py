@@ -34,8 +34,12 @@ def tkv_config(geometry: AttentionGeometry) -> TkvConfig:
         if cfg is None:
             cfg = load_config(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim)
             if cfg.bundle is not None:   # another model's bundle of the same shape
-                cfg.bundle.geometry.check_layer_kinds(geometry.layer_types,
-                                                      geometry.sliding_window)
+                g = cfg.bundle.geometry
+                g.check_layer_kinds(geometry.layer_types, geometry.sliding_window)
+                if g.other_model(geometry.model):
+                    log.warning("tkv: the calibration bundle was made for %r, the served model "
+                                "is %r; the geometry matches, so it is used — check "
+                                "TKV_CALIBRATION_FILE", g.model, geometry.model)
             _cache[key] = cfg
             log.info(cfg.describe())
         return cfg

@@ -27,6 +27,7 @@ class AttentionGeometry:
         layer_types: the config's per-layer attention kinds (``"full_attention"`` ...), or
             None when it lists none; sliding_window: its window in tokens, or None. Compared
             with a bundle's by :meth:`tkv.codec.ModelGeometry.check_layer_kinds`.
+        model: SGLang's ``model_path`` (a bundle made for another name only warns), or None.
     """
 
     num_layers: int
@@ -34,6 +35,7 @@ class AttentionGeometry:
     head_dim: int
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
+    model: str | None = None
 
 
 def geometry_from_model_config(model_config) -> AttentionGeometry:
@@ -81,4 +83,5 @@ def geometry_from_model_config(model_config) -> AttentionGeometry:
     return AttentionGeometry(
         num_hidden, int(model_config.get_total_num_kv_heads()), head_dim,
         tuple(str(k) for k in kinds) if isinstance(kinds, list | tuple) else None,
-        window if isinstance(window, int) and not isinstance(window, bool) else None)
+        window if isinstance(window, int) and not isinstance(window, bool) else None,
+        getattr(model_config, "model_path", None))

@@ -118,9 +118,8 @@ def check_bundle_matches_model(config: TkvConfig, model_config: Any) -> None:
     text_cfg = getattr(model_config, "hf_text_config", None)
     g.check_layer_kinds(getattr(text_cfg, "layer_types", None),
                         getattr(text_cfg, "sliding_window", None))
-    served = str(getattr(model_config, "model", "") or "").rstrip("/").rsplit("/", 1)[-1]
-    if g.model and served and (g.model.lower() not in served.lower()
-                               and served.lower() not in g.model.lower()):
+    served = getattr(model_config, "model", None)
+    if g.other_model(served):
         log.warning("tkv: the calibration bundle was made for %r, the served model is %r; "
                     "the geometry matches, so it is used — check TKV_CALIBRATION_FILE",
                     g.model, served)
