@@ -172,7 +172,8 @@ do_start() {  # TKV_JOB names the job (default e2e); CUDA_VISIBLE_DEVICES is pas
     [[ ${#args[@]} -gt 0 ]] || args=(all --model smollm2 qwen3-8b-like)
     [[ ${args[0]} == serve-check ]] || args+=(--out "$job/results")
     rm -rf "$job"; mkdir -p "$job/results"
-    { printf 'CUDA_VISIBLE_DEVICES=%s ' "${CUDA_VISIBLE_DEVICES-}"
+    # the visible GPUs only when set: copied from cmd, "CUDA_VISIBLE_DEVICES= ..." would hide all
+    { [[ -z ${CUDA_VISIBLE_DEVICES+x} ]] || printf 'CUDA_VISIBLE_DEVICES=%s ' "$CUDA_VISIBLE_DEVICES"
       env | grep -E '^TKV_(LOOKUP|PRMTI_MAXNREG)=' | tr '\n' ' ' || true   # tuning knobs set
       printf '%q ' "$PY" benchmarks/vllm_e2e.py "${args[@]}"; echo; } > "$job/cmd"
     launch "$job" "$PY" benchmarks/vllm_e2e.py "${args[@]}"
@@ -204,7 +205,7 @@ do_kernels() {  # job "kernels": GPU kernel tests + kernels_gpu.py (--step, vLLM
     local job=$JOBS/kernels
     job_running "$job" && die "job kernels is already running"
     rm -rf "$job"; mkdir -p "$job/results"
-    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-} bash benchmarks/gpu_kernels.sh $job/results $*" > "$job/cmd"
+    echo "${CUDA_VISIBLE_DEVICES+CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES }bash benchmarks/gpu_kernels.sh $job/results $*" > "$job/cmd"
     launch "$job" bash benchmarks/gpu_kernels.sh "$job/results" "$@"
 }
 

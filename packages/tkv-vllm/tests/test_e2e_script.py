@@ -320,6 +320,25 @@ def test_gpu_session_setup_fails_when_a_step_fails(tmp_path, fail_on):
             assert "plugin discovery" not in out
 
 
+@pytest.mark.parametrize("cvd", [None, "1"])
+def test_gpu_session_job_cmd_names_visible_gpus_only_when_set(tmp_path, cvd):
+    """A job's ``cmd`` file is the command to rerun: with CUDA_VISIBLE_DEVICES unset it must
+    not say ``CUDA_VISIBLE_DEVICES=`` (copied, that hides every GPU)."""
+    import subprocess
+
+    env = _fake_session(tmp_path, "NO-SUCH-STEP")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if cvd is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cvd
+    script = _PATH.parent / "gpu_session.sh"
+    # (not the `kernels` mode: it runs the real kernel tests with the machine's python3)
+    p = subprocess.run(["bash", str(script), "start", "all", "--model", "x"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    cmd = (tmp_path / "e2e" / "jobs" / "e2e" / "cmd").read_text()
+    assert cmd.startswith("CUDA_VISIBLE_DEVICES=1 ") if cvd else "CUDA_VISIBLE" not in cmd
+
+
 TINY_QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
     "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
