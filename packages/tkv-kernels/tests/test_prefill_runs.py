@@ -32,6 +32,14 @@ def test_short_single_row_is_not_exact_below_the_threshold():
     assert run.prefix_exact
 
 
+def test_empty_rows_are_tolerated():
+    # engine padding rows (0 new tokens) must not fail a serving step; they add no tokens
+    runs = plan_prefill_runs([0, 5, 0], [0, 3, 3])
+    assert [(r.row_lo, r.row_hi, r.tok_lo, r.tok_hi) for r in runs] == [(0, 1, 0, 0), (1, 3, 0, 5)]
+    assert not any(r.prefix_exact for r in runs)
+    assert plan_prefill_runs([0], [0]) == (PrefillRun(0, 1, 0, 0, 0, 0, True, False),)
+
+
 def test_too_many_alternations_fall_back_to_one_call():
     q, p = [5] * 6, [3, 0, 3, 0, 3, 0]
     (run,) = plan_prefill_runs(q, p, max_runs=4)
@@ -42,7 +50,7 @@ def test_too_many_alternations_fall_back_to_one_call():
 def test_empty_and_bad_arguments():
     assert plan_prefill_runs([], []) == ()
     for bad in (dict(query_lens=[2], prefix_lens=[0], max_runs=0),
-                dict(query_lens=[2, 0], prefix_lens=[0, 0]),
+                dict(query_lens=[2, -1], prefix_lens=[0, 0]),
                 dict(query_lens=[2, 3], prefix_lens=[0]),
                 dict(query_lens=[2], prefix_lens=[-1])):
         with pytest.raises(ValueError):

@@ -60,7 +60,8 @@ def plan_prefill_runs(query_lens: Sequence[int], prefix_lens: Sequence[int] | No
     """Split prefill rows into runs of rows with / without a cached prefix, in row order.
 
     Args:
-        query_lens: host ints, each row's new tokens (≥ 1).
+        query_lens: host ints, each row's new tokens (≥ 0: an empty row — engine padding —
+            joins whichever run it falls into and adds no work).
         prefix_lens: host ints, each row's cached tokens (an upper bound is fine for the
             bound, but only exact lengths may make a run ``prefix_exact``), or None when the
             engine does not know them: then one run with no bound (the inline path).
@@ -73,14 +74,14 @@ def plan_prefill_runs(query_lens: Sequence[int], prefix_lens: Sequence[int] | No
         The runs, covering every row exactly once (empty for no rows).
 
     Raises:
-        ValueError: ``max_runs`` < 1, lengths of different counts, a query length < 1 or a
-            negative prefix length.
+        ValueError: ``max_runs`` < 1, lengths of different counts, a negative query or prefix
+            length.
     """
     if max_runs < 1:
         raise ValueError(f"max_runs must be ≥ 1, got {max_runs}")
     q = [int(x) for x in query_lens]
-    if any(x < 1 for x in q):
-        raise ValueError(f"every prefill row needs ≥ 1 query token, got {q}")
+    if any(x < 0 for x in q):
+        raise ValueError(f"query lengths must be ≥ 0, got {q}")
     if not q:
         return ()
     tok = [0, *accumulate(q)]

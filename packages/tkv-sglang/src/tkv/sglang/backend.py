@@ -362,7 +362,7 @@ class TurboAttnBackend(AttentionBackend):
                         scratch=self._scratch_for(r1 - r0, run.max_prefix_len, hkv, q3.dtype,
                                                   run.max_query_len),
                         exact_prefix=run.prefix_exact, dense_attention=self.dense_attention)
-                if run.no_prefix and lid not in self._prefix_variant_warm:
+                if run.no_prefix and b > a and lid not in self._prefix_variant_warm:
                     # compile the prefix-reading variant now, not at the first continuation
                     self._prefix_variant_warm.add(lid)
                     warm_prefix_variant(q3[a:b], k3[a:b], v3[a:b], cache,

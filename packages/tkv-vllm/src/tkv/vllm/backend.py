@@ -420,7 +420,7 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
                             sm_scale=self.scale, window=self._window, no_prefix=run.no_prefix,
                             max_prefix_len=run.max_prefix_len, scratch=scratch,
                             exact_prefix=run.prefix_exact, dense_attention=st.dense_attention)
-            if run.no_prefix and not self._prefix_variant_warm:
+            if run.no_prefix and b > a and not self._prefix_variant_warm:
                 # compile the prefix-reading variant now, not at the first continuation chunk
                 self._prefix_variant_warm = True
                 kernels.warm_prefix_variant(q[a:b], k[a:b], v[a:b], kv_cache,
