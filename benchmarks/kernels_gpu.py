@@ -540,7 +540,7 @@ def mixed_prefill_rows(copy_gbs, chunk=512, num_rows=32):
     plus the first chunks through the bypass (tkv.vllm.prefill_runs); ``all first chunks``:
     the bypass over every row, the floor. Then ``rotate_rows`` at the step's query rows
     (bf16 in, bf16 planar out) and output rows (float32 planar in, bf16 out) per rows-per-
-    program × warps, each against the default launch."""
+    program × warps × bf16 hi/lo passes (``bf16_split``), each against the default launch."""
     from tkv.kernels.rotate import rotate_rows
     hq, hkv, d, block = 32, 8, 128, 16
     q_lens, prefixes = [chunk - 32] + [chunk] * (num_rows - 1), [32] + [0] * (num_rows - 1)
@@ -599,9 +599,13 @@ def mixed_prefill_rows(copy_gbs, chunk=512, num_rows=32):
             ("output rows", torch.randn(total, hq, d, device=DEV), out, ld.out_planar)):
         rb = dict(kernel="rotate_rows", what=what, rows=rows, K=d, N=d)
         ref = timed_row(rb, "default", lambda: rotate_rows(x, m, dst))
-        for br, nw in ((64, 4), (64, 8), (128, 4), (128, 8)):   # default: 32 rows, 8 warps
-            timed_row(rb, "override", lambda br=br, nw=nw: rotate_rows(
-                x, m, dst, block_r=br, num_warps=nw), block_r=br, num_warps=nw, ref_ms=ref)
+        # the default: 128 rows x 8 warps here (32 rows below 65,536 rows); bf16_split: bf16
+        # hi/lo tensor-core passes instead of tf32x3 (session 22, not timed yet)
+        for br, nw, sp in ((32, 8, False), (64, 8, False), (128, 4, False), (32, 8, True),
+                           (128, 8, True), (128, 4, True)):
+            timed_row(rb, "override", lambda br=br, nw=nw, sp=sp: rotate_rows(
+                x, m, dst, block_r=br, num_warps=nw, bf16_split=sp), block_r=br,
+                num_warps=nw, bf16_split=sp, ref_ms=ref)
     del cache, scratch
     torch.cuda.empty_cache()
 
@@ -682,7 +686,8 @@ def table(copy_gbs, path, device=None):
         opts = ", ".join(f"{k}={r[k]}" for k in ("lookup", "swap_qk", "maxnreg", "block_n",
                                                   "num_warps", "num_stages", "prefetch",
                                                   "num_splits", "auto_splits", "block_m",
-                                                  "block_t", "block_r", "chunk", "rotation",
+                                                  "block_t", "block_r", "bf16_split", "chunk",
+                                                  "rotation",
                                                   "layers",
                                                   "x_default",
                                                   "x_bf16", "rel_err", "ctas",

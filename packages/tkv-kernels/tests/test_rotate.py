@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tkv.codec.errors import ShapeError
+from tkv.codec.errors import DtypeError, ShapeError
 from tkv.kernels._util import interpreting
 from tkv.kernels.rotate import rotate_rows
 
@@ -47,6 +47,21 @@ def test_rotate_rows_launch_overrides_give_the_same_rows(block_r, num_warps):
     for bad in ({"block_r": 48}, {"block_r": 8}, {"num_warps": 3}, {"block_r": 64.0}):
         with pytest.raises(ShapeError):
             rotate_rows(x.to(DEV), m.to(DEV), torch.empty(53, 3, 128, device=DEV), **bad)
+
+
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float16, torch.float32])
+def test_rotate_rows_bf16_split_is_close_to_float64(xdt):
+    # bf16 hi/lo passes: ~2^-16 relative, far below a bf16 output's rounding (2^-9)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(37, 3, 128, generator=g).to(xdt)
+    m = torch.randn(128, 128, generator=g) / 128 ** 0.5
+    mu = torch.randn(3, 128, generator=g)
+    ref = x.double() @ m.double() - mu.double()[None]
+    res = rotate_rows(x.to(DEV), m.to(DEV), torch.empty(37, 3, 128, device=DEV), mu.to(DEV),
+                      bf16_split=True).cpu()
+    assert ((res.double() - ref).norm() / ref.norm()).item() < 1e-4
+    with pytest.raises(DtypeError):
+        rotate_rows(x.to(DEV), m.to(DEV), torch.empty(37, 3, 128, device=DEV), bf16_split=1)
 
 
 def test_rotate_rows_prefill_sized_default_launch():

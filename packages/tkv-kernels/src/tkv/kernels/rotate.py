@@ -20,9 +20,11 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
-from ._util import check_pow2, next_pow2
+from ._util import check_flag, check_pow2, dot_dtype_for, next_pow2
 
 __all__ = ["rotate_rows", "row_block", "slab"]
+
+_TL_DOT = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 # num_rows = tokens (or sequences) · heads changes with every eager batch: no specialization
@@ -31,10 +33,15 @@ __all__ = ["rotate_rows", "row_block", "slab"]
 def _rotate_rows_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu, num_rows,
                         HQ: tl.constexpr, BLOCK_R: tl.constexpr, K_IN: tl.constexpr,
                         K_PAD: tl.constexpr, N_OUT: tl.constexpr, N_PAD: tl.constexpr,
-                        KC: tl.constexpr, HAS_MU: tl.constexpr):
+                        KC: tl.constexpr, HAS_MU: tl.constexpr, BF16_SPLIT: tl.constexpr,
+                        X_BF16: tl.constexpr, OPERAND: tl.constexpr):
     """``Y[r] = X[r] @ M[:K_IN, :N_OUT] (− MU[r % HQ])`` for rows ``r = t · HQ + h``: float32
     tf32x3 tensor-core passes over KC-row slabs of M (the fp32 slab is split hi/lo in
-    registers), output cast to Y's dtype."""
+    registers), output cast to Y's dtype. ``BF16_SPLIT``: bf16 tensor-core passes instead,
+    M = M_hi + M_lo in bf16 (and X = X_hi + X_lo unless ``X_BF16``: X is bf16, exact) —
+    2 passes for bf16 rows, 3 otherwise, ~2^-16 relative error. ``OPERAND``: the dot operand
+    dtype of those passes, bf16 (float32 holding the same bf16 values under the interpreter,
+    whose ``tl.dot`` multiplies bf16 bit patterns as integers)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < num_rows
     t = (r // HQ).to(tl.int64)
@@ -49,7 +56,18 @@ def _rotate_rows_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu, num_rows,
         x = tl.load(xrow + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         m = tl.load(M + kc[:, None] * sm + offs_n[None, :],
                     mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc = tl.dot(x.to(tl.float32), m, acc, input_precision="tf32x3")
+        if BF16_SPLIT:
+            m_hi = m.to(tl.bfloat16)
+            m_lo = (m - m_hi.to(tl.float32)).to(tl.bfloat16).to(OPERAND)
+            x_hi = x.to(tl.bfloat16)
+            x_lo = (x.to(tl.float32) - x_hi.to(tl.float32)).to(tl.bfloat16).to(OPERAND)
+            m_hi, x_hi = m_hi.to(OPERAND), x_hi.to(OPERAND)
+            acc = tl.dot(x_hi, m_hi, acc)
+            acc = tl.dot(x_hi, m_lo, acc)
+            if not X_BF16:
+                acc = tl.dot(x_lo, m_hi, acc)
+        else:
+            acc = tl.dot(x.to(tl.float32), m, acc, input_precision="tf32x3")
     if HAS_MU:
         acc -= tl.load(MU + h[:, None] * s_mu + offs_n[None, :],
                        mask=rmask[:, None] & nmask[None, :], other=0.0)
@@ -80,7 +98,7 @@ def slab(n_pad: int) -> int:
 
 def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
                 mu: torch.Tensor | None = None, *, block_r: int | None = None,
-                num_warps: int = 8) -> torch.Tensor:
+                num_warps: int = 8, bf16_split: bool = False) -> torch.Tensor:
     """``out[t, h] = x[t, h] @ m − mu[h]`` (float32 accuracy, one launch).
 
     Args:
@@ -93,6 +111,9 @@ def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
             of ≤ 128 outputs, else :func:`row_block`; warps, default 8), powers of two
             (ShapeError otherwise) — a tuning knob (``benchmarks/kernels_gpu.py
             --mixed-prefill`` sweeps them).
+        bf16_split: bf16 hi/lo tensor-core passes instead of tf32x3 (~2^-16 relative error
+            instead of float32's; bf16 rows need 2 passes, others 3). An experiment: not timed
+            on a GPU yet (``kernels_gpu.py --mixed-prefill`` times it); no caller uses it.
 
     Returns:
         ``out``. Raises ShapeError on mismatched shapes or strides (host-side checks).
@@ -123,9 +144,12 @@ def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
     else:
         br = row_block(rows, n_pad)
     check_pow2(num_warps, "num_warps", 1, 16)
+    check_flag(bf16_split, "bf16_split")
     _rotate_rows_kernel[(triton.cdiv(rows, br),)](
         x, x.stride(0), x.stride(1), m, m.stride(0), out, out.stride(0), out.stride(1),
         m if mu is None else mu, 0 if mu is None or mu.shape[0] == 1 else n, rows,
         HQ=h, BLOCK_R=br, K_IN=k, K_PAD=k_pad, N_OUT=n, N_PAD=n_pad,
-        KC=min(slab(n_pad), k_pad), HAS_MU=mu is not None, num_warps=num_warps)
+        KC=min(slab(n_pad), k_pad), HAS_MU=mu is not None, BF16_SPLIT=bf16_split,
+        X_BF16=x.dtype == torch.bfloat16, OPERAND=_TL_DOT[dot_dtype_for(torch.bfloat16)],
+        num_warps=num_warps)
     return out
