@@ -356,9 +356,12 @@ def test_layer_kinds_and_window_of_the_served_model_are_compared():
     ("meta-llama/Llama-3.1-8B", True),
     ("", False), (None, False),                          # no name: nothing to compare
 ])
-def test_other_model_compares_last_path_components(served, other):
-    assert ModelGeometry(3, 2, 64, model="SmolLM2-135M-Instruct").other_model(served) is other
-    assert ModelGeometry(3, 2, 64).other_model(served) is False   # bundle without a name
+def test_name_mismatch_compares_last_path_components(served, other):
+    msg = ModelGeometry(3, 2, 64, model="SmolLM2-135M-Instruct").name_mismatch(served)
+    assert (msg is not None) is other
+    if other:
+        assert f"made for 'SmolLM2-135M-Instruct', the served model is {served!r}" in msg
+    assert ModelGeometry(3, 2, 64).name_mismatch(served) is None   # bundle without a name
 
 
 def test_tkv_bits_error_shortens_a_huge_value():

@@ -193,14 +193,18 @@ class ModelGeometry:
                 "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 "layer_types": list(self.layer_types), "sliding_window": self.sliding_window}
 
-    def other_model(self, served: str | None) -> bool:
-        """Whether ``served`` (the engine's model name or path) names another model than the
-        bundle's ``model`` — neither name containing the other, case-insensitive, the last
-        path component only (a local path and a hub name of one model differ). False when
-        either is empty. Engines only warn on it: the geometry checks decide."""
+    def name_mismatch(self, served: str | None) -> str | None:
+        """The warning engines log when ``served`` (the engine's model name or path) names
+        another model than the bundle's ``model`` — neither name containing the other,
+        case-insensitive, the last path component only (a local path and a hub name of one
+        model differ); None when they match or either is empty. Only a warning: the geometry
+        checks decide whether the bundle serves."""
         name = str(served or "").rstrip("/").rsplit("/", 1)[-1].lower()
         mine = self.model.lower()
-        return bool(mine and name) and mine not in name and name not in mine
+        if not (mine and name) or mine in name or name in mine:
+            return None
+        return (f"the calibration bundle was made for {self.model!r}, the served model is "
+                f"{served!r}; the geometry matches, so it is used — check TKV_CALIBRATION_FILE")
 
     def check_layer_kinds(self, layer_types=None, sliding_window=None) -> None:
         """Refuse a served model whose per-layer attention kinds or sliding window differ from

@@ -46,7 +46,13 @@ from .loaders import (
 from .prefill import DENSE_PREFIX_CAP, dense_prefix_bytes, prefill, warm_prefix_variant
 from .prefill_runs import MAX_PREFILL_RUNS, PrefillRun, plan_prefill_runs
 from .store import compress_store
-from .validate import SERVED_HEAD_DIMS, MetadataError, check_metadata, serves_head_dim
+from .validate import (
+    SERVED_HEAD_DIMS,
+    MetadataError,
+    check_metadata,
+    head_dim_refusal,
+    serves_head_dim,
+)
 from .workspace import (
     ENV_DECODE_MIN_SPLIT_TILES,
     ENV_DECODE_SINGLE_SPLIT,
@@ -107,6 +113,7 @@ __all__ = [
     "engine_kernel_settings",
     "flash_device",
     "fused_query_rotation_from_env",
+    "head_dim_refusal",
     "lookup_from_env",
     "plan_prefill_runs",
     "prefill",

@@ -13,7 +13,8 @@ import torch
 
 from tkv.codec.errors import ShapeError
 
-__all__ = ["SERVED_HEAD_DIMS", "MetadataError", "check_metadata", "serves_head_dim"]
+__all__ = ["SERVED_HEAD_DIMS", "MetadataError", "check_metadata", "head_dim_refusal",
+           "serves_head_dim"]
 
 # head_dim the engine adapters (tkv-vllm, tkv-sglang) serve: powers of two, so that the
 # random Walsh–Hadamard rotation is one Hadamard block that the decode kernel applies to the
@@ -26,6 +27,16 @@ SERVED_HEAD_DIMS = (16, 32, 64, 128, 256)
 def serves_head_dim(head_dim: int) -> bool:
     """Whether the engine adapters serve ``head_dim`` (:data:`SERVED_HEAD_DIMS`)."""
     return head_dim in SERVED_HEAD_DIMS
+
+
+def head_dim_refusal(head_dim: int) -> str | None:
+    """Why the engine adapters refuse ``head_dim`` (for their startup errors, after the
+    model's name), or None when they serve it."""
+    if serves_head_dim(head_dim):
+        return None
+    return (f"head_dim {head_dim}; tkv serves head_dim "
+            f"{', '.join(map(str, SERVED_HEAD_DIMS))} (a power of two: the kernels' "
+            "Walsh–Hadamard rotation)")
 
 
 class MetadataError(ShapeError):

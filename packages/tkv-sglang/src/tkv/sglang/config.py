@@ -36,10 +36,9 @@ def tkv_config(geometry: AttentionGeometry) -> TkvConfig:
             if cfg.bundle is not None:   # another model's bundle of the same shape
                 g = cfg.bundle.geometry
                 g.check_layer_kinds(geometry.layer_types, geometry.sliding_window)
-                if g.other_model(geometry.model):
-                    log.warning("tkv: the calibration bundle was made for %r, the served model "
-                                "is %r; the geometry matches, so it is used — check "
-                                "TKV_CALIBRATION_FILE", g.model, geometry.model)
+                mismatch = g.name_mismatch(geometry.model)
+                if mismatch:
+                    log.warning("tkv: %s", mismatch)
             _cache[key] = cfg
             log.info(cfg.describe())
         return cfg

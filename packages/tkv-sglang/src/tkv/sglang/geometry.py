@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tkv.kernels import SERVED_HEAD_DIMS, serves_head_dim
+from tkv.kernels import head_dim_refusal
 
 from .errors import UnsupportedFeatureError
 
@@ -72,11 +72,9 @@ def geometry_from_model_config(model_config) -> AttentionGeometry:
         raise UnsupportedFeatureError(
             f"{name} has v_head_dim={v_head_dim} != head_dim={head_dim}; tkv needs equal K/V "
             "head sizes")
-    if not serves_head_dim(head_dim):
-        raise UnsupportedFeatureError(
-            f"{name} has head_dim {head_dim}; --kv-cache-dtype tkv serves head_dim "
-            f"{', '.join(map(str, SERVED_HEAD_DIMS))} (a power of two: the kernels' "
-            "Walsh–Hadamard rotation)")
+    refusal = head_dim_refusal(head_dim)
+    if refusal:
+        raise UnsupportedFeatureError(f"--kv-cache-dtype tkv: {name} has {refusal}")
     text = getattr(model_config, "hf_text_config", None)
     kinds = getattr(text, "layer_types", None)
     window = getattr(text, "sliding_window", None)

@@ -39,7 +39,7 @@ import torch
 from tkv import kernels
 from tkv.codec.errors import UnsupportedFeatureError
 from tkv.codec.layout import SlotLayout
-from tkv.kernels import PrefillRun, plan_prefill_runs
+from tkv.kernels import PrefillRun, plan_prefill_runs, serves_head_dim
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -56,7 +56,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from .errors import PatchesNotAppliedError, UnsupportedModelError
 from .prefill_attention import prefill_attention
 from .spec import TKV_DTYPE, kv_cache_spec_for_layer, page_plan
-from .startup import layer_codec, layer_index, supports_head_size, tkv_config, tp_shard
+from .startup import layer_codec, layer_index, tkv_config, tp_shard
 from .workspace import shared_prefill_scratch, shared_workspace
 
 __all__ = ["TurboAttnBackend", "TurboAttnImpl", "TurboAttnMetadata", "TurboAttnMetadataBuilder"]
@@ -93,8 +93,8 @@ class TurboAttnBackend(AttentionBackend):
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
         # The randomized Walsh-Hadamard rotation needs a power-of-two head_dim (one rule,
-        # also checked by name at startup: tkv.vllm.startup.supports_head_size).
-        return supports_head_size(head_size)
+        # also refused by name at startup: tkv.vllm.startup.check_model_supported).
+        return serves_head_dim(head_size)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:

@@ -23,12 +23,12 @@ from tkv.codec.codec import TurboKVCodec
 from tkv.codec.config import ENV_BITS, ENV_CALIBRATION_FILE, TkvConfig, load_config
 from tkv.codec.errors import UnsupportedFeatureError
 from tkv.codec.sharding import KvHeadShard, shard_kv_heads
-from tkv.kernels import SERVED_HEAD_DIMS, serves_head_dim
+from tkv.kernels import head_dim_refusal
 
 from .errors import UnsupportedModelError
 
 __all__ = ["check_bundle_matches_model", "check_model_supported", "check_parallel_supported",
-           "layer_codec", "layer_index", "model_geometry", "supports_head_size", "tkv_config",
+           "layer_codec", "layer_index", "model_geometry", "tkv_config",
            "tp_shard"]
 
 log = logging.getLogger("tkv.vllm")
@@ -40,12 +40,6 @@ def model_geometry(model_config: Any) -> tuple[int, int, int]:
     """``(num_layers, total_num_kv_heads, head_dim)`` of a vLLM ``ModelConfig``."""
     return (int(model_config.get_total_num_hidden_layers()),
             int(model_config.get_total_num_kv_heads()), int(model_config.get_head_size()))
-
-
-def supports_head_size(head_size: int) -> bool:
-    """Whether turbo-attn serves ``head_size`` (the backend's ``supports_head_size``): the
-    rule both engine adapters share, :func:`tkv.kernels.serves_head_dim`."""
-    return serves_head_dim(head_size)
 
 
 def check_model_supported(model_config: Any) -> None:
@@ -74,11 +68,9 @@ def check_model_supported(model_config: Any) -> None:
             f"--kv-cache-dtype tkv: {name} uses chunked local attention (attention_chunk_size),"
             " whose KV-cache spec bypasses the tkv page layout")
     head = int(model_config.get_head_size())
-    if not supports_head_size(head):
-        raise UnsupportedModelError(
-            f"--kv-cache-dtype tkv: {name} has head_dim {head}; turbo-attn serves head_dim "
-            f"{', '.join(map(str, SERVED_HEAD_DIMS))} (a power of two: the kernels' "
-            "Walsh–Hadamard rotation)")
+    refusal = head_dim_refusal(head)
+    if refusal:
+        raise UnsupportedModelError(f"--kv-cache-dtype tkv: {name} has {refusal}")
 
 
 def check_parallel_supported(vllm_config: Any) -> KvHeadShard:
@@ -118,11 +110,9 @@ def check_bundle_matches_model(config: TkvConfig, model_config: Any) -> None:
     text_cfg = getattr(model_config, "hf_text_config", None)
     g.check_layer_kinds(getattr(text_cfg, "layer_types", None),
                         getattr(text_cfg, "sliding_window", None))
-    served = getattr(model_config, "model", None)
-    if g.other_model(served):
-        log.warning("tkv: the calibration bundle was made for %r, the served model is %r; "
-                    "the geometry matches, so it is used — check TKV_CALIBRATION_FILE",
-                    g.model, served)
+    mismatch = g.name_mismatch(getattr(model_config, "model", None))
+    if mismatch:
+        log.warning("tkv: %s", mismatch)
 
 
 def tkv_config(vllm_config: Any, env: dict[str, str] | None = None) -> TkvConfig:
