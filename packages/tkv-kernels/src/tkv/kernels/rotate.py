@@ -60,12 +60,12 @@ def _rotate_rows_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu, num_rows,
             m_hi = m.to(tl.bfloat16)
             m_lo = (m - m_hi.to(tl.float32)).to(tl.bfloat16).to(OPERAND)
             x_hi = x.to(tl.bfloat16)
-            x_lo = (x.to(tl.float32) - x_hi.to(tl.float32)).to(tl.bfloat16).to(OPERAND)
+            if not X_BF16:   # X's low half (zero for bf16 rows: no third pass)
+                x_lo = (x.to(tl.float32) - x_hi.to(tl.float32)).to(tl.bfloat16)
+                acc = tl.dot(x_lo.to(OPERAND), m_hi.to(OPERAND), acc)
             m_hi, x_hi = m_hi.to(OPERAND), x_hi.to(OPERAND)
             acc = tl.dot(x_hi, m_hi, acc)
             acc = tl.dot(x_hi, m_lo, acc)
-            if not X_BF16:
-                acc = tl.dot(x_lo, m_hi, acc)
         else:
             acc = tl.dot(x.to(tl.float32), m, acc, input_precision="tf32x3")
     if HAS_MU:
