@@ -53,7 +53,9 @@ def test_symmetric_fit(bits):
     Lloyd-Max problem); the free fit of a skewed sample is not symmetric; Gaussian / Beta
     tables are."""
     gen = torch.Generator().manual_seed(bits)
-    x = torch.distributions.Gamma(2.0, 2.0).sample((200_000,)) - 1.0   # skewed, mean 0
+    # skewed, mean 0: Gamma(2, rate 2) − 1 as (E1 + E2) / 2 − 1 with E ~ Exp(1), drawn from
+    # ``gen`` so the sample does not depend on which tests ran before (global RNG)
+    x = torch.empty(2, 200_000).exponential_(generator=gen).mean(0) - 1.0
     free = fit_codebook(x, bits, iters=100, generator=gen)
     sym = fit_codebook(x, bits, iters=100, generator=gen, symmetric=True)
     assert sym.symmetric and not free.symmetric
@@ -65,7 +67,9 @@ def test_symmetric_fit(bits):
     assert sym.distortion(both) < gaussian_codebook(bits).distortion(both)
     # ties at 0 (30 % exact zeros, on the middle boundary): still symmetric, and a fixed point
     # of Lloyd's conditions for the folded problem — each positive centroid the mean of the
-    # |z| in its cell (cells from 0, boundaries at the midpoints)
+    # |z| in its cell (cells from 0, boundaries at the midpoints). The centroids are stored as
+    # float32, so a sample within float32 rounding of a midpoint may sit in either neighbouring
+    # cell: such samples widen the allowed gap by how far each could move that cell's mean.
     z = torch.where(torch.rand(x.shape, generator=gen) < 0.3, 0.0, x)
     zs = fit_codebook(z, bits, iters=2000, generator=gen, symmetric=True)
     assert zs.symmetric
@@ -73,10 +77,17 @@ def test_symmetric_fit(bits):
     edges = torch.cat([torch.zeros(1, dtype=torch.float64), (pos[1:] + pos[:-1]) / 2,
                        torch.full((1,), float("inf"), dtype=torch.float64)])
     a = z.abs().double()
+    ambiguous = torch.zeros_like(a, dtype=torch.bool)
+    for e in edges[1:-1]:
+        ambiguous |= (a - e).abs() <= 4 * torch.finfo(torch.float32).eps * e
     for j in range(pos.numel()):
-        cell = a[(a >= edges[j]) & (a < edges[j + 1])]
+        inside = (a >= edges[j]) & (a < edges[j + 1])
+        cell = a[inside]
         if cell.numel():
-            assert float(cell.mean()) == pytest.approx(float(pos[j]), abs=1e-5)
+            mean = float(cell.mean())
+            near = a[((a >= edges[j] - 1e-3) & (a < edges[j + 1] + 1e-3)) & ambiguous]
+            slack = float((near - mean).abs().sum()) / cell.numel()
+            assert abs(mean - float(pos[j])) <= 1e-5 + slack, (j, mean, float(pos[j]), slack)
 
 
 def test_codebook_validation():
