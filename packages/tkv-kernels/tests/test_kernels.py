@@ -23,6 +23,7 @@ from tkv.kernels import (
     decode,
     dense_prefix_bytes,
     prefill,
+    varlen_prefix_bytes,
 )
 from tkv.kernels._util import interpreting
 from tkv.kernels.reference import attention_reference, decode_reference, prefill_reference
@@ -965,19 +966,111 @@ def test_nan_rows_with_prefix_touches_only_broken_sequences():
 def test_prefill_exact_prefix_through_dense_attention():
     """exact_prefix with a dense_attention callable: it receives the rotated planar rows
     (prefix + chunk keys, head_dim padded 96 → 128) instead of SDPA, and the result equals the
-    float64 oracle; two sequences or a window keep the Triton loop (no call)."""
+    float64 oracle; two sequences and a window go to it too (the varlen path: one call,
+    ``num_seqs × max_prefix_len + total_q`` rows by default, the window passed through)."""
     codec = TurboKVCodec(96, k_bits=4, v_bits=4, device=DEV, seed=9)
     ld = TkvLoader(codec, 2, 16)
     spy = _SpyDense()
     scratch = torch.full((1 << 20,), float("nan"), device=DEV)
+    tol = max(_tol(torch.float16), 1e-3)
     _prefill_check(ld, [48], [40], 4, seed=13, max_prefix_len=48, scratch=scratch,
-                   exact_prefix=True, dense_attention=spy, tol=max(_tol(torch.float16), 1e-3))
+                   exact_prefix=True, dense_attention=spy, tol=tol)
     assert spy.calls == [((40, 8, 128), (88, 2, 128), 88, 0)]
     _prefill_check(ld, [48, 5], [40, 3], 4, seed=13, max_prefix_len=48, scratch=scratch,
-                   exact_prefix=True, dense_attention=spy)
+                   exact_prefix=True, dense_attention=spy, tol=tol)
     _prefill_check(ld, [48], [40], 4, seed=13, window=9, max_prefix_len=48, scratch=scratch,
-                   exact_prefix=True, dense_attention=spy)
+                   exact_prefix=True, dense_attention=spy, tol=tol)
+    assert spy.calls[1:] == [((43, 8, 128), (139, 2, 128), 88, 0),
+                             ((40, 8, 128), (88, 2, 128), 88, 9)]
+
+
+@pytest.mark.parametrize("head_dim,kb,vb,group,prefix,qlens,window", [
+    (64, 4, 3, 4, [40, 0, 17, 33], [19, 12, 33, 1], 0),
+    (128, 2, 4, 7, [33, 5, 64], [20, 9, 40], 11),
+    (96, 3, 5, 1, [48, 16], [40, 2], 0),
+    (64, 8, 2, 8, [0, 70, 31], [35, 18, 26], 23),
+])
+def test_prefill_varlen_prefix_through_dense_attention(head_dim, kb, vb, group, prefix, qlens,
+                                                       window):
+    """Several sequences with (and without) a cached prefix through a dense_attention
+    callable: each prefix dequantized once, packed with its chunk's rotated rows, ONE call
+    with cu_seqlens_k = cumsum(prefix + q_len) — equal to the float64 oracle with GQA 1-8,
+    K/V widths 2-8, head_dim 64/96/128, windows, length-1 chunks. ``prefix_tokens`` = the
+    exact sum packs the rows tightly; a scratch one byte short of
+    :func:`varlen_prefix_bytes` keeps the Triton loop (no call, same oracle)."""
+    codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=head_dim + kb)
+    ld = TkvLoader(codec, 2, 16)
+    spy = _SpyDense()
+    total, tq, mp = sum(prefix), sum(qlens), max(prefix)
+    need = varlen_prefix_bytes(total, tq, 2, head_dim, torch.float16)
+    dp = max(16, 1 << (head_dim - 1).bit_length())
+    rows = need // (2 * 2 * dp * (4 if interpreting() else 2))
+    assert rows == total + tq + 1
+    tol = max(_tol(torch.float16), 1e-3)
+    scratch = torch.full((need // 4 + 64,), float("nan"), device=DEV)
+    _prefill_check(ld, prefix, qlens, group, seed=kb + vb + group, window=window,
+                   max_prefix_len=mp + 3, scratch=scratch, dense_attention=spy,
+                   prefix_tokens=total, tol=tol)
+    assert spy.calls == [((tq, 2 * group, dp), (total + tq, 2, dp), mp + 3 + max(qlens),
+                          window)]
+    assert torch.isnan(scratch[need // 4:]).all()     # nothing written past the packed rows
+    short = torch.full((need // 4 - 1,), float("nan"), device=DEV)
+    _prefill_check(ld, prefix, qlens, group, seed=kb + vb + group, window=window,
+                   max_prefix_len=mp + 3, scratch=short, dense_attention=spy,
+                   prefix_tokens=total)
     assert len(spy.calls) == 1
+
+
+def test_prefill_varlen_prefix_broken_bounds_are_nan():
+    """The varlen path's guards, decided on the device: a sequence whose prefix exceeds
+    ``max_prefix_len``, the sequences whose packed rows end past a too-small
+    ``prefix_tokens`` (+ total_q), a sequence with an
+    invalid prefix page and rows outside every sequence (cu_seqlens_q short of total_q) get
+    NaN rows; every other sequence keeps its float64-oracle rows; no write leaves the
+    scratch's packed rows."""
+    codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=3)
+    ld = TkvLoader(codec, 2, 16)
+    prefix, qlens = [20, 40, 8, 30], [18, 17, 20, 19]
+    q, k, v, cu, batch, cache = _prefill_batch(ld, prefix, qlens, 4, seed=41)
+    ref = prefill_reference(q, k, v, cu, batch.seq_lens, cache, batch.block_table, ld)
+    rows = [(int(a), int(b)) for a, b in itertools.pairwise(cu.tolist())]
+    tq = q.shape[0]
+
+    def run(max_prefix, prefix_tokens, block_table=batch.block_table, cu_q=cu):
+        spy = _SpyDense()
+        need = varlen_prefix_bytes(prefix_tokens, tq, 2, 64, torch.float16)
+        scratch = torch.full((need // 4 + 256,), float("nan"), device=DEV)
+        out = prefill(q, k, v, cu_q, batch.seq_lens, max(qlens), cache, block_table, ld,
+                      max_prefix_len=max_prefix, scratch=scratch, dense_attention=spy,
+                      prefix_tokens=prefix_tokens, block_m=32)
+        assert len(spy.calls) == 1 and torch.isnan(scratch[need // 4:]).all()
+        return out
+
+    def check(out, broken, seqs=None):
+        for i, (a, b) in enumerate(rows[:seqs]):
+            if i in broken:
+                assert torch.isnan(out[a:b]).all(), i
+            else:
+                assert _rel(out[a:b], ref[a:b]) < max(_tol(torch.float16), 1e-3), i
+
+    check(run(30, 200), {1})                       # sequence 1's 40-token prefix > 30
+    # rows for 40 prefix tokens + the 74 chunk tokens: sequence 1 ends at row 95, 2 at 123
+    check(run(40, 40), {2, 3})
+    bt = batch.block_table.clone()
+    bt[2, 0] = -1                                  # sequence 2's only prefix page invalid
+    check(run(40, 98, block_table=bt), {2})
+    short = cu.clone()
+    short[-1] -= 5                                 # the last 5 rows belong to no sequence
+    out = run(40, 98, cu_q=short)
+    check(out, set(), seqs=len(rows) - 1)
+    # the last sequence now has 14 new tokens after a 35-token prefix (its seq_len kept)
+    ref2 = prefill_reference(q[:tq - 5], k[:tq - 5], v[:tq - 5], short, batch.seq_lens, cache,
+                             batch.block_table, ld)
+    assert _rel(out[:tq - 5], ref2) < max(_tol(torch.float16), 1e-3)
+    assert torch.isnan(out[tq - 5:]).all()
+    with pytest.raises(ShapeError, match="prefix_tokens"):
+        prefill(q, k, v, cu, batch.seq_lens, max(qlens), cache, batch.block_table, ld,
+                prefix_tokens=-1)
 
 
 class _SpyContinuationOnly(_SpyDense):

@@ -18,7 +18,7 @@ import torch
 from tkv.codec import TurboKVCodec
 from tkv.codec.errors import ShapeError
 from tkv.codec.packing import unpack_codes
-from tkv.kernels import TkvLoader, Workspace, compress_store, decode, prefill
+from tkv.kernels import SdpaDenseAttention, TkvLoader, Workspace, compress_store, decode, prefill
 from tkv.kernels._util import interpreting
 from tkv.kernels.reference import decode_reference, prefill_reference
 from tkv.kernels.testing import (
@@ -252,13 +252,14 @@ def _prefill_case(ld, prefix, qlens, group, g, **kw):
     (64, 2, 4, 2, 2, False, True),
     (128, 4, 2, 7, None, True, False),
 ])
-@pytest.mark.parametrize("path", ["inline", "dense", "sdpa"])
+@pytest.mark.parametrize("path", ["inline", "dense", "sdpa", "varlen"])
 def test_prefill_with_sink_offsets_matches_reference(head_dim, kb, vb, group, heads, k_sink,
                                                      v_sink, path):
     """Chunks over a compressed prefix, each prefill path: inline dequant in the Triton loop
     (with a sequence that has no prefix, and a sliding window), the decompress-once rows read
-    by the Triton loop, and those rows plus the chunk through SDPA (``exact_prefix``, one
-    sequence)."""
+    by the Triton loop, those rows plus the chunk through SDPA (``exact_prefix``, one
+    sequence), and the varlen path (several sequences' rows packed for one dense_attention
+    call, a window included)."""
     g = torch.Generator().manual_seed(head_dim + kb * vb + group)
     codec = _sink_codec(head_dim, kb, vb, g, k_sink=k_sink, v_sink=v_sink, heads=heads,
                         scales=True, seed=2)
@@ -271,10 +272,23 @@ def test_prefill_with_sink_offsets_matches_reference(head_dim, kb, vb, group, he
         _prefill_case(ld, [37, 0, 18], [21, 19, 33], group, g, max_prefix_len=40,
                       scratch=scratch)
         assert torch.isfinite(scratch[:64]).all()
-    else:
+    elif path == "sdpa":
         _prefill_case(ld, [45], [37], group, g, max_prefix_len=45, scratch=scratch,
                       exact_prefix=True)
         assert torch.isfinite(scratch[:64]).all()
+    else:
+        calls = []
+
+        class _Counted(SdpaDenseAttention):
+            def __call__(self, *a):
+                calls.append(a[-1])
+                return super().__call__(*a)
+
+        for window in (0, 13):
+            _prefill_case(ld, [37, 0, 18], [21, 19, 33], group, g, max_prefix_len=40,
+                          scratch=scratch, dense_attention=_Counted(), prefix_tokens=55,
+                          window=window)
+        assert calls == [0, 13]
 
 
 def test_loader_refuses_per_head_sink_offset_of_another_head_count():

@@ -43,7 +43,13 @@ from .loaders import (
     lookup_from_env,
     small_head_groups_from_env,
 )
-from .prefill import DENSE_PREFIX_CAP, dense_prefix_bytes, prefill, warm_prefix_variant
+from .prefill import (
+    DENSE_PREFIX_CAP,
+    dense_prefix_bytes,
+    prefill,
+    varlen_prefix_bytes,
+    warm_prefix_variant,
+)
 from .prefill_runs import MAX_PREFILL_RUNS, PrefillRun, plan_prefill_runs
 from .store import compress_store
 from .validate import (
@@ -120,5 +126,6 @@ __all__ = [
     "prefill_attention_from_env",
     "serves_head_dim",
     "small_head_groups_from_env",
+    "varlen_prefix_bytes",
     "warm_prefix_variant",
 ]

@@ -44,7 +44,7 @@ from .dense_attention import DenseAttention, check_dense_output
 from .loaders import Loader, bypass_fetch, check_loader, identity_dequant, sink_shift
 from .rotate import rotate_rows
 
-__all__ = ["DENSE_PREFIX_CAP", "dense_prefix_bytes", "prefill"]
+__all__ = ["DENSE_PREFIX_CAP", "dense_prefix_bytes", "prefill", "varlen_prefix_bytes"]
 
 # Engines' bound on the decompress-once scratch (bytes, one buffer per device shared by all
 # layers): batches whose prefixes need more read them inline.
@@ -100,25 +100,27 @@ def _dense_planes(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constex
 _VARYING_INTS = ["s_bt", "max_blocks", "num_blocks"]
 
 
-@triton.jit(do_not_specialize=[*_VARYING_INTS, "max_prefix"],
-            do_not_specialize_on_alignment=["cu_q", "seq_lens"])
+@triton.jit(do_not_specialize=[*_VARYING_INTS, "max_prefix", "row_limit"],
+            do_not_specialize_on_alignment=["cu_q", "seq_lens", "ROW0"])
 def _dequant_prefix_kernel(
         cu_q, seq_lens, block_table, s_bt, max_blocks, num_blocks,
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
-        PK, PV, max_prefix, k_shift, v_shift,
+        PK, PV, max_prefix, k_shift, v_shift, ROW0, row_limit,
         FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
         KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         HKV: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, K_SINK: tl.constexpr,
-        V_SINK: tl.constexpr):
+        V_SINK: tl.constexpr, PACKED: tl.constexpr):
     """Decompress the prefix of sequence ``program_id(1)``, KV head ``program_id(2)``, tokens
     ``[t·BLOCK_N, (t+1)·BLOCK_N)`` into the dense scratch ``PK``/``PV`` (rows
-    ``(seq·max_prefix + pos)·HKV + head`` of ``D_PAD`` elements, the loader's planar layout,
-    norms applied — what the prefix loop of :func:`_prefill_kernel` would compute per tile).
-    ``K_SINK`` / ``V_SINK``: a flagged row is written as ``|n|·tile + shift[head]``, so the
-    dense attention that reads the rows needs nothing else."""
+    ``(seq·max_prefix + pos)·HKV + head`` of ``D_PAD`` elements — ``PACKED``: rows
+    ``(ROW0[seq] + pos)·HKV + head`` below ``row_limit``, sequences packed back to back as
+    varlen attention reads them —, the loader's planar layout, norms applied — what the prefix loop of
+    :func:`_prefill_kernel` would compute per tile). ``K_SINK`` / ``V_SINK``: a flagged row is
+    written as ``|n|·tile + shift[head]``, so the dense attention that reads the rows needs
+    nothing else."""
     t = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -132,7 +134,12 @@ def _dequant_prefix_kernel(
         block_table + seq.to(tl.int64) * s_bt, num_blocks, kvh, k_base, k_aux, k_table,
         k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1, KP2,
         KP3, KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, D_PAD)
-    rows = ((seq.to(tl.int64) * max_prefix + pos) * HKV + kvh) * D_PAD
+    if PACKED:
+        row = tl.load(ROW0 + seq).to(tl.int64) + pos
+        mask_n = mask_n & (row < row_limit)
+        rows = (row * HKV + kvh) * D_PAD
+    else:
+        rows = ((seq.to(tl.int64) * max_prefix + pos) * HKV + kvh) * D_PAD
     k = DEQUANT(rk, k_table, KP0, KP1, KP2, KP3, KNP, D_PAD, tl.float32)
     v = DEQUANT(rv, v_table, VP0, VP1, VP2, VP3, VNP, D_PAD, tl.float32)
     if K_SINK:
@@ -280,7 +287,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             num_stages: int | None = None, no_prefix: bool = False,
             max_prefix_len: int | None = None, scratch: torch.Tensor | None = None,
             exact_prefix: bool = False,
-            dense_attention: DenseAttention | None = None) -> torch.Tensor:
+            dense_attention: DenseAttention | None = None,
+            prefix_tokens: int | None = None) -> torch.Tensor:
     """Varlen causal attention for (chunked) prefill, flash-attention tiling with tl.dot.
 
     Sequence ``i`` has ``q_len = cu_seqlens_q[i+1] − cu_seqlens_q[i]`` new tokens at absolute
@@ -339,18 +347,29 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             Needs ``scratch`` for ``prefix + q_len`` tokens in whole pages. The promise covers
             the block table too: every page of the prefix valid (live prefixes in engines are;
             the other paths mask −1 / out-of-range pages, this one cannot). A broken promise
-            (another prefix length, an invalid prefix page) gives NaN output rows.
+            (another prefix length, an invalid prefix page) gives NaN output rows. With a
+            ``dense_attention`` callable the varlen path below runs instead (it needs no
+            promise).
         dense_attention: optional varlen flash-attention callable
             (:class:`~tkv.kernels.dense_attention.DenseAttention`, e.g. an engine's
-            FlashAttention 3) that then runs the attention of the two paths whose keys are all
+            FlashAttention 3) that then runs the attention of the paths whose keys are all
             16-bit rows: the ``no_prefix`` bypass (model space, the call's cu_seqlens for
             queries and keys, sliding window included; the same NaN rows for a broken
-            promise) and the ``exact_prefix`` path (rotated planar rows, instead of SDPA, no
-            fallback check); with ``first_chunks = False`` on the callable, only the latter.
-            Other calls ignore it. Its output is checked (shape, dtype, device: ShapeError /
-            DtypeError). With ``writes_out = True`` on the callable (a bool, DtypeError
+            promise) and the *varlen path* for sequences with a prefix — on the
+            decompress-once conditions (``max_prefix_len``, a ``scratch`` of
+            :func:`varlen_prefix_bytes` for ``prefix_tokens`` and ``total_q``, a chunk longer
+            than the M tile's tokens), any number of sequences, ``exact_prefix`` or not,
+            sliding window included: every prefix dequantized once and packed with its
+            chunk's rotated K/V rows, then ONE call with ``cu_seqlens_k`` (a sequence whose
+            metadata breaks the bounds gets NaN rows). With ``first_chunks = False`` on the
+            callable, only the latter. Other calls ignore it. Its output is checked (shape,
+            dtype, device: ShapeError / DtypeError). With ``writes_out = True`` on the callable (a bool, DtypeError
             otherwise) first chunks get ``out=`` this call's ``out`` when it has the query's
             dtype, and no copy of the returned rows is made when they are ``out``'s.
+        prefix_tokens: optional host int ≥ the sum of the sequences' prefixes (tokens;
+            engines know it from host metadata, an upper bound is fine): sizes the varlen
+            path's packed rows (default ``num_seqs × max_prefix_len``). A sum above it gives
+            NaN rows for the sequences past it, never a write outside ``scratch``.
 
     Rotated loaders (tkv): the wrapper rotates the query and the chunk's K/V into the cache's
     rotated space with three small float32 matmuls (no D×D tile inside the kernel, so head_dim
@@ -370,6 +389,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if scratch is not None and not isinstance(scratch, torch.Tensor):
         raise DtypeError(f"scratch must be a torch.Tensor or None, got {type(scratch).__name__}")
     check_flag(exact_prefix, "exact_prefix")
+    if prefix_tokens is not None and (isinstance(prefix_tokens, bool) or not isinstance(
+            prefix_tokens, int) or prefix_tokens < 0):
+        raise ShapeError(f"prefix_tokens must be a host int ≥ 0 or None, got {prefix_tokens!r}")
     if dense_attention is not None and not callable(dense_attention):
         raise DtypeError("dense_attention must be a DenseAttention callable or None, got "
                          f"{type(dense_attention).__name__}")
@@ -501,11 +523,19 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              and max_prefix_len > 0 and max_query_len > block_mt)
     bt, nblk, maxb, bs = block_table, num_blocks, block_table.shape[1], loader.block_size
     if dense:
+        check_same_device(dev, scratch=scratch)
+        dense = scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
+    if dense and dense_attention is not None and _varlen_prefix_attention(
+            query, key, value, out, cu_seqlens_q, seq_lens, max_prefix_len,
+            ns * max_prefix_len if prefix_tokens is None else min(prefix_tokens,
+                                                                  ns * max_prefix_len),
+            max_query_len, scratch, block_table, num_blocks, kargs, vargs, fetch, dequant,
+            loader, scale, window, dot_dtype, dense_attention):
+        return rotate_rows(out, loader.out_planar, final)
+    if dense:
         maxp = _whole_pages(max_prefix_len, bs)       # whole pages of prefix per sequence
         need = dense_prefix_bytes(ns, maxp, hkv, d, query.dtype)
-        check_same_device(dev, scratch=scratch)
-        dense = (scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
-                 and scratch.numel() * scratch.element_size() >= need)
+        dense = scratch.numel() * scratch.element_size() >= need
     if dense and exact_prefix and ns == 1 and not window:
         rows = _whole_pages(max_prefix_len + tq, bs)
         if (scratch.numel() * scratch.element_size()
@@ -513,7 +543,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 and _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens,
                                             max_prefix_len, maxp, rows, scratch, block_table,
                                             num_blocks, kargs, vargs, fetch, dequant, loader,
-                                            scale, dot_dtype, dense_attention)):
+                                            scale, dot_dtype)):
             return rotate_rows(out, loader.out_planar, final)
     if dense:
         flat = scratch.view(-1).view(torch.uint8)[:need].view(dot_dtype)
@@ -558,16 +588,20 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, vargs, fetch,
-                    dequant, loader, pk, pv, maxp: int, ns: int, hkv: int, d_pad: int) -> None:
+                    dequant, loader, pk, pv, maxp: int, ns: int, hkv: int, d_pad: int,
+                    row0: torch.Tensor | None = None, row_limit: int = 0) -> None:
     """Launch :func:`_dequant_prefix_kernel`: the prefixes of ``ns`` sequences (at most ``maxp``
     tokens each) dequantized into ``pk`` / ``pv`` rows ``(seq·maxp + pos)·hkv + head`` — for
-    the decompress-once Triton loop and for the SDPA path alike."""
+    the decompress-once Triton loop and for the SDPA path alike — or, with ``row0`` (int32
+    ``(≥ ns,)`` on the device), token rows ``row0[seq] + pos`` below ``row_limit`` (the
+    varlen path)."""
     tb = _prefix_tile(loader)
     k_shift, k_sink = sink_shift(loader, "k", pk)
     v_shift, v_sink = sink_shift(loader, "v", pk)
     _dequant_prefix_kernel[(triton.cdiv(maxp, tb), ns, hkv)](
         cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
         num_blocks, *kargs[:6], *vargs[:6], pk, pv, maxp, k_shift, v_shift,
+        seq_lens if row0 is None else row0, row_limit, PACKED=row0 is not None,
         FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
         VP3=vargs[9], VNP=vargs[10], HKV=hkv, HEAD_DIM=loader.head_dim, D_PAD=d_pad,
@@ -617,14 +651,13 @@ def _nan_rows_with_prefix(out: torch.Tensor, cu_seqlens_q: torch.Tensor,
 
 def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix: int,
                             maxp: int, rows: int, scratch, block_table, num_blocks, kargs,
-                            vargs, fetch, dequant, loader, scale: float, dot_dtype,
-                            dense_attention: DenseAttention | None) -> bool:
-    """:func:`prefill`'s dense path for ONE sequence whose prefix is exactly ``prefix`` tokens
-    (``exact_prefix``): rows ``[0, prefix)`` of K/V are the prefix dequantized into
-    ``scratch`` (planar rotated, norms applied — :func:`_dequant_prefix_kernel`), rows
+                            vargs, fetch, dequant, loader, scale: float, dot_dtype) -> bool:
+    """:func:`prefill`'s SDPA path for ONE sequence whose prefix is exactly ``prefix`` tokens
+    (``exact_prefix``, no ``dense_attention`` callable — that takes
+    :func:`_varlen_prefix_attention`): rows ``[0, prefix)`` of K/V are the prefix dequantized
+    into ``scratch`` (planar rotated, norms applied — :func:`_dequant_prefix_kernel`), rows
     ``[prefix, prefix + q_len)`` the chunk's rotated K/V; the rotated ``query`` attends to
-    them through the caller's ``dense_attention`` if given, else SDPA with a lower-right
-    causal mask, written into ``out`` (float32
+    them through SDPA with a lower-right causal mask, written into ``out`` (float32
     ``(q_len, num_q_heads, d_pad)``). Returns False, having written nothing, where SDPA would
     take its math fallback on CUDA (memory ∝ q_len × keys); the caller then runs the Triton
     loop (also, with a RuntimeWarning, when SDPA itself raises, or when the block table is
@@ -643,7 +676,7 @@ def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, pref
     q4 = query.view(1, tq, hq, d_pad).transpose(1, 2)
     k4 = pk[:keys].view(1, keys, hkv, d_pad).transpose(1, 2)
     v4 = pv[:keys].view(1, keys, hkv, d_pad).transpose(1, 2)
-    if query.is_cuda and dense_attention is None:
+    if query.is_cuda:
         from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
         if not can_use_flash_attention(SDPAParams(q4, k4, v4, None, 0.0, False, True), False):
@@ -652,22 +685,14 @@ def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, pref
                     dequant, loader, pk, pv, maxp, 1, hkv, d_pad)
     pk[prefix:keys].copy_(key)
     pv[prefix:keys].copy_(value)
-    if dense_attention is not None:
-        # [0, tq] and [0, keys] made on the device (torch.tensor(list, device=cuda) would copy
-        # synchronously: a stream sync per chunk and layer)
-        i32 = dict(dtype=torch.int32, device=query.device)
-        cu_q, cu_k = torch.arange(0, 2 * tq, tq, **i32), torch.arange(0, 2 * keys, keys, **i32)
-        o = check_dense_output(dense_attention(query, pk[:keys], pv[:keys], cu_q, cu_k, tq,
-                                               keys, scale, 0), query)
-    else:
-        try:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q4, k4, v4, attn_mask=causal_lower_right(tq, keys), scale=scale,
-                enable_gqa=True).transpose(1, 2)[0]   # (q_len, heads, d_pad)
-        except RuntimeError as e:   # no SDPA kernel for these inputs: the Triton loop instead
-            warnings.warn(f"tkv prefill: SDPA refused the decompress-once attention ({e}); "
-                          "using the Triton loop", RuntimeWarning, stacklevel=3)
-            return False
+    try:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q4, k4, v4, attn_mask=causal_lower_right(tq, keys), scale=scale,
+            enable_gqa=True).transpose(1, 2)[0]   # (q_len, heads, d_pad)
+    except RuntimeError as e:   # no SDPA kernel for these inputs: the Triton loop instead
+        warnings.warn(f"tkv prefill: SDPA refused the decompress-once attention ({e}); "
+                      "using the Triton loop", RuntimeWarning, stacklevel=3)
+        return False
     # broken promises: another prefix length, a chunk not starting at row 0, or a prefix page
     # that is −1 / out of range (the other paths mask such tokens; this one cannot)
     pages = block_table[0, :npages]
@@ -675,6 +700,84 @@ def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, pref
         cu_seqlens_q[0] != 0) | ((pages < 0) | (pages >= num_blocks)).any()
     out.copy_(o)
     out.masked_fill_(broken, float("nan"))
+    return True
+
+
+def varlen_prefix_bytes(prefix_tokens: int, num_tokens: int, num_kv_heads: int,
+                        head_dim: int, query_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of scratch :func:`prefill`'s varlen path (a ``dense_attention`` callable over
+    decompressed prefixes) needs: K and V rows for ``prefix_tokens`` (the sum of the call's
+    prefixes, tokens) plus the call's ``num_tokens`` chunk tokens plus one spare row, packed
+    back to back (no page rounding), ``num_kv_heads`` heads of ``max(16,
+    next_pow2(head_dim))`` elements of the dot dtype for ``query_dtype`` (as
+    :func:`dense_prefix_bytes`)."""
+    d_pad = max(16, next_pow2(head_dim))
+    return 2 * (prefix_tokens + num_tokens + 1) * num_kv_heads * d_pad * (
+        torch.empty(0, dtype=dot_dtype_for(query_dtype)).element_size())
+
+
+def _varlen_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, max_prefix: int,
+                             prefix_tokens: int, max_query_len: int, scratch, block_table,
+                             num_blocks, kargs, vargs, fetch, dequant, loader, scale: float,
+                             window: int, dot_dtype, dense_attention: DenseAttention) -> bool:
+    """:func:`prefill`'s varlen path: every sequence's prefix (its real length taken on the
+    device, at most ``max_prefix`` tokens, ``prefix_tokens`` for all together) is dequantized
+    once into ``scratch`` (planar rotated rows, norms and sink shifts applied —
+    :func:`_dequant_prefix_kernel`, ``PACKED``), its chunk's rotated K/V rows right after it,
+    sequences back to back; then ONE call of the caller's varlen ``dense_attention`` (an
+    engine's FlashAttention) with ``cu_seqlens_k`` over those rows, window included
+    (``prefix + q_len`` keys per sequence, bottom-right causal). Writes ``out`` (float32
+    ``(total_q, num_q_heads, d_pad)``, rotated) and returns True; returns False, having
+    written nothing, when the scratch is too small (:func:`varlen_prefix_bytes`).
+
+    Nothing is read on the host (no sync): ``cu_seqlens_k``, each chunk row's place and the
+    guards are device tensors, and no write leaves the scratch's rows whatever the metadata.
+    NaN output rows for a sequence that breaks the bounds — a prefix above ``max_prefix`` or
+    below 0, the prefixes up to it above ``prefix_tokens``, ``cu_seqlens_q`` decreasing or
+    past ``total_q``, a prefix page that is −1 / out of range or beyond the block table
+    (engines' live prefixes have valid pages; the Triton paths would mask such tokens) — and
+    for query rows outside every sequence."""
+    tq, d_pad = query.shape[0], query.shape[2]
+    hkv = key.shape[1]
+    ns = seq_lens.shape[0]
+    cap = prefix_tokens + tq                    # rows: the prefixes at their bound + chunks
+    need = varlen_prefix_bytes(prefix_tokens, tq, hkv, loader.head_dim, dot_dtype)
+    if scratch.numel() * scratch.element_size() < need:
+        return False
+    flat = scratch.view(-1).view(torch.uint8)[:need].view(dot_dtype)
+    pk, pv = flat.view(2, cap + 1, hkv, d_pad)   # row ``cap``: where stray chunk rows go
+    dev, i32 = query.device, torch.int32
+    # query ranges clipped to [0, total_q] and made non-decreasing: what the attention and the
+    # dequant kernel see; a sequence whose range this changed is broken (NaN rows below)
+    cu = cu_seqlens_q.clamp(0, tq).cummax(0).values.to(i32)
+    q_len = cu[1:] - cu[:-1]
+    prefix = seq_lens - q_len
+    pre = prefix.clamp(0, max_prefix)
+    ends = torch.cumsum(pre + q_len, 0)         # int64: past ``cap`` only on broken promises
+    cu_k = torch.zeros(ns + 1, dtype=i32, device=dev)
+    cu_k[1:] = ends.clamp(max=cap)
+    bs = loader.block_size
+    npages = (pre + bs - 1) // bs
+    needed = torch.arange(block_table.shape[1], device=dev)[None, :] < npages[:, None]
+    bad_page = (needed & ((block_table < 0) | (block_table >= num_blocks))).any(1)
+    changed = cu != cu_seqlens_q
+    broken = (changed[:-1] | changed[1:] | (prefix != pre) | bad_page | (ends > cap)
+              | (npages > block_table.shape[1]))
+    _dequant_prefix(cu, seq_lens, block_table, num_blocks, kargs, vargs, fetch, dequant,
+                    loader, pk, pv, max_prefix, ns, hkv, d_pad, row0=cu_k, row_limit=cap)
+    # chunk row t of sequence s goes to row cu_k[s] + pre[s] + (t − cu[s]) = t + (ends[s] −
+    # cu[s+1]); rows outside every sequence or the scratch's rows go to the spare row
+    t = torch.arange(tq, device=dev)
+    seq = torch.searchsorted(cu[1:], t.to(i32), right=True).clamp(max=max(ns - 1, 0))
+    inside = (t >= cu[seq]) & (t < cu[seq + 1])
+    dst = t + ends[seq] - cu[seq + 1]
+    dst = torch.where(inside & (dst < cap), dst, cap)
+    pk.index_copy_(0, dst, key)       # the chunk's rotated rows (dot dtype already)
+    pv.index_copy_(0, dst, value)
+    o = check_dense_output(dense_attention(query, pk[:cap], pv[:cap], cu, cu_k, max_query_len,
+                                           max_prefix + max_query_len, scale, window), query)
+    out.copy_(o)
+    out.masked_fill_((~inside | broken[seq])[:, None, None], float("nan"))
     return True
 
 
