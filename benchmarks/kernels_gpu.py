@@ -610,6 +610,78 @@ def mixed_prefill_rows(copy_gbs, chunk=512, num_rows=32):
     torch.cuda.empty_cache()
 
 
+def prefix_hits_rows(copy_gbs):
+    """Prefill rows with cached prefixes (prefix-cache / radix hits, chunked continuations)
+    at Qwen3-8B-like heads, K4V4, bf16: ``R`` rows with a ``P``-token compressed prefix and a
+    ``C``-token chunk, one :func:`prefill` call each way. Baseline (x_default = 1): the
+    decompress-once Triton loop, what such a run took before session 23 (and still does
+    without a dense_attention callable); ``varlen path``: every prefix decompressed once
+    and packed with its chunk's rotated rows, ONE call of PyTorch's varlen FlashAttention-2
+    (TorchVarlenAttention; the engines pass their own FA3 the same way); ``bf16 FA2``: the
+    same FlashAttention over the raw bf16 prefix + chunk in model space, no cache (what a
+    bf16 engine does, the floor). Also the varlen path's max abs difference to the Triton
+    loop."""
+    from tkv.kernels import TorchVarlenAttention, varlen_prefix_bytes
+    hq, hkv, d, block = 32, 8, 128, 16
+    fa = TorchVarlenAttention()
+    ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, block)
+    for R, P, C in ((32, 1024, 512), (8, 4096, 2048), (2, 8192, 8192), (1, 16384, 16384)):
+        seq = [P + C] * R
+        nb = [-(-n // block) for n in seq]
+        nblk = sum(nb)
+        perm = torch.randperm(nblk, device=DEV).int()
+        bt = torch.full((R, max(nb)), -1, dtype=torch.int32, device=DEV)
+        at = 0
+        for i, n in enumerate(nb):
+            bt[i, :n] = perm[at:at + n]
+            at += n
+        cu = torch.arange(0, (R + 1) * C, C, dtype=torch.int32, device=DEV)
+        cu_k = torch.arange(0, (R + 1) * (P + C), P + C, dtype=torch.int32, device=DEV)
+        sl = torch.tensor(seq, dtype=torch.int32, device=DEV)
+        total = R * C
+        q = torch.randn(total, hq, d, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(total, hkv, d, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        kf = torch.randn(R * (P + C), hkv, d, device=DEV, dtype=torch.bfloat16)
+        vf = torch.randn_like(kf)
+        out = torch.empty_like(q)
+        cache = tkv_cache(ld, nblk, device=DEV)
+        scratch = torch.empty(max(dense_prefix_bytes(R, P, hkv, d, block_size=block),
+                                  varlen_prefix_bytes(R * P, total, hkv, d)),
+                              dtype=torch.uint8, device=DEV)
+        base = dict(kernel="prefix_hits", rows=R, prefix=P, chunk=C, Hq=hq, Hkv=hkv, D=d)
+        flops = 4 * hq * d * R * (C * P + C * C / 2)
+
+        def triton_loop():
+            prefill(q, k, v, cu, sl, C, cache, bt, ld, out=out, max_prefix_len=P,
+                    scratch=scratch)
+
+        def varlen():
+            prefill(q, k, v, cu, sl, C, cache, bt, ld, out=out, max_prefix_len=P,
+                    scratch=scratch, dense_attention=fa, prefix_tokens=R * P)
+
+        def floor():
+            fa(q, kf, vf, cu, cu_k, C, P + C, d ** -0.5, 0)
+
+        ref = None
+        for impl, fn in (("Triton loop (before, baseline)", triton_loop),
+                         ("varlen path (torch FA2)", varlen), ("bf16 FA2 (floor)", floor)):
+            ms = timed_row(base, impl, fn, ref_ms=ref)
+            if ms is not None:
+                ROWS[-1]["TFLOPs"] = round(flops / ms / 1e9, 1)
+            ref = ref if ref is not None else ms
+        try:
+            triton_loop()
+            a = out.clone()
+            varlen()
+            log({**base, "impl": "varlen vs Triton loop: max abs diff",
+                 "value": float((a.float() - out.float()).abs().max())})
+        except Exception as e:
+            log({**base, "impl": "varlen vs Triton loop", "error": str(e)[:160]})
+        del cache, scratch, kf, vf
+        torch.cuda.empty_cache()
+
+
 def sink_rows(copy_gbs):
     """What sink offsets cost: the same kernels with a K4V4 codec without and with K and V sink
     offsets (random per-head σ; in the decode/prefill caches a third of the tokens flagged),
@@ -1354,6 +1426,9 @@ def main():
     ap.add_argument("--mixed-prefill", action="store_true",
                     help="alone: vLLM's chunked-prefill mixed step at kernel level, one call "
                          "vs runs, and the rotate_rows launch sweep (mixed_prefill_rows)")
+    ap.add_argument("--prefix-hits", action="store_true",
+                    help="alone: prefill rows with cached prefixes, the Triton loop vs the "
+                         "varlen path through FlashAttention (prefix_hits_rows)")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
@@ -1385,7 +1460,8 @@ def main():
     # pipelining sweeps together)
     stages = [fn for flag, fn in ((a.stages_small, stage_small_rows), (a.stages, stage_rows))
               if flag]
-    alone = next((fns for flag, fns in ((a.mixed_prefill, [mixed_prefill_rows]),
+    alone = next((fns for flag, fns in ((a.prefix_hits, [prefix_hits_rows]),
+                                        (a.mixed_prefill, [mixed_prefill_rows]),
                                         (a.split_rule, [split_rule_rows]),
                                         (a.smollm2_step, [smollm2_step_rows]),
                                         (bool(stages), stages), (a.qrot, [qrot_rows]),

@@ -195,6 +195,45 @@ def test_prefill_dense_attention_paths_match_and_never_sync():
         assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize("window", [0, 700])
+def test_prefill_varlen_path_through_torch_flash_matches_triton(window):
+    """Prefix-cache hits on the GPU: four sequences with compressed prefixes (1,000 / 1 /
+    333 / 4,097 tokens) and chunks of 300 / 17 / 129 / 64 tokens through PyTorch's own varlen
+    FlashAttention (TorchVarlenAttention: the varlen path, one call, no stream sync) equal the
+    decompress-once Triton loop, with and without a sliding window; a first-chunk batch
+    through it equals the Triton bypass."""
+    from tkv.kernels import TorchVarlenAttention, dense_prefix_bytes, varlen_prefix_bytes
+
+    lens, q_lens = (1300, 18, 462, 4161), (300, 17, 129, 64)
+    prefix = [n - q for n, q in zip(lens, q_lens, strict=True)]
+    ld, batch, cache, hq = _setup(seed=11, lens=lens)
+    tq = sum(q_lens)
+    q = torch.randn(tq, hq, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tq, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    scratch = torch.empty(max(varlen_prefix_bytes(sum(prefix), tq, 8, 128),
+                              dense_prefix_bytes(4, max(prefix), 8, 128, block_size=16)),
+                          dtype=torch.uint8, device="cuda")
+    args = (q, k, v, cu, batch.seq_lens, max(q_lens), cache, batch.block_table, ld)
+    kw = dict(max_prefix_len=max(prefix), scratch=scratch, window=window)
+    tri = prefill(*args, **kw)
+    fa = TorchVarlenAttention()
+    torch.cuda.synchronize()
+    with no_stream_sync():
+        got = prefill(*args, **kw, dense_attention=fa, prefix_tokens=sum(prefix))
+    rel = ((got.float() - tri.float()).norm() / tri.float().norm()).item()
+    assert rel < 1e-2, rel
+    first = cu[1:] - cu[:-1]
+    a = prefill(q, k, v, cu, first, max(q_lens), cache, batch.block_table, ld, no_prefix=True,
+                window=window)
+    b = prefill(q, k, v, cu, first, max(q_lens), cache, batch.block_table, ld, no_prefix=True,
+                window=window, dense_attention=fa)
+    rel = ((a.float() - b.float()).norm() / a.float().norm()).item()
+    assert rel < 1e-2, rel
+
+
 def test_sink_offsets_match_reference_on_gpu():
     """Sink offsets with 16-bit dots and the CUDA lookups (prmti at K4V4, pair at 3 bits):
     compress_store then decode, and the three prefill paths (inline, decompress-once, SDPA),

@@ -1843,3 +1843,36 @@ def test_check_metadata_shapes_and_lengths_without_a_block_table():
         with pytest.raises(MetadataError, match=match):
             check_metadata(4, 16, **kw)
     check_metadata(4, 16, seq_lens=sl, cu_seqlens_q=torch.tensor([0, 2, 5]), total_q=5)
+
+
+def test_torch_varlen_attention_maps_the_dense_contract(monkeypatch):
+    """TorchVarlenAttention hands PyTorch's varlen_attn its own argument names: positional
+    cu_seqlens and max lengths, ``scale=``, tkv's window as ``window_size=(window − 1, 0)``,
+    causal ``(-1, 0)`` without one — checked through the varlen path and the bypass against
+    the float64 oracle with a stand-in for varlen_attn (the real one needs CUDA: test_gpu)."""
+    from tkv.kernels import TorchVarlenAttention
+
+    fa = TorchVarlenAttention()
+    seen = []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+        assert isinstance(max_q, int) and isinstance(max_k, int) and window_size[1] == 0
+        seen.append(window_size)
+        left = window_size[0]
+        return SdpaDenseAttention()(q, k, v, cu_q, cu_k, max_q, max_k, scale,
+                                    0 if left == -1 else left + 1)
+
+    monkeypatch.setattr(fa, "_varlen", stand_in)
+    assert fa.first_chunks and not fa.writes_out and "first_chunks=True" in repr(fa)
+    codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=4)
+    ld = TkvLoader(codec, 2, 16)
+    scratch = torch.full((1 << 18,), float("nan"), device=DEV)
+    tol = max(_tol(torch.float16), 1e-3)
+    for window in (0, 9):
+        _prefill_check(ld, [30, 12], [40, 5], 2, seed=5, window=window, max_prefix_len=30,
+                       scratch=scratch, dense_attention=fa, tol=tol)
+        _prefill_check(ld, [0, 0], [21, 6], 2, seed=6, window=window, no_prefix=True,
+                       dense_attention=fa, tol=tol)
+    assert seen == [(-1, 0), (-1, 0), (8, 0), (8, 0)]
+    with pytest.raises(ValueError, match="first_chunks"):
+        TorchVarlenAttention(first_chunks=1)

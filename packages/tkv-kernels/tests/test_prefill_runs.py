@@ -14,13 +14,13 @@ from tkv.kernels import MAX_PREFILL_RUNS, PrefillRun, plan_prefill_runs
 def test_vllm_chunked_prefill_step_splits_continuation_from_first_chunks():
     # after the decode rows: the prompt cut at the previous step's budget, then new prompts
     runs = plan_prefill_runs([480, 512, 512, 512], [32, 0, 0, 0], exact_min_query_len=1)
-    assert runs == (PrefillRun(0, 1, 0, 480, 480, 32, False, True),
-                    PrefillRun(1, 4, 480, 2016, 512, 0, True, False))
+    assert runs == (PrefillRun(0, 1, 0, 480, 480, 32, False, True, 32),
+                    PrefillRun(1, 4, 480, 2016, 512, 0, True, False, 0))
 
 
 def test_no_prefix_lengths_is_one_inline_run():
     assert plan_prefill_runs([4, 9, 2], None) == (PrefillRun(0, 3, 0, 15, 9, None, False,
-                                                             False),)
+                                                             False, None),)
 
 
 def test_short_single_row_is_not_exact_below_the_threshold():
@@ -37,7 +37,7 @@ def test_empty_rows_are_tolerated():
     runs = plan_prefill_runs([0, 5, 0], [0, 3, 3])
     assert [(r.row_lo, r.row_hi, r.tok_lo, r.tok_hi) for r in runs] == [(0, 1, 0, 0), (1, 3, 0, 5)]
     assert not any(r.prefix_exact for r in runs)
-    assert plan_prefill_runs([0], [0]) == (PrefillRun(0, 1, 0, 0, 0, 0, True, False),)
+    assert plan_prefill_runs([0], [0]) == (PrefillRun(0, 1, 0, 0, 0, 0, True, False, 0),)
 
 
 def test_too_many_alternations_fall_back_to_one_call():
@@ -73,6 +73,7 @@ def test_runs_cover_rows_in_order_and_agree_with_the_rows(rows, max_runs, thresh
         rq, rp = q[r.row_lo:r.row_hi], p[r.row_lo:r.row_hi]
         assert r.tok_hi - r.tok_lo == sum(rq) and r.tok_lo == sum(q[:r.row_lo])
         assert r.max_query_len == max(rq) and r.max_prefix_len == max(rp)
+        assert r.prefix_tokens == sum(rp)
         assert r.no_prefix == (max(rp) == 0)
         assert r.prefix_exact == (len(rq) == 1 and rp[0] > 0 and rq[0] > threshold)
         if len(runs) > 1:   # a split never mixes rows with and without a prefix

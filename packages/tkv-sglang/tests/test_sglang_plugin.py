@@ -495,6 +495,55 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
     assert calls == ([(27, 4, 64), (11, 4, 64)] if flash else [])
 
 
+@pytest.mark.skipif(not _TRITON_OK, reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("flash", [False, True])
+def test_triton_impl_radix_hits_take_one_varlen_call(sgl, fakes, tkv_env, bundle_file,
+                                                     monkeypatch, flash):
+    """Two requests whose prompts start with cached pages (radix-cache hits: 16 and 32 cached
+    tokens) extend by 70 and 40 tokens: one run of two rows with a prefix. ``flash`` (a fake
+    sgl-kernel varlen as TKV_PREFILL_ATTENTION=flash binds it): the kernels' varlen path —
+    ONE call, 110 query rows over 48 + 110 packed key rows (``prefix_tokens`` from
+    extend_prefix_lens_cpu, the scratch sized for exactly that); else the decompress-once
+    Triton loop. Equal to the reference either way."""
+    tkv_env("4.5", bundle_file)
+    monkeypatch.setenv("TKV_SGLANG_IMPL", "triton")
+    w = World(sgl, fakes, monkeypatch)
+    calls = []
+    if flash:
+        from tkv.kernels import FlashVarlenAttention
+        from tkv.kernels.testing import reference_flash_varlen
+
+        def fake_varlen(q, k, v, out=None, **kw):
+            calls.append((tuple(q.shape), tuple(k.shape), kw["max_seqlen_k"]))
+            return reference_flash_varlen(q, k, v, out=out, **kw)
+
+        w.backend.dense_attention = FlashVarlenAttention(fake_varlen, ver=3)
+    FM = sgl.ForwardMode
+    bf = torch.bfloat16
+    for row, pages in ((1, [6, 1, 10, 3, 14, 8]), (2, [2, 9, 5, 12, 0])):
+        w.req_to_token[row, : len(pages) * PAGE] = torch.cat(
+            [torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages]).int()
+        w.k[row] = w.rand(len(pages) * PAGE, 2, 64).to(bf).float()
+        w.v[row] = w.rand(len(pages) * PAGE, 2, 64).to(bf).float()
+    # the cached prefixes, stored by an earlier extend (first chunks: the bypass, no call when
+    # flash is off; one when on)
+    for rows, prev, lens in (([1, 2], [0, 0], [16, 32]), ([1, 2], [16, 32], [86, 72])):
+        ext = [n - p for n, p in zip(lens, prev, strict=True)]
+        fb = w.batch(FM.EXTEND, rows, lens, ext)
+        w.backend.init_forward_metadata(fb)
+        q = w.rand(sum(ext), 4, 64).to(bf)
+        kk = torch.cat([w.k[r][p:n] for r, p, n in zip(rows, prev, lens, strict=True)]).to(bf)
+        vv = torch.cat([w.v[r][p:n] for r, p, n in zip(rows, prev, lens, strict=True)]).to(bf)
+        o = w.backend.forward_extend(q.reshape(len(q), -1), kk.reshape(len(q), -1),
+                                     vv.reshape(len(q), -1), w.layer, fb)
+        exp = w.expected(rows, lens, q.float(), ext, chunk_exact=True)
+        assert torch.allclose(o.view(-1, 4, 64).double(), exp, atol=3e-2, rtol=3e-2)
+    (run,) = w.backend.forward_metadata.runs
+    assert (run.max_prefix_len, run.prefix_tokens, run.no_prefix) == (32, 48, False)
+    assert calls == ([((48, 4, 64), (48, 2, 64), 32), ((110, 4, 64), (158, 2, 64), 102)]
+                     if flash else [])
+
+
 def test_prefill_attention_choice_is_validated(sgl, monkeypatch):
     """TKV_PREFILL_ATTENTION in the SGLang backend: unset = tkv (sgl-kernel's FA3 prefill was
     slower on the H200, session 16); auto falls back where FA3 cannot run (CPU, a GPU FA3 does

@@ -183,9 +183,14 @@ def run(spec_k: int) -> float:
                     worst = max(worst, long_continuation_step(
                         impl, layer, shape, builder, window, CommonAttentionMetadata,
                         gather_kv, li))
-                # flash: the first chunks (one call) and the exact-prefix continuation (one
-                # call, not with a window: the Triton loop serves windows)
-                assert len(calls) == (0 if not flash else 1 if window else 2), (flash, calls)
+                    worst = max(worst, prefix_hits_step(
+                        impl, layer, shape, builder, window, CommonAttentionMetadata,
+                        gather_kv, li))
+                # flash: the first chunks (one call), the exact-prefix continuation (one call)
+                # and the two prefix-cache hits (one varlen call), windows included
+                assert len(calls) == (3 if flash else 0), (flash, calls)
+                if flash:   # the hits' call: 79 query rows, 48 + 79 packed key rows
+                    assert (calls[2][0][0], calls[2][1][0]) == (79, 127), calls
     return worst
 
 
@@ -260,6 +265,59 @@ def long_continuation_step(impl, layer, shape, builder, window, CommonAttentionM
     tag = "flash " if impl._tkv_state.dense_attention is not None else ""
     print(f"{tag}long continuation layer {li} window={window}: rel err {err:.2e}")
     return err
+
+
+def prefix_hits_step(impl, layer, shape, builder, window, CommonAttentionMetadata, gather_kv,
+                     li):
+    """Two requests whose prompts start with cached blocks (prefix-cache hits: 16 and 32
+    cached tokens) and chunks of 70 and 9 tokens: one prefill run of two rows with a prefix
+    (no exact promise). Through FlashAttention (faked) they take the kernels' varlen path —
+    ONE call over both prefixes packed with their chunks (``prefix_tokens`` = 48 from vLLM's
+    CPU lengths: 48 + 79 key rows); with tkv's kernels the decompress-once Triton loop. Equal
+    to the reference either way."""
+    hq, hd, hkv, bs = impl.num_heads, impl.head_size, impl.num_kv_heads, 16
+    ctx, q_lens = [16, 32], [70, 9]
+    cache = torch.zeros(shape, dtype=torch.uint8)
+    bt = torch.tensor([[5, 1, 8, 10, 3, 0], [2, 11, 6, 9, 0, 0]], dtype=torch.int32)
+
+    def slots(r, positions):
+        return torch.tensor([int(bt[r, p // bs]) * bs + p % bs for p in positions],
+                            dtype=torch.int64)
+    for r, c in enumerate(ctx):
+        kc = torch.randn(c, hkv, hd, dtype=torch.bfloat16)
+        impl.do_kv_cache_update(layer, kc, torch.randn_like(kc), cache, slots(r, range(c)))
+    n = sum(q_lens)
+    q = torch.randn(n, hq, hd, dtype=torch.bfloat16)
+    k = torch.randn(n, hkv, hd, dtype=torch.bfloat16)
+    v = torch.randn(n, hkv, hd, dtype=torch.bfloat16)
+    sm = torch.cat([slots(r, range(c, c + ql)) for r, (c, ql) in enumerate(zip(ctx, q_lens,
+                                                                               strict=True))])
+    impl.do_kv_cache_update(layer, k, v, cache, sm)
+    qsl = torch.tensor([0, 70, 79], dtype=torch.int32)
+    sl = torch.tensor([c + ql for c, ql in zip(ctx, q_lens, strict=True)], dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=sl, num_reqs=2,
+        num_actual_tokens=n, max_query_len=70, max_seq_len=86, block_table_tensor=bt,
+        slot_mapping=sm, seq_lens_cpu_upper_bound=sl.clone())
+    md = builder.build(0, cam)
+    (run,) = md.prefill_runs
+    assert (md.num_prefills, run.max_prefix_len, run.prefix_tokens, run.prefix_exact,
+            run.no_prefix) == (2, 32, 48, False, False), md
+    out = torch.full((n, hq, hd), float("nan"), dtype=torch.bfloat16)
+    st = impl._tkv_state
+    impl.forward(layer, q, k, v, cache, md, output=out)
+    loader = impl._tkv_state.loader(bs)
+    worst = 0.0
+    for r in range(2):
+        a, b = int(qsl[r]), int(qsl[r + 1])
+        kcache, vcache = gather_kv(cache, loader, bt[r], int(sl[r]))
+        ref = reference(q[a:b], k[a:b], v[a:b], kcache, vcache, ctx[r], window, hd ** -0.5,
+                        decode=False)
+        err = (out[a:b].double() - ref).abs().max().item() / ref.abs().max().item()
+        worst = max(worst, err)
+    tag = "flash " if st.dense_attention is not None else ""
+    print(f"{tag}prefix-cache hits layer {li} window={window}: rel err {worst:.2e}")
+    return worst
 
 
 def first_prefill_step(impl, layer, shape, builder, window, CommonAttentionMetadata, li):

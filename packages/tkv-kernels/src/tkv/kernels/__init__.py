@@ -19,6 +19,7 @@ from .dense_attention import (
     FlashVarlenAttention,
     PrefillAttentionConfigError,
     SdpaDenseAttention,
+    TorchVarlenAttention,
     flash_device,
     prefill_attention_from_env,
 )
@@ -107,6 +108,7 @@ __all__ = [
     "SingleSplitConfigError",
     "SmallHeadGroupsConfigError",
     "TkvLoader",
+    "TorchVarlenAttention",
     "Workspace",
     "WorkspaceTooSmallError",
     "check_metadata",

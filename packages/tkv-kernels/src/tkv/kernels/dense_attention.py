@@ -26,8 +26,8 @@ import torch
 from tkv.codec.errors import DeviceMismatchError, DtypeError, ShapeError, TkvError
 
 __all__ = ["ENV_PREFILL_ATTENTION", "DenseAttention", "FlashDevice", "FlashVarlenAttention",
-           "PrefillAttentionConfigError", "SdpaDenseAttention", "check_dense_output",
-           "flash_device", "prefill_attention_from_env"]
+           "PrefillAttentionConfigError", "SdpaDenseAttention", "TorchVarlenAttention",
+           "check_dense_output", "flash_device", "prefill_attention_from_env"]
 
 _log = logging.getLogger(__name__)
 
@@ -267,6 +267,45 @@ class FlashVarlenAttention:
         kw = ", ".join(f"{k}={v!r}" for k, v in (
             self.extra if self.first_chunks else {"first_chunks": False, **self.extra}).items())
         return f"FlashVarlenAttention({name}{', ' + kw if kw else ''})"
+
+
+class TorchVarlenAttention:
+    """A :class:`DenseAttention` over PyTorch's own varlen FlashAttention,
+    ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch ≥ 2.10; CUDA,
+    float16 / bfloat16 rows, GQA by head counts) — for callers without an engine kernel, e.g.
+    ``tkv-codec`` + ``tkv-kernels`` inside a FlashInfer stack, and for benchmarks on a bare
+    GPU. No host sync (the cu_seqlens stay on the device).
+
+    Args:
+        first_chunks: also run first chunks (the prefill bypass); False: only the paths over
+            a decompressed prefix.
+
+    tkv's window (keys with ``q_pos − k_pos < window``) is ``window_size=(window − 1, 0)``;
+    no window is ``(-1, 0)`` (causal, bottom-right aligned when a sequence has more keys
+    than queries). ``writes_out`` is False: ``varlen_attn`` has no ``out=``.
+
+    Raises:
+        ImportError: this PyTorch has no ``torch.nn.attention.varlen`` (before 2.10).
+    """
+
+    writes_out = False
+
+    def __init__(self, *, first_chunks: bool = True):
+        if not isinstance(first_chunks, bool):
+            raise ValueError(f"first_chunks must be a bool, got {first_chunks!r}")
+        from torch.nn.attention.varlen import varlen_attn
+
+        self._varlen = varlen_attn
+        self.first_chunks = first_chunks
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 scale, window):
+        return self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                            int(max_seqlen_k), scale=float(scale),
+                            window_size=(int(window) - 1, 0) if window else (-1, 0))
+
+    def __repr__(self) -> str:
+        return f"TorchVarlenAttention(first_chunks={self.first_chunks})"
 
 
 def check_dense_output(o, q: torch.Tensor) -> torch.Tensor:

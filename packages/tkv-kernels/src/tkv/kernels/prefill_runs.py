@@ -41,7 +41,9 @@ class PrefillRun:
     ``max_prefix_len``: the longest cached prefix (tokens; None when the engine gave no prefix
     lengths) — the call's ``max_prefix_len``. ``no_prefix``: every row is a first chunk — the
     call's ``no_prefix``. ``prefix_exact``: one row whose prefix the engine knows exactly —
-    the call's ``exact_prefix``.
+    the call's ``exact_prefix``. ``prefix_tokens``: the sum of the rows' cached prefixes
+    (tokens; None without prefix lengths) — the call's ``prefix_tokens``, which sizes the
+    varlen path's packed rows.
     """
 
     row_lo: int
@@ -52,6 +54,7 @@ class PrefillRun:
     max_prefix_len: int | None
     no_prefix: bool
     prefix_exact: bool
+    prefix_tokens: int | None
 
 
 def plan_prefill_runs(query_lens: Sequence[int], prefix_lens: Sequence[int] | None, *,
@@ -86,7 +89,7 @@ def plan_prefill_runs(query_lens: Sequence[int], prefix_lens: Sequence[int] | No
         return ()
     tok = [0, *accumulate(q)]
     if prefix_lens is None:
-        return (PrefillRun(0, len(q), 0, tok[-1], max(q), None, False, False),)
+        return (PrefillRun(0, len(q), 0, tok[-1], max(q), None, False, False, None),)
     p = [int(x) for x in prefix_lens]
     if len(p) != len(q) or any(x < 0 for x in p):
         raise ValueError(f"prefix_lens must be {len(q)} ints ≥ 0, got {p}")
@@ -97,5 +100,6 @@ def plan_prefill_runs(query_lens: Sequence[int], prefix_lens: Sequence[int] | No
     for a, b in zip(cuts, [*cuts[1:], len(q)], strict=True):
         mp = max(p[a:b])
         runs.append(PrefillRun(a, b, tok[a], tok[b], max(q[a:b]), mp, mp == 0,
-                               b - a == 1 and mp > 0 and q[a] > exact_min_query_len))
+                               b - a == 1 and mp > 0 and q[a] > exact_min_query_len,
+                               sum(p[a:b])))
     return tuple(runs)

@@ -195,23 +195,32 @@ class TurboAttnBackend(AttentionBackend):
         return self.workspace
 
     def _scratch_for(self, num_seqs: int, max_prefix_len: int | None, num_kv_heads: int,
-                     dtype: torch.dtype, max_query_len: int = 0) -> torch.Tensor | None:
+                     dtype: torch.dtype, max_query_len: int = 0, prefix_tokens: int | None = None,
+                     num_tokens: int = 0) -> torch.Tensor | None:
         """The decompress-once prefill scratch for this extend (grown on demand — extend
         runs eagerly, never inside a captured graph — up to DENSE_PREFIX_CAP bytes); None
-        when the batch's prefixes need more (the kernels then read the prefix inline). One
-        sequence: room for its prefix AND its chunk (``max_query_len`` tokens), which the
-        kernels' SDPA path (``exact_prefix``) lays out after the prefix."""
-        from tkv.kernels import DENSE_PREFIX_CAP, dense_prefix_bytes
+        when the batch's prefixes need more (the kernels then read the prefix inline). With a
+        dense_attention (FlashAttention) bound and ``prefix_tokens`` known: room for the
+        varlen path's packed rows (the run's prefixes and its ``num_tokens`` chunk tokens,
+        :func:`tkv.kernels.varlen_prefix_bytes`). Else one sequence: room for its prefix AND
+        its chunk (``max_query_len`` tokens), which the kernels' SDPA path (``exact_prefix``)
+        lays out after the prefix; several: their prefixes in whole pages."""
+        from tkv.kernels import DENSE_PREFIX_CAP, dense_prefix_bytes, varlen_prefix_bytes
 
         if not max_prefix_len:
             return None
-        rows = max_prefix_len + (max_query_len if num_seqs == 1 else 0)
-        need = dense_prefix_bytes(num_seqs, rows, num_kv_heads, self.head_dim, dtype,
-                                  block_size=self.page_size)
-        if need > DENSE_PREFIX_CAP and rows > max_prefix_len:   # the Triton dense path's size
-            rows = max_prefix_len
+        need = DENSE_PREFIX_CAP + 1
+        if self.dense_attention is not None and prefix_tokens is not None:
+            need = varlen_prefix_bytes(prefix_tokens, num_tokens, num_kv_heads, self.head_dim,
+                                       dtype)
+        if need > DENSE_PREFIX_CAP:
+            rows = max_prefix_len + (max_query_len if num_seqs == 1 else 0)
             need = dense_prefix_bytes(num_seqs, rows, num_kv_heads, self.head_dim, dtype,
                                       block_size=self.page_size)
+            if need > DENSE_PREFIX_CAP and rows > max_prefix_len:  # the Triton dense path's
+                rows = max_prefix_len
+                need = dense_prefix_bytes(num_seqs, rows, num_kv_heads, self.head_dim, dtype,
+                                          block_size=self.page_size)
         if need > DENSE_PREFIX_CAP:
             return None
         if self._prefill_scratch is None or self._prefill_scratch.numel() < need:
@@ -360,8 +369,9 @@ class TurboAttnBackend(AttentionBackend):
                         sm_scale=layer.scaling, window=win, no_prefix=run.no_prefix,
                         max_prefix_len=run.max_prefix_len,
                         scratch=self._scratch_for(r1 - r0, run.max_prefix_len, hkv, q3.dtype,
-                                                  run.max_query_len),
-                        exact_prefix=run.prefix_exact, dense_attention=self.dense_attention)
+                                                  run.max_query_len, run.prefix_tokens, b - a),
+                        exact_prefix=run.prefix_exact, dense_attention=self.dense_attention,
+                        prefix_tokens=run.prefix_tokens)
                 if run.no_prefix and b > a and lid not in self._prefix_variant_warm:
                     # compile the prefix-reading variant now, not at the first continuation
                     self._prefix_variant_warm.add(lid)

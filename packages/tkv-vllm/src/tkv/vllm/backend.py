@@ -419,7 +419,8 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
                             kv_cache, md.block_table[r0:r1], loader, out=out[a:b],
                             sm_scale=self.scale, window=self._window, no_prefix=run.no_prefix,
                             max_prefix_len=run.max_prefix_len, scratch=scratch,
-                            exact_prefix=run.prefix_exact, dense_attention=st.dense_attention)
+                            exact_prefix=run.prefix_exact, dense_attention=st.dense_attention,
+                            prefix_tokens=run.prefix_tokens)
             if run.no_prefix and b > a and not self._prefix_variant_warm:
                 # compile the prefix-reading variant now, not at the first continuation chunk
                 self._prefix_variant_warm = True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tkv.kernels import DENSE_PREFIX_CAP, Workspace, dense_prefix_bytes
+from tkv.kernels import DENSE_PREFIX_CAP, Workspace, dense_prefix_bytes, varlen_prefix_bytes
 
 __all__ = ["shared_prefill_scratch", "shared_workspace"]
 
@@ -67,15 +67,18 @@ def shared_prefill_scratch(device: torch.device | str, max_model_len: int | None
     With sizes (at bind time, before memory profiling so vLLM budgets it): create or grow it
     to hold one sequence's prefix of ``max_model_len`` tokens in whole pages of ``block_size``
     (K and V, 16-bit rows of
-    ``num_kv_heads`` heads — :func:`tkv.kernels.dense_prefix_bytes`), capped at
-    :data:`tkv.kernels.DENSE_PREFIX_CAP` bytes; batches whose prefixes do not fit take the inline
-    path. Without sizes: the existing buffer, or None."""
+    ``num_kv_heads`` heads — :func:`tkv.kernels.dense_prefix_bytes`) and ``max_model_len``
+    packed rows of prefixes and chunks (the varlen path through FlashAttention,
+    :func:`tkv.kernels.varlen_prefix_bytes`: a run's prefixes plus its chunk tokens), capped
+    at :data:`tkv.kernels.DENSE_PREFIX_CAP` bytes; batches whose prefixes do not fit take the
+    inline path. Without sizes: the existing buffer, or None."""
     key = _key(device)
     buf = _PREFILL_SCRATCH.get(key)
     if max_model_len is None:
         return buf
-    need = min(DENSE_PREFIX_CAP, dense_prefix_bytes(1, int(max_model_len), int(num_kv_heads),
-                                                       int(head_dim), block_size=int(block_size)))
+    n, h, d = int(max_model_len), int(num_kv_heads), int(head_dim)
+    need = min(DENSE_PREFIX_CAP, max(dense_prefix_bytes(1, n, h, d, block_size=int(block_size)),
+                                     varlen_prefix_bytes(n, 0, h, d)))
     if buf is None or buf.numel() < need:
         buf = torch.empty(need, dtype=torch.uint8, device=key)
         _PREFILL_SCRATCH[key] = buf
