@@ -452,16 +452,21 @@ def test_prefill_runs_from_host_metadata():
 
 def test_prefill_scratch_sized_from_max_model_len_and_capped():
     """One process-wide prefill scratch per device: a whole max_model_len prefix of K and V
-    rows (16-bit, head_dim padded to a power of two), grown only, capped."""
-    from tkv.kernels import DENSE_PREFIX_CAP, dense_prefix_bytes
+    rows (16-bit, head_dim padded to a power of two) and the varlen path's max_model_len
+    packed rows plus its spare row, grown only, capped."""
+    from tkv.kernels import DENSE_PREFIX_CAP, dense_prefix_bytes, varlen_prefix_bytes
+    from tkv.kernels._util import interpreting
     from tkv.vllm import workspace as W
 
     W._PREFILL_SCRATCH.clear()
     try:
         assert W.shared_prefill_scratch("cpu") is None
         a = W.shared_prefill_scratch("cpu", 4096, 8, 96)
-        assert a.numel() == dense_prefix_bytes(1, 4096, 8, 128) == dense_prefix_bytes(1, 4096, 8, 96)
-        assert a.numel() % (2 * 4096 * 8 * 128 * 2) == 0    # K and V rows, head_dim padded to 128
+        assert dense_prefix_bytes(1, 4096, 8, 128) == dense_prefix_bytes(1, 4096, 8, 96)
+        assert a.numel() == varlen_prefix_bytes(4096, 0, 8, 96) > dense_prefix_bytes(1, 4096, 8, 96)
+        row = 2 * 8 * 128 * (4 if interpreting() else 2)   # the dot dtype's bytes
+        assert a.numel() == 4097 * row    # K and V rows, head_dim padded to 128, + 1 spare row
+        assert W.shared_prefill_scratch("cpu", 4096, 8, 96, block_size=64) is a   # same pages
         assert W.shared_prefill_scratch("cpu", 1024, 8, 96) is a      # smaller: kept
         assert W.shared_prefill_scratch("cpu") is a
         big = W.shared_prefill_scratch("cpu", 10**7, 64, 256)
