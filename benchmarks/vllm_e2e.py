@@ -557,6 +557,21 @@ def worker(args: argparse.Namespace) -> None:
                 llm, lambda: random_batch(n),
                 lambda t: SamplingParams(temperature=0.0, max_tokens=t, ignore_eos=True, **detok),
                 args.profile, Path(args.result).with_suffix(".profile.txt"))
+        if args.shared_prefix:
+            # prefix-cache hits: n prompts = one common prefix of ``shared_prefix`` tokens
+            # (a system prompt, cached by a first request, untimed) + 512 own tokens, so each
+            # request's prefill reads the prefix from the cache (tkv: compressed, the kernels'
+            # varlen path through FlashAttention since session 23)
+            n = max(args.batches)
+            shared = random_prompt_ids(rng, 1, args.shared_prefix)[0]
+
+            def hits():
+                return [TokensPrompt(prompt_token_ids=shared + ids)
+                        for ids in random_prompt_ids(rng, n)]
+            llm.generate(hits()[:1], one, use_tqdm=False)   # caches the prefix's blocks
+            llm.generate(hits(), SamplingParams(max_tokens=16, ignore_eos=True, **detok),
+                         use_tqdm=False)                      # warm-up, as for the batches
+            res["throughput"][f"{n}+cached{args.shared_prefix}"] = timed(hits, n)
         if args.long_prompt and args.max_model_len >= args.long_prompt + 256:
             def long():
                 return [TokensPrompt(prompt_token_ids=random_prompt_ids(
@@ -691,6 +706,7 @@ def run_mode(model: Path, weights: str, mode: str, bits: str | None, bundle: Pat
            "--mode", mode, "--result", str(result), "--gmu", str(opts.gmu),
            "--max-model-len", str(max_len), "--max-num-seqs", str(max(opts.batches)),
            "--long-prompt", str(long_prompt), "--tp", str(tp),
+           "--shared-prefix", str(getattr(opts, "shared_prefix", 0)),
            "--batches", *map(str, opts.batches), "--weights", weights,
            "--repeats", str(getattr(opts, "repeats", 3)),
            "--profile", str(getattr(opts, "profile", 0)), "--block-size", str(block_size)]
@@ -1448,6 +1464,9 @@ def main(argv: list[str] | None = None) -> int:
                            "(every run of the job: timings then include the front end's "
                            "host work too); table next to each run's JSON")
             a.add_argument("--long-prompt", type=int, default=32768)
+            a.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                           help="also time the largest batch with prefix-cache hits: every "
+                           "prompt a common TOKENS-token prefix (cached first) + 512 own tokens")
             a.add_argument("--long-max-model-len", type=int, default=33280)
             a.add_argument("--long-real", action="store_true",
                            help="also run the long prompt on real-weight models")
@@ -1497,6 +1516,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--max-model-len", type=int, default=4096)
     w.add_argument("--max-num-seqs", type=int, default=256)
     w.add_argument("--long-prompt", type=int, default=0)
+    w.add_argument("--shared-prefix", type=int, default=0)
     w.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     w.add_argument("--weights", choices=["real", "dummy", "random"], default="real")
     w.add_argument("--greedy-only", action="store_true")
