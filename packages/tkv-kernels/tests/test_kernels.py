@@ -1423,6 +1423,12 @@ def test_warm_prefix_variant_reads_token_0_and_writes_nothing():
     small = torch.full((1 << 16,), float("nan"), device=DEV)
     warm_prefix_variant(q2[:100], k2[:100], k2[:100], cache, batch.block_table, ld, scratch=small)
     assert torch.isnan(small).all()          # too few tokens for the dense path: not run
+    # with the engine's dense_attention: the varlen path too (one call of 129 query rows over
+    # the 1-token prefix + 129 chunk rows), after the Triton dense variant
+    spy = _SpyDense()
+    warm_prefix_variant(q2, k2, k2, cache, batch.block_table, ld, scratch=scratch,
+                        dense_attention=spy)
+    assert spy.calls == [((129, 8, 64), (130, 2, 64), 130, 0)] and torch.equal(cache, before)
 
 
 def test_prefill_tkv_fused_rotation_and_head_dim_256():

@@ -812,7 +812,8 @@ def dense_prefix_bytes(num_seqs: int, max_prefix_len: int, num_kv_heads: int, he
 def warm_prefix_variant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache,
                         block_table: torch.Tensor, loader: Loader, *,
                         sm_scale: float | None = None, window: int = 0,
-                        scratch: torch.Tensor | None = None) -> torch.Tensor | None:
+                        scratch: torch.Tensor | None = None,
+                        dense_attention: DenseAttention | None = None) -> torch.Tensor | None:
     """Compile the prefill variant that reads a compressed prefix, by running it once on a
     1-token chunk over a 1-token prefix into scratch; returns the scratch output (None when
     skipped). Engines call it right after their first ``prefill(..., no_prefix=True)``.
@@ -829,7 +830,9 @@ def warm_prefix_variant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     With ``scratch`` (the engine's prefill scratch) and a batch of more than
     ``_WARM_DENSE_TOKENS`` tokens, the decompress-once variant is compiled too: a chunk of
     that many of the batch's query rows over the same 1-token prefix (both variants' outputs
-    land in throwaway buffers; the returned one is the 1-token call's).
+    land in throwaway buffers; the returned one is the 1-token call's) — and, with the
+    engine's ``dense_attention``, once more through the varlen path (its packed dequant
+    kernel), which prefix-cache hits and continuation chunks take then.
 
     Args: as :func:`prefill` (``query`` ``(≥1, num_q_heads, head_dim)``, ``block_table`` int32
     ``(≥1, max_blocks_per_seq)``; only row 0 and token 0 are used).
@@ -847,7 +850,8 @@ def warm_prefix_variant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if scratch is not None and query.shape[0] >= n:
         cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
         seq_lens = torch.tensor([n + 1], dtype=torch.int32, device=dev)
-        prefill(query[:n], key[:n], value[:n], cu, seq_lens, n, cache, block_table[:1], loader,
-                out=torch.empty_like(query[:n]), sm_scale=sm_scale, window=window,
-                max_prefix_len=1, scratch=scratch)
+        for fn in (None, dense_attention) if dense_attention is not None else (None,):
+            prefill(query[:n], key[:n], value[:n], cu, seq_lens, n, cache, block_table[:1],
+                    loader, out=torch.empty_like(query[:n]), sm_scale=sm_scale, window=window,
+                    max_prefix_len=1, scratch=scratch, dense_attention=fn)
     return out

@@ -379,7 +379,9 @@ class TurboAttnBackend(AttentionBackend):
                                         md.block_table[r0:r1], loader, sm_scale=layer.scaling,
                                         window=win,
                                         scratch=self._scratch_for(1, self.page_size, hkv,
-                                                                  q3.dtype))
+                                                                  q3.dtype, b - a, 1,
+                                                                  b - a),
+                                        dense_attention=self.dense_attention)
         else:
             out.view(-1, hq, d).copy_(reference_attention(
                 self.pool, layer.layer_id, q3, k3, v3, self._token_locs(forward_batch),

@@ -426,5 +426,6 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
                 self._prefix_variant_warm = True
                 kernels.warm_prefix_variant(q[a:b], k[a:b], v[a:b], kv_cache,
                                             md.block_table[r0:r1], loader, sm_scale=self.scale,
-                                            window=self._window, scratch=scratch)
+                                            window=self._window, scratch=scratch,
+                                            dense_attention=st.dense_attention)
         return output
