@@ -944,23 +944,29 @@ def test_prefill_bypass_writes_into_out(detach):
 
 def test_nan_rows_with_prefix_touches_only_broken_sequences():
     """The first-chunk guard on strided output rows: NaN exactly in the rows (every head) of
-    sequences whose seq_len ≠ q_len, every other element bit-for-bit unchanged, empty
-    sequences and an empty batch fine."""
+    sequences whose seq_len ≠ q_len or with more rows than max_query_len (a varlen kernel's
+    grid would not cover them), and in rows of no sequence (before cu_seqlens_q[0], from
+    cu_seqlens_q[-1]); every other element bit-for-bit unchanged, empty sequences and an
+    empty batch fine."""
     from tkv.kernels.prefill import _nan_rows_with_prefix
 
     g = _gen(37)
-    big = torch.randn(25, 5, 40, generator=g).to(DEV, torch.bfloat16)
-    out = big[:, 1:4, :24]                            # strides (200, 40, 1): not contiguous
-    before = big.clone()
-    cu = torch.tensor([0, 3, 3, 10, 25], dtype=torch.int32, device=DEV)
-    sl = torch.tensor([3, 2, 9, 15], dtype=torch.int32, device=DEV)   # seqs 1 and 2 broken
-    _nan_rows_with_prefix(out, cu, sl)
-    want = before.clone()
-    want[3:10, 1:4, :24] = float("nan")
-    assert torch.equal(big.isnan(), want.isnan())
-    keep = ~want.isnan()
-    assert torch.equal(big[keep], before[keep])
-    _nan_rows_with_prefix(out[:0], cu[:1], sl[:0])
+    for cu, sl, max_q, bad in (
+            ([0, 3, 3, 10, 25], [3, 2, 9, 15], 15, [(3, 10)]),       # seqs 1 and 2 broken
+            ([0, 3, 3, 10, 25], [3, 0, 7, 15], 14, [(10, 25)]),      # seq 3 longer than max_q
+            ([2, 3, 3, 10, 20], [1, 0, 7, 10], 10, [(0, 2), (20, 25)])):   # rows of no seq
+        big = torch.randn(25, 5, 40, generator=g).to(DEV, torch.bfloat16)
+        out = big[:, 1:4, :24]                        # strides (200, 40, 1): not contiguous
+        before = big.clone()
+        cu_t, sl_t = (torch.tensor(x, dtype=torch.int32, device=DEV) for x in (cu, sl))
+        _nan_rows_with_prefix(out, cu_t, sl_t, max_q)
+        want = before.clone()
+        for a, b in bad:
+            want[a:b, 1:4, :24] = float("nan")
+        assert torch.equal(big.isnan(), want.isnan()), (cu, sl, max_q)
+        keep = ~want.isnan()
+        assert torch.equal(big[keep], before[keep])
+    _nan_rows_with_prefix(out[:0], cu_t[:1], sl_t[:0], 0)
 
 
 def test_prefill_exact_prefix_through_dense_attention():
@@ -1023,7 +1029,7 @@ def test_prefill_varlen_prefix_through_dense_attention(head_dim, kb, vb, group, 
 
 def test_prefill_varlen_prefix_broken_bounds_are_nan():
     """The varlen path's guards, decided on the device: a sequence whose prefix exceeds
-    ``max_prefix_len``, the sequences whose packed rows end past a too-small
+    ``max_prefix_len`` or whose chunk exceeds ``max_query_len``, the sequences whose packed rows end past a too-small
     ``prefix_tokens`` (+ total_q), a sequence with an
     invalid prefix page and rows outside every sequence (cu_seqlens_q short of total_q) get
     NaN rows; every other sequence keeps its float64-oracle rows; no write leaves the
@@ -1036,11 +1042,11 @@ def test_prefill_varlen_prefix_broken_bounds_are_nan():
     rows = [(int(a), int(b)) for a, b in itertools.pairwise(cu.tolist())]
     tq = q.shape[0]
 
-    def run(max_prefix, prefix_tokens, block_table=batch.block_table, cu_q=cu):
+    def run(max_prefix, prefix_tokens, block_table=batch.block_table, cu_q=cu, max_q=20):
         spy = _SpyDense()
         need = varlen_prefix_bytes(prefix_tokens, tq, 2, 64, torch.float16)
         scratch = torch.full((need // 4 + 256,), float("nan"), device=DEV)
-        out = prefill(q, k, v, cu_q, batch.seq_lens, max(qlens), cache, block_table, ld,
+        out = prefill(q, k, v, cu_q, batch.seq_lens, max_q, cache, block_table, ld,
                       max_prefix_len=max_prefix, scratch=scratch, dense_attention=spy,
                       prefix_tokens=prefix_tokens, block_m=32)
         assert len(spy.calls) == 1 and torch.isnan(scratch[need // 4:]).all()
@@ -1054,6 +1060,9 @@ def test_prefill_varlen_prefix_broken_bounds_are_nan():
                 assert _rel(out[a:b], ref[a:b]) < max(_tol(torch.float16), 1e-3), i
 
     check(run(30, 200), {1})                       # sequence 1's 40-token prefix > 30
+    # chunks longer than max_query_len (18, 20 and 19 rows over 17): a FlashAttention grid
+    # sized from it would leave their last rows unwritten
+    check(run(40, 98, max_q=17), {0, 2, 3})
     # rows for 40 prefix tokens + the 74 chunk tokens: sequence 1 ends at row 95, 2 at 123
     check(run(40, 40), {2, 3})
     bt = batch.block_table.clone()
@@ -1882,3 +1891,14 @@ def test_torch_varlen_attention_maps_the_dense_contract(monkeypatch):
     assert seen == [(-1, 0), (-1, 0), (8, 0), (8, 0)]
     with pytest.raises(ValueError, match="first_chunks"):
         TorchVarlenAttention(first_chunks=1)
+    # PyTorch 2.10's varlen_attn (is_causal, no window_size): refused when built, by name
+
+    def varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False,
+                    return_aux=None, scale=None):
+        raise AssertionError("never called")
+
+    import torch.nn.attention.varlen as varlen_mod
+
+    monkeypatch.setattr(varlen_mod, "varlen_attn", varlen_2_10)
+    with pytest.raises(ImportError, match="window_size"):
+        TorchVarlenAttention()

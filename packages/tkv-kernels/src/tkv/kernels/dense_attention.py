@@ -271,7 +271,7 @@ class FlashVarlenAttention:
 
 class TorchVarlenAttention:
     """A :class:`DenseAttention` over PyTorch's own varlen FlashAttention,
-    ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch ≥ 2.10; CUDA,
+    ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch ≥ 2.11; CUDA,
     float16 / bfloat16 rows, GQA by head counts) — for callers without an engine kernel, e.g.
     ``tkv-codec`` + ``tkv-kernels`` inside a FlashInfer stack, and for benchmarks on a bare
     GPU. No host sync (the cu_seqlens stay on the device).
@@ -285,7 +285,8 @@ class TorchVarlenAttention:
     than queries). ``writes_out`` is False: ``varlen_attn`` has no ``out=``.
 
     Raises:
-        ImportError: this PyTorch has no ``torch.nn.attention.varlen`` (before 2.10).
+        ImportError: this PyTorch has no ``torch.nn.attention.varlen`` (before 2.10), or its
+            ``varlen_attn`` takes no ``window_size`` (2.10 has ``is_causal`` only).
     """
 
     writes_out = False
@@ -295,6 +296,10 @@ class TorchVarlenAttention:
             raise ValueError(f"first_chunks must be a bool, got {first_chunks!r}")
         from torch.nn.attention.varlen import varlen_attn
 
+        if "window_size" not in inspect.signature(varlen_attn).parameters:
+            raise ImportError(f"TorchVarlenAttention needs torch.nn.attention.varlen."
+                              f"varlen_attn with window_size (PyTorch ≥ 2.11); torch "
+                              f"{torch.__version__} has {inspect.signature(varlen_attn)}")
         self._varlen = varlen_attn
         self.first_chunks = first_chunks
 

@@ -497,7 +497,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 out.copy_(o)
         else:
             out.copy_(check_dense_output(dense_attention(*args), query))
-        return _nan_rows_with_prefix(out, cu_seqlens_q, seq_lens)
+        return _nan_rows_with_prefix(out, cu_seqlens_q, seq_lens, max_query_len)
     if no_prefix:
         # prefill bypass: plain attention over the chunk in model space; the cache is never
         # read (a sequence with a prefix gets NaN rows: a broken promise fails loudly)
@@ -615,37 +615,53 @@ def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
         sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True) if n > 1)
 
 
-@triton.jit(do_not_specialize=["s_t", "s_h", "total"],
+@triton.jit
+def _nan_rows(out, s_t, s_h, head, a, b, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr):
+    """NaN into rows ``[a, b)`` of ``out`` for one head (nothing when ``b ≤ a``)."""
+    cols = tl.arange(0, D_BLOCK)
+    nan = tl.full([D_BLOCK], float("nan"), tl.float32)   # stored in out's dtype
+    row = out + a.to(tl.int64) * s_t + head * s_h
+    for _ in range(a, b):
+        tl.store(row + cols, nan, mask=cols < HEAD_DIM)
+        row += s_t
+
+
+@triton.jit(do_not_specialize=["s_t", "s_h", "total", "num_seqs", "max_q"],
             do_not_specialize_on_alignment=["cu_q", "seq_lens"])
-def _nan_broken_promise_kernel(out, s_t, s_h, cu_q, seq_lens, total, HEAD_DIM: tl.constexpr,
-                               D_BLOCK: tl.constexpr):
+def _nan_broken_promise_kernel(out, s_t, s_h, cu_q, seq_lens, total, num_seqs, max_q,
+                               HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr):
     """Program (sequence, head): if the sequence has a prefix (``seq_len ≠ q_len``, a broken
-    ``no_prefix`` promise) or reaches past ``out``'s ``total`` rows, its rows of that head
-    (those that exist) become NaN; else nothing is written."""
+    ``no_prefix`` promise), more rows than ``max_q`` (a varlen kernel's grid would not cover
+    them) or reaches past ``out``'s ``total`` rows, its rows of that head (those that exist)
+    become NaN; the first sequence's program also poisons the rows before ``cu_q[0]``, the
+    last one's the rows from ``cu_q[num_seqs]`` on (rows of no sequence, never written by
+    the attention); else nothing is written."""
     seq, head = tl.program_id(0), tl.program_id(1)
     a = tl.load(cu_q + seq)
     b_meta = tl.load(cu_q + seq + 1)
     b = tl.minimum(b_meta, total)
-    if (a >= 0) & ((tl.load(seq_lens + seq) != b_meta - a) | (b_meta > total)):
-        cols = tl.arange(0, D_BLOCK)
-        nan = tl.full([D_BLOCK], float("nan"), tl.float32)   # stored in out's dtype
-        row = out + a.to(tl.int64) * s_t + head * s_h
-        for _ in range(a, b):
-            tl.store(row + cols, nan, mask=cols < HEAD_DIM)
-            row += s_t
+    if (a >= 0) & ((tl.load(seq_lens + seq) != b_meta - a) | (b_meta > total)
+                   | (b_meta - a > max_q)):
+        _nan_rows(out, s_t, s_h, head, a, b, HEAD_DIM, D_BLOCK)
+    if seq == 0:
+        _nan_rows(out, s_t, s_h, head, a - a, tl.minimum(a, total), HEAD_DIM, D_BLOCK)
+    if seq == num_seqs - 1:
+        _nan_rows(out, s_t, s_h, head, tl.maximum(b_meta, 0), total, HEAD_DIM, D_BLOCK)
 
 
 def _nan_rows_with_prefix(out: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          seq_lens: torch.Tensor) -> torch.Tensor:
+                          seq_lens: torch.Tensor, max_query_len: int) -> torch.Tensor:
     """NaN into the rows of ``out`` ``(total_q, num_q_heads, head_dim)`` (unit stride on
-    head_dim) whose sequence breaks the ``no_prefix`` promise (``seq_len ≠ q_len``), decided
-    on the device (no host sync); one small launch that writes nothing when the promise holds
-    — the dense first-chunk path's guard without a pass over the whole output."""
+    head_dim) whose sequence breaks the ``no_prefix`` promise (``seq_len ≠ q_len``) or has
+    more than ``max_query_len`` rows, and into rows of no sequence (before ``cu_seqlens_q[0]``,
+    from ``cu_seqlens_q[-1]``) — decided on the device (no host sync); one small launch that
+    writes nothing when the metadata holds — the dense first-chunk path's guard without a
+    pass over the whole output."""
     ns, hq, d = cu_seqlens_q.shape[0] - 1, out.shape[1], out.shape[2]
     if ns > 0 and out.shape[0] > 0:
         _nan_broken_promise_kernel[(ns, hq)](out, out.stride(0), out.stride(1), cu_seqlens_q,
-                                             seq_lens, out.shape[0], HEAD_DIM=d,
-                                             D_BLOCK=next_pow2(d), num_warps=1)
+                                             seq_lens, out.shape[0], ns, max_query_len,
+                                             HEAD_DIM=d, D_BLOCK=next_pow2(d), num_warps=1)
     return out
 
 
@@ -733,8 +749,8 @@ def _varlen_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, max
     Nothing is read on the host (no sync): ``cu_seqlens_k``, each chunk row's place and the
     guards are device tensors, and no write leaves the scratch's rows whatever the metadata.
     NaN output rows for a sequence that breaks the bounds — a prefix above ``max_prefix`` or
-    below 0, the prefixes up to it above ``prefix_tokens``, ``cu_seqlens_q`` decreasing or
-    past ``total_q``, a prefix page that is −1 / out of range or beyond the block table
+    below 0, the prefixes up to it above ``prefix_tokens``, a chunk longer than
+    ``max_query_len``, ``cu_seqlens_q`` decreasing or past ``total_q``, a prefix page that is −1 / out of range or beyond the block table
     (engines' live prefixes have valid pages; the Triton paths would mask such tokens) — and
     for query rows outside every sequence."""
     tq, d_pad = query.shape[0], query.shape[2]
@@ -761,8 +777,10 @@ def _varlen_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, max
     needed = torch.arange(block_table.shape[1], device=dev)[None, :] < npages[:, None]
     bad_page = (needed & ((block_table < 0) | (block_table >= num_blocks))).any(1)
     changed = cu != cu_seqlens_q
+    # q_len > max_query_len: the callable sizes its grid from max_query_len (FlashAttention
+    # launches cdiv(max_seqlen_q, tile) query tiles), so such rows would come back unwritten
     broken = (changed[:-1] | changed[1:] | (prefix != pre) | bad_page | (ends > cap)
-              | (npages > block_table.shape[1]))
+              | (npages > block_table.shape[1]) | (q_len > max_query_len))
     _dequant_prefix(cu, seq_lens, block_table, num_blocks, kargs, vargs, fetch, dequant,
                     loader, pk, pv, max_prefix, ns, hkv, d_pad, row0=cu_k, row_limit=cap)
     # chunk row t of sequence s goes to row cu_k[s] + pre[s] + (t − cu[s]) = t + (ends[s] −
