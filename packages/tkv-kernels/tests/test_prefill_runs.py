@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tkv.kernels import MAX_PREFILL_RUNS, PrefillRun, plan_prefill_runs
+from tkv.kernels import MAX_PACKED_SPLITS, MAX_PREFILL_RUNS, PrefillRun, plan_prefill_runs
 
 
 def test_vllm_chunked_prefill_step_splits_continuation_from_first_chunks():
@@ -78,3 +78,45 @@ def test_runs_cover_rows_in_order_and_agree_with_the_rows(rows, max_runs, thresh
         assert r.prefix_exact == (len(rq) == 1 and rp[0] > 0 and rq[0] > threshold)
         if len(runs) > 1:   # a split never mixes rows with and without a prefix
             assert len({x > 0 for x in rp}) == 1
+
+
+def test_prefix_runs_are_cut_to_the_scratch():
+    """max_packed_rows: a run of prefix-cache hits larger than the engine's scratch becomes
+    consecutive calls that each fit (Σ prefix + query + 1 rows), first chunks untouched; a row
+    too large alone is a call of its own; past MAX_PACKED_SPLITS calls it stays one call."""
+    q, p = [512] * 32 + [300], [1024] * 32 + [0]
+    runs = plan_prefill_runs(q, p, max_packed_rows=20_481)
+    assert [(r.row_lo, r.row_hi, r.prefix_tokens) for r in runs] == [
+        (0, 13, 13 * 1024), (13, 26, 13 * 1024), (26, 32, 6 * 1024), (32, 33, 0)]
+    assert all(not r.prefix_exact for r in runs) and runs[-1].no_prefix
+    runs = plan_prefill_runs([10, 10, 10], [100, 5000, 100], max_packed_rows=1000)
+    assert [(r.row_lo, r.row_hi) for r in runs] == [(0, 1), (1, 2), (2, 3)]
+    assert all(r.prefix_exact for r in runs)       # lone rows: SGLang-style exact lengths
+    many = plan_prefill_runs([10] * (MAX_PACKED_SPLITS + 1), [100] * (MAX_PACKED_SPLITS + 1),
+                             max_packed_rows=111)
+    assert [(r.row_lo, r.row_hi) for r in many] == [(0, MAX_PACKED_SPLITS + 1)]
+    assert plan_prefill_runs([5], [5], max_packed_rows=11)[0].row_hi == 1   # fits exactly
+    with pytest.raises(ValueError, match="max_packed_rows"):
+        plan_prefill_runs([5], [5], max_packed_rows=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 3).map(lambda x: x * 30)),
+                min_size=1, max_size=12), st.integers(1, 300))
+def test_cut_runs_cover_rows_and_fit(rows, max_rows):
+    q, p = [r[0] for r in rows], [r[1] for r in rows]
+    runs = plan_prefill_runs(q, p, max_packed_rows=max_rows)
+    assert (runs[0].row_lo, runs[-1].row_hi) == (0, len(q))
+    for a, b in pairwise(runs):
+        assert a.row_hi == b.row_lo and a.tok_hi == b.tok_lo
+    uncut = plan_prefill_runs(q, p)
+    for r in runs:
+        rp, rq = p[r.row_lo:r.row_hi], q[r.row_lo:r.row_hi]
+        assert r.prefix_tokens == sum(rp)
+        assert len({x > 0 for x in rp}) == 1 or len(uncut) == 1   # mixed: the one-call case
+        inside = next(u for u in uncut if u.row_lo <= r.row_lo and r.row_hi <= u.row_hi)
+        pieces = [x for x in runs if inside.row_lo <= x.row_lo and x.row_hi <= inside.row_hi]
+        if r.no_prefix or len(pieces) == 1:
+            continue     # first chunks, or a run left whole (it fit, or too many pieces)
+        assert r.row_hi - r.row_lo == 1 or sum(rp) + sum(rq) + 1 <= max_rows
+        assert len(pieces) <= MAX_PACKED_SPLITS

@@ -454,7 +454,12 @@ def test_prefill_scratch_sized_from_max_model_len_and_capped():
     """One process-wide prefill scratch per device: a whole max_model_len prefix of K and V
     rows (16-bit, head_dim padded to a power of two) and the varlen path's max_model_len
     packed rows plus its spare row, grown only, capped."""
-    from tkv.kernels import DENSE_PREFIX_CAP, dense_prefix_bytes, varlen_prefix_bytes
+    from tkv.kernels import (
+        DENSE_PREFIX_CAP,
+        dense_prefix_bytes,
+        varlen_prefix_bytes,
+        varlen_prefix_rows,
+    )
     from tkv.kernels._util import interpreting
     from tkv.vllm import workspace as W
 
@@ -467,8 +472,12 @@ def test_prefill_scratch_sized_from_max_model_len_and_capped():
         row = 2 * 8 * 128 * (4 if interpreting() else 2)   # the dot dtype's bytes
         assert a.numel() == 4097 * row    # K and V rows, head_dim padded to 128, + 1 spare row
         assert W.shared_prefill_scratch("cpu", 4096, 8, 96, block_size=64) is a   # same pages
-        assert W.shared_prefill_scratch("cpu", 1024, 8, 96) is a      # smaller: kept
-        assert W.shared_prefill_scratch("cpu") is a
+        # one step's prefix-cache hits too: max_model_len + max_num_batched_tokens rows
+        b = W.shared_prefill_scratch("cpu", 4096, 8, 96, 16, 8192)
+        assert b.numel() == varlen_prefix_bytes(4096, 8192, 8, 96) == (4096 + 8192 + 1) * row
+        assert varlen_prefix_rows(b.numel(), 8, 96) == 4096 + 8192 + 1
+        assert W.shared_prefill_scratch("cpu", 1024, 8, 96) is b      # smaller: kept
+        assert W.shared_prefill_scratch("cpu") is b
         big = W.shared_prefill_scratch("cpu", 10**7, 64, 256)
         assert big.numel() == DENSE_PREFIX_CAP
     finally:

@@ -49,9 +49,10 @@ from .prefill import (
     dense_prefix_bytes,
     prefill,
     varlen_prefix_bytes,
+    varlen_prefix_rows,
     warm_prefix_variant,
 )
-from .prefill_runs import MAX_PREFILL_RUNS, PrefillRun, plan_prefill_runs
+from .prefill_runs import MAX_PACKED_SPLITS, MAX_PREFILL_RUNS, PrefillRun, plan_prefill_runs
 from .store import compress_store
 from .validate import (
     SERVED_HEAD_DIMS,
@@ -86,6 +87,7 @@ __all__ = [
     "ENV_LOOKUP",
     "ENV_PREFILL_ATTENTION",
     "ENV_SMALL_HEAD_GROUPS",
+    "MAX_PACKED_SPLITS",
     "MAX_PREFILL_RUNS",
     "SERVED_HEAD_DIMS",
     "BypassLoader",
@@ -129,5 +131,6 @@ __all__ = [
     "serves_head_dim",
     "small_head_groups_from_env",
     "varlen_prefix_bytes",
+    "varlen_prefix_rows",
     "warm_prefix_variant",
 ]

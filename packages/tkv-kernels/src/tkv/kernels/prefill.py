@@ -44,7 +44,8 @@ from .dense_attention import DenseAttention, check_dense_output
 from .loaders import Loader, bypass_fetch, check_loader, identity_dequant, sink_shift
 from .rotate import rotate_rows
 
-__all__ = ["DENSE_PREFIX_CAP", "dense_prefix_bytes", "prefill", "varlen_prefix_bytes"]
+__all__ = ["DENSE_PREFIX_CAP", "dense_prefix_bytes", "prefill", "varlen_prefix_bytes",
+           "varlen_prefix_rows"]
 
 # Engines' bound on the decompress-once scratch (bytes, one buffer per device shared by all
 # layers): batches whose prefixes need more read them inline.
@@ -719,6 +720,14 @@ def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, pref
     return True
 
 
+def _varlen_row_bytes(num_kv_heads: int, head_dim: int, query_dtype: torch.dtype) -> int:
+    """Bytes of one packed token row of the varlen path: K and V, ``num_kv_heads`` heads of
+    ``max(16, next_pow2(head_dim))`` elements of the dot dtype for ``query_dtype``."""
+    d_pad = max(16, next_pow2(head_dim))
+    return 2 * num_kv_heads * d_pad * torch.empty(
+        0, dtype=dot_dtype_for(query_dtype)).element_size()
+
+
 def varlen_prefix_bytes(prefix_tokens: int, num_tokens: int, num_kv_heads: int,
                         head_dim: int, query_dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of scratch :func:`prefill`'s varlen path (a ``dense_attention`` callable over
@@ -727,9 +736,17 @@ def varlen_prefix_bytes(prefix_tokens: int, num_tokens: int, num_kv_heads: int,
     back to back (no page rounding), ``num_kv_heads`` heads of ``max(16,
     next_pow2(head_dim))`` elements of the dot dtype for ``query_dtype`` (as
     :func:`dense_prefix_bytes`)."""
-    d_pad = max(16, next_pow2(head_dim))
-    return 2 * (prefix_tokens + num_tokens + 1) * num_kv_heads * d_pad * (
-        torch.empty(0, dtype=dot_dtype_for(query_dtype)).element_size())
+    return (prefix_tokens + num_tokens + 1) * _varlen_row_bytes(num_kv_heads, head_dim,
+                                                                query_dtype)
+
+
+def varlen_prefix_rows(scratch_bytes: int, num_kv_heads: int, head_dim: int,
+                       query_dtype: torch.dtype = torch.bfloat16) -> int:
+    """The packed rows (``Σ prefix + Σ chunk + 1`` tokens) a scratch of ``scratch_bytes``
+    bytes holds for :func:`prefill`'s varlen path — the inverse of
+    :func:`varlen_prefix_bytes`, for engines cutting prefill runs to fit
+    (:func:`~tkv.kernels.plan_prefill_runs`'s ``max_packed_rows``)."""
+    return scratch_bytes // _varlen_row_bytes(num_kv_heads, head_dim, query_dtype)
 
 
 def _varlen_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, max_prefix: int,

@@ -24,11 +24,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-__all__ = ["MAX_PREFILL_RUNS", "PrefillRun", "plan_prefill_runs"]
+__all__ = ["MAX_PACKED_SPLITS", "MAX_PREFILL_RUNS", "PrefillRun", "plan_prefill_runs"]
 
 # More alternations than this (rows with and without a prefix interleaved) go to the kernels
 # as one call: each run costs one launch per layer, and a single call is always correct.
 MAX_PREFILL_RUNS = 4
+# A run of rows with a prefix is cut into at most this many calls so that each call's packed
+# rows (prefixes + chunks, the varlen path) fit the engine's scratch; one that would need
+# more stays one call (the kernels then run their Triton paths).
+MAX_PACKED_SPLITS = 8
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,8 @@ class PrefillRun:
 
 
 def plan_prefill_runs(query_lens: Sequence[int], prefix_lens: Sequence[int] | None, *,
-                      exact_min_query_len: int = 0,
-                      max_runs: int = MAX_PREFILL_RUNS) -> tuple[PrefillRun, ...]:
+                      exact_min_query_len: int = 0, max_runs: int = MAX_PREFILL_RUNS,
+                      max_packed_rows: int | None = None) -> tuple[PrefillRun, ...]:
     """Split prefill rows into runs of rows with / without a cached prefix, in row order.
 
     Args:
@@ -72,6 +76,11 @@ def plan_prefill_runs(query_lens: Sequence[int], prefix_lens: Sequence[int] | No
             its ``reorder_batch_threshold`` — shorter rows may be async spec-decode rows whose
             CPU lengths are optimistic; SGLang's prefix lengths are exact: 0).
         max_runs: more runs than this → one run over all rows.
+        max_packed_rows: the rows the engine's scratch holds for the kernels' varlen path
+            (:func:`tkv.kernels.varlen_prefix_rows`), or None: a run of rows with a prefix
+            whose ``Σ (prefix + query) + 1`` exceeds it is cut, in row order, into calls that
+            fit (a row too large alone is a call of its own), at most
+            :data:`MAX_PACKED_SPLITS` of them — else it stays one call.
 
     Returns:
         The runs, covering every row exactly once (empty for no rows).
@@ -96,10 +105,33 @@ def plan_prefill_runs(query_lens: Sequence[int], prefix_lens: Sequence[int] | No
     cuts = [0] + [i for i in range(1, len(q)) if (p[i] > 0) != (p[i - 1] > 0)]
     if len(cuts) > max_runs:
         cuts = [0]
-    runs = []
+    if max_packed_rows is not None and max_packed_rows < 1:
+        raise ValueError(f"max_packed_rows must be ≥ 1 or None, got {max_packed_rows}")
+    spans = []
     for a, b in zip(cuts, [*cuts[1:], len(q)], strict=True):
+        spans += _fit(q, p, a, b, max_packed_rows) if max(p[a:b]) > 0 else [(a, b)]
+    runs = []
+    for a, b in spans:
         mp = max(p[a:b])
         runs.append(PrefillRun(a, b, tok[a], tok[b], max(q[a:b]), mp, mp == 0,
                                b - a == 1 and mp > 0 and q[a] > exact_min_query_len,
                                sum(p[a:b])))
     return tuple(runs)
+
+
+def _fit(q: list[int], p: list[int], a: int, b: int,
+         max_rows: int | None) -> list[tuple[int, int]]:
+    """Rows ``a:b`` (all with a prefix) as consecutive spans whose packed rows
+    ``Σ (p + q) + 1`` fit ``max_rows`` (greedy, a row too large alone on its own), or
+    ``[(a, b)]`` when they already fit, when there is no bound, or when more than
+    :data:`MAX_PACKED_SPLITS` spans would be needed."""
+    if max_rows is None or sum(p[a:b]) + sum(q[a:b]) + 1 <= max_rows:
+        return [(a, b)]
+    spans, lo, used = [], a, 1
+    for i in range(a, b):
+        if i > lo and used + p[i] + q[i] > max_rows:
+            spans.append((lo, i))
+            lo, used = i, 1
+        used += p[i] + q[i]
+    spans.append((lo, b))
+    return spans if len(spans) <= MAX_PACKED_SPLITS else [(a, b)]

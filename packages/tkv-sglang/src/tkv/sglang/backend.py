@@ -167,6 +167,14 @@ class TurboAttnBackend(AttentionBackend):
         self.forward_metadata: TurboAttnMetadata | None = None
         # TKV_PREFILL_ATTENTION (validated now: startup): None, or sgl-kernel's FA3
         self.dense_attention = prefill_attention(self.device, mc.dtype, impl=self.impl)
+        # with FlashAttention bound: runs of radix hits cut to what the scratch can grow to
+        self._packed_rows = None
+        if self.dense_attention is not None and pool.layouts:
+            from tkv.kernels import DENSE_PREFIX_CAP, varlen_prefix_rows
+
+            lay = pool.layouts[0]   # every layer has the same KV heads and head_dim
+            self._packed_rows = varlen_prefix_rows(DENSE_PREFIX_CAP, lay.num_kv_heads,
+                                                   lay.head_dim)
         self._cuda_graph_block_table = None
         self._cuda_graph_seq_lens = None
         pool.prepare()
@@ -255,7 +263,8 @@ class TurboAttnBackend(AttentionBackend):
         cu = torch.nn.functional.pad(torch.cumsum(ext, dim=0, dtype=torch.int32), (1, 0))
         ext_cpu = [int(x) for x in forward_batch.extend_seq_lens_cpu]   # list or CPU tensor
         pre_cpu = getattr(forward_batch, "extend_prefix_lens_cpu", None)
-        runs = plan_prefill_runs(ext_cpu, None if pre_cpu is None else [int(x) for x in pre_cpu])
+        runs = plan_prefill_runs(ext_cpu, None if pre_cpu is None else [int(x) for x in pre_cpu],
+                                 max_packed_rows=self._packed_rows)
         self.forward_metadata = TurboAttnMetadata(
             block_table, seq_lens, cu, max(ext_cpu, default=0), runs,
             tuple(cu[r.row_lo:r.row_hi + 1] - r.tok_lo for r in runs))

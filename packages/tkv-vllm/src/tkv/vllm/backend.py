@@ -199,18 +199,33 @@ class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
             query_start_loc=cam.query_start_loc, seq_lens=cam.seq_lens,
             block_table=cam.block_table_tensor, slot_mapping=cam.slot_mapping)
         if num_prefills:
-            md.prefill_runs = _prefill_runs(cam, num_decodes, num_decode_tokens, threshold)
+            md.prefill_runs = _prefill_runs(cam, num_decodes, num_decode_tokens, threshold,
+                                            self._packed_rows())
             md.prefill_cu_seqlens = tuple(
                 (cam.query_start_loc[r.row_lo:r.row_hi + 1] - r.tok_lo).to(torch.int32)
                 for r in md.prefill_runs)
         return md
 
 
+    def _packed_rows(self) -> int | None:
+        """The rows the device's prefill scratch holds for the kernels' varlen path
+        (:func:`tkv.kernels.varlen_prefix_rows`; the spec's KV heads and head size), or None
+        before it exists."""
+        scratch = shared_prefill_scratch(self.device)
+        if scratch is None:
+            return None
+        spec = self.kv_cache_spec
+        return kernels.varlen_prefix_rows(scratch.numel() * scratch.element_size(),
+                                          int(spec.num_kv_heads), int(spec.head_size))
+
+
 def _prefill_runs(cam: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int,
-                  threshold: int) -> tuple[PrefillRun, ...]:
+                  threshold: int, max_packed_rows: int | None = None
+                  ) -> tuple[PrefillRun, ...]:
     """The prefill rows ``num_decodes:num_reqs`` as :func:`tkv.kernels.plan_prefill_runs`
     runs, with the batch's row and token indices; prefix lengths from vLLM's CPU sequence
-    lengths (:func:`_seq_lens_cpu`; exact only for rows longer than ``threshold``)."""
+    lengths (:func:`_seq_lens_cpu`; exact only for rows longer than ``threshold``); runs of
+    rows with a prefix cut to ``max_packed_rows`` (the scratch's varlen rows)."""
     r0, r1 = num_decodes, cam.num_reqs
     qsl = cam.query_start_loc_cpu
     q_lens = (qsl[r0 + 1:r1 + 1] - qsl[r0:r1]).tolist()
@@ -219,7 +234,8 @@ def _prefill_runs(cam: CommonAttentionMetadata, num_decodes: int, num_decode_tok
                                                             strict=True)]
     return tuple(replace(r, row_lo=r.row_lo + r0, row_hi=r.row_hi + r0,
                          tok_lo=r.tok_lo + num_decode_tokens, tok_hi=r.tok_hi + num_decode_tokens)
-                 for r in plan_prefill_runs(q_lens, prefix, exact_min_query_len=threshold))
+                 for r in plan_prefill_runs(q_lens, prefix, exact_min_query_len=threshold,
+                                            max_packed_rows=max_packed_rows))
 
 
 def _seq_lens_cpu(cam: CommonAttentionMetadata) -> torch.Tensor | None:
@@ -313,7 +329,8 @@ def bind_layer(layer: Any, vllm_config: Any, device: torch.device | None = None)
     sc = vllm_config.scheduler_config
     shared_workspace(dev, int(sc.max_num_seqs), int(impl.num_heads), int(impl.head_size))
     shared_prefill_scratch(dev, int(vllm_config.model_config.max_model_len),
-                           int(impl.num_kv_heads), int(impl.head_size), block)
+                           int(impl.num_kv_heads), int(impl.head_size), block,
+                           int(getattr(sc, "max_num_batched_tokens", 0) or 0))
     impl._tkv_state = state
     return state
 

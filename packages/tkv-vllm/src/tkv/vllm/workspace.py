@@ -60,25 +60,28 @@ def shared_workspace(device: torch.device | str, max_num_seqs: int | None = None
 
 def shared_prefill_scratch(device: torch.device | str, max_model_len: int | None = None,
                            num_kv_heads: int | None = None, head_dim: int | None = None,
-                           block_size: int = 1) -> torch.Tensor | None:
+                           block_size: int = 1,
+                           max_num_batched_tokens: int = 0) -> torch.Tensor | None:
     """The process-wide scratch of :func:`tkv.kernels.prefill`'s decompress-once path
     (uint8, one per device, shared by every layer).
 
     With sizes (at bind time, before memory profiling so vLLM budgets it): create or grow it
     to hold one sequence's prefix of ``max_model_len`` tokens in whole pages of ``block_size``
     (K and V, 16-bit rows of
-    ``num_kv_heads`` heads — :func:`tkv.kernels.dense_prefix_bytes`) and ``max_model_len``
-    packed rows of prefixes and chunks (the varlen path through FlashAttention,
-    :func:`tkv.kernels.varlen_prefix_bytes`: a run's prefixes plus its chunk tokens), capped
-    at :data:`tkv.kernels.DENSE_PREFIX_CAP` bytes; batches whose prefixes do not fit take the
-    inline path. Without sizes: the existing buffer, or None."""
+    ``num_kv_heads`` heads — :func:`tkv.kernels.dense_prefix_bytes`) and ``max_model_len +
+    max_num_batched_tokens`` packed rows of prefixes and chunks (the varlen path through
+    FlashAttention, :func:`tkv.kernels.varlen_prefix_bytes`: a run's prefixes plus its chunk
+    tokens — one step's prefix-cache hits, which the metadata builder cuts into calls that
+    fit), capped at :data:`tkv.kernels.DENSE_PREFIX_CAP` bytes; batches whose prefixes do
+    not fit take the Triton paths. Without sizes: the existing buffer, or None."""
     key = _key(device)
     buf = _PREFILL_SCRATCH.get(key)
     if max_model_len is None:
         return buf
     n, h, d = int(max_model_len), int(num_kv_heads), int(head_dim)
     need = min(DENSE_PREFIX_CAP, max(dense_prefix_bytes(1, n, h, d, block_size=int(block_size)),
-                                     varlen_prefix_bytes(n, 0, h, d)))
+                                     varlen_prefix_bytes(n, int(max_num_batched_tokens), h,
+                                                         d)))
     if buf is None or buf.numel() < need:
         buf = torch.empty(need, dtype=torch.uint8, device=key)
         _PREFILL_SCRATCH[key] = buf
