@@ -24,6 +24,7 @@ from tkv.kernels import (
     dense_prefix_bytes,
     prefill,
     varlen_prefix_bytes,
+    varlen_prefix_rows,
 )
 from tkv.kernels._util import interpreting
 from tkv.kernels.reference import attention_reference, decode_reference, prefill_reference
@@ -954,7 +955,8 @@ def test_nan_rows_with_prefix_touches_only_broken_sequences():
     for cu, sl, max_q, bad in (
             ([0, 3, 3, 10, 25], [3, 2, 9, 15], 15, [(3, 10)]),       # seqs 1 and 2 broken
             ([0, 3, 3, 10, 25], [3, 0, 7, 15], 14, [(10, 25)]),      # seq 3 longer than max_q
-            ([2, 3, 3, 10, 20], [1, 0, 7, 10], 10, [(0, 2), (20, 25)])):   # rows of no seq
+            ([2, 3, 3, 10, 20], [1, 0, 7, 10], 10, [(0, 2), (20, 25)]),   # rows of no seq
+            ([-2, 3, 3, 10, 25], [5, 0, 7, 15], 15, [(0, 3)])):   # starts below row 0
         big = torch.randn(25, 5, 40, generator=g).to(DEV, torch.bfloat16)
         out = big[:, 1:4, :24]                        # strides (200, 40, 1): not contiguous
         before = big.clone()
@@ -1080,6 +1082,23 @@ def test_prefill_varlen_prefix_broken_bounds_are_nan():
     with pytest.raises(ShapeError, match="prefix_tokens"):
         prefill(q, k, v, cu, batch.seq_lens, max(qlens), cache, batch.block_table, ld,
                 prefix_tokens=-1)
+    for bad in ((-1, 2, 64), (10, 0, 64), (10, 2, 0), (10.0, 2, 64), (True, 2, 64)):
+        with pytest.raises(ValueError, match="varlen_prefix_rows"):
+            varlen_prefix_rows(*bad)
+
+
+def test_prefill_varlen_prefix_skips_sequences_without_new_tokens():
+    """A sequence with a cached prefix but no new tokens (engine padding) in the middle of a
+    varlen call packs no rows (``prefix_tokens`` counts only rows with new tokens, as
+    plan_prefill_runs does): its neighbours keep their float64-oracle rows."""
+    codec = TurboKVCodec(64, k_bits=4, v_bits=3, device=DEV, seed=6)
+    ld = TkvLoader(codec, 2, 16)
+    prefix, qlens = [20, 33, 17], [40, 0, 25]
+    spy = _SpyDense()
+    scratch = torch.full((1 << 18,), float("nan"), device=DEV)
+    _prefill_check(ld, prefix, qlens, 2, seed=61, max_prefix_len=33, scratch=scratch,
+                   dense_attention=spy, prefix_tokens=37, tol=max(_tol(torch.float16), 1e-3))
+    assert spy.calls == [((65, 4, 64), (37 + 65, 2, 64), 73, 0)]
 
 
 class _SpyContinuationOnly(_SpyDense):

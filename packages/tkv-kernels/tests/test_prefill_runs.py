@@ -96,8 +96,19 @@ def test_prefix_runs_are_cut_to_the_scratch():
                              max_packed_rows=111)
     assert [(r.row_lo, r.row_hi) for r in many] == [(0, MAX_PACKED_SPLITS + 1)]
     assert plan_prefill_runs([5], [5], max_packed_rows=11)[0].row_hi == 1   # fits exactly
-    with pytest.raises(ValueError, match="max_packed_rows"):
-        plan_prefill_runs([5], [5], max_packed_rows=0)
+    # the one-call fallback of max_runs (rows with and without a prefix) is never cut
+    (run,) = plan_prefill_runs([5] * 6, [3, 0, 3, 0, 3, 0], max_runs=4, max_packed_rows=12)
+    assert (run.row_lo, run.row_hi, run.prefix_tokens) == (0, 6, 9)
+    # an empty row (engine padding) packs nothing: it never starts a call, and its prefix
+    # is not counted
+    runs = plan_prefill_runs([10, 0, 10], [100, 5, 100], max_packed_rows=111)
+    assert [(r.row_lo, r.row_hi, r.prefix_tokens) for r in runs] == [(0, 2, 100), (2, 3, 100)]
+    for bad in (0, -3, True, 2.5):
+        for q, p in (([5], [5]), ([5], None), ([], [])):
+            with pytest.raises(ValueError, match="max_packed_rows"):
+                plan_prefill_runs(q, p, max_packed_rows=bad)
+    with pytest.raises(ValueError, match="exact_min_query_len"):
+        plan_prefill_runs([0], [3], exact_min_query_len=-1)
 
 
 @settings(max_examples=200, deadline=None)
@@ -110,10 +121,13 @@ def test_cut_runs_cover_rows_and_fit(rows, max_rows):
     for a, b in pairwise(runs):
         assert a.row_hi == b.row_lo and a.tok_hi == b.tok_lo
     uncut = plan_prefill_runs(q, p)
+    if len(uncut) == 1 and len({x > 0 for x in p}) == 2:   # the one-call fallback: not cut
+        assert runs == uncut
+        return
     for r in runs:
         rp, rq = p[r.row_lo:r.row_hi], q[r.row_lo:r.row_hi]
-        assert r.prefix_tokens == sum(rp)
-        assert len({x > 0 for x in rp}) == 1 or len(uncut) == 1   # mixed: the one-call case
+        assert r.prefix_tokens == sum(rp)                     # (no empty rows drawn here)
+        assert len({x > 0 for x in rp}) == 1
         inside = next(u for u in uncut if u.row_lo <= r.row_lo and r.row_hi <= u.row_hi)
         pieces = [x for x in runs if inside.row_lo <= x.row_lo and x.row_hi <= inside.row_hi]
         if r.no_prefix or len(pieces) == 1:

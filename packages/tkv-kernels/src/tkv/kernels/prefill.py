@@ -127,6 +127,8 @@ def _dequant_prefix_kernel(
     kvh = tl.program_id(2)
     q_len = tl.load(cu_q + seq + 1) - tl.load(cu_q + seq)
     prefix = tl.minimum(tl.load(seq_lens + seq) - q_len, max_prefix)
+    if PACKED:   # a sequence without new tokens attends nothing: no rows packed for it
+        prefix = tl.where(q_len > 0, prefix, 0)
     if t * BLOCK_N >= prefix:
         return
     pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -633,17 +635,17 @@ def _nan_broken_promise_kernel(out, s_t, s_h, cu_q, seq_lens, total, num_seqs, m
                                HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr):
     """Program (sequence, head): if the sequence has a prefix (``seq_len ≠ q_len``, a broken
     ``no_prefix`` promise), more rows than ``max_q`` (a varlen kernel's grid would not cover
-    them) or reaches past ``out``'s ``total`` rows, its rows of that head (those that exist)
-    become NaN; the first sequence's program also poisons the rows before ``cu_q[0]``, the
+    them), starts below row 0 or reaches past ``out``'s ``total`` rows, its rows of that head
+    (those that exist) become NaN; the first sequence's program also poisons the rows before ``cu_q[0]``, the
     last one's the rows from ``cu_q[num_seqs]`` on (rows of no sequence, never written by
     the attention); else nothing is written."""
     seq, head = tl.program_id(0), tl.program_id(1)
     a = tl.load(cu_q + seq)
     b_meta = tl.load(cu_q + seq + 1)
     b = tl.minimum(b_meta, total)
-    if (a >= 0) & ((tl.load(seq_lens + seq) != b_meta - a) | (b_meta > total)
-                   | (b_meta - a > max_q)):
-        _nan_rows(out, s_t, s_h, head, a, b, HEAD_DIM, D_BLOCK)
+    if (a < 0) | (tl.load(seq_lens + seq) != b_meta - a) | (b_meta > total) | (
+            b_meta - a > max_q):
+        _nan_rows(out, s_t, s_h, head, tl.maximum(a, 0), b, HEAD_DIM, D_BLOCK)
     if seq == 0:
         _nan_rows(out, s_t, s_h, head, a - a, tl.minimum(a, total), HEAD_DIM, D_BLOCK)
     if seq == num_seqs - 1:
@@ -745,7 +747,15 @@ def varlen_prefix_rows(scratch_bytes: int, num_kv_heads: int, head_dim: int,
     """The packed rows (``Σ prefix + Σ chunk + 1`` tokens) a scratch of ``scratch_bytes``
     bytes holds for :func:`prefill`'s varlen path — the inverse of
     :func:`varlen_prefix_bytes`, for engines cutting prefill runs to fit
-    (:func:`~tkv.kernels.plan_prefill_runs`'s ``max_packed_rows``)."""
+    (:func:`~tkv.kernels.plan_prefill_runs`'s ``max_packed_rows``).
+
+    Raises:
+        ValueError: ``scratch_bytes`` < 0, ``num_kv_heads`` or ``head_dim`` < 1 (or not
+            ints)."""
+    for name, v, lo in (("scratch_bytes", scratch_bytes, 0), ("num_kv_heads", num_kv_heads, 1),
+                        ("head_dim", head_dim, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"varlen_prefix_rows: {name} must be an int ≥ {lo}, got {v!r}")
     return scratch_bytes // _varlen_row_bytes(num_kv_heads, head_dim, query_dtype)
 
 
@@ -785,7 +795,8 @@ def _varlen_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, max
     cu = cu_seqlens_q.clamp(0, tq).cummax(0).values.to(i32)
     q_len = cu[1:] - cu[:-1]
     prefix = seq_lens - q_len
-    pre = prefix.clamp(0, max_prefix)
+    clamped = prefix.clamp(0, max_prefix)
+    pre = torch.where(q_len > 0, clamped, 0)    # no rows for a sequence without new tokens
     ends = torch.cumsum(pre + q_len, 0)         # int64: past ``cap`` only on broken promises
     cu_k = torch.zeros(ns + 1, dtype=i32, device=dev)
     cu_k[1:] = ends.clamp(max=cap)
@@ -796,7 +807,7 @@ def _varlen_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, max
     changed = cu != cu_seqlens_q
     # q_len > max_query_len: the callable sizes its grid from max_query_len (FlashAttention
     # launches cdiv(max_seqlen_q, tile) query tiles), so such rows would come back unwritten
-    broken = (changed[:-1] | changed[1:] | (prefix != pre) | bad_page | (ends > cap)
+    broken = (changed[:-1] | changed[1:] | (prefix != clamped) | bad_page | (ends > cap)
               | (npages > block_table.shape[1]) | (q_len > max_query_len))
     _dequant_prefix(cu, seq_lens, block_table, num_blocks, kargs, vargs, fetch, dequant,
                     loader, pk, pv, max_prefix, ns, hkv, d_pad, row0=cu_k, row_limit=cap)

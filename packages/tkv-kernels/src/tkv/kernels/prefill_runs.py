@@ -45,9 +45,9 @@ class PrefillRun:
     ``max_prefix_len``: the longest cached prefix (tokens; None when the engine gave no prefix
     lengths) — the call's ``max_prefix_len``. ``no_prefix``: every row is a first chunk — the
     call's ``no_prefix``. ``prefix_exact``: one row whose prefix the engine knows exactly —
-    the call's ``exact_prefix``. ``prefix_tokens``: the sum of the rows' cached prefixes
-    (tokens; None without prefix lengths) — the call's ``prefix_tokens``, which sizes the
-    varlen path's packed rows.
+    the call's ``exact_prefix``. ``prefix_tokens``: the sum of the cached prefixes of the
+    rows with new tokens (tokens; None without prefix lengths) — the call's
+    ``prefix_tokens``, which sizes the varlen path's packed rows.
     """
 
     row_lo: int
@@ -78,19 +78,26 @@ def plan_prefill_runs(query_lens: Sequence[int], prefix_lens: Sequence[int] | No
         max_runs: more runs than this → one run over all rows.
         max_packed_rows: the rows the engine's scratch holds for the kernels' varlen path
             (:func:`tkv.kernels.varlen_prefix_rows`), or None: a run of rows with a prefix
-            whose ``Σ (prefix + query) + 1`` exceeds it is cut, in row order, into calls that
-            fit (a row too large alone is a call of its own), at most
-            :data:`MAX_PACKED_SPLITS` of them — else it stays one call.
+            whose packed rows ``Σ (prefix + query) + 1`` (rows with new tokens only: the
+            kernels pack nothing for an empty row) exceed it is cut, in row order, into calls
+            that fit (a row too large alone is a call of its own; an empty row never starts
+            one), at most :data:`MAX_PACKED_SPLITS` of them — else it stays one call. The
+            one-call fallback of ``max_runs`` is never cut.
 
     Returns:
         The runs, covering every row exactly once (empty for no rows).
 
     Raises:
-        ValueError: ``max_runs`` < 1, lengths of different counts, a negative query or prefix
-            length.
+        ValueError: ``max_runs`` or ``max_packed_rows`` not an int ≥ 1,
+            ``exact_min_query_len`` not an int ≥ 0, lengths of different counts, a negative
+            query or prefix length.
     """
-    if max_runs < 1:
-        raise ValueError(f"max_runs must be ≥ 1, got {max_runs}")
+    for name, v, lo in (("max_runs", max_runs, 1), ("exact_min_query_len", exact_min_query_len,
+                                                     0),
+                        ("max_packed_rows", 1 if max_packed_rows is None else max_packed_rows,
+                         1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int ≥ {lo}, got {v!r}")
     q = [int(x) for x in query_lens]
     if any(x < 0 for x in q):
         raise ValueError(f"query lengths must be ≥ 0, got {q}")
@@ -105,33 +112,40 @@ def plan_prefill_runs(query_lens: Sequence[int], prefix_lens: Sequence[int] | No
     cuts = [0] + [i for i in range(1, len(q)) if (p[i] > 0) != (p[i - 1] > 0)]
     if len(cuts) > max_runs:
         cuts = [0]
-    if max_packed_rows is not None and max_packed_rows < 1:
-        raise ValueError(f"max_packed_rows must be ≥ 1 or None, got {max_packed_rows}")
     spans = []
     for a, b in zip(cuts, [*cuts[1:], len(q)], strict=True):
-        spans += _fit(q, p, a, b, max_packed_rows) if max(p[a:b]) > 0 else [(a, b)]
+        # only runs whose rows all have a prefix (not the one-call fallback of max_runs)
+        spans += _fit(q, p, a, b, max_packed_rows) if min(p[a:b]) > 0 else [(a, b)]
     runs = []
     for a, b in spans:
         mp = max(p[a:b])
         runs.append(PrefillRun(a, b, tok[a], tok[b], max(q[a:b]), mp, mp == 0,
                                b - a == 1 and mp > 0 and q[a] > exact_min_query_len,
-                               sum(p[a:b])))
+                               _packed_prefix(q, p, a, b)))
     return tuple(runs)
+
+
+def _packed_prefix(q: list[int], p: list[int], a: int, b: int) -> int:
+    """Prefix tokens the kernels' varlen path packs for rows ``a:b``: the prefixes of the rows
+    with new tokens (an empty row attends nothing, so its prefix is not read)."""
+    return sum(pi for pi, qi in zip(p[a:b], q[a:b], strict=True) if qi)
 
 
 def _fit(q: list[int], p: list[int], a: int, b: int,
          max_rows: int | None) -> list[tuple[int, int]]:
     """Rows ``a:b`` (all with a prefix) as consecutive spans whose packed rows
-    ``Σ (p + q) + 1`` fit ``max_rows`` (greedy, a row too large alone on its own), or
+    (:func:`_packed_prefix` + their tokens + 1) fit ``max_rows`` — greedy; a row too large
+    alone on its own; an empty row (no packed rows) joins the span before it — or
     ``[(a, b)]`` when they already fit, when there is no bound, or when more than
     :data:`MAX_PACKED_SPLITS` spans would be needed."""
-    if max_rows is None or sum(p[a:b]) + sum(q[a:b]) + 1 <= max_rows:
+    if max_rows is None or _packed_prefix(q, p, a, b) + sum(q[a:b]) + 1 <= max_rows:
         return [(a, b)]
     spans, lo, used = [], a, 1
     for i in range(a, b):
-        if i > lo and used + p[i] + q[i] > max_rows:
+        need = p[i] + q[i] if q[i] else 0
+        if i > lo and need and used + need > max_rows:
             spans.append((lo, i))
             lo, used = i, 1
-        used += p[i] + q[i]
+        used += need
     spans.append((lo, b))
     return spans if len(spans) <= MAX_PACKED_SPLITS else [(a, b)]
