@@ -253,6 +253,23 @@ class World:
         b.out_cache_loc = torch.cat(locs)
         return b
 
+    def extend(self, rows, prev, lens):
+        """One extend batch through the backend — requests ``rows`` grow from ``prev`` to
+        ``lens`` tokens, their bf16 K/V taken from ``self.k`` / ``self.v`` — checked against
+        :meth:`expected` (bf16 tolerance); the metadata stays in ``backend.forward_metadata``."""
+        bf = torch.bfloat16
+        ext = [n - p for n, p in zip(lens, prev, strict=True)]
+        fb = self.batch(self.sgl.ForwardMode.EXTEND, rows, lens, ext)
+        self.backend.init_forward_metadata(fb)
+        q = self.rand(sum(ext), 4, 64).to(bf)
+        kk = torch.cat([self.k[r][p:n] for r, p, n in zip(rows, prev, lens, strict=True)])
+        vv = torch.cat([self.v[r][p:n] for r, p, n in zip(rows, prev, lens, strict=True)])
+        o = self.backend.forward_extend(q.reshape(len(q), -1), kk.to(bf).reshape(len(q), -1),
+                                        vv.to(bf).reshape(len(q), -1), self.layer, fb)
+        exp = self.expected(rows, lens, q.float(), ext, chunk_exact=True)
+        assert torch.allclose(o.view(-1, 4, 64).double(), exp, atol=3e-2, rtol=3e-2)
+        return ext
+
     def expected(self, rows, seq_lens, q, q_lens, chunk_exact):
         """float64: prefix K/V codec-round-tripped, the chunk exact (extend) or
         round-tripped too (decode, where the new token is read back from the cache)."""
@@ -461,7 +478,6 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
     assert w.pool.loader(w.layer.layer_id).lookup == "gather"
     assert w.pool.loader(w.layer.layer_id).small_head_groups is (small_head_groups != "0")
     assert w.pool.loader(w.layer.layer_id).fused_query_rotation is (small_head_groups is None)
-    FM = sgl.ForwardMode
     bf = torch.bfloat16
     for row, pages in ((1, [6, 1]), (2, [2, 9]), (3, [4])):
         w.req_to_token[row, : len(pages) * PAGE] = torch.cat(
@@ -474,21 +490,12 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
             ([1, 2], [0, 0], [20, 7], [(0, 2, 0, True, False)]),
             ([1, 2], [20, 7], [29, 19], [(0, 2, 20, False, False)]),
             ([1, 3], [29, 0], [32, 11], [(0, 1, 29, False, True), (1, 2, 0, True, False)])):
-        ext = [n - p for n, p in zip(lens, prev, strict=True)]
-        fb = w.batch(FM.EXTEND, rows, lens, ext)
-        w.backend.init_forward_metadata(fb)
+        ext = w.extend(rows, prev, lens)
         md = w.backend.forward_metadata
         assert [(r.row_lo, r.row_hi, r.max_prefix_len, r.no_prefix, r.prefix_exact)
                 for r in md.runs] == want, md.runs
         assert [c.tolist() for c in md.run_cu_seqlens] == [
             [0, *torch.tensor(ext[r.row_lo:r.row_hi]).cumsum(0).tolist()] for r in md.runs]
-        q = w.rand(sum(ext), 4, 64).to(bf)
-        kk = torch.cat([w.k[r][p:n] for r, p, n in zip(rows, prev, lens, strict=True)]).to(bf)
-        vv = torch.cat([w.v[r][p:n] for r, p, n in zip(rows, prev, lens, strict=True)]).to(bf)
-        o = w.backend.forward_extend(q.reshape(len(q), -1), kk.reshape(len(q), -1),
-                                     vv.reshape(len(q), -1), w.layer, fb)
-        exp = w.expected(rows, lens, q.float(), ext, chunk_exact=True)
-        assert torch.allclose(o.view(-1, 4, 64).double(), exp, atol=3e-2, rtol=3e-2)
         # the first chunks compile the prefix-reading variant right away
         assert w.layer.layer_id in w.backend._prefix_variant_warm
     # FlashAttention runs the first chunks: both requests at once, then the new request alone
@@ -518,7 +525,6 @@ def test_triton_impl_radix_hits_take_one_varlen_call(sgl, fakes, tkv_env, bundle
             return reference_flash_varlen(q, k, v, out=out, **kw)
 
         w.backend.dense_attention = FlashVarlenAttention(fake_varlen, ver=3)
-    FM = sgl.ForwardMode
     bf = torch.bfloat16
     for row, pages in ((1, [6, 1, 10, 3, 14, 8]), (2, [2, 9, 5, 12, 0])):
         w.req_to_token[row, : len(pages) * PAGE] = torch.cat(
@@ -528,16 +534,7 @@ def test_triton_impl_radix_hits_take_one_varlen_call(sgl, fakes, tkv_env, bundle
     # the cached prefixes, stored by an earlier extend (first chunks: the bypass, no call when
     # flash is off; one when on)
     for rows, prev, lens in (([1, 2], [0, 0], [16, 32]), ([1, 2], [16, 32], [86, 72])):
-        ext = [n - p for n, p in zip(lens, prev, strict=True)]
-        fb = w.batch(FM.EXTEND, rows, lens, ext)
-        w.backend.init_forward_metadata(fb)
-        q = w.rand(sum(ext), 4, 64).to(bf)
-        kk = torch.cat([w.k[r][p:n] for r, p, n in zip(rows, prev, lens, strict=True)]).to(bf)
-        vv = torch.cat([w.v[r][p:n] for r, p, n in zip(rows, prev, lens, strict=True)]).to(bf)
-        o = w.backend.forward_extend(q.reshape(len(q), -1), kk.reshape(len(q), -1),
-                                     vv.reshape(len(q), -1), w.layer, fb)
-        exp = w.expected(rows, lens, q.float(), ext, chunk_exact=True)
-        assert torch.allclose(o.view(-1, 4, 64).double(), exp, atol=3e-2, rtol=3e-2)
+        w.extend(rows, prev, lens)
     (run,) = w.backend.forward_metadata.runs
     assert (run.max_prefix_len, run.prefix_tokens, run.no_prefix) == (32, 48, False)
     assert calls == ([((48, 4, 64), (48, 2, 64), 32), ((110, 4, 64), (158, 2, 64), 102)]
