@@ -1005,7 +1005,7 @@ def test_prefill_varlen_prefix_through_dense_attention(head_dim, kb, vb, group, 
     with cu_seqlens_k = cumsum(prefix + q_len) — equal to the float64 oracle with GQA 1-8,
     K/V widths 2-8, head_dim 64/96/128, windows, length-1 chunks. ``prefix_tokens`` = the
     exact sum packs the rows tightly; a scratch one byte short of
-    :func:`varlen_prefix_bytes` keeps the Triton loop (no call, same oracle)."""
+    :func:`varlen_prefix_bytes` keeps the Triton loop (no call, same oracle; first case)."""
     codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=head_dim + kb)
     ld = TkvLoader(codec, 2, 16)
     spy = _SpyDense()
@@ -1022,11 +1022,12 @@ def test_prefill_varlen_prefix_through_dense_attention(head_dim, kb, vb, group, 
     assert spy.calls == [((tq, 2 * group, dp), (total + tq, 2, dp), mp + 3 + max(qlens),
                           window)]
     assert torch.isnan(scratch[need // 4:]).all()     # nothing written past the packed rows
-    short = torch.full((need // 4 - 1,), float("nan"), device=DEV)
-    _prefill_check(ld, prefix, qlens, group, seed=kb + vb + group, window=window,
-                   max_prefix_len=mp + 3, scratch=short, dense_attention=spy,
-                   prefix_tokens=total)
-    assert len(spy.calls) == 1
+    if head_dim == 64 and not window:   # (once: the Triton loop is slow under the interpreter)
+        short = torch.full((need // 4 - 1,), float("nan"), device=DEV)
+        _prefill_check(ld, prefix, qlens, group, seed=kb + vb + group, window=window,
+                       max_prefix_len=mp + 3, scratch=short, dense_attention=spy,
+                       prefix_tokens=total)
+        assert len(spy.calls) == 1
 
 
 def test_prefill_varlen_prefix_broken_bounds_are_nan():
