@@ -118,10 +118,10 @@ def _dequant_prefix_kernel(
     ``[t·BLOCK_N, (t+1)·BLOCK_N)`` into the dense scratch ``PK``/``PV`` (rows
     ``(seq·max_prefix + pos)·HKV + head`` of ``D_PAD`` elements — ``PACKED``: rows
     ``(ROW0[seq] + pos)·HKV + head`` below ``row_limit``, sequences packed back to back as
-    varlen attention reads them —, the loader's planar layout, norms applied — what the prefix loop of
-    :func:`_prefill_kernel` would compute per tile). ``K_SINK`` / ``V_SINK``: a flagged row is
-    written as ``|n|·tile + shift[head]``, so the dense attention that reads the rows needs
-    nothing else."""
+    varlen attention reads them —, the loader's planar layout, norms applied — what the
+    prefix loop of :func:`_prefill_kernel` would compute per tile). ``K_SINK`` / ``V_SINK``:
+    a flagged row is written as ``|n|·tile + shift[head]``, so the dense attention that reads
+    the rows needs nothing else."""
     t = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -366,9 +366,10 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             chunk's rotated K/V rows, then ONE call with ``cu_seqlens_k`` (a sequence whose
             metadata breaks the bounds gets NaN rows). With ``first_chunks = False`` on the
             callable, only the latter. Other calls ignore it. Its output is checked (shape,
-            dtype, device: ShapeError / DtypeError). With ``writes_out = True`` on the callable (a bool, DtypeError
-            otherwise) first chunks get ``out=`` this call's ``out`` when it has the query's
-            dtype, and no copy of the returned rows is made when they are ``out``'s.
+            dtype, device: ShapeError / DtypeError). With ``writes_out = True`` on the
+            callable (a bool, DtypeError otherwise) first chunks get ``out=`` this call's
+            ``out`` when it has the query's dtype, and no copy of the returned rows is made
+            when they are ``out``'s.
         prefix_tokens: optional host int ≥ the sum of the sequences' prefixes (tokens;
             engines know it from host metadata, an upper bound is fine): sizes the varlen
             path's packed rows (default ``num_seqs × max_prefix_len``). A sum above it gives
@@ -636,9 +637,9 @@ def _nan_broken_promise_kernel(out, s_t, s_h, cu_q, seq_lens, total, num_seqs, m
     """Program (sequence, head): if the sequence has a prefix (``seq_len ≠ q_len``, a broken
     ``no_prefix`` promise), more rows than ``max_q`` (a varlen kernel's grid would not cover
     them), starts below row 0 or reaches past ``out``'s ``total`` rows, its rows of that head
-    (those that exist) become NaN; the first sequence's program also poisons the rows before ``cu_q[0]``, the
-    last one's the rows from ``cu_q[num_seqs]`` on (rows of no sequence, never written by
-    the attention); else nothing is written."""
+    (those that exist) become NaN; the first sequence's program also poisons the rows before
+    ``cu_q[0]``, the last one's the rows from ``cu_q[num_seqs]`` on (rows of no sequence,
+    never written by the attention); else nothing is written."""
     seq, head = tl.program_id(0), tl.program_id(1)
     a = tl.load(cu_q + seq)
     b_meta = tl.load(cu_q + seq + 1)
@@ -722,9 +723,10 @@ def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, pref
     return True
 
 
-def _varlen_row_bytes(num_kv_heads: int, head_dim: int, query_dtype: torch.dtype) -> int:
-    """Bytes of one packed token row of the varlen path: K and V, ``num_kv_heads`` heads of
-    ``max(16, next_pow2(head_dim))`` elements of the dot dtype for ``query_dtype``."""
+def _row_bytes(num_kv_heads: int, head_dim: int, query_dtype: torch.dtype) -> int:
+    """Bytes of one token row of the prefill scratch (decompress-once and varlen paths
+    alike): K and V, ``num_kv_heads`` heads of ``max(16, next_pow2(head_dim))`` elements of
+    the dot dtype for ``query_dtype``."""
     d_pad = max(16, next_pow2(head_dim))
     return 2 * num_kv_heads * d_pad * torch.empty(
         0, dtype=dot_dtype_for(query_dtype)).element_size()
@@ -738,8 +740,7 @@ def varlen_prefix_bytes(prefix_tokens: int, num_tokens: int, num_kv_heads: int,
     back to back (no page rounding), ``num_kv_heads`` heads of ``max(16,
     next_pow2(head_dim))`` elements of the dot dtype for ``query_dtype`` (as
     :func:`dense_prefix_bytes`)."""
-    return (prefix_tokens + num_tokens + 1) * _varlen_row_bytes(num_kv_heads, head_dim,
-                                                                query_dtype)
+    return (prefix_tokens + num_tokens + 1) * _row_bytes(num_kv_heads, head_dim, query_dtype)
 
 
 def varlen_prefix_rows(scratch_bytes: int, num_kv_heads: int, head_dim: int,
@@ -756,7 +757,7 @@ def varlen_prefix_rows(scratch_bytes: int, num_kv_heads: int, head_dim: int,
                         ("head_dim", head_dim, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"varlen_prefix_rows: {name} must be an int ≥ {lo}, got {v!r}")
-    return scratch_bytes // _varlen_row_bytes(num_kv_heads, head_dim, query_dtype)
+    return scratch_bytes // _row_bytes(num_kv_heads, head_dim, query_dtype)
 
 
 def _varlen_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, max_prefix: int,
@@ -777,9 +778,9 @@ def _varlen_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, max
     guards are device tensors, and no write leaves the scratch's rows whatever the metadata.
     NaN output rows for a sequence that breaks the bounds — a prefix above ``max_prefix`` or
     below 0, the prefixes up to it above ``prefix_tokens``, a chunk longer than
-    ``max_query_len``, ``cu_seqlens_q`` decreasing or past ``total_q``, a prefix page that is −1 / out of range or beyond the block table
-    (engines' live prefixes have valid pages; the Triton paths would mask such tokens) — and
-    for query rows outside every sequence."""
+    ``max_query_len``, ``cu_seqlens_q`` decreasing or past ``total_q``, a prefix page that is
+    −1 / out of range or beyond the block table (engines' live prefixes have valid pages; the
+    Triton paths would mask such tokens) — and for query rows outside every sequence."""
     tq, d_pad = query.shape[0], query.shape[2]
     hkv = key.shape[1]
     ns = seq_lens.shape[0]
@@ -850,9 +851,8 @@ def dense_prefix_bytes(num_seqs: int, max_prefix_len: int, num_kv_heads: int, he
     ``block_size`` tokens (the loader's, as :func:`prefill` lays the scratch out),
     ``num_kv_heads`` heads of ``max(16, next_pow2(head_dim))`` elements of the dot dtype for
     ``query_dtype`` (the query's 16-bit type on CUDA, float32 under the Triton interpreter)."""
-    d_pad = max(16, next_pow2(head_dim))
-    return 2 * num_seqs * _whole_pages(max_prefix_len, block_size) * num_kv_heads * d_pad * (
-        torch.empty(0, dtype=dot_dtype_for(query_dtype)).element_size())
+    return num_seqs * _whole_pages(max_prefix_len, block_size) * _row_bytes(
+        num_kv_heads, head_dim, query_dtype)
 
 
 def warm_prefix_variant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache,

@@ -217,19 +217,17 @@ class TurboAttnBackend(AttentionBackend):
 
         if not max_prefix_len:
             return None
-        need = DENSE_PREFIX_CAP + 1
+        # the sizes each path needs, most capable first; the first within the cap is grown to
+        sizes = []
         if self.dense_attention is not None and prefix_tokens is not None:
-            need = varlen_prefix_bytes(prefix_tokens, num_tokens, num_kv_heads, self.head_dim,
-                                       dtype)
-        if need > DENSE_PREFIX_CAP:
-            rows = max_prefix_len + (max_query_len if num_seqs == 1 else 0)
-            need = dense_prefix_bytes(num_seqs, rows, num_kv_heads, self.head_dim, dtype,
-                                      block_size=self.page_size)
-            if need > DENSE_PREFIX_CAP and rows > max_prefix_len:  # the Triton dense path's
-                rows = max_prefix_len
-                need = dense_prefix_bytes(num_seqs, rows, num_kv_heads, self.head_dim, dtype,
-                                          block_size=self.page_size)
-        if need > DENSE_PREFIX_CAP:
+            sizes.append(varlen_prefix_bytes(prefix_tokens, num_tokens, num_kv_heads,
+                                             self.head_dim, dtype))
+        rows = max_prefix_len + (max_query_len if num_seqs == 1 else 0)
+        for r in (rows, max_prefix_len) if rows > max_prefix_len else (rows,):
+            sizes.append(dense_prefix_bytes(num_seqs, r, num_kv_heads, self.head_dim, dtype,
+                                            block_size=self.page_size))
+        need = next((n for n in sizes if n <= DENSE_PREFIX_CAP), None)
+        if need is None:
             return None
         if self._prefill_scratch is None or self._prefill_scratch.numel() < need:
             self._prefill_scratch = torch.empty(need, dtype=torch.uint8, device=self.device)

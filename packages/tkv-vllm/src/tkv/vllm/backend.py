@@ -142,8 +142,9 @@ class TurboAttnMetadata(AttentionMetadata):
     block_table int32 (≥ num_reqs, max_blocks), slot_mapping int64.
     Eager batches with prefill rows only: ``prefill_runs`` — the prefill rows as runs of
     rows with / without a cached prefix, one :func:`tkv.kernels.prefill` call each
-    (:mod:`tkv.kernels.prefill_runs` says why; row and token indices are the batch's), and ``prefill_cu_seqlens``, one int32
-    ``(rows + 1,)`` device tensor per run: its rows' query offsets rebased to 0.
+    (:mod:`tkv.kernels.prefill_runs` says why; row and token indices are the batch's), and
+    ``prefill_cu_seqlens``, one int32 ``(rows + 1,)`` device tensor per run: its rows' query
+    offsets rebased to 0.
     """
 
     num_actual_tokens: int
@@ -205,7 +206,6 @@ class TurboAttnMetadataBuilder(AttentionMetadataBuilder[TurboAttnMetadata]):
                 (cam.query_start_loc[r.row_lo:r.row_hi + 1] - r.tok_lo).to(torch.int32)
                 for r in md.prefill_runs)
         return md
-
 
     def _packed_rows(self) -> int | None:
         """The rows the device's prefill scratch holds for the kernels' varlen path
