@@ -10,9 +10,18 @@
 set -uo pipefail
 out=${1:?usage: gpu_kernels.sh OUT_DIR [KERNELS_GPU_ARGS...]}
 shift
-mkdir -p "$out"
 args=("$@")
 [[ ${#args[@]} -gt 0 ]] || args=(--quick --model-step --step --prefill --vllm-only --lookups prmt,prmti)
+# Run from a snapshot of the tree: the device tool re-copies the working tree into the repo
+# root on every call, and the staging calls that follow the one starting this job did so
+# while pytest-xdist's workers were importing the test modules (session 24: one worker failed
+# to import six of them, "Different tests were collected", no test ran).
+out=$(mkdir -p "$out" && cd "$out" && pwd)
+snap=$(mktemp -d /tmp/tkv-kernels-tree.XXXXXX)
+tar -C "$(dirname "${BASH_SOURCE[0]}")/.." --exclude=./.gpu-stage --exclude=./.gpu-stage-sglang \
+    --exclude=./.git -cf - . | tar -C "$snap" -xf -
+cd "$snap"
+export PYTHONPATH="$snap/packages/tkv-codec/src:$snap/packages/tkv-kernels/src${PYTHONPATH:+:$PYTHONPATH}"
 echo "== $(date -u +%FT%TZ) kernel tests on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 timeout 420 python3 -m pytest packages/tkv-kernels/tests -q -n 8 -p no:benchmark \
     -p no:cacheprovider > "$out/kernels_gpu_tests.txt" 2>&1
