@@ -682,6 +682,54 @@ def prefix_hits_rows(copy_gbs):
         torch.cuda.empty_cache()
 
 
+def rotate_sweep_rows(copy_gbs):
+    """``rotate_rows`` at prefill sizes (Qwen3-8B-like heads, K4V4 loader's matrices): the
+    rows of one 16,352-token step — 523K query rows (bf16 → bf16), the same count of output
+    rows from FlashAttention's bf16 (the varlen path since session 24) and from float32 (the
+    Triton loop), 131K key rows with per-head centering. Baseline (x_default = 1): the
+    default launch (tf32x3, 128 rows × 8 warps). Variants: ``bf16_split`` at the same launch,
+    and the persistent launch (session 24: m split into bf16 hi/lo once per program, tiles
+    looped) over tile rows × warps × pipeline stages × programs per SM. GB/s over the rows'
+    bytes read + written; ``rel_err``: ‖y − y₆₄‖ / ‖y₆₄‖ against a float64 product."""
+    from tkv.kernels.rotate import rotate_rows
+    hq, hkv, d, tokens = 32, 8, 128, 16352
+    ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, 16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    mu = torch.randn(hkv, d, device=DEV) * 0.1
+    cases = (("query rows", tokens, hq, torch.bfloat16, ld.q_in_planar, None),
+             ("output rows from bf16", tokens, hq, torch.bfloat16, ld.out_planar, None),
+             ("output rows from float32", tokens, hq, torch.float32, ld.out_planar, None),
+             ("key rows", tokens, hkv, torch.bfloat16, ld.k_in_planar, mu))
+    variants = [("bf16_split", dict(block_r=128, bf16_split=True))]
+    for br, nw, st, per_sm in ((64, 4, 2, 2), (64, 8, 2, 2), (128, 8, 2, 2), (64, 4, 3, 2),
+                               (128, 8, 3, 1), (64, 4, 2, 4)):
+        variants.append(("persistent", dict(persistent=True, block_r=br, num_warps=nw,
+                                            num_stages=st, programs=per_sm * sms)))
+    for what, t, h, xdt, m, mu_ in cases:
+        x = torch.randn(t, h, d, device=DEV).to(xdt)
+        y = torch.empty(t, h, m.shape[1], device=DEV, dtype=torch.bfloat16)
+        ref = (x.double().view(-1, d) @ m.double()).view(t, h, -1)
+        if mu_ is not None:
+            ref -= mu_.double()[None]
+        moved = x.numel() * x.element_size() + y.numel() * y.element_size()
+        base = dict(kernel="rotate_rows", what=what, rows=t * h, K=d, N=m.shape[1])
+
+        def err():
+            return round(float((y.double() - ref).norm() / ref.norm()), 7)
+        ms0 = timed_row(base, "default (tf32x3)", lambda: rotate_rows(x, m, y, mu_),
+                        moved=moved, copy_gbs=copy_gbs)
+        if ms0 is not None:
+            ROWS[-1]["rel_err"] = err()
+        for name, kw in variants:
+            ms = timed_row(base, name, lambda kw=kw: rotate_rows(x, m, y, mu_, **kw),
+                           moved=moved, copy_gbs=copy_gbs, ref_ms=ms0,
+                           **{k: v for k, v in kw.items() if k != "persistent"})
+            if ms is not None:
+                ROWS[-1]["rel_err"] = err()
+        del x, y, ref
+        torch.cuda.empty_cache()
+
+
 def sink_rows(copy_gbs):
     """What sink offsets cost: the same kernels with a K4V4 codec without and with K and V sink
     offsets (random per-head σ; in the decode/prefill caches a third of the tokens flagged),
@@ -758,7 +806,7 @@ def table(copy_gbs, path, device=None):
         opts = ", ".join(f"{k}={r[k]}" for k in ("lookup", "swap_qk", "maxnreg", "block_n",
                                                   "num_warps", "num_stages", "prefetch",
                                                   "num_splits", "auto_splits", "block_m",
-                                                  "block_t", "block_r", "bf16_split", "chunk",
+                                                  "block_t", "block_r", "bf16_split", "programs", "chunk",
                                                   "rotation",
                                                   "layers",
                                                   "x_default",
@@ -1429,6 +1477,10 @@ def main():
     ap.add_argument("--prefix-hits", action="store_true",
                     help="alone: prefill rows with cached prefixes, the Triton loop vs the "
                          "varlen path through FlashAttention (prefix_hits_rows)")
+    ap.add_argument("--rotate", action="store_true",
+                    help="alone (with --prefix-hits if given too): rotate_rows at prefill "
+                         "sizes, default vs bf16_split vs the persistent launch "
+                         "(rotate_sweep_rows)")
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
@@ -1460,7 +1512,9 @@ def main():
     # pipelining sweeps together)
     stages = [fn for flag, fn in ((a.stages_small, stage_small_rows), (a.stages, stage_rows))
               if flag]
-    alone = next((fns for flag, fns in ((a.prefix_hits, [prefix_hits_rows]),
+    prefill_sweeps = [fn for flag, fn in ((a.rotate, rotate_sweep_rows),
+                                          (a.prefix_hits, prefix_hits_rows)) if flag]
+    alone = next((fns for flag, fns in ((bool(prefill_sweeps), prefill_sweeps),
                                         (a.mixed_prefill, [mixed_prefill_rows]),
                                         (a.split_rule, [split_rule_rows]),
                                         (a.smollm2_step, [smollm2_step_rows]),

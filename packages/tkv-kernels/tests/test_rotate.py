@@ -102,3 +102,40 @@ def test_rotate_rows_refuses_malformed_input(bad):
         x = torch.randn(4, 2, 128)[:, :, ::2]
     with pytest.raises(ShapeError):
         rotate_rows(x, m, out, mu)
+
+
+@pytest.mark.parametrize(("t", "h", "k", "n", "xdt", "odt", "mu_rows", "block_r"), [
+    (53, 3, 128, 128, torch.bfloat16, torch.bfloat16, 3, 16),   # 10 tiles over 4 programs
+    (29, 5, 64, 64, torch.float32, torch.bfloat16, 1, 32),      # float32 rows: 3 passes
+    (11, 2, 96, 128, torch.float16, torch.float32, None, 16),   # head_dim 96 into 128 columns
+])
+def test_rotate_rows_persistent_matches_float64(t, h, k, n, xdt, odt, mu_rows, block_r):
+    # the persistent launch: bf16 hi/lo halves of m split once per program, tiles looped
+    g = torch.Generator().manual_seed(t * 7 + n)
+    big = torch.randn(t, h + 1, k + 8, generator=g).to(xdt)
+    x = big[:, 1:, 3:3 + k]                      # strided rows, unit stride inside a row
+    m = torch.randn(k, n, generator=g) / k ** 0.5
+    mu = None if mu_rows is None else torch.randn(mu_rows, n, generator=g)
+    out_big = torch.full((t, h, n + 5), float("nan"), dtype=odt)
+    out = out_big[:, :, 2:2 + n]
+    args = [a.to(DEV) if a is not None else None for a in (x, m, out, mu)]
+    res = rotate_rows(*args, persistent=True, block_r=block_r).cpu()
+    ref = x.double() @ m.double() - (0 if mu is None else mu.double()[:, None, :].transpose(0, 1))
+    err = ((res.double() - ref).norm() / ref.norm()).item()
+    assert err < (4e-3 if odt != torch.float32 else 1e-4), err
+    assert torch.isnan(out_big.cpu()[:, :, :2]).all() and torch.isnan(out_big.cpu()[:, :, -3:]).all()
+    # one program walking every tile gives the same rows
+    one = rotate_rows(*args[:2], torch.empty_like(args[2]), args[3], persistent=True,
+                      block_r=block_r, programs=1).cpu()
+    assert torch.equal(one, res)
+
+
+def test_rotate_rows_persistent_refuses_what_it_cannot_hold():
+    x = torch.randn(4, 2, 256).to(DEV)
+    with pytest.raises(ShapeError):
+        rotate_rows(x, torch.randn(256, 256).to(DEV), torch.empty(4, 2, 256, device=DEV),
+                    persistent=True)
+    x, m, out = torch.randn(4, 2, 64).to(DEV), torch.randn(64, 64).to(DEV), torch.empty(4, 2, 64)
+    for bad in ({"programs": 0}, {"num_stages": 0}, {"programs": 2.0}, {"persistent": 1}):
+        with pytest.raises((ShapeError, DtypeError)):
+            rotate_rows(x, m, out.to(DEV), **({"persistent": True} | bad))

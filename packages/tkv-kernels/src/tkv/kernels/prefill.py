@@ -519,23 +519,31 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, key, value = (rot(query, loader.q_in_planar, hq),
                              rot(key, loader.k_in_planar, hkv, loader.k_mu_planar),
                              rot(value, loader.v_in_planar, hkv))
-        # rotated-space rows, NaN until written (rows the metadata leaves out stay NaN
-        # through the unrotation instead of turning stale memory into numbers)
-        final, out = out, torch.full((tq, hq, d_pad), float("nan"), dtype=torch.float32,
-                                     device=dev)
+        final = out
     dense = (planar and scratch is not None and max_prefix_len is not None
              and max_prefix_len > 0 and max_query_len > block_mt)
     bt, nblk, maxb, bs = block_table, num_blocks, block_table.shape[1], loader.block_size
     if dense:
         check_same_device(dev, scratch=scratch)
         dense = scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
-    if dense and dense_attention is not None and _varlen_prefix_attention(
-            query, key, value, out, cu_seqlens_q, seq_lens, max_prefix_len,
+    if dense and dense_attention is not None:
+        varlen = _varlen_prefix_attention(
+            query, key, value, cu_seqlens_q, seq_lens, max_prefix_len,
             ns * max_prefix_len if prefix_tokens is None else min(prefix_tokens,
                                                                   ns * max_prefix_len),
             max_query_len, scratch, block_table, num_blocks, kargs, vargs, fetch, dequant,
-            loader, scale, window, dot_dtype, dense_attention):
-        return rotate_rows(out, loader.out_planar, final)
+            loader, scale, window, dot_dtype, dense_attention)
+        if varlen is not None:
+            # the callable's 16-bit rows straight into the caller's output: no float32 rows
+            # in between (session 24: at 32 × (1K + 512) the fill, copy, mask and float32
+            # read-back of those rows were ~1.4 GB of traffic around a 1.1 ms attention call)
+            rows, nan_rows = varlen
+            rotate_rows(rows, loader.out_planar, final)
+            return final.masked_fill_(nan_rows[:, None, None], float("nan"))
+    if planar:
+        # rotated-space rows, NaN until written (rows the metadata leaves out stay NaN
+        # through the unrotation instead of turning stale memory into numbers)
+        out = torch.full((tq, hq, d_pad), float("nan"), dtype=torch.float32, device=dev)
     if dense:
         maxp = _whole_pages(max_prefix_len, bs)       # whole pages of prefix per sequence
         need = dense_prefix_bytes(ns, maxp, hkv, d, query.dtype)
@@ -760,19 +768,22 @@ def varlen_prefix_rows(scratch_bytes: int, num_kv_heads: int, head_dim: int,
     return scratch_bytes // _row_bytes(num_kv_heads, head_dim, query_dtype)
 
 
-def _varlen_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, max_prefix: int,
+def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_prefix: int,
                              prefix_tokens: int, max_query_len: int, scratch, block_table,
                              num_blocks, kargs, vargs, fetch, dequant, loader, scale: float,
-                             window: int, dot_dtype, dense_attention: DenseAttention) -> bool:
+                             window: int, dot_dtype,
+                             dense_attention: DenseAttention
+                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`prefill`'s varlen path: every sequence's prefix (its real length taken on the
     device, at most ``max_prefix`` tokens, ``prefix_tokens`` for all together) is dequantized
     once into ``scratch`` (planar rotated rows, norms and sink shifts applied —
     :func:`_dequant_prefix_kernel`, ``PACKED``), its chunk's rotated K/V rows right after it,
     sequences back to back; then ONE call of the caller's varlen ``dense_attention`` (an
     engine's FlashAttention) with ``cu_seqlens_k`` over those rows, window included
-    (``prefix + q_len`` keys per sequence, bottom-right causal). Writes ``out`` (float32
-    ``(total_q, num_q_heads, d_pad)``, rotated) and returns True; returns False, having
-    written nothing, when the scratch is too small (:func:`varlen_prefix_bytes`).
+    (``prefix + q_len`` keys per sequence, bottom-right causal). Returns ``(rows, nan_rows)``:
+    the callable's output (``(total_q, num_q_heads, d_pad)`` in the dot dtype, rotated) and a
+    bool ``(total_q,)`` mask of the rows the caller must set to NaN; None, having written
+    nothing, when the scratch is too small (:func:`varlen_prefix_bytes`).
 
     Nothing is read on the host (no sync): ``cu_seqlens_k``, each chunk row's place and the
     guards are device tensors, and no write leaves the scratch's rows whatever the metadata.
@@ -787,7 +798,7 @@ def _varlen_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, max
     cap = prefix_tokens + tq                    # rows: the prefixes at their bound + chunks
     need = varlen_prefix_bytes(prefix_tokens, tq, hkv, loader.head_dim, dot_dtype)
     if scratch.numel() * scratch.element_size() < need:
-        return False
+        return None
     flat = scratch.view(-1).view(torch.uint8)[:need].view(dot_dtype)
     pk, pv = flat.view(2, cap + 1, hkv, d_pad)   # row ``cap``: where stray chunk rows go
     dev, i32 = query.device, torch.int32
@@ -823,9 +834,7 @@ def _varlen_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, max
     pv.index_copy_(0, dst, value)
     o = check_dense_output(dense_attention(query, pk[:cap], pv[:cap], cu, cu_k, max_query_len,
                                            max_prefix + max_query_len, scale, window), query)
-    out.copy_(o)
-    out.masked_fill_((~inside | broken[seq])[:, None, None], float("nan"))
-    return True
+    return o, ~inside | broken[seq]
 
 
 # query tokens of the warm-up's decompress-once call: more than any M tile's tokens (block_m

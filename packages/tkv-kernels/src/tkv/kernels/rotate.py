@@ -20,7 +20,14 @@ import triton.language as tl
 
 from tkv.codec.errors import ShapeError
 
-from ._util import check_flag, check_pow2, dot_dtype_for, next_pow2
+from ._util import (
+    check_flag,
+    check_positive_int,
+    check_pow2,
+    dot_dtype_for,
+    interpreting,
+    next_pow2,
+)
 
 __all__ = ["rotate_rows", "row_block", "slab"]
 
@@ -75,12 +82,63 @@ def _rotate_rows_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu, num_rows,
              acc.to(Y.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
+@triton.jit(do_not_specialize=["num_rows"])
+def _rotate_rows_persistent_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu, num_rows,
+                                   HQ: tl.constexpr, BLOCK_R: tl.constexpr,
+                                   K_IN: tl.constexpr, K_PAD: tl.constexpr,
+                                   N_OUT: tl.constexpr, N_PAD: tl.constexpr,
+                                   HAS_MU: tl.constexpr, X_BF16: tl.constexpr,
+                                   OPERAND: tl.constexpr, STAGES: tl.constexpr):
+    """:func:`_rotate_rows_kernel`'s product for many rows: each program splits M into bf16
+    hi/lo halves ONCE and keeps them for every ``BLOCK_R``-row tile it then takes (tiles
+    ``pid, pid + programs, …``; ``STAGES``-deep software pipeline over the tiles' loads), so
+    neither the matrix reads nor its split are paid per tile. Products as ``BF16_SPLIT``:
+    ``X_hi·M_hi + X_hi·M_lo (+ X_lo·M_hi)``, float32 accumulation, ~2^-16 relative."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_k = tl.arange(0, K_PAD)
+    kmask = offs_k < K_IN
+    offs_n = tl.arange(0, N_PAD)
+    nmask = offs_n < N_OUT
+    m = tl.load(M + offs_k[:, None] * sm + offs_n[None, :],
+                mask=kmask[:, None] & nmask[None, :], other=0.0)
+    m_hi = m.to(tl.bfloat16)
+    m_lo = (m - m_hi.to(tl.float32)).to(tl.bfloat16).to(OPERAND)
+    m_hi = m_hi.to(OPERAND)
+    for tile in tl.range(pid, tl.cdiv(num_rows, BLOCK_R), nprog, num_stages=STAGES):
+        r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = r < num_rows
+        t = (r // HQ).to(tl.int64)
+        h = r % HQ
+        x = tl.load(X + t[:, None] * sx_t + h[:, None] * sx_h + offs_k[None, :],
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)
+        x_hi = x.to(tl.bfloat16)
+        acc = tl.dot(x_hi.to(OPERAND), m_hi)
+        acc = tl.dot(x_hi.to(OPERAND), m_lo, acc)
+        if not X_BF16:   # X's low half (zero for bf16 rows: no third pass)
+            x_lo = (x.to(tl.float32) - x_hi.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(x_lo.to(OPERAND), m_hi, acc)
+        if HAS_MU:
+            acc -= tl.load(MU + h[:, None] * s_mu + offs_n[None, :],
+                           mask=rmask[:, None] & nmask[None, :], other=0.0)
+        tl.store(Y + t[:, None] * sy_t + h[:, None] * sy_h + offs_n[None, :],
+                 acc.to(Y.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
 # From this many rows (prefill chunks: 2K tokens x 32 heads) rotate_rows runs 128 rows per
 # program with 8 warps: 1.18x (bf16 query rows) / 1.20x (float32 output rows) the 32-row
 # launch at 523K rows of 128 on the H200, where 64 rows measured 0.61-0.86x
 # (benchmarks/results/kernels_gpu_2026-12-05_s22_mixed_prefill.md). Decode's batches stay
 # on row_block.
 _WIDE_ROWS = 65536
+
+
+def _persistent_programs(device: torch.device) -> int:
+    """Programs of the persistent rotation: 2 per SM (4 under the interpreter, enough to
+    exercise the tile loop's stride)."""
+    if interpreting() or device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def row_block(num_rows: int, n_pad: int) -> int:
@@ -98,7 +156,8 @@ def slab(n_pad: int) -> int:
 
 def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
                 mu: torch.Tensor | None = None, *, block_r: int | None = None,
-                num_warps: int = 8, bf16_split: bool = False) -> torch.Tensor:
+                num_warps: int = 8, bf16_split: bool = False, persistent: bool = False,
+                programs: int | None = None, num_stages: int = 2) -> torch.Tensor:
     """``out[t, h] = x[t, h] @ m − mu[h]`` (float32 accuracy, one launch).
 
     Args:
@@ -114,6 +173,12 @@ def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
         bf16_split: bf16 hi/lo tensor-core passes instead of tf32x3 (~2^-16 relative error
             instead of float32's; bf16 rows need 2 passes, others 3). An experiment: not timed
             on a GPU yet (``kernels_gpu.py --mixed-prefill`` times it); no caller uses it.
+        persistent: a fixed grid of ``programs`` programs (default: 2 per SM, 4 under the
+            interpreter), each splitting ``m`` into bf16 hi/lo once and looping over
+            ``block_r``-row tiles (default 64) with a ``num_stages``-deep pipeline
+            (:func:`_rotate_rows_persistent_kernel`; ``bf16_split``'s accuracy). An
+            experiment for prefill-sized row counts (session 24): ``kernels_gpu.py --rotate``
+            times it against the default launch; no caller uses it yet.
 
     Returns:
         ``out``. Raises ShapeError on mismatched shapes or strides (host-side checks).
@@ -145,6 +210,23 @@ def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
         br = row_block(rows, n_pad)
     check_pow2(num_warps, "num_warps", 1, 16)
     check_flag(bf16_split, "bf16_split")
+    if check_flag(persistent, "persistent"):
+        if k_pad > 128 or n_pad > 128:
+            # both bf16 halves of the matrix stay in one program for its whole life
+            raise ShapeError(f"rotate_rows(persistent=True) takes matrices up to 128 × 128 "
+                             f"(padded), got {k} × {n}")
+        br = 64 if block_r is None else br
+        check_positive_int(num_stages, "num_stages")
+        grid = _persistent_programs(x.device) if programs is None else check_positive_int(
+            programs, "programs")
+        _rotate_rows_persistent_kernel[(min(grid, triton.cdiv(rows, br)),)](
+            x, x.stride(0), x.stride(1), m, m.stride(0), out, out.stride(0), out.stride(1),
+            m if mu is None else mu, 0 if mu is None or mu.shape[0] == 1 else n, rows,
+            HQ=h, BLOCK_R=br, K_IN=k, K_PAD=k_pad, N_OUT=n, N_PAD=n_pad,
+            HAS_MU=mu is not None, X_BF16=x.dtype == torch.bfloat16,
+            OPERAND=_TL_DOT[dot_dtype_for(torch.bfloat16)], STAGES=num_stages,
+            num_warps=num_warps)
+        return out
     _rotate_rows_kernel[(triton.cdiv(rows, br),)](
         x, x.stride(0), x.stride(1), m, m.stride(0), out, out.stride(0), out.stride(1),
         m if mu is None else mu, 0 if mu is None or mu.shape[0] == 1 else n, rows,
