@@ -616,7 +616,8 @@ def prefix_hits_rows(copy_gbs):
     ``C``-token chunk, one :func:`prefill` call each way. Baseline (x_default = 1): the
     decompress-once Triton loop, what such a run took before session 23 (and still does
     without a dense_attention callable); ``varlen path``: every prefix decompressed once
-    and packed with its chunk's rotated rows, ONE call of PyTorch's varlen FlashAttention-2
+    (back to model space since session 24: no rotation of the query, the chunk or the
+    output) and packed with its chunk's rows, ONE call of PyTorch's varlen FlashAttention-2
     (TorchVarlenAttention; the engines pass their own FA3 the same way); ``bf16 FA2``: the
     same FlashAttention over the raw bf16 prefix + chunk in model space, no cache (what a
     bf16 engine does, the floor). Also the varlen path's max abs difference to the Triton

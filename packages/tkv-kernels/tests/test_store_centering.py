@@ -18,7 +18,15 @@ import torch
 from tkv.codec import TurboKVCodec
 from tkv.codec.errors import ShapeError
 from tkv.codec.packing import unpack_codes
-from tkv.kernels import TkvLoader, Workspace, compress_store, decode, prefill
+from tkv.kernels import (
+    SdpaDenseAttention,
+    TkvLoader,
+    Workspace,
+    compress_store,
+    decode,
+    prefill,
+    varlen_prefix_bytes,
+)
 from tkv.kernels._util import interpreting
 from tkv.kernels.reference import (
     attention_reference,
@@ -157,6 +165,52 @@ def test_chunked_prefill_with_key_offset_matches_reference(per_head):
     shift = torch.randn(2 if per_head else 1, d, generator=g) * 3
     out, ref, _ = _prefill_case(ld, [35, 3, 0], [9, 17, 5], 2, g, shift)
     assert _rel(out, ref) < _tol(torch.float16)
+
+
+class _Counted(SdpaDenseAttention):
+    """SdpaDenseAttention that counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+        self.calls += 1
+        return super().__call__(q, k, v, cu_q, cu_k, max_q, max_k, scale, window)
+
+
+class _IntoOut(_Counted):
+    """A counted SdpaDenseAttention writing through ``out=`` (``writes_out``, as
+    FlashAttention's varlen functions)."""
+
+    writes_out = True
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window, out=None):
+        o = super().__call__(q, k, v, cu_q, cu_k, max_q, max_k, scale, window)
+        return o if out is None else out.copy_(o)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_varlen_prefix_path_with_key_offset_matches_reference(per_head):
+    """Prefix-cache hits of centered keys through the varlen path (one dense_attention call):
+    the prefixes are dequantized straight back to model space with μ added (session 24) and
+    attended next to the raw chunk keys — the float64 oracle, through ``out=`` and through a
+    returned tensor alike. A μ left out would put every prefix key off by μ (the trap above)."""
+    g = torch.Generator().manual_seed(23)
+    d = 64
+    codec = _centered_codec(d, 4, 3, g, seed=5, scales=per_head, heads=2 if per_head else None)
+    ld = TkvLoader(codec, 2, 16)
+    shift = torch.randn(2 if per_head else 1, d, generator=g) * 3
+    prefix, qlens = [35, 3, 0, 20], [9, 17, 5, 1]
+    need = varlen_prefix_bytes(sum(prefix), sum(qlens), 2, d, torch.float16)
+    scratch = torch.full((need // 4 + 16,), float("nan"), device=DEV)
+    into, plain = _IntoOut(), _Counted()
+    for fn in (into, plain):
+        out, ref, _ = _prefill_case(ld, prefix, qlens, 2, g, shift, max_prefix_len=35,
+                                    scratch=scratch, dense_attention=fn,
+                                    prefix_tokens=sum(prefix))
+        # one 16-bit rounding of the rows more than the Triton loop
+        assert _rel(out, ref) < max(_tol(torch.float16), 1e-3)
+    assert into.calls == plain.calls == 1      # the varlen path ran, once each
 
 
 def test_reference_adds_offset_back_and_centering_is_exact_for_attention():

@@ -108,12 +108,14 @@ def _dequant_prefix_kernel(
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
         PK, PV, max_prefix, k_shift, v_shift, ROW0, row_limit,
+        KB, kb_r, kb_c, VB, vb_r, vb_c, MU, s_mu,
         FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
         KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         HKV: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, K_SINK: tl.constexpr,
-        V_SINK: tl.constexpr, PACKED: tl.constexpr):
+        V_SINK: tl.constexpr, PACKED: tl.constexpr, MODEL: tl.constexpr = False,
+        HAS_MU: tl.constexpr = False, OPERAND: tl.constexpr = tl.float32):
     """Decompress the prefix of sequence ``program_id(1)``, KV head ``program_id(2)``, tokens
     ``[t·BLOCK_N, (t+1)·BLOCK_N)`` into the dense scratch ``PK``/``PV`` (rows
     ``(seq·max_prefix + pos)·HKV + head`` of ``D_PAD`` elements — ``PACKED``: rows
@@ -121,7 +123,12 @@ def _dequant_prefix_kernel(
     varlen attention reads them —, the loader's planar layout, norms applied — what the
     prefix loop of :func:`_prefill_kernel` would compute per tile). ``K_SINK`` / ``V_SINK``:
     a flagged row is written as ``|n|·tile + shift[head]``, so the dense attention that reads
-    the rows needs nothing else."""
+    the rows needs nothing else. ``MODEL`` (the varlen path, session 24): the rows are written
+    back in model space instead — ``k = y @ KB + μ[head]``, ``v = y @ VB`` for the planar
+    tile ``y`` (``KB[i, n]`` at ``KB + i·kb_r + n·kb_c``, rows in the side's planar order;
+    ``MU`` ``(1 or HKV, HEAD_DIM)`` with row stride ``s_mu`` when ``HAS_MU``), so the
+    attention that reads them takes the model's own queries, keys and values; needs
+    ``HEAD_DIM == D_PAD``."""
     t = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -155,8 +162,44 @@ def _dequant_prefix_kernel(
         v = add_shift(_scaled(v, vs, VNP), tl.where(vflag, 1.0, 0.0),
                       load_shift(v_shift, kvh, VNP, D_PAD, HEAD_DIM), VNP)
         vs = tl.where(mask_n, 1.0, 0.0)
-    store_planes(PK, rows, mask_n, k, ks, KNP, D_PAD, HEAD_DIM, True)
-    store_planes(PV, rows, mask_n, v, vs, VNP, D_PAD, HEAD_DIM, True)
+    if MODEL:
+        cols = tl.arange(0, D_PAD)
+        km = _unrotated(k, ks, KB, kb_r, kb_c, KNP, D_PAD, BLOCK_N, OPERAND)
+        if HAS_MU:
+            km += tl.load(MU + kvh * s_mu + cols)[None, :]
+        vm = _unrotated(v, vs, VB, vb_r, vb_c, VNP, D_PAD, BLOCK_N, OPERAND)
+        ptr = rows[:, None] + cols[None, :]
+        tl.store(PK + ptr, km.to(PK.dtype.element_ty), mask=mask_n[:, None])
+        tl.store(PV + ptr, vm.to(PV.dtype.element_ty), mask=mask_n[:, None])
+    else:
+        store_planes(PK, rows, mask_n, k, ks, KNP, D_PAD, HEAD_DIM, True)
+        store_planes(PV, rows, mask_n, v, vs, VNP, D_PAD, HEAD_DIM, True)
+
+
+@triton.jit
+def _unrotated(planes, scale, MB, s_r, s_c, NP: tl.constexpr, D_PAD: tl.constexpr,
+               BLOCK_N: tl.constexpr, OPERAND: tl.constexpr):
+    """``Σ_p (planes[p] · scale[:, None]) @ MB[rows of plane p]``: ``[BLOCK_N, D_PAD]`` float32
+    — a planar tile taken back to model space. bf16 hi/lo halves of both operands, three
+    tensor-core passes per plane (~2^-16 relative, as ``rotate_rows(bf16_split=True)``);
+    ``OPERAND`` as there (float32 holding bf16 values under the interpreter)."""
+    W: tl.constexpr = D_PAD // NP
+    j = tl.arange(0, W)
+    n = tl.arange(0, D_PAD)
+    acc = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    for p in tl.static_range(NP):
+        m = tl.load(MB + (p * W + j)[:, None] * s_r + n[None, :] * s_c)
+        m_hi = m.to(tl.bfloat16)
+        m_lo = (m - m_hi.to(tl.float32)).to(tl.bfloat16).to(OPERAND)
+        m_hi = m_hi.to(OPERAND)
+        x = planes[p] * scale[:, None]
+        x_hi = x.to(tl.bfloat16)
+        x_lo = (x - x_hi.to(tl.float32)).to(tl.bfloat16).to(OPERAND)
+        x_hi = x_hi.to(OPERAND)
+        acc = tl.dot(x_hi, m_hi, acc)
+        acc = tl.dot(x_hi, m_lo, acc)
+        acc = tl.dot(x_lo, m_hi, acc)
+    return acc
 
 
 @triton.jit
@@ -363,13 +406,18 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             :func:`varlen_prefix_bytes` for ``prefix_tokens`` and ``total_q``, a chunk longer
             than the M tile's tokens), any number of sequences, ``exact_prefix`` or not,
             sliding window included: every prefix dequantized once and packed with its
-            chunk's rotated K/V rows, then ONE call with ``cu_seqlens_k`` (a sequence whose
-            metadata breaks the bounds gets NaN rows). With ``first_chunks = False`` on the
-            callable, only the latter. Other calls ignore it. Its output is checked (shape,
-            dtype, device: ShapeError / DtypeError). With ``writes_out = True`` on the
-            callable (a bool, DtypeError otherwise) first chunks get ``out=`` this call's
-            ``out`` when it has the query's dtype, and no copy of the returned rows is made
-            when they are ``out``'s.
+            chunk's K/V rows, then ONE call with ``cu_seqlens_k`` (a sequence whose
+            metadata breaks the bounds gets NaN rows). The prefix rows are taken back to
+            model space inside the dequant kernel when ``head_dim`` is a power of two ≥ 16
+            and every plane is ≥ 16 coordinates wide — the callable then gets the model's
+            own query, keys and values, and no rotation pass runs (session 24) — else the
+            rows stay in the planar rotated space (query and chunk rotated, output
+            unrotated). With ``first_chunks = False`` on the callable, only the latter.
+            Other calls ignore it. Its output is checked (shape, dtype, device: ShapeError /
+            DtypeError). With ``writes_out = True`` on the callable (a bool, DtypeError
+            otherwise) first chunks and model-space varlen calls get ``out=`` this call's
+            ``out`` when it has the query's dtype (the dot dtype), and no copy of the
+            returned rows is made when they are ``out``'s.
         prefix_tokens: optional host int ≥ the sum of the sequences' prefixes (tokens;
             engines know it from host metadata, an upper bound is fine): sizes the varlen
             path's packed rows (default ``num_seqs × max_prefix_len``). A sum above it gives
@@ -402,8 +450,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # False: first chunks stay on tkv's Triton bypass (TKV_PREFILL_ATTENTION=continuation)
     dense_first_chunks = check_flag(getattr(dense_attention, "first_chunks", True),
                                     "dense_attention.first_chunks")
-    dense_writes_out = check_flag(getattr(dense_attention, "writes_out", False),
-                                  "dense_attention.writes_out")
+    check_flag(getattr(dense_attention, "writes_out", False), "dense_attention.writes_out")
     check_loader(loader)
     check_flag(no_prefix, "no_prefix")
     if num_warps is not None:
@@ -491,17 +538,24 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if no_prefix and dense_attention is not None and dense_first_chunks:
         # the bypass through the caller's kernel, straight into ``out`` where it can write
         # there (FlashAttention's ``out=``: no copy of the chunk's output)
-        args = (query, key, value, cu_seqlens_q, cu_seqlens_q, max_query_len, max_query_len,
-                scale, window)
-        if dense_writes_out and out.dtype == query.dtype:
-            o = check_dense_output(dense_attention(*args, out=out), query)
-            if not _same_elements(o, out):
-                if o.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
-                    o = o.clone()   # another view of out's memory: copy_ would self-overlap
-                out.copy_(o)
-        else:
-            out.copy_(check_dense_output(dense_attention(*args), query))
+        _dense_into(dense_attention, (query, key, value, cu_seqlens_q, cu_seqlens_q,
+                                      max_query_len, max_query_len, scale, window), out)
         return _nan_rows_with_prefix(out, cu_seqlens_q, seq_lens, max_query_len)
+    dense = (planar and scratch is not None and max_prefix_len is not None
+             and max_prefix_len > 0 and max_query_len > block_mt)
+    if dense:
+        check_same_device(dev, scratch=scratch)
+        dense = scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
+    prefix_tokens = None if not dense else (
+        ns * max_prefix_len if prefix_tokens is None else min(prefix_tokens,
+                                                              ns * max_prefix_len))
+    varlen_args = (cu_seqlens_q, seq_lens, max_prefix_len, prefix_tokens, max_query_len,
+                   scratch, block_table, num_blocks, kargs, vargs, fetch, dequant, loader,
+                   scale, window, dot_dtype, dense_attention, out)
+    if (dense and dense_attention is not None and _model_space_rows(d, d_pad, kargs, vargs)
+            and _varlen_prefix_attention(query.to(dot_dtype), key.to(dot_dtype),
+                                         value.to(dot_dtype), *varlen_args, model_space=True)):
+        return out
     if no_prefix:
         # prefill bypass: plain attention over the chunk in model space; the cache is never
         # read (a sequence with a prefix gets NaN rows: a broken promise fails loudly)
@@ -520,26 +574,10 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              rot(key, loader.k_in_planar, hkv, loader.k_mu_planar),
                              rot(value, loader.v_in_planar, hkv))
         final = out
-    dense = (planar and scratch is not None and max_prefix_len is not None
-             and max_prefix_len > 0 and max_query_len > block_mt)
     bt, nblk, maxb, bs = block_table, num_blocks, block_table.shape[1], loader.block_size
-    if dense:
-        check_same_device(dev, scratch=scratch)
-        dense = scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
-    if dense and dense_attention is not None:
-        varlen = _varlen_prefix_attention(
-            query, key, value, cu_seqlens_q, seq_lens, max_prefix_len,
-            ns * max_prefix_len if prefix_tokens is None else min(prefix_tokens,
-                                                                  ns * max_prefix_len),
-            max_query_len, scratch, block_table, num_blocks, kargs, vargs, fetch, dequant,
-            loader, scale, window, dot_dtype, dense_attention)
-        if varlen is not None:
-            # the callable's 16-bit rows straight into the caller's output: no float32 rows
-            # in between (session 24: at 32 × (1K + 512) the fill, copy, mask and float32
-            # read-back of those rows were ~1.4 GB of traffic around a 1.1 ms attention call)
-            rows, nan_rows = varlen
-            rotate_rows(rows, loader.out_planar, final)
-            return final.masked_fill_(nan_rows[:, None, None], float("nan"))
+    if dense and dense_attention is not None and _varlen_prefix_attention(
+            query, key, value, *varlen_args, model_space=False):
+        return out
     if planar:
         # rotated-space rows, NaN until written (rows the metadata leaves out stay NaN
         # through the unrotation instead of turning stale memory into numbers)
@@ -601,19 +639,29 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, vargs, fetch,
                     dequant, loader, pk, pv, maxp: int, ns: int, hkv: int, d_pad: int,
-                    row0: torch.Tensor | None = None, row_limit: int = 0) -> None:
+                    row0: torch.Tensor | None = None, row_limit: int = 0,
+                    model_space: bool = False) -> None:
     """Launch :func:`_dequant_prefix_kernel`: the prefixes of ``ns`` sequences (at most ``maxp``
     tokens each) dequantized into ``pk`` / ``pv`` rows ``(seq·maxp + pos)·hkv + head`` — for
     the decompress-once Triton loop and for the SDPA path alike — or, with ``row0`` (int32
     ``(≥ ns,)`` on the device), token rows ``row0[seq] + pos`` below ``row_limit`` (the
-    varlen path)."""
+    varlen path). ``model_space``: rows in model space (``MODEL``; the loader's
+    ``q_in_planar`` read transposed is the keys' map back, ``out_planar`` the values')."""
     tb = _prefix_tile(loader)
     k_shift, k_sink = sink_shift(loader, "k", pk)
     v_shift, v_sink = sink_shift(loader, "v", pk)
+    # K back to model space: R diag(s_k) = q_in's transpose (the query's map is the keys'
+    # adjoint); V: out_planar. Both with rows in the side's planar order.
+    kb, vb = loader.q_in_planar, loader.out_planar
+    mu = loader.k_mu if model_space and loader.k_mu is not None else None
     _dequant_prefix_kernel[(triton.cdiv(maxp, tb), ns, hkv)](
         cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
         num_blocks, *kargs[:6], *vargs[:6], pk, pv, maxp, k_shift, v_shift,
-        seq_lens if row0 is None else row0, row_limit, PACKED=row0 is not None,
+        seq_lens if row0 is None else row0, row_limit,
+        kb, kb.stride(1), kb.stride(0), vb, vb.stride(0), vb.stride(1),
+        kb if mu is None else mu, 0 if mu is None or mu.shape[0] == 1 else mu.stride(0),
+        MODEL=model_space, HAS_MU=mu is not None,
+        OPERAND=_TL[dot_dtype_for(torch.bfloat16)], PACKED=row0 is not None,
         FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
         VP3=vargs[9], VNP=vargs[10], HKV=hkv, HEAD_DIM=loader.head_dim, D_PAD=d_pad,
@@ -771,19 +819,28 @@ def varlen_prefix_rows(scratch_bytes: int, num_kv_heads: int, head_dim: int,
 def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_prefix: int,
                              prefix_tokens: int, max_query_len: int, scratch, block_table,
                              num_blocks, kargs, vargs, fetch, dequant, loader, scale: float,
-                             window: int, dot_dtype,
-                             dense_attention: DenseAttention
-                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                             window: int, dot_dtype, dense_attention: DenseAttention,
+                             out: torch.Tensor, *, model_space: bool) -> bool:
     """:func:`prefill`'s varlen path: every sequence's prefix (its real length taken on the
     device, at most ``max_prefix`` tokens, ``prefix_tokens`` for all together) is dequantized
     once into ``scratch`` (planar rotated rows, norms and sink shifts applied —
     :func:`_dequant_prefix_kernel`, ``PACKED``), its chunk's rotated K/V rows right after it,
     sequences back to back; then ONE call of the caller's varlen ``dense_attention`` (an
     engine's FlashAttention) with ``cu_seqlens_k`` over those rows, window included
-    (``prefix + q_len`` keys per sequence, bottom-right causal). Returns ``(rows, nan_rows)``:
-    the callable's output (``(total_q, num_q_heads, d_pad)`` in the dot dtype, rotated) and a
-    bool ``(total_q,)`` mask of the rows the caller must set to NaN; None, having written
-    nothing, when the scratch is too small (:func:`varlen_prefix_bytes`).
+    (``prefix + q_len`` keys per sequence, bottom-right causal). Writes :func:`prefill`'s
+    ``out`` (model space, ``(total_q, num_q_heads, head_dim)``) and returns True; returns
+    False, having written nothing, when the scratch is too small (:func:`varlen_prefix_bytes`).
+
+    Two spaces (session 24):
+
+    * ``model_space`` (:func:`_model_space_rows`): the prefix rows are dequantized straight
+      back to model space (``_dequant_prefix_kernel``'s ``MODEL``), so ``query`` / ``key`` /
+      ``value`` are the model's own rows (in the dot dtype) and the callable's output is
+      :func:`prefill`'s (written in place through ``out=`` when it can): no rotation pass at
+      all. At 32 × (1K prefix + 512) the rotated space cost ~2.3 ms around a 1.1 ms attention
+      call on an H100 (``benchmarks/results/kernels_gpu_2026-12-05_s24_prefix_hits.md``).
+    * otherwise the loader's planar rotated space (``query`` / ``key`` / ``value`` rotated
+      by the caller, ``d_pad`` wide); the callable's 16-bit rows are unrotated into ``out``.
 
     Nothing is read on the host (no sync): ``cu_seqlens_k``, each chunk row's place and the
     guards are device tensors, and no write leaves the scratch's rows whatever the metadata.
@@ -798,7 +855,7 @@ def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_pref
     cap = prefix_tokens + tq                    # rows: the prefixes at their bound + chunks
     need = varlen_prefix_bytes(prefix_tokens, tq, hkv, loader.head_dim, dot_dtype)
     if scratch.numel() * scratch.element_size() < need:
-        return None
+        return False
     flat = scratch.view(-1).view(torch.uint8)[:need].view(dot_dtype)
     pk, pv = flat.view(2, cap + 1, hkv, d_pad)   # row ``cap``: where stray chunk rows go
     dev, i32 = query.device, torch.int32
@@ -822,7 +879,8 @@ def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_pref
     broken = (changed[:-1] | changed[1:] | (prefix != clamped) | bad_page | (ends > cap)
               | (npages > block_table.shape[1]) | (q_len > max_query_len))
     _dequant_prefix(cu, seq_lens, block_table, num_blocks, kargs, vargs, fetch, dequant,
-                    loader, pk, pv, max_prefix, ns, hkv, d_pad, row0=cu_k, row_limit=cap)
+                    loader, pk, pv, max_prefix, ns, hkv, d_pad, row0=cu_k, row_limit=cap,
+                    model_space=model_space)
     # chunk row t of sequence s goes to row cu_k[s] + pre[s] + (t − cu[s]) = t + (ends[s] −
     # cu[s+1]); rows outside every sequence or the scratch's rows go to the spare row
     t = torch.arange(tq, device=dev)
@@ -830,11 +888,40 @@ def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_pref
     inside = (t >= cu[seq]) & (t < cu[seq + 1])
     dst = t + ends[seq] - cu[seq + 1]
     dst = torch.where(inside & (dst < cap), dst, cap)
-    pk.index_copy_(0, dst, key)       # the chunk's rotated rows (dot dtype already)
+    pk.index_copy_(0, dst, key)       # the chunk's rows (dot dtype already)
     pv.index_copy_(0, dst, value)
-    o = check_dense_output(dense_attention(query, pk[:cap], pv[:cap], cu, cu_k, max_query_len,
-                                           max_prefix + max_query_len, scale, window), query)
-    return o, ~inside | broken[seq]
+    args = (query, pk[:cap], pv[:cap], cu, cu_k, max_query_len, max_prefix + max_query_len,
+            scale, window)
+    if model_space:
+        _dense_into(dense_attention, args, out)
+    else:
+        # the callable's 16-bit rows straight into the unrotation: no float32 rows between
+        rotate_rows(check_dense_output(dense_attention(*args), query), loader.out_planar, out)
+    out.masked_fill_((~inside | broken[seq])[:, None, None], float("nan"))
+    return True
+
+
+def _model_space_rows(head_dim: int, d_pad: int, kargs, vargs) -> bool:
+    """Whether the varlen path can take the prefix back to model space inside the dequant
+    kernel: ``head_dim`` a power of two ≥ 16 (the rows are the model's, no padding for the
+    callable to see) and planes at least 16 coordinates wide (each plane's unrotation is one
+    tensor-core dot over them)."""
+    return head_dim == d_pad and d_pad // max(kargs[10], vargs[10]) >= 16
+
+
+def _dense_into(dense_attention: DenseAttention, args: tuple, out: torch.Tensor) -> None:
+    """``dense_attention(*args)`` into ``out`` (same shape, maybe another dtype): through
+    ``out=`` when the callable takes it (``writes_out``) and the dtypes agree — FlashAttention
+    writes there, no copy — else copied."""
+    q = args[0]
+    if getattr(dense_attention, "writes_out", False) and out.dtype == q.dtype:
+        o = check_dense_output(dense_attention(*args, out=out), q)
+        if not _same_elements(o, out):
+            if o.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+                o = o.clone()   # another view of out's memory: copy_ would self-overlap
+            out.copy_(o)
+    else:
+        out.copy_(check_dense_output(dense_attention(*args), q))
 
 
 # query tokens of the warm-up's decompress-once call: more than any M tile's tokens (block_m
