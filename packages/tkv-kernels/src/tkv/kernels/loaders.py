@@ -620,6 +620,13 @@ def decode_pipeline_from_env(environ=None) -> bool:
 DECODE_PIPELINE = decode_pipeline_from_env()
 
 
+def _bf16_halves(m: torch.Tensor) -> torch.Tensor:
+    """bfloat16 ``(2, *m.shape)``: ``hi = bf16(m)``, ``lo = bf16(m − hi)`` — two bf16
+    tensor-core operands whose sum is the float32 ``m`` to ~2^-16 relative."""
+    hi = m.to(torch.bfloat16)
+    return torch.stack([hi, (m - hi.float()).to(torch.bfloat16)]).contiguous()
+
+
 class TkvLoader:
     """Per-layer tkv format: the codec's tables as device tensors + the layer's SlotLayout.
 
@@ -715,6 +722,10 @@ class TkvLoader:
         out_planar: ``(d_pad, head_dim)``: out_mat taking planar-layout (V planes) rows.
         k_mu_planar: ``(1 or num_kv_heads, d_pad)`` ``μ @ k_in_planar`` (prefill centers the
             chunk's keys as ``k @ k_in_planar − k_mu_planar``), or None without a key offset.
+        k_back_planar, v_back_planar: bfloat16 ``(2, d_pad, head_dim)``: hi and lo halves
+            (hi + lo = the float32 matrix to ~2^-16 relative) of ``R·diag(s_k)`` /
+            ``R·diag(s_v)`` with rows in the side's planar order — planar rows back to model
+            space (prefill's varlen path dequantizes prefixes straight into model space).
         k_sink_shift, v_sink_shift: ``(num_kv_heads, d_pad)`` (natural coordinate order, zero
             padding) rotated shift ``c_h = R((σ_h − μ_h)/s)`` of the side's *flagged* vectors
             (codec ``sink_shift_rotated``), or None when the side has no sink offset. A
@@ -878,6 +889,10 @@ class TkvLoader:
         self.out_planar = to_planar_columns(self.out_mat[:d, :d].T, vnp, d, dp).T.contiguous()
         self.k_mu_planar = None if self.k_mu is None else (
             self.k_mu[:, :d].double() @ self.k_in_planar.double()).float().contiguous()
+        # prefill's varlen path takes prefix rows back to model space in its dequant kernel:
+        # R·diag(s_k) (the query's map, transposed) and R·diag(s_v) with rows in planar order
+        self.k_back_planar = _bf16_halves(self.q_in_planar.T)
+        self.v_back_planar = _bf16_halves(self.out_planar)
 
     fetch = tkv_fetch
     dequant = tkv_dequant

@@ -108,7 +108,7 @@ def _dequant_prefix_kernel(
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
         PK, PV, max_prefix, k_shift, v_shift, ROW0, row_limit,
-        KB, kb_r, kb_c, VB, vb_r, vb_c, MU, s_mu,
+        KB, VB, MU, s_mu,
         FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
         KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
@@ -125,10 +125,10 @@ def _dequant_prefix_kernel(
     a flagged row is written as ``|n|·tile + shift[head]``, so the dense attention that reads
     the rows needs nothing else. ``MODEL`` (the varlen path, session 24): the rows are written
     back in model space instead — ``k = y @ KB + μ[head]``, ``v = y @ VB`` for the planar
-    tile ``y`` (``KB[i, n]`` at ``KB + i·kb_r + n·kb_c``, rows in the side's planar order;
-    ``MU`` ``(1 or HKV, HEAD_DIM)`` with row stride ``s_mu`` when ``HAS_MU``), so the
-    attention that reads them takes the model's own queries, keys and values; needs
-    ``HEAD_DIM == D_PAD``."""
+    tile ``y`` (``KB`` / ``VB``: the loader's ``k_back_planar`` / ``v_back_planar``, bf16
+    hi/lo halves ``(2, D_PAD, D_PAD)``; ``MU`` ``(1 or HKV, HEAD_DIM)`` with row stride
+    ``s_mu`` when ``HAS_MU``), so the attention that reads them takes the model's own
+    queries, keys and values; needs ``HEAD_DIM == D_PAD``."""
     t = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -164,10 +164,10 @@ def _dequant_prefix_kernel(
         vs = tl.where(mask_n, 1.0, 0.0)
     if MODEL:
         cols = tl.arange(0, D_PAD)
-        km = _unrotated(k, ks, KB, kb_r, kb_c, KNP, D_PAD, BLOCK_N, OPERAND)
+        km = _unrotated(k, ks, KB, KNP, D_PAD, BLOCK_N, OPERAND)
         if HAS_MU:
             km += tl.load(MU + kvh * s_mu + cols)[None, :]
-        vm = _unrotated(v, vs, VB, vb_r, vb_c, VNP, D_PAD, BLOCK_N, OPERAND)
+        vm = _unrotated(v, vs, VB, VNP, D_PAD, BLOCK_N, OPERAND)
         ptr = rows[:, None] + cols[None, :]
         tl.store(PK + ptr, km.to(PK.dtype.element_ty), mask=mask_n[:, None])
         tl.store(PV + ptr, vm.to(PV.dtype.element_ty), mask=mask_n[:, None])
@@ -177,21 +177,22 @@ def _dequant_prefix_kernel(
 
 
 @triton.jit
-def _unrotated(planes, scale, MB, s_r, s_c, NP: tl.constexpr, D_PAD: tl.constexpr,
-               BLOCK_N: tl.constexpr, OPERAND: tl.constexpr):
-    """``Σ_p (planes[p] · scale[:, None]) @ MB[rows of plane p]``: ``[BLOCK_N, D_PAD]`` float32
-    — a planar tile taken back to model space. bf16 hi/lo halves of both operands, three
-    tensor-core passes per plane (~2^-16 relative, as ``rotate_rows(bf16_split=True)``);
-    ``OPERAND`` as there (float32 holding bf16 values under the interpreter)."""
+def _unrotated(planes, scale, MB, NP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               OPERAND: tl.constexpr):
+    """``Σ_p (planes[p] · scale[:, None]) @ M[rows of plane p]``: ``[BLOCK_N, D_PAD]`` float32
+    — a planar tile taken back to model space. ``MB``: bf16 ``(2, D_PAD, D_PAD)``, M's hi and
+    lo halves (:func:`~tkv.kernels.loaders._bf16_halves`); the tile is split hi/lo too: three
+    tensor-core passes per plane (hi·hi + hi·lo + lo·hi, ~2^-16 relative, as
+    ``rotate_rows(bf16_split=True)``). ``OPERAND``: the passes' operand dtype, bf16 (float32
+    holding the same bf16 values under the interpreter)."""
     W: tl.constexpr = D_PAD // NP
     j = tl.arange(0, W)
     n = tl.arange(0, D_PAD)
     acc = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     for p in tl.static_range(NP):
-        m = tl.load(MB + (p * W + j)[:, None] * s_r + n[None, :] * s_c)
-        m_hi = m.to(tl.bfloat16)
-        m_lo = (m - m_hi.to(tl.float32)).to(tl.bfloat16).to(OPERAND)
-        m_hi = m_hi.to(OPERAND)
+        at = MB + (p * W + j)[:, None] * D_PAD + n[None, :]
+        m_hi = tl.load(at).to(OPERAND)
+        m_lo = tl.load(at + D_PAD * D_PAD).to(OPERAND)
         x = planes[p] * scale[:, None]
         x_hi = x.to(tl.bfloat16)
         x_lo = (x - x_hi.to(tl.float32)).to(tl.bfloat16).to(OPERAND)
@@ -552,7 +553,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     varlen_args = (cu_seqlens_q, seq_lens, max_prefix_len, prefix_tokens, max_query_len,
                    scratch, block_table, num_blocks, kargs, vargs, fetch, dequant, loader,
                    scale, window, dot_dtype, dense_attention, out)
-    if (dense and dense_attention is not None and _model_space_rows(d, d_pad, kargs, vargs)
+    if (dense and dense_attention is not None and _model_space_rows(loader, d, d_pad, kargs, vargs)
             and _varlen_prefix_attention(query.to(dot_dtype), key.to(dot_dtype),
                                          value.to(dot_dtype), *varlen_args, model_space=True)):
         return out
@@ -645,21 +646,18 @@ def _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, varg
     tokens each) dequantized into ``pk`` / ``pv`` rows ``(seq·maxp + pos)·hkv + head`` — for
     the decompress-once Triton loop and for the SDPA path alike — or, with ``row0`` (int32
     ``(≥ ns,)`` on the device), token rows ``row0[seq] + pos`` below ``row_limit`` (the
-    varlen path). ``model_space``: rows in model space (``MODEL``; the loader's
-    ``q_in_planar`` read transposed is the keys' map back, ``out_planar`` the values')."""
+    varlen path). ``model_space``: rows in model space (``MODEL``, through the loader's
+    ``k_back_planar`` / ``v_back_planar``)."""
     tb = _prefix_tile(loader)
     k_shift, k_sink = sink_shift(loader, "k", pk)
     v_shift, v_sink = sink_shift(loader, "v", pk)
-    # K back to model space: R diag(s_k) = q_in's transpose (the query's map is the keys'
-    # adjoint); V: out_planar. Both with rows in the side's planar order.
-    kb, vb = loader.q_in_planar, loader.out_planar
+    kb, vb = (loader.k_back_planar, loader.v_back_planar) if model_space else (pk, pv)
     mu = loader.k_mu if model_space and loader.k_mu is not None else None
     _dequant_prefix_kernel[(triton.cdiv(maxp, tb), ns, hkv)](
         cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
         num_blocks, *kargs[:6], *vargs[:6], pk, pv, maxp, k_shift, v_shift,
         seq_lens if row0 is None else row0, row_limit,
-        kb, kb.stride(1), kb.stride(0), vb, vb.stride(0), vb.stride(1),
-        kb if mu is None else mu, 0 if mu is None or mu.shape[0] == 1 else mu.stride(0),
+        kb, vb, kb if mu is None else mu, 0 if mu is None or mu.shape[0] == 1 else mu.stride(0),
         MODEL=model_space, HAS_MU=mu is not None,
         OPERAND=_TL[dot_dtype_for(torch.bfloat16)], PACKED=row0 is not None,
         FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
@@ -901,12 +899,15 @@ def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_pref
     return True
 
 
-def _model_space_rows(head_dim: int, d_pad: int, kargs, vargs) -> bool:
+def _model_space_rows(loader, head_dim: int, d_pad: int, kargs, vargs) -> bool:
     """Whether the varlen path can take the prefix back to model space inside the dequant
-    kernel: ``head_dim`` a power of two ≥ 16 (the rows are the model's, no padding for the
-    callable to see) and planes at least 16 coordinates wide (each plane's unrotation is one
+    kernel: the loader has the maps back (``k_back_planar`` / ``v_back_planar``: TkvLoader),
+    ``head_dim`` is a power of two ≥ 16 (the rows are the model's, no padding for the callable
+    to see) and planes are at least 16 coordinates wide (each plane's unrotation is one
     tensor-core dot over them)."""
-    return head_dim == d_pad and d_pad // max(kargs[10], vargs[10]) >= 16
+    return (getattr(loader, "k_back_planar", None) is not None
+            and getattr(loader, "v_back_planar", None) is not None
+            and head_dim == d_pad and d_pad // max(kargs[10], vargs[10]) >= 16)
 
 
 def _dense_into(dense_attention: DenseAttention, args: tuple, out: torch.Tensor) -> None:
