@@ -937,6 +937,10 @@ def test_prefill_bypass_writes_into_out(detach):
     with pytest.raises(ShapeError, match="expanded"):
         prefill(q, k, k, cu, batch.seq_lens, 9, cache, batch.block_table, ld, no_prefix=True,
                 dense_attention=spy, out=out[:1].expand(20, 6, 64))
+    # out= on the query's own memory: FlashAttention would read rows it overwrites
+    with pytest.raises(ShapeError, match="query"):
+        prefill(q, k, k, cu, batch.seq_lens, 9, cache, batch.block_table, ld, no_prefix=True,
+                dense_attention=spy, out=q)
     spy.writes_out = 1
     with pytest.raises(DtypeError, match="writes_out"):
         prefill(q, k, k, cu, batch.seq_lens, 9, cache, batch.block_table, ld, no_prefix=True,

@@ -192,9 +192,10 @@ class _IntoOut(_Counted):
 @pytest.mark.parametrize("per_head", [False, True])
 def test_varlen_prefix_path_with_key_offset_matches_reference(per_head):
     """Prefix-cache hits of centered keys through the varlen path (one dense_attention call):
-    the prefixes are dequantized straight back to model space with μ added (session 24) and
-    attended next to the raw chunk keys — the float64 oracle, through ``out=`` and through a
-    returned tensor alike. A μ left out would put every prefix key off by μ (the trap above)."""
+    the prefixes are dequantized straight back to model space, still centered, and attended
+    next to the chunk's keys centered the same way (session 24) — the float64 oracle, through
+    ``out=`` and through a returned tensor alike. A chunk left uncentered would put every
+    prefix key off by μ against it (the trap above)."""
     g = torch.Generator().manual_seed(23)
     d = 64
     codec = _centered_codec(d, 4, 3, g, seed=5, scales=per_head, heads=2 if per_head else None)

@@ -108,14 +108,14 @@ def _dequant_prefix_kernel(
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
         PK, PV, max_prefix, k_shift, v_shift, ROW0, row_limit,
-        KB, VB, MU, s_mu,
+        KB, VB,
         FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
         KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         HKV: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, K_SINK: tl.constexpr,
         V_SINK: tl.constexpr, PACKED: tl.constexpr, MODEL: tl.constexpr = False,
-        HAS_MU: tl.constexpr = False, OPERAND: tl.constexpr = tl.float32):
+        OPERAND: tl.constexpr = tl.float32):
     """Decompress the prefix of sequence ``program_id(1)``, KV head ``program_id(2)``, tokens
     ``[t·BLOCK_N, (t+1)·BLOCK_N)`` into the dense scratch ``PK``/``PV`` (rows
     ``(seq·max_prefix + pos)·HKV + head`` of ``D_PAD`` elements — ``PACKED``: rows
@@ -124,11 +124,11 @@ def _dequant_prefix_kernel(
     prefix loop of :func:`_prefill_kernel` would compute per tile). ``K_SINK`` / ``V_SINK``:
     a flagged row is written as ``|n|·tile + shift[head]``, so the dense attention that reads
     the rows needs nothing else. ``MODEL`` (the varlen path, session 24): the rows are written
-    back in model space instead — ``k = y @ KB + μ[head]``, ``v = y @ VB`` for the planar
-    tile ``y`` (``KB`` / ``VB``: the loader's ``k_back_planar`` / ``v_back_planar``, bf16
-    hi/lo halves ``(2, D_PAD, D_PAD)``; ``MU`` ``(1 or HKV, HEAD_DIM)`` with row stride
-    ``s_mu`` when ``HAS_MU``), so the attention that reads them takes the model's own
-    queries, keys and values; needs ``HEAD_DIM == D_PAD``."""
+    back in model space instead — ``k = y @ KB``, ``v = y @ VB`` for the planar tile ``y``
+    (``KB`` / ``VB``: the loader's ``k_back_planar`` / ``v_back_planar``, bf16 hi/lo halves
+    ``(2, D_PAD, D_PAD)``) — keys still centered (``k − μ``: the caller centers the chunk's
+    keys the same way), so the attention that reads them takes the model's own query and
+    values; needs ``HEAD_DIM == D_PAD``."""
     t = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -165,8 +165,6 @@ def _dequant_prefix_kernel(
     if MODEL:
         cols = tl.arange(0, D_PAD)
         km = _unrotated(k, ks, KB, KNP, D_PAD, BLOCK_N, OPERAND)
-        if HAS_MU:
-            km += tl.load(MU + kvh * s_mu + cols)[None, :]
         vm = _unrotated(v, vs, VB, VNP, D_PAD, BLOCK_N, OPERAND)
         ptr = rows[:, None] + cols[None, :]
         tl.store(PK + ptr, km.to(PK.dtype.element_ty), mask=mask_n[:, None])
@@ -421,8 +419,10 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             returned rows is made when they are ``out``'s.
         prefix_tokens: optional host int ≥ the sum of the sequences' prefixes (tokens;
             engines know it from host metadata, an upper bound is fine): sizes the varlen
-            path's packed rows (default ``num_seqs × max_prefix_len``). A sum above it gives
-            NaN rows for the sequences past it, never a write outside ``scratch``.
+            path's packed rows (default ``num_seqs × max_prefix_len``): ``prefix_tokens +
+            total_q`` rows hold the prefixes and the chunks, sequence after sequence; a
+            sequence whose rows would end past them gets NaN rows (so does every later one),
+            never a write outside ``scratch``.
 
     Rotated loaders (tkv): the wrapper rotates the query and the chunk's K/V into the cache's
     rotated space with three small float32 matmuls (no D×D tile inside the kernel, so head_dim
@@ -508,6 +508,10 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # programs still read the chunk's K/V (every query tile of a sequence, every head of
         # its group) while others write out: an overlapping out would feed back into them
         check_no_overlap(out, key=key, value=value)
+        if getattr(dense_attention, "writes_out", False):
+            # the callable gets out= and the model's query (first chunks, the model-space
+            # varlen path): FlashAttention reading a query it overwrites is undefined
+            check_no_overlap(out, query=query)
     if ns == 0 or tq == 0 or max_query_len == 0:
         return out
     g = hq // hkv
@@ -554,7 +558,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    scratch, block_table, num_blocks, kargs, vargs, fetch, dequant, loader,
                    scale, window, dot_dtype, dense_attention, out)
     if (dense and dense_attention is not None and _model_space_rows(loader, d, d_pad, kargs, vargs)
-            and _varlen_prefix_attention(query.to(dot_dtype), key.to(dot_dtype),
+            and _varlen_prefix_attention(query.to(dot_dtype), _centered(key, loader, dot_dtype),
                                          value.to(dot_dtype), *varlen_args, model_space=True)):
         return out
     if no_prefix:
@@ -652,13 +656,11 @@ def _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, varg
     k_shift, k_sink = sink_shift(loader, "k", pk)
     v_shift, v_sink = sink_shift(loader, "v", pk)
     kb, vb = (loader.k_back_planar, loader.v_back_planar) if model_space else (pk, pv)
-    mu = loader.k_mu if model_space and loader.k_mu is not None else None
     _dequant_prefix_kernel[(triton.cdiv(maxp, tb), ns, hkv)](
         cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
         num_blocks, *kargs[:6], *vargs[:6], pk, pv, maxp, k_shift, v_shift,
         seq_lens if row0 is None else row0, row_limit,
-        kb, vb, kb if mu is None else mu, 0 if mu is None or mu.shape[0] == 1 else mu.stride(0),
-        MODEL=model_space, HAS_MU=mu is not None,
+        kb, vb, MODEL=model_space,
         OPERAND=_TL[dot_dtype_for(torch.bfloat16)], PACKED=row0 is not None,
         FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
@@ -897,6 +899,18 @@ def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_pref
         rotate_rows(check_dense_output(dense_attention(*args), query), loader.out_planar, out)
     out.masked_fill_((~inside | broken[seq])[:, None, None], float("nan"))
     return True
+
+
+def _centered(key: torch.Tensor, loader, dot_dtype: torch.dtype) -> torch.Tensor:
+    """The chunk's keys for the model-space varlen path, in the dot dtype: ``k − μ`` (float32
+    subtraction, one rounding) when the loader centers keys (``k_mu``), as the cache holds
+    its prefix keys — every score then drops by the same ``q·μ``, which softmax ignores, and
+    the 16-bit rows keep the centered keys' precision instead of rounding ``k̂ + μ`` (a
+    large μ cost 5× the planar route's error with μ added back; session 24's break-test)."""
+    mu = getattr(loader, "k_mu", None)
+    if mu is None:
+        return key.to(dot_dtype)
+    return (key.float() - mu[:, :key.shape[2]]).to(dot_dtype)
 
 
 def _model_space_rows(loader, head_dim: int, d_pad: int, kargs, vargs) -> bool:
