@@ -19,18 +19,29 @@ pytestmark = pytest.mark.skipif(DEV == "cpu" and not interpreting(),
     (7, 4, 128, 96, torch.float32, torch.bfloat16, None),  # planar float32 rows back to 96
 ])
 def test_rotate_rows_matches_float64(t, h, k, n, xdt, odt, mu_rows):
-    g = torch.Generator().manual_seed(t * 131 + k)
+    args, _, ref = _strided_case(t, h, k, n, xdt, odt, mu_rows, seed=t * 131 + k)
+    err = _rel_err(rotate_rows(*args).cpu(), ref)
+    assert err < (4e-3 if odt != torch.float32 else 1e-5), err
+
+
+def _strided_case(t, h, k, n, xdt, odt, mu_rows, seed):
+    """``[x, m, out, mu]`` on DEV — x ``(t, h, k)`` strided rows (unit stride inside a row),
+    out a NaN-filled view with 2 / 3 columns of margin (``out_big``, returned on DEV too) —
+    and the float64 ``x @ m − mu``."""
+    g = torch.Generator().manual_seed(seed)
     big = torch.randn(t, h + 1, k + 8, generator=g).to(xdt)
-    x = big[:, 1:, 3:3 + k]                      # strided rows, unit stride inside a row
+    x = big[:, 1:, 3:3 + k]
     m = torch.randn(k, n, generator=g) / k ** 0.5
     mu = None if mu_rows is None else torch.randn(mu_rows, n, generator=g)
-    out_big = torch.full((t, h, n + 5), float("nan"), dtype=odt)
-    out = out_big[:, :, 2:2 + n]
-    args = [a.to(DEV) if a is not None else None for a in (x, m, out, mu)]
-    res = rotate_rows(*args).cpu()
+    out_big = torch.full((t, h, n + 5), float("nan"), dtype=odt, device=DEV)
+    args = [a.to(DEV) if a is not None else None for a in (x, m, None, mu)]
+    args[2] = out_big[:, :, 2:2 + n]
     ref = x.double() @ m.double() - (0 if mu is None else mu.double()[:, None, :].transpose(0, 1))
-    err = ((res.double() - ref).norm() / ref.norm()).item()
-    assert err < (4e-3 if odt != torch.float32 else 1e-5), err
+    return args, out_big, ref
+
+
+def _rel_err(res, ref) -> float:
+    return ((res.double() - ref).norm() / ref.norm()).item()
 
 
 @pytest.mark.parametrize(("block_r", "num_warps"), [(64, 4), (128, 8)])
@@ -111,17 +122,9 @@ def test_rotate_rows_refuses_malformed_input(bad):
 ])
 def test_rotate_rows_persistent_matches_float64(t, h, k, n, xdt, odt, mu_rows, block_r):
     # the persistent launch: bf16 hi/lo halves of m split once per program, tiles looped
-    g = torch.Generator().manual_seed(t * 7 + n)
-    big = torch.randn(t, h + 1, k + 8, generator=g).to(xdt)
-    x = big[:, 1:, 3:3 + k]                      # strided rows, unit stride inside a row
-    m = torch.randn(k, n, generator=g) / k ** 0.5
-    mu = None if mu_rows is None else torch.randn(mu_rows, n, generator=g)
-    out_big = torch.full((t, h, n + 5), float("nan"), dtype=odt)
-    out = out_big[:, :, 2:2 + n]
-    args = [a.to(DEV) if a is not None else None for a in (x, m, out, mu)]
+    args, out_big, ref = _strided_case(t, h, k, n, xdt, odt, mu_rows, seed=t * 7 + n)
     res = rotate_rows(*args, persistent=True, block_r=block_r).cpu()
-    ref = x.double() @ m.double() - (0 if mu is None else mu.double()[:, None, :].transpose(0, 1))
-    err = ((res.double() - ref).norm() / ref.norm()).item()
+    err = _rel_err(res, ref)
     assert err < (4e-3 if odt != torch.float32 else 1e-4), err
     assert torch.isnan(out_big.cpu()[:, :, :2]).all() and torch.isnan(out_big.cpu()[:, :, -3:]).all()
     # one program walking every tile gives the same rows
