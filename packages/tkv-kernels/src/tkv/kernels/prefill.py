@@ -42,7 +42,7 @@ from ._util import (
 )
 from .dense_attention import DenseAttention, check_dense_output
 from .loaders import Loader, bypass_fetch, check_loader, identity_dequant, sink_shift
-from .rotate import rotate_rows
+from .rotate import rotate_rows, split_bf16
 
 __all__ = ["DENSE_PREFIX_CAP", "dense_prefix_bytes", "prefill", "varlen_prefix_bytes",
            "varlen_prefix_rows"]
@@ -179,7 +179,8 @@ def _unrotated(planes, scale, MB, NP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N
                OPERAND: tl.constexpr):
     """``Σ_p (planes[p] · scale[:, None]) @ M[rows of plane p]``: ``[BLOCK_N, D_PAD]`` float32
     — a planar tile taken back to model space. ``MB``: bf16 ``(2, D_PAD, D_PAD)``, M's hi and
-    lo halves (:func:`~tkv.kernels.loaders._bf16_halves`); the tile is split hi/lo too: three
+    lo halves (:func:`~tkv.kernels.loaders._bf16_halves`); the tile is split hi/lo too
+    (:func:`~tkv.kernels.rotate.split_bf16`): three
     tensor-core passes per plane (hi·hi + hi·lo + lo·hi, ~2^-16 relative, as
     ``rotate_rows(bf16_split=True)``). ``OPERAND``: the passes' operand dtype, bf16 (float32
     holding the same bf16 values under the interpreter)."""
@@ -191,10 +192,7 @@ def _unrotated(planes, scale, MB, NP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N
         at = MB + (p * W + j)[:, None] * D_PAD + n[None, :]
         m_hi = tl.load(at).to(OPERAND)
         m_lo = tl.load(at + D_PAD * D_PAD).to(OPERAND)
-        x = planes[p] * scale[:, None]
-        x_hi = x.to(tl.bfloat16)
-        x_lo = (x - x_hi.to(tl.float32)).to(tl.bfloat16).to(OPERAND)
-        x_hi = x_hi.to(OPERAND)
+        x_hi, x_lo = split_bf16(planes[p] * scale[:, None], OPERAND)
         acc = tl.dot(x_hi, m_hi, acc)
         acc = tl.dot(x_hi, m_lo, acc)
         acc = tl.dot(x_lo, m_hi, acc)
@@ -451,7 +449,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # False: first chunks stay on tkv's Triton bypass (TKV_PREFILL_ATTENTION=continuation)
     dense_first_chunks = check_flag(getattr(dense_attention, "first_chunks", True),
                                     "dense_attention.first_chunks")
-    check_flag(getattr(dense_attention, "writes_out", False), "dense_attention.writes_out")
+    dense_writes_out = check_flag(getattr(dense_attention, "writes_out", False),
+                                  "dense_attention.writes_out")
     check_loader(loader)
     check_flag(no_prefix, "no_prefix")
     if num_warps is not None:
@@ -508,7 +507,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # programs still read the chunk's K/V (every query tile of a sequence, every head of
         # its group) while others write out: an overlapping out would feed back into them
         check_no_overlap(out, key=key, value=value)
-        if getattr(dense_attention, "writes_out", False):
+        if dense_writes_out:
             # the callable gets out= and the model's query (first chunks, the model-space
             # varlen path): FlashAttention reading a query it overwrites is undefined
             check_no_overlap(out, query=query)
@@ -551,15 +550,19 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if dense:
         check_same_device(dev, scratch=scratch)
         dense = scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
-    prefix_tokens = None if not dense else (
-        ns * max_prefix_len if prefix_tokens is None else min(prefix_tokens,
-                                                              ns * max_prefix_len))
-    varlen_args = (cu_seqlens_q, seq_lens, max_prefix_len, prefix_tokens, max_query_len,
-                   scratch, block_table, num_blocks, kargs, vargs, fetch, dequant, loader,
-                   scale, window, dot_dtype, dense_attention, out)
-    if (dense and dense_attention is not None and _model_space_rows(loader, d, d_pad, kargs, vargs)
-            and _varlen_prefix_attention(query.to(dot_dtype), _centered(key, loader, dot_dtype),
-                                         value.to(dot_dtype), *varlen_args, model_space=True)):
+    # the varlen path: a callable and a scratch of varlen_prefix_bytes for the packed rows
+    varlen = dense and dense_attention is not None
+    if varlen:
+        prefix_tokens = (ns * max_prefix_len if prefix_tokens is None
+                         else min(prefix_tokens, ns * max_prefix_len))
+        varlen = scratch.numel() * scratch.element_size() >= varlen_prefix_bytes(
+            prefix_tokens, tq, hkv, d, dot_dtype)
+        varlen_args = (cu_seqlens_q, seq_lens, max_prefix_len, prefix_tokens, max_query_len,
+                       scratch, block_table, num_blocks, kargs, vargs, fetch, dequant, loader,
+                       scale, window, dot_dtype, dense_attention, out)
+    if varlen and _model_space_rows(loader, d, d_pad, kargs, vargs):
+        _varlen_prefix_attention(query.to(dot_dtype), _centered(key, loader, dot_dtype),
+                                 value.to(dot_dtype), *varlen_args, model_space=True)
         return out
     if no_prefix:
         # prefill bypass: plain attention over the chunk in model space; the cache is never
@@ -580,8 +583,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              rot(value, loader.v_in_planar, hkv))
         final = out
     bt, nblk, maxb, bs = block_table, num_blocks, block_table.shape[1], loader.block_size
-    if dense and dense_attention is not None and _varlen_prefix_attention(
-            query, key, value, *varlen_args, model_space=False):
+    if varlen:
+        _varlen_prefix_attention(query, key, value, *varlen_args, model_space=False)
         return out
     if planar:
         # rotated-space rows, NaN until written (rows the metadata leaves out stay NaN
@@ -820,16 +823,16 @@ def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_pref
                              prefix_tokens: int, max_query_len: int, scratch, block_table,
                              num_blocks, kargs, vargs, fetch, dequant, loader, scale: float,
                              window: int, dot_dtype, dense_attention: DenseAttention,
-                             out: torch.Tensor, *, model_space: bool) -> bool:
+                             out: torch.Tensor, *, model_space: bool) -> None:
     """:func:`prefill`'s varlen path: every sequence's prefix (its real length taken on the
     device, at most ``max_prefix`` tokens, ``prefix_tokens`` for all together) is dequantized
-    once into ``scratch`` (planar rotated rows, norms and sink shifts applied —
-    :func:`_dequant_prefix_kernel`, ``PACKED``), its chunk's rotated K/V rows right after it,
-    sequences back to back; then ONE call of the caller's varlen ``dense_attention`` (an
-    engine's FlashAttention) with ``cu_seqlens_k`` over those rows, window included
-    (``prefix + q_len`` keys per sequence, bottom-right causal). Writes :func:`prefill`'s
-    ``out`` (model space, ``(total_q, num_q_heads, head_dim)``) and returns True; returns
-    False, having written nothing, when the scratch is too small (:func:`varlen_prefix_bytes`).
+    once into ``scratch`` (norms and sink shifts applied — :func:`_dequant_prefix_kernel`,
+    ``PACKED``), its chunk's K/V rows right after it, sequences back to back; then ONE call
+    of the caller's varlen ``dense_attention`` (an engine's FlashAttention) with
+    ``cu_seqlens_k`` over those rows, window included (``prefix + q_len`` keys per
+    sequence, bottom-right causal). Writes :func:`prefill`'s ``out`` (model space,
+    ``(total_q, num_q_heads, head_dim)``); the caller has checked that ``scratch`` holds
+    :func:`varlen_prefix_bytes` for ``prefix_tokens`` and ``total_q``.
 
     Two spaces (session 24):
 
@@ -854,8 +857,6 @@ def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_pref
     ns = seq_lens.shape[0]
     cap = prefix_tokens + tq                    # rows: the prefixes at their bound + chunks
     need = varlen_prefix_bytes(prefix_tokens, tq, hkv, loader.head_dim, dot_dtype)
-    if scratch.numel() * scratch.element_size() < need:
-        return False
     flat = scratch.view(-1).view(torch.uint8)[:need].view(dot_dtype)
     pk, pv = flat.view(2, cap + 1, hkv, d_pad)   # row ``cap``: where stray chunk rows go
     dev, i32 = query.device, torch.int32
@@ -898,7 +899,6 @@ def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_pref
         # the callable's 16-bit rows straight into the unrotation: no float32 rows between
         rotate_rows(check_dense_output(dense_attention(*args), query), loader.out_planar, out)
     out.masked_fill_((~inside | broken[seq])[:, None, None], float("nan"))
-    return True
 
 
 def _centered(key: torch.Tensor, loader, dot_dtype: torch.dtype) -> torch.Tensor:

@@ -34,6 +34,30 @@ __all__ = ["rotate_rows", "row_block", "slab"]
 _TL_DOT = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+@triton.jit
+def split_bf16(x, OPERAND: tl.constexpr):
+    """``(hi, lo)``: ``hi = bf16(x)``, ``lo = bf16(x − hi)`` in the dot operand dtype
+    ``OPERAND`` — two bf16 tensor-core operands whose sum is float32 ``x`` to ~2^-16
+    relative (bf16 operands hold bf16 values as float32 under the interpreter, whose
+    ``tl.dot`` multiplies bf16 bit patterns as integers). The host twin for constant
+    matrices is ``loaders._bf16_halves``."""
+    hi = x.to(tl.bfloat16)
+    lo = (x.to(tl.float32) - hi.to(tl.float32)).to(tl.bfloat16)
+    return hi.to(OPERAND), lo.to(OPERAND)
+
+
+@triton.jit
+def _store_rows(acc, Y, sy_t, sy_h, MU, s_mu, t, h, rmask, offs_n, nmask,
+                HAS_MU: tl.constexpr):
+    """The rotation kernels' epilogue: ``acc − MU[h]`` (when ``HAS_MU``) cast to Y's dtype
+    into rows ``(t, h)`` of ``Y``, columns ``offs_n`` where ``nmask``."""
+    if HAS_MU:
+        acc -= tl.load(MU + h[:, None] * s_mu + offs_n[None, :],
+                       mask=rmask[:, None] & nmask[None, :], other=0.0)
+    tl.store(Y + t[:, None] * sy_t + h[:, None] * sy_h + offs_n[None, :],
+             acc.to(Y.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
 # num_rows = tokens (or sequences) · heads changes with every eager batch: no specialization
 # on its value (prefill._VARYING_INTS); it only masks rows.
 @triton.jit(do_not_specialize=["num_rows"])
@@ -64,22 +88,15 @@ def _rotate_rows_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu, num_rows,
         m = tl.load(M + kc[:, None] * sm + offs_n[None, :],
                     mask=kmask[:, None] & nmask[None, :], other=0.0)
         if BF16_SPLIT:
-            m_hi = m.to(tl.bfloat16)
-            m_lo = (m - m_hi.to(tl.float32)).to(tl.bfloat16).to(OPERAND)
-            x_hi = x.to(tl.bfloat16)
+            m_hi, m_lo = split_bf16(m, OPERAND)
+            x_hi, x_lo = split_bf16(x, OPERAND)
             if not X_BF16:   # X's low half (zero for bf16 rows: no third pass)
-                x_lo = (x.to(tl.float32) - x_hi.to(tl.float32)).to(tl.bfloat16)
-                acc = tl.dot(x_lo.to(OPERAND), m_hi.to(OPERAND), acc)
-            m_hi, x_hi = m_hi.to(OPERAND), x_hi.to(OPERAND)
+                acc = tl.dot(x_lo, m_hi, acc)
             acc = tl.dot(x_hi, m_hi, acc)
             acc = tl.dot(x_hi, m_lo, acc)
         else:
             acc = tl.dot(x.to(tl.float32), m, acc, input_precision="tf32x3")
-    if HAS_MU:
-        acc -= tl.load(MU + h[:, None] * s_mu + offs_n[None, :],
-                       mask=rmask[:, None] & nmask[None, :], other=0.0)
-    tl.store(Y + t[:, None] * sy_t + h[:, None] * sy_h + offs_n[None, :],
-             acc.to(Y.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    _store_rows(acc, Y, sy_t, sy_h, MU, s_mu, t, h, rmask, offs_n, nmask, HAS_MU)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -102,9 +119,7 @@ def _rotate_rows_persistent_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu
     nmask = offs_n < N_OUT
     m = tl.load(M + offs_k[:, None] * sm + offs_n[None, :],
                 mask=kmask[:, None] & nmask[None, :], other=0.0)
-    m_hi = m.to(tl.bfloat16)
-    m_lo = (m - m_hi.to(tl.float32)).to(tl.bfloat16).to(OPERAND)
-    m_hi = m_hi.to(OPERAND)
+    m_hi, m_lo = split_bf16(m, OPERAND)
     for tile in tl.range(pid, tl.cdiv(num_rows, BLOCK_R), nprog, num_stages=STAGES):
         r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = r < num_rows
@@ -112,17 +127,12 @@ def _rotate_rows_persistent_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu
         h = r % HQ
         x = tl.load(X + t[:, None] * sx_t + h[:, None] * sx_h + offs_k[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0)
-        x_hi = x.to(tl.bfloat16)
-        acc = tl.dot(x_hi.to(OPERAND), m_hi)
-        acc = tl.dot(x_hi.to(OPERAND), m_lo, acc)
+        x_hi, x_lo = split_bf16(x, OPERAND)
+        acc = tl.dot(x_hi, m_hi)
+        acc = tl.dot(x_hi, m_lo, acc)
         if not X_BF16:   # X's low half (zero for bf16 rows: no third pass)
-            x_lo = (x.to(tl.float32) - x_hi.to(tl.float32)).to(tl.bfloat16)
-            acc = tl.dot(x_lo.to(OPERAND), m_hi, acc)
-        if HAS_MU:
-            acc -= tl.load(MU + h[:, None] * s_mu + offs_n[None, :],
-                           mask=rmask[:, None] & nmask[None, :], other=0.0)
-        tl.store(Y + t[:, None] * sy_t + h[:, None] * sy_h + offs_n[None, :],
-                 acc.to(Y.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+            acc = tl.dot(x_lo, m_hi, acc)
+        _store_rows(acc, Y, sy_t, sy_h, MU, s_mu, t, h, rmask, offs_n, nmask, HAS_MU)
 
 
 # From this many rows (prefill chunks: 2K tokens x 32 heads) rotate_rows runs 128 rows per
