@@ -538,10 +538,8 @@ def mixed_prefill_rows(copy_gbs, chunk=512, num_rows=32):
     (tkv-vllm until session 22: every first chunk rotated and run through the Triton loop);
     ``runs``: the continuation row alone (exact prefix: SDPA over the decompressed prefix)
     plus the first chunks through the bypass (tkv.vllm.prefill_runs); ``all first chunks``:
-    the bypass over every row, the floor. Then ``rotate_rows`` at the step's query rows
-    (bf16 in, bf16 planar out) and output rows (float32 planar in, bf16 out) per rows-per-
-    program × warps × bf16 hi/lo passes (``bf16_split``), each against the default launch."""
-    from tkv.kernels.rotate import rotate_rows
+    the bypass over every row, the floor. Then ``rotate_rows`` at the step's rows
+    (:func:`rotate_sweep_rows`)."""
     hq, hkv, d, block = 32, 8, 128, 16
     q_lens, prefixes = [chunk - 32] + [chunk] * (num_rows - 1), [32] + [0] * (num_rows - 1)
     seq = [p + q for p, q in zip(prefixes, q_lens, strict=True)]
@@ -592,22 +590,9 @@ def mixed_prefill_rows(copy_gbs, chunk=512, num_rows=32):
     one_call()
     log({**base, "impl": "runs vs one call: max abs diff",
          "value": float((split.float() - out.float()).abs().max())})
-    rows = total * hq
-    for what, x, dst, m in (
-            ("query rows", q, torch.empty(total, hq, d, device=DEV, dtype=torch.bfloat16),
-             ld.q_in_planar),
-            ("output rows", torch.randn(total, hq, d, device=DEV), out, ld.out_planar)):
-        rb = dict(kernel="rotate_rows", what=what, rows=rows, K=d, N=d)
-        ref = timed_row(rb, "default", lambda: rotate_rows(x, m, dst))
-        # the default: 128 rows x 8 warps here (32 rows below 65,536 rows); bf16_split: bf16
-        # hi/lo tensor-core passes instead of tf32x3 (session 22, not timed yet)
-        for br, nw, sp in ((32, 8, False), (64, 8, False), (128, 4, False), (32, 8, True),
-                           (128, 8, True), (128, 4, True)):
-            timed_row(rb, "override", lambda br=br, nw=nw, sp=sp: rotate_rows(
-                x, m, dst, block_r=br, num_warps=nw, bf16_split=sp), block_r=br,
-                num_warps=nw, bf16_split=sp, ref_ms=ref)
     del cache, scratch
     torch.cuda.empty_cache()
+    rotate_sweep_rows(copy_gbs, tokens=total)
 
 
 def prefix_hits_rows(copy_gbs):
@@ -683,17 +668,18 @@ def prefix_hits_rows(copy_gbs):
         torch.cuda.empty_cache()
 
 
-def rotate_sweep_rows(copy_gbs):
+def rotate_sweep_rows(copy_gbs, tokens=16352):
     """``rotate_rows`` at prefill sizes (Qwen3-8B-like heads, K4V4 loader's matrices): the
     rows of one 16,352-token step — 523K query rows (bf16 → bf16), the same count of output
     rows from FlashAttention's bf16 (the varlen path since session 24) and from float32 (the
     Triton loop), 131K key rows with per-head centering. Baseline (x_default = 1): the
-    default launch (tf32x3, 128 rows × 8 warps). Variants: ``bf16_split`` at the same launch,
+    default launch (tf32x3, 128 rows × 8 warps from 65,536 rows). Variants: launch
+    overrides of rows per program × warps × bf16 hi/lo passes (``bf16_split``; session 22),
     and the persistent launch (session 24: m split into bf16 hi/lo once per program, tiles
     looped) over tile rows × warps × pipeline stages × programs per SM. GB/s over the rows'
     bytes read + written; ``rel_err``: ‖y − y₆₄‖ / ‖y₆₄‖ against a float64 product."""
     from tkv.kernels.rotate import rotate_rows
-    hq, hkv, d, tokens = 32, 8, 128, 16352
+    hq, hkv, d = 32, 8, 128
     ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, 16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     mu = torch.randn(hkv, d, device=DEV) * 0.1
@@ -701,7 +687,9 @@ def rotate_sweep_rows(copy_gbs):
              ("output rows from bf16", tokens, hq, torch.bfloat16, ld.out_planar, None),
              ("output rows from float32", tokens, hq, torch.float32, ld.out_planar, None),
              ("key rows", tokens, hkv, torch.bfloat16, ld.k_in_planar, mu))
-    variants = [("bf16_split", dict(block_r=128, bf16_split=True))]
+    variants = [("override", dict(block_r=br, num_warps=nw, bf16_split=sp))
+                for br, nw, sp in ((32, 8, False), (64, 8, False), (128, 4, False),
+                                   (32, 8, True), (128, 8, True), (128, 4, True))]
     for br, nw, st, per_sm in ((64, 4, 2, 2), (64, 8, 2, 2), (128, 8, 2, 2), (64, 4, 3, 2),
                                (128, 8, 3, 1), (64, 4, 2, 4)):
         variants.append(("persistent", dict(persistent=True, block_r=br, num_warps=nw,
