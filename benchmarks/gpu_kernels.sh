@@ -5,7 +5,8 @@
 # 36-layer decode steps per configuration, the per-layer decode step at the e2e shapes with its
 # per-kernel breakdown, decode at the main shapes against
 # cuDNN / bf16 paged / vLLM 0.20.1's TurboQuant when vLLM imports, prefill over a compressed
-# prefix inline vs decompress-once). Runs from the repository root with tkv's
+# prefix inline vs decompress-once). $TKV_KERNEL_TESTS, if set, is a pytest -k expression that
+# narrows the tests (a short hold: e.g. "varlen or prefill or rotate"). Runs from the repository root with tkv's
 # src folders on PYTHONPATH (benchmarks/gpu_session.sh `kernels` sets them up).
 set -uo pipefail
 out=${1:?usage: gpu_kernels.sh OUT_DIR [KERNELS_GPU_ARGS...]}
@@ -23,8 +24,10 @@ tar -C "$(dirname "${BASH_SOURCE[0]}")/.." --exclude=./.gpu-stage --exclude=./.g
 cd "$snap"
 export PYTHONPATH="$snap/packages/tkv-codec/src:$snap/packages/tkv-kernels/src${PYTHONPATH:+:$PYTHONPATH}"
 echo "== $(date -u +%FT%TZ) kernel tests on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+sel=()
+[[ -z ${TKV_KERNEL_TESTS:-} ]] || sel=(-k "$TKV_KERNEL_TESTS")
 timeout 420 python3 -m pytest packages/tkv-kernels/tests -q -n 8 -p no:benchmark \
-    -p no:cacheprovider > "$out/kernels_gpu_tests.txt" 2>&1
+    -p no:cacheprovider "${sel[@]}" > "$out/kernels_gpu_tests.txt" 2>&1
 rc_tests=$?
 tail -n 3 "$out/kernels_gpu_tests.txt"
 echo "== $(date -u +%FT%TZ) kernels_gpu.py ${args[*]}"

@@ -25,7 +25,8 @@
 #                        loaded at TP=1 and TP=2; `--weights dummy` for the old behaviour.
 #                        smollm2-x2 = SmolLM2-135M with every head twice (18 q / 6 KV heads,
 #                        same function: vllm_e2e.widen_heads), real weights at TP=2
-#   kernels [ARGS...]    job "kernels": benchmarks/gpu_kernels.sh (GPU kernel tests, then
+#   kernels [ARGS...]    job "kernels": benchmarks/gpu_kernels.sh (GPU kernel tests, narrowed by
+#                        $TKV_KERNEL_TESTS (pytest -k) if set, then
 #                        kernels_gpu.py --step ...) on $CUDA_VISIBLE_DEVICES; needs no staging
 #                        (the image's torch / Triton / pytest): start it with the first part
 #   (start / tp / kernels with TKV_AFTER=JOB wait in the background for job JOB to end first)
@@ -205,7 +206,7 @@ do_kernels() {  # job "kernels": GPU kernel tests + kernels_gpu.py (--step, vLLM
     local job=$JOBS/kernels
     job_running "$job" && die "job kernels is already running"
     rm -rf "$job"; mkdir -p "$job/results"
-    echo "${CUDA_VISIBLE_DEVICES+CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES }bash benchmarks/gpu_kernels.sh $job/results $*" > "$job/cmd"
+    echo "${CUDA_VISIBLE_DEVICES+CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES }${TKV_KERNEL_TESTS+TKV_KERNEL_TESTS='$TKV_KERNEL_TESTS' }bash benchmarks/gpu_kernels.sh $job/results $*" > "$job/cmd"
     launch "$job" bash benchmarks/gpu_kernels.sh "$job/results" "$@"
 }
 
