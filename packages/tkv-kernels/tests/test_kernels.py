@@ -22,7 +22,9 @@ from tkv.kernels import (
     compress_store,
     decode,
     dense_prefix_bytes,
+    plan_prefill_runs,
     prefill,
+    prefill_by_runs,
     varlen_prefix_bytes,
     varlen_prefix_rows,
 )
@@ -1032,6 +1034,46 @@ def test_prefill_varlen_prefix_through_dense_attention(head_dim, kb, vb, group, 
                        max_prefix_len=mp + 3, scratch=short, dense_attention=spy,
                        prefix_tokens=total)
         assert len(spy.calls) == 1
+
+
+def test_prefill_by_runs_matches_reference_and_warms_once():
+    """An engine step's prefill rows — a continuation chunk, two first chunks, two prefix-cache
+    hits — planned by plan_prefill_runs into three runs and run by prefill_by_runs (the loop
+    both adapters share): equal to the float64 oracle over the whole batch; the scratch
+    callable is asked once per run; the prefix variant is warmed once, after the run of first
+    chunks, and only while the caller asks; a cu_seqlens list of the wrong length is named."""
+    codec = TurboKVCodec(64, k_bits=4, v_bits=3, device=DEV, seed=9)
+    ld = TkvLoader(codec, 2, 16)
+    prefix, qlens = [40, 0, 0, 17, 5], [3, 19, 12, 33, 9]
+    q, k, v, cu, batch, cache = _prefill_batch(ld, prefix, qlens, 4, seed=31)
+    runs = plan_prefill_runs(qlens, prefix)
+    assert [(r.row_lo, r.row_hi, r.no_prefix, r.prefix_exact) for r in runs] == [
+        (0, 1, False, True), (1, 3, True, False), (3, 5, False, False)]
+    cus = [cu[r.row_lo:r.row_hi + 1] - r.tok_lo for r in runs]
+    ref = prefill_reference(q, k, v, cu, batch.seq_lens, cache, batch.block_table, ld)
+    scratch = torch.full((1 << 20,), float("nan"), device=DEV)
+    asked, spy = [], _SpyDense()
+
+    def scratch_for(run):
+        asked.append(run)
+        return scratch
+
+    for warm in (True, False):
+        out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
+        with mock.patch("tkv.kernels.prefill_batch.warm_prefix_variant") as warm_spy:
+            warmed = prefill_by_runs(q, k, v, runs, cus, batch.seq_lens, batch.block_table,
+                                     cache, ld, out=out, sm_scale=64 ** -0.5, scratch=scratch_for,
+                                     dense_attention=spy, warm=warm,
+                                     warm_scratch=lambda n: scratch)
+        assert warmed is warm and warm_spy.call_count == int(warm)
+        if warm:
+            assert warm_spy.call_args.args[0].shape == (31, 8, 64)  # the first chunks' rows
+        assert _rel(out, ref) < max(_tol(torch.float16), 1e-3)
+    assert asked == [*runs, *runs]
+    assert [c[0] for c in spy.calls] == [(31, 8, 64), (42, 8, 64)] * 2   # bypass, varlen
+    with pytest.raises(ValueError, match="one per run"):
+        prefill_by_runs(q, k, v, runs, cus[:2], batch.seq_lens, batch.block_table, cache, ld,
+                        out=torch.empty_like(q), sm_scale=0.125)
 
 
 def test_prefill_varlen_prefix_broken_bounds_are_nan():

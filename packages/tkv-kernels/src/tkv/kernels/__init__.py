@@ -52,6 +52,7 @@ from .prefill import (
     varlen_prefix_rows,
     warm_prefix_variant,
 )
+from .prefill_batch import prefill_by_runs
 from .prefill_runs import MAX_PACKED_SPLITS, MAX_PREFILL_RUNS, PrefillRun, plan_prefill_runs
 from .store import compress_store
 from .validate import (
@@ -128,6 +129,7 @@ __all__ = [
     "plan_prefill_runs",
     "prefill",
     "prefill_attention_from_env",
+    "prefill_by_runs",
     "serves_head_dim",
     "small_head_groups_from_env",
     "varlen_prefix_bytes",

@@ -364,31 +364,22 @@ class TurboAttnBackend(AttentionBackend):
         q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
         out = q.new_empty(q3.shape[0], hq * d)
         if self.impl == "triton":
-            from tkv.kernels import prefill, warm_prefix_variant
+            from tkv.kernels import prefill_by_runs
 
             lid = layer.layer_id
-            cache, loader = self.pool.get_key_buffer(lid), self.pool.loader(lid)
-            o3, win = out.view(-1, hq, d), _window(layer)
-            for run, cu in zip(md.runs, md.run_cu_seqlens, strict=True):
-                a, b, r0, r1 = run.tok_lo, run.tok_hi, run.row_lo, run.row_hi
-                prefill(q3[a:b], k3[a:b], v3[a:b], cu, md.seq_lens[r0:r1], run.max_query_len,
-                        cache, md.block_table[r0:r1], loader, out=o3[a:b],
-                        sm_scale=layer.scaling, window=win, no_prefix=run.no_prefix,
-                        max_prefix_len=run.max_prefix_len,
-                        scratch=self._scratch_for(r1 - r0, run.max_prefix_len, hkv, q3.dtype,
-                                                  run.max_query_len, run.prefix_tokens, b - a),
-                        exact_prefix=run.prefix_exact, dense_attention=self.dense_attention,
-                        prefix_tokens=run.prefix_tokens)
-                if run.no_prefix and b > a and lid not in self._prefix_variant_warm:
-                    # compile the prefix-reading variant now, not at the first continuation
-                    self._prefix_variant_warm.add(lid)
-                    warm_prefix_variant(q3[a:b], k3[a:b], v3[a:b], cache,
-                                        md.block_table[r0:r1], loader, sm_scale=layer.scaling,
-                                        window=win,
-                                        scratch=self._scratch_for(1, self.page_size, hkv,
-                                                                  q3.dtype, b - a, 1,
-                                                                  b - a),
-                                        dense_attention=self.dense_attention)
+            warmed = prefill_by_runs(
+                q3, k3, v3, md.runs, md.run_cu_seqlens, md.seq_lens, md.block_table,
+                self.pool.get_key_buffer(lid), self.pool.loader(lid), out=out.view(-1, hq, d),
+                sm_scale=layer.scaling, window=_window(layer),
+                scratch=lambda run: self._scratch_for(
+                    run.row_hi - run.row_lo, run.max_prefix_len, hkv, q3.dtype,
+                    run.max_query_len, run.prefix_tokens, run.tok_hi - run.tok_lo),
+                dense_attention=self.dense_attention,
+                warm=lid not in self._prefix_variant_warm,
+                warm_scratch=lambda n: self._scratch_for(1, self.page_size, hkv, q3.dtype, n, 1,
+                                                         n))
+            if warmed:
+                self._prefix_variant_warm.add(lid)
         else:
             out.view(-1, hq, d).copy_(reference_attention(
                 self.pool, layer.layer_id, q3, k3, v3, self._token_locs(forward_batch),

@@ -429,20 +429,12 @@ class TurboAttnImpl(AttentionImpl[TurboAttnMetadata]):
                             md.seq_lens[:nd], md.decode_query_len, kv_cache,
                             md.block_table[:nd], loader, out=out[:ndt], sm_scale=self.scale,
                             window=self._window)
-        scratch = shared_prefill_scratch(query.device) if md.prefill_runs else None
-        for run, cu in zip(md.prefill_runs, md.prefill_cu_seqlens, strict=True):
-            a, b, r0, r1 = run.tok_lo, run.tok_hi, run.row_lo, run.row_hi
-            kernels.prefill(q[a:b], k[a:b], v[a:b], cu, md.seq_lens[r0:r1], run.max_query_len,
-                            kv_cache, md.block_table[r0:r1], loader, out=out[a:b],
-                            sm_scale=self.scale, window=self._window, no_prefix=run.no_prefix,
-                            max_prefix_len=run.max_prefix_len, scratch=scratch,
-                            exact_prefix=run.prefix_exact, dense_attention=st.dense_attention,
-                            prefix_tokens=run.prefix_tokens)
-            if run.no_prefix and b > a and not self._prefix_variant_warm:
-                # compile the prefix-reading variant now, not at the first continuation chunk
-                self._prefix_variant_warm = True
-                kernels.warm_prefix_variant(q[a:b], k[a:b], v[a:b], kv_cache,
-                                            md.block_table[r0:r1], loader, sm_scale=self.scale,
-                                            window=self._window, scratch=scratch,
-                                            dense_attention=st.dense_attention)
+        if md.prefill_runs:
+            scratch = shared_prefill_scratch(query.device)
+            warmed = kernels.prefill_by_runs(
+                q, k, v, md.prefill_runs, md.prefill_cu_seqlens, md.seq_lens, md.block_table,
+                kv_cache, loader, out=out, sm_scale=self.scale, window=self._window,
+                scratch=lambda run: scratch, dense_attention=st.dense_attention,
+                warm=not self._prefix_variant_warm, warm_scratch=lambda n: scratch)
+            self._prefix_variant_warm |= warmed
         return output
