@@ -673,7 +673,9 @@ def rotate_sweep_rows(copy_gbs, tokens=16352):
     rows of one 16,352-token step — 523K query rows (bf16 → bf16), the same count of output
     rows from FlashAttention's bf16 (the varlen path since session 24) and from float32 (the
     Triton loop), 131K key rows with per-head centering. Baseline (x_default = 1): the
-    default launch (tf32x3, 128 rows × 8 warps from 65,536 rows). Variants: launch
+    one-tile launch (``persistent=False``: tf32x3, 128 rows × 8 warps from 65,536 rows; the
+    default until session 25). Then the default call (the persistent launch since session
+    25: :func:`tkv.kernels.rotate.launch_plan`). Variants: launch
     overrides of rows per program × warps × bf16 hi/lo passes (``bf16_split``; session 22),
     and the persistent launch (session 24: m split into bf16 hi/lo once per program, tiles
     looped) over tile rows × warps × pipeline stages × programs per SM. GB/s over the rows'
@@ -705,11 +707,12 @@ def rotate_sweep_rows(copy_gbs, tokens=16352):
 
         def err():
             return round(float((y.double() - ref).norm() / ref.norm()), 7)
-        ms0 = timed_row(base, "default (tf32x3)", lambda: rotate_rows(x, m, y, mu_),
+        ms0 = timed_row(base, "one-tile tf32x3 (before, baseline)",
+                        lambda: rotate_rows(x, m, y, mu_, persistent=False),
                         moved=moved, copy_gbs=copy_gbs)
         if ms0 is not None:
             ROWS[-1]["rel_err"] = err()
-        for name, kw in variants:
+        for name, kw in (("default (launch_plan)", {}), *variants):
             ms = timed_row(base, name, lambda kw=kw: rotate_rows(x, m, y, mu_, **kw),
                            moved=moved, copy_gbs=copy_gbs, ref_ms=ms0,
                            **{k: v for k, v in kw.items() if k != "persistent"})

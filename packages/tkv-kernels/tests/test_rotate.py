@@ -5,7 +5,7 @@ import torch
 
 from tkv.codec.errors import DtypeError, ShapeError
 from tkv.kernels._util import interpreting
-from tkv.kernels.rotate import rotate_rows
+from tkv.kernels.rotate import RotateLaunch, launch_plan, rotate_rows
 
 DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 pytestmark = pytest.mark.skipif(DEV == "cpu" and not interpreting(),
@@ -142,3 +142,40 @@ def test_rotate_rows_persistent_refuses_what_it_cannot_hold():
     for bad in ({"programs": 0}, {"num_stages": 0}, {"programs": 2.0}, {"persistent": 1}):
         with pytest.raises((ShapeError, DtypeError)):
             rotate_rows(x, m, out.to(DEV), **({"persistent": True} | bad))
+
+
+def test_launch_plan_defaults_and_overrides():
+    """Prefill-sized row counts take the persistent launch (2 programs per SM, 64-row tiles,
+    4 warps, 3 stages: session 25's H100 sweep); fewer rows, wider matrices or
+    persistent=False keep the one-tile launch; overrides are kept and checked."""
+    wide = 65536
+    assert launch_plan(8 * wide, 128, 128) == RotateLaunch(True, 64, 4, 3)
+    assert launch_plan(wide, 16, 16).persistent
+    assert launch_plan(wide - 1, 128, 128) == RotateLaunch(False, 32, 8, 3)
+    assert launch_plan(100, 128, 128) == RotateLaunch(False, 16, 8, 3)
+    assert launch_plan(8 * wide, 128, 128, persistent=False) == RotateLaunch(False, 128, 8, 3)
+    assert launch_plan(8 * wide, 256, 128) == RotateLaunch(False, 128, 8, 3)   # K too wide
+    assert launch_plan(8 * wide, 128, 256) == RotateLaunch(False, 16, 8, 3)    # N too wide
+    assert launch_plan(8 * wide, 128, 128, block_r=128, num_warps=8, num_stages=2) == \
+        RotateLaunch(True, 128, 8, 2)
+    assert launch_plan(10, 64, 64, persistent=True) == RotateLaunch(True, 64, 4, 3)
+    for bad in ({"persistent": True, "k_pad": 256}, {"block_r": 48}, {"num_warps": 3},
+                {"num_stages": 0}, {"persistent": 1}, {"block_r": 512}):
+        kw = {"rows": 8 * wide, "k_pad": 128, "n_pad": 128} | bad
+        with pytest.raises((ShapeError, DtypeError)):
+            launch_plan(kw.pop("rows"), kw.pop("k_pad"), kw.pop("n_pad"), **kw)
+
+
+def test_rotate_rows_takes_the_persistent_launch_from_wide_rows():
+    """65,536 rows (the threshold) of 16 → 16 into float32: the default call equals the
+    explicit persistent launch bit for bit, differs from the tf32x3 launch in the last bits,
+    and both match the float64 product."""
+    g = torch.Generator().manual_seed(25)
+    x = torch.randn(8192, 8, 16, generator=g).to(DEV, torch.bfloat16)
+    m = torch.randn(16, 16, generator=g).to(DEV)
+    ref = x.double().cpu() @ m.double().cpu()
+    auto = rotate_rows(x, m, torch.empty(8192, 8, 16, device=DEV)).cpu()
+    pers = rotate_rows(x, m, torch.empty(8192, 8, 16, device=DEV), persistent=True).cpu()
+    tf32 = rotate_rows(x, m, torch.empty(8192, 8, 16, device=DEV), persistent=False).cpu()
+    assert torch.equal(auto, pers) and not torch.equal(auto, tf32)
+    assert _rel_err(auto, ref) < 1e-4 and _rel_err(tf32, ref) < 1e-5

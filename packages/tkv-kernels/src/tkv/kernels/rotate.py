@@ -14,6 +14,8 @@ attention kernel itself. (This kernel has not been timed on the GPU yet.)
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +31,7 @@ from ._util import (
     next_pow2,
 )
 
-__all__ = ["rotate_rows", "row_block", "slab"]
+__all__ = ["RotateLaunch", "launch_plan", "rotate_rows", "row_block", "slab"]
 
 _TL_DOT = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -135,9 +137,10 @@ def _rotate_rows_persistent_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu
         _store_rows(acc, Y, sy_t, sy_h, MU, s_mu, t, h, rmask, offs_n, nmask, HAS_MU)
 
 
-# From this many rows (prefill chunks: 2K tokens x 32 heads) rotate_rows runs 128 rows per
-# program with 8 warps: 1.18x (bf16 query rows) / 1.20x (float32 output rows) the 32-row
-# launch at 523K rows of 128 on the H200, where 64 rows measured 0.61-0.86x
+# From this many rows (prefill chunks: 2K tokens x 32 heads) rotate_rows runs the persistent
+# kernel (session 25, launch_plan), or with persistent=False 128 rows per program with 8
+# warps: 1.18x (bf16 query rows) / 1.20x (float32 output rows) the 32-row launch at 523K rows
+# of 128 on the H200, where 64 rows measured 0.61-0.86x
 # (benchmarks/results/kernels_gpu_2026-12-05_s22_mixed_prefill.md). Decode's batches stay
 # on row_block.
 _WIDE_ROWS = 65536
@@ -149,6 +152,60 @@ def _persistent_programs(device: torch.device) -> int:
     if interpreting() or device.type != "cuda":
         return 4
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class RotateLaunch(NamedTuple):
+    """How :func:`rotate_rows` launches: the persistent kernel or one tile per program, rows
+    per tile, warps, and the persistent loop's pipeline depth (unused otherwise)."""
+
+    persistent: bool
+    block_r: int
+    num_warps: int
+    num_stages: int
+
+
+def launch_plan(rows: int, k_pad: int, n_pad: int, *, block_r: int | None = None,
+                num_warps: int | None = None, persistent: bool | None = None,
+                num_stages: int | None = None) -> RotateLaunch:
+    """:func:`rotate_rows`' launch for ``rows`` rows of ``k_pad`` → ``n_pad`` (padded)
+    features; None arguments take the defaults below, given ones are checked.
+
+    Defaults: the persistent kernel (2 programs per SM, 64-row tiles, 4 warps, a 3-deep
+    pipeline) from :data:`_WIDE_ROWS` rows with both padded dimensions ≤ 128 — on an H100
+    (benchmarks/results/kernels_gpu_2026-12-05_s25_rotate_prefix_hits.md) 0.114 ms for 523K
+    bf16 query rows of 128 (5.0× the one-tile launch's 0.576 ms, 78 % of copy bandwidth),
+    0.115 ms for 523K output rows from bf16 (5.0×), 0.149 ms from float32 (4.0×), 0.060 ms
+    for 131K centered key rows (3.1×); the one config that ran in all four (8 warps with
+    3 stages and 128-row tiles was faster on the first three, and out of shared memory on the
+    key rows). Below that, one tile per program: 128 rows from :data:`_WIDE_ROWS` rows
+    (not reached then: the persistent launch takes them, unless ``persistent=False``), else
+    :func:`row_block`, 8 warps.
+
+    Raises:
+        ShapeError: ``block_r`` / ``num_warps`` not a power of two in range, ``persistent``
+            not a bool or None, ``persistent=True`` for a matrix over 128 × 128 (padded),
+            ``num_stages`` not a positive int.
+    """
+    wide = rows >= _WIDE_ROWS and n_pad <= 128
+    fits = k_pad <= 128 and n_pad <= 128
+    if persistent is None:
+        persistent = wide and fits
+    elif check_flag(persistent, "persistent") and not fits:
+        # both bf16 halves of the matrix stay in one program for its whole life
+        raise ShapeError(f"rotate_rows(persistent=True) takes matrices up to 128 × 128 "
+                         f"(padded), got {k_pad} × {n_pad}")
+    if block_r is not None:
+        br = check_pow2(block_r, "block_r", 16, 256)
+    elif persistent:
+        br = 64
+    elif wide:
+        br = 128   # prefill-sized: the matrix read once per 128 rows (H200: 1.18-1.20x)
+    else:
+        br = row_block(rows, n_pad)
+    warps = check_pow2(num_warps if num_warps is not None else (4 if persistent else 8),
+                       "num_warps", 1, 16)
+    stages = check_positive_int(3 if num_stages is None else num_stages, "num_stages")
+    return RotateLaunch(persistent, br, warps, stages)
 
 
 def row_block(num_rows: int, n_pad: int) -> int:
@@ -166,9 +223,11 @@ def slab(n_pad: int) -> int:
 
 def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
                 mu: torch.Tensor | None = None, *, block_r: int | None = None,
-                num_warps: int = 8, bf16_split: bool = False, persistent: bool = False,
-                programs: int | None = None, num_stages: int = 2) -> torch.Tensor:
-    """``out[t, h] = x[t, h] @ m − mu[h]`` (float32 accuracy, one launch).
+                num_warps: int | None = None, bf16_split: bool = False,
+                persistent: bool | None = None, programs: int | None = None,
+                num_stages: int | None = None) -> torch.Tensor:
+    """``out[t, h] = x[t, h] @ m − mu[h]`` (one launch; float32 accuracy — tf32x3 — or, on the
+    persistent launch, bf16 hi/lo passes: ~2^-16 relative error on ``m``'s products).
 
     Args:
         x: ``(T, H, K)`` float16 / bfloat16 / float32, unit stride on the last dim.
@@ -176,19 +235,21 @@ def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
             outputs; e.g. the top-left block of a padded matrix).
         out: ``(T, H, N)`` any float dtype, unit stride on the last dim (written).
         mu: optional float32 ``(1 or H, N)`` contiguous, subtracted per head (``1``: shared).
-        block_r, num_warps: launch overrides (rows per program — default 128 from 65,536 rows
-            of ≤ 128 outputs, else :func:`row_block`; warps, default 8), powers of two
-            (ShapeError otherwise) — a tuning knob (``benchmarks/kernels_gpu.py
-            --mixed-prefill`` sweeps them).
+        block_r, num_warps: launch overrides (rows per program — default 64 on the persistent
+            launch, else 128 from 65,536 rows of ≤ 128 outputs, else :func:`row_block`; warps,
+            default 4 persistent, else 8), powers of two (ShapeError otherwise) — tuning knobs
+            (``benchmarks/kernels_gpu.py --rotate`` sweeps them).
         bf16_split: bf16 hi/lo tensor-core passes instead of tf32x3 (~2^-16 relative error
-            instead of float32's; bf16 rows need 2 passes, others 3). An experiment: not timed
-            on a GPU yet (``kernels_gpu.py --mixed-prefill`` times it); no caller uses it.
+            instead of float32's; bf16 rows need 2 passes, others 3) on the one-tile launch.
+            Timed in session 25 (H100, 523K bf16 rows): 4.1× the tf32x3 launch with 4 warps
+            and 128-row tiles, behind the persistent launch's 5.0×; no caller passes it.
         persistent: a fixed grid of ``programs`` programs (default: 2 per SM, 4 under the
             interpreter), each splitting ``m`` into bf16 hi/lo once and looping over
-            ``block_r``-row tiles (default 64) with a ``num_stages``-deep pipeline
-            (:func:`_rotate_rows_persistent_kernel`; ``bf16_split``'s accuracy). An
-            experiment for prefill-sized row counts (session 24): ``kernels_gpu.py --rotate``
-            times it against the default launch; no caller uses it yet.
+            ``block_r``-row tiles with a ``num_stages``-deep pipeline (default 3)
+            (:func:`_rotate_rows_persistent_kernel`; ``bf16_split``'s accuracy). None (the
+            default): persistent from :data:`_WIDE_ROWS` rows when both padded matrix
+            dimensions are ≤ 128 (:func:`launch_plan`; measured 3.1-5.0× the other launch on
+            an H100, session 25), else the one-tile-per-program launch.
 
     Returns:
         ``out``. Raises ShapeError on mismatched shapes or strides (host-side checks).
@@ -212,36 +273,26 @@ def rotate_rows(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
     if rows == 0:
         return out
     k_pad, n_pad = max(16, next_pow2(k)), max(16, next_pow2(n))
-    if block_r is not None:
-        br = check_pow2(block_r, "block_r", 16, 256)
-    elif rows >= _WIDE_ROWS and n_pad <= 128:
-        br = 128   # prefill-sized: the matrix read once per 128 rows (H200: 1.18-1.20x)
-    else:
-        br = row_block(rows, n_pad)
-    check_pow2(num_warps, "num_warps", 1, 16)
     check_flag(bf16_split, "bf16_split")
-    if check_flag(persistent, "persistent"):
-        if k_pad > 128 or n_pad > 128:
-            # both bf16 halves of the matrix stay in one program for its whole life
-            raise ShapeError(f"rotate_rows(persistent=True) takes matrices up to 128 × 128 "
-                             f"(padded), got {k} × {n}")
-        br = 64 if block_r is None else br
-        check_positive_int(num_stages, "num_stages")
+    plan = launch_plan(rows, k_pad, n_pad, block_r=block_r, num_warps=num_warps,
+                       persistent=persistent, num_stages=num_stages)
+    if plan.persistent:
         grid = _persistent_programs(x.device) if programs is None else check_positive_int(
             programs, "programs")
-        _rotate_rows_persistent_kernel[(min(grid, triton.cdiv(rows, br)),)](
+        _rotate_rows_persistent_kernel[(min(grid, triton.cdiv(rows, plan.block_r)),)](
             x, x.stride(0), x.stride(1), m, m.stride(0), out, out.stride(0), out.stride(1),
             m if mu is None else mu, 0 if mu is None or mu.shape[0] == 1 else n, rows,
-            HQ=h, BLOCK_R=br, K_IN=k, K_PAD=k_pad, N_OUT=n, N_PAD=n_pad,
+            HQ=h, BLOCK_R=plan.block_r, K_IN=k, K_PAD=k_pad, N_OUT=n, N_PAD=n_pad,
             HAS_MU=mu is not None, X_BF16=x.dtype == torch.bfloat16,
-            OPERAND=_TL_DOT[dot_dtype_for(torch.bfloat16)], STAGES=num_stages,
-            num_warps=num_warps)
+            OPERAND=_TL_DOT[dot_dtype_for(torch.bfloat16)], STAGES=plan.num_stages,
+            num_warps=plan.num_warps)
         return out
+    br = plan.block_r
     _rotate_rows_kernel[(triton.cdiv(rows, br),)](
         x, x.stride(0), x.stride(1), m, m.stride(0), out, out.stride(0), out.stride(1),
         m if mu is None else mu, 0 if mu is None or mu.shape[0] == 1 else n, rows,
         HQ=h, BLOCK_R=br, K_IN=k, K_PAD=k_pad, N_OUT=n, N_PAD=n_pad,
         KC=min(slab(n_pad), k_pad), HAS_MU=mu is not None, BF16_SPLIT=bf16_split,
         X_BF16=x.dtype == torch.bfloat16, OPERAND=_TL_DOT[dot_dtype_for(torch.bfloat16)],
-        num_warps=num_warps)
+        num_warps=plan.num_warps)
     return out
