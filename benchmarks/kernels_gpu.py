@@ -606,7 +606,8 @@ def prefix_hits_rows(copy_gbs):
     (TorchVarlenAttention; the engines pass their own FA3 the same way); ``bf16 FA2``: the
     same FlashAttention over the raw bf16 prefix + chunk in model space, no cache (what a
     bf16 engine does, the floor). Also the varlen path's max abs difference to the Triton
-    loop."""
+    loop and, at 32 × (1K + 512), the varlen path's and the floor's device time kernel by
+    kernel (:func:`_kernel_breakdown`; ``busy_us``: their sum, launch gaps excluded)."""
     from tkv.kernels import TorchVarlenAttention, varlen_prefix_bytes
     hq, hkv, d, block = 32, 8, 128, 16
     fa = TorchVarlenAttention()
@@ -656,6 +657,15 @@ def prefix_hits_rows(copy_gbs):
             if ms is not None:
                 ROWS[-1]["TFLOPs"] = round(flops / ms / 1e9, 1)
             ref = ref if ref is not None else ms
+        if R == 32:   # where the path is furthest above the floor (session 25: 1.61x)
+            for impl, fn in (("varlen path", varlen), ("bf16 FA2", floor)):
+                row = {**base, "kernel": "prefix_hits_breakdown", "impl": impl}
+                try:
+                    br = _kernel_breakdown(fn, calls=10)
+                    log({**row, "us_per_kernel": {k: round(v, 1) for k, v in br.items()},
+                         "busy_us": round(sum(br.values()), 1)})
+                except Exception as e:
+                    log({**row, "error": str(e)[:160]})
         try:
             triton_loop()
             a = out.clone()
@@ -812,7 +822,9 @@ def table(copy_gbs, path, device=None):
                          f"{r['error'][:60]} | | | |")
             continue
         if "us_per_kernel" in r:
-            parts = "; ".join(f"{k} {v:.1f} µs" for k, v in list(r["us_per_kernel"].items())[:6])
+            parts = "; ".join(f"{k} {v:.1f} µs" for k, v in list(r["us_per_kernel"].items())[:10])
+            if "busy_us" in r:
+                parts += f"; busy total {r['busy_us']:.1f} µs"
             lines.append(f"| {r['kernel']} | {shape} | {r['impl']} | {parts} | | | | |")
             continue
         if "ms" not in r:   # a check row (e.g. rel_err), no time
