@@ -606,8 +606,10 @@ def prefix_hits_rows(copy_gbs):
     (TorchVarlenAttention; the engines pass their own FA3 the same way); ``bf16 FA2``: the
     same FlashAttention over the raw bf16 prefix + chunk in model space, no cache (what a
     bf16 engine does, the floor). Also the varlen path's max abs difference to the Triton
-    loop and, at 32 × (1K + 512), the varlen path's and the floor's device time kernel by
-    kernel (:func:`_kernel_breakdown`; ``busy_us``: their sum, launch gaps excluded)."""
+    loop and, at 32 × (1K + 512), both routes' errors against the float64 oracle
+    (:func:`tkv.kernels.reference.prefill_reference`) and the varlen path's and the floor's
+    device time kernel by kernel (:func:`_kernel_breakdown`; ``busy_us``: their sum, launch
+    gaps excluded)."""
     from tkv.kernels import TorchVarlenAttention, varlen_prefix_bytes
     hq, hkv, d, block = 32, 8, 128, 16
     fa = TorchVarlenAttention()
@@ -672,6 +674,15 @@ def prefix_hits_rows(copy_gbs):
             varlen()
             log({**base, "impl": "varlen vs Triton loop: max abs diff",
                  "value": float((a.float() - out.float()).abs().max())})
+            if R == 32:   # each route against the float64 oracle (one shape: it is slow)
+                from tkv.kernels.reference import prefill_reference
+                ref64 = prefill_reference(q, k, v, cu, sl, cache, bt, ld)
+                for impl, o in (("Triton loop", a), ("varlen path", out)):
+                    err = o.double() - ref64
+                    log({**base, "impl": f"{impl} vs float64 oracle: max abs error",
+                         "value": float(err.abs().max()),
+                         "rel_err": float(err.norm() / ref64.norm())})
+                del ref64, err
         except Exception as e:
             log({**base, "impl": "varlen vs Triton loop", "error": str(e)[:160]})
         del cache, scratch, kf, vf
