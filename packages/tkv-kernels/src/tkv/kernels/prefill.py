@@ -561,8 +561,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        scratch, block_table, num_blocks, kargs, vargs, fetch, dequant, loader,
                        scale, window, dot_dtype, dense_attention, out)
     if varlen and _model_space_rows(loader, d, d_pad, kargs, vargs):
-        _varlen_prefix_attention(query.to(dot_dtype), _centered(key, loader, dot_dtype),
-                                 value.to(dot_dtype), *varlen_args, model_space=True)
+        _varlen_prefix_attention(query.to(dot_dtype), key, value, *varlen_args,
+                                 model_space=True)
         return out
     if no_prefix:
         # prefill bypass: plain attention over the chunk in model space; the cache is never
@@ -690,21 +690,27 @@ def _nan_rows(out, s_t, s_h, head, a, b, HEAD_DIM: tl.constexpr, D_BLOCK: tl.con
 
 
 @triton.jit(do_not_specialize=["s_t", "s_h", "total", "num_seqs", "max_q"],
-            do_not_specialize_on_alignment=["cu_q", "seq_lens"])
-def _nan_broken_promise_kernel(out, s_t, s_h, cu_q, seq_lens, total, num_seqs, max_q,
-                               HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr):
-    """Program (sequence, head): if the sequence has a prefix (``seq_len ≠ q_len``, a broken
+            do_not_specialize_on_alignment=["cu_q", "seq_lens", "flags"])
+def _nan_broken_promise_kernel(out, s_t, s_h, cu_q, seq_lens, flags, total, num_seqs, max_q,
+                               HAS_FLAGS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               D_BLOCK: tl.constexpr):
+    """Program (sequence, head): if the sequence is broken, its rows of that head (those that
+    exist) become NaN; the first sequence's program also poisons the rows before ``cu_q[0]``,
+    the last one's the rows from ``cu_q[num_seqs]`` on (rows of no sequence, never written by
+    the attention); else nothing is written. Broken: with ``HAS_FLAGS``, ``flags[seq] ≠ 0``
+    (the varlen path's own verdict); else a prefix (``seq_len ≠ q_len``, a broken
     ``no_prefix`` promise), more rows than ``max_q`` (a varlen kernel's grid would not cover
-    them), starts below row 0 or reaches past ``out``'s ``total`` rows, its rows of that head
-    (those that exist) become NaN; the first sequence's program also poisons the rows before
-    ``cu_q[0]``, the last one's the rows from ``cu_q[num_seqs]`` on (rows of no sequence,
-    never written by the attention); else nothing is written."""
+    them), a start below row 0 or an end past ``out``'s ``total`` rows."""
     seq, head = tl.program_id(0), tl.program_id(1)
     a = tl.load(cu_q + seq)
     b_meta = tl.load(cu_q + seq + 1)
     b = tl.minimum(b_meta, total)
-    if (a < 0) | (tl.load(seq_lens + seq) != b_meta - a) | (b_meta > total) | (
-            b_meta - a > max_q):
+    if HAS_FLAGS:
+        bad = tl.load(flags + seq) != 0
+    else:
+        bad = (a < 0) | (tl.load(seq_lens + seq) != b_meta - a) | (b_meta > total) | (
+            b_meta - a > max_q)
+    if bad:
         _nan_rows(out, s_t, s_h, head, tl.maximum(a, 0), b, HEAD_DIM, D_BLOCK)
     if seq == 0:
         _nan_rows(out, s_t, s_h, head, a - a, tl.minimum(a, total), HEAD_DIM, D_BLOCK)
@@ -720,12 +726,22 @@ def _nan_rows_with_prefix(out: torch.Tensor, cu_seqlens_q: torch.Tensor,
     from ``cu_seqlens_q[-1]``) — decided on the device (no host sync); one small launch that
     writes nothing when the metadata holds — the dense first-chunk path's guard without a
     pass over the whole output."""
-    ns, hq, d = cu_seqlens_q.shape[0] - 1, out.shape[1], out.shape[2]
-    if ns > 0 and out.shape[0] > 0:
-        _nan_broken_promise_kernel[(ns, hq)](out, out.stride(0), out.stride(1), cu_seqlens_q,
-                                             seq_lens, out.shape[0], ns, max_query_len,
-                                             HEAD_DIM=d, D_BLOCK=next_pow2(d), num_warps=1)
+    _nan_rows_launch(out, cu_seqlens_q, seq_lens, None, max_query_len)
     return out
+
+
+def _nan_rows_launch(out: torch.Tensor, cu_q: torch.Tensor, seq_lens: torch.Tensor,
+                     flags: torch.Tensor | None, max_query_len: int) -> None:
+    """One :func:`_nan_broken_promise_kernel` launch over ``(num_seqs, num_q_heads)``: the
+    broken sequences' rows of ``out`` and the rows of no sequence become NaN (``flags``:
+    ``(num_seqs,)`` bool, the caller's verdict per sequence; None: the kernel's own ``no_prefix``
+    promise check)."""
+    ns, hq, d = cu_q.shape[0] - 1, out.shape[1], out.shape[2]
+    if ns > 0 and out.shape[0] > 0:
+        _nan_broken_promise_kernel[(ns, hq)](
+            out, out.stride(0), out.stride(1), cu_q, seq_lens, cu_q if flags is None else flags,
+            out.shape[0], ns, max_query_len, HAS_FLAGS=flags is not None, HEAD_DIM=d,
+            D_BLOCK=next_pow2(d), num_warps=1)
 
 
 def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix: int,
@@ -889,8 +905,9 @@ def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_pref
     inside = (t >= cu[seq]) & (t < cu[seq + 1])
     dst = t + ends[seq] - cu[seq + 1]
     dst = torch.where(inside & (dst < cap), dst, cap)
-    pk.index_copy_(0, dst, key)       # the chunk's rows (dot dtype already)
-    pv.index_copy_(0, dst, value)
+    # the chunk's rows (model space: keys centered as the cache's prefix keys are)
+    _pack_chunk_rows(key, value, getattr(loader, "k_mu", None) if model_space else None,
+                     pk, pv, dst)
     args = (query, pk[:cap], pv[:cap], cu, cu_k, max_query_len, max_prefix + max_query_len,
             scale, window)
     if model_space:
@@ -898,19 +915,57 @@ def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_pref
     else:
         # the callable's 16-bit rows straight into the unrotation: no float32 rows between
         rotate_rows(check_dense_output(dense_attention(*args), query), loader.out_planar, out)
-    out.masked_fill_((~inside | broken[seq])[:, None, None], float("nan"))
+    # NaN rows: broken sequences and rows of none (one small launch, no pass over ``out``)
+    _nan_rows_launch(out, cu, seq_lens, broken.view(torch.uint8), max_query_len)
 
 
-def _centered(key: torch.Tensor, loader, dot_dtype: torch.dtype) -> torch.Tensor:
-    """The chunk's keys for the model-space varlen path, in the dot dtype: ``k − μ`` (float32
-    subtraction, one rounding) when the loader centers keys (``k_mu``), as the cache holds
-    its prefix keys — every score then drops by the same ``q·μ``, which softmax ignores, and
-    the 16-bit rows keep the centered keys' precision instead of rounding ``k̂ + μ`` (a
-    large μ cost 5× the planar route's error with μ added back; session 24's break-test)."""
-    mu = getattr(loader, "k_mu", None)
-    if mu is None:
-        return key.to(dot_dtype)
-    return (key.float() - mu[:, :key.shape[2]]).to(dot_dtype)
+@triton.jit(do_not_specialize=["sk_t", "sk_h", "sv_t", "sv_h", "s_mu", "sp_t", "sp_h",
+                              "rows"])
+def _pack_chunk_rows_kernel(K, sk_t, sk_h, V, sv_t, sv_h, MU, s_mu, PK, PV, sp_t, sp_h, DST,
+                            rows, HAS_MU: tl.constexpr, D: tl.constexpr, D_BLOCK: tl.constexpr,
+                            BLOCK_T: tl.constexpr):
+    """Program (row tile, KV head): chunk rows ``t`` of ``K`` / ``V`` into packed rows
+    ``DST[t]`` of ``PK`` / ``PV`` (their dtype), keys minus ``MU[head]`` in float32 first
+    (``HAS_MU``)."""
+    pid, h = tl.program_id(0), tl.program_id(1)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, D_BLOCK)
+    m = (t < rows)[:, None] & (cols < D)[None, :]
+    dst = tl.load(DST + t, mask=t < rows, other=0).to(tl.int64)
+    t64 = t.to(tl.int64)
+    k = tl.load(K + t64[:, None] * sk_t + h * sk_h + cols[None, :], mask=m, other=0.0)
+    if HAS_MU:
+        k = k.to(tl.float32) - tl.load(MU + h * s_mu + cols, mask=cols < D, other=0.0)[None, :]
+    tl.store(PK + dst[:, None] * sp_t + h * sp_h + cols[None, :],
+             k.to(PK.dtype.element_ty), mask=m)
+    v = tl.load(V + t64[:, None] * sv_t + h * sv_h + cols[None, :], mask=m, other=0.0)
+    tl.store(PV + dst[:, None] * sp_t + h * sp_h + cols[None, :],
+             v.to(PV.dtype.element_ty), mask=m)
+
+
+def _pack_chunk_rows(key: torch.Tensor, value: torch.Tensor, mu: torch.Tensor | None,
+                     pk: torch.Tensor, pv: torch.Tensor, dst: torch.Tensor) -> None:
+    """The varlen path's chunk rows into its packed rows, one launch: ``pk[dst[t]] = key[t] −
+    μ`` and ``pv[dst[t]] = value[t]`` in ``pk``'s dtype (``key`` / ``value``: ``(total_q,
+    num_kv_heads, D)``, unit stride on D; ``pk`` / ``pv``: ``(rows, num_kv_heads, D)``, same
+    strides; ``dst``: int64 ``(total_q,)``; ``mu``: None or float32 ``(1 or num_kv_heads, ≥
+    D)``, contiguous).
+
+    Model space subtracts the loader's key offset μ (``k_mu``) in float32, one rounding, as the
+    cache holds its prefix keys: every score of a query row then drops by the same ``q·μ``,
+    which softmax ignores, and the 16-bit rows keep the centered keys' precision instead of
+    rounding ``k̂ + μ`` (a large μ cost 5× the planar route's error with μ added back;
+    session 24's break-test). Replaces the float32 centering and two ``index_copy_`` (five
+    passes over the chunk's keys and values; session 25)."""
+    rows, hkv, d = key.shape
+    if rows == 0:
+        return
+    block_t = 16
+    _pack_chunk_rows_kernel[(triton.cdiv(rows, block_t), hkv)](
+        key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
+        key if mu is None else mu, 0 if mu is None or mu.shape[0] == 1 else mu.stride(0),
+        pk, pv, pk.stride(0), pk.stride(1), dst, rows, HAS_MU=mu is not None, D=d,
+        D_BLOCK=next_pow2(d), BLOCK_T=block_t, num_warps=4)
 
 
 def _model_space_rows(loader, head_dim: int, d_pad: int, kargs, vargs) -> bool:
