@@ -33,3 +33,46 @@ def test_decode_split_kernel_compiles_for_sm90a_without_spills(tmp_path):
         # 168 registers = 3 CTAs of 4 warps per SM (docs/kernels.md, session 6)
         assert int(regs) <= 168 and int(spills) == 0, (label, regs, spills)
     assert re.search(r"EPILOGUE 2", out.read_text()) and "MIN_SPLIT_TILES 4" in out.read_text()
+
+
+# The varlen path's helper kernels for sm_90 (session 25: added without a GPU hold after
+# them). Run in a subprocess: under TRITON_INTERPRET=1 the kernels are interpreted functions.
+_HELPERS = r'''
+import sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tkv.kernels.prefill import _nan_broken_promise_kernel, _pack_chunk_rows_kernel
+
+def build(fn, ptrs, consts, warps):
+    names = fn.arg_names
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v
+                                                      for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert "st.global" in k.asm["ptx"], fn.__name__
+    return k
+
+for kv, has_mu in (("*bf16", True), ("*bf16", False), ("*fp32", True), ("*fp16", False)):
+    build(_pack_chunk_rows_kernel,
+          {"K": kv, "V": kv, "MU": "*fp32", "PK": "*bf16" if kv != "*fp16" else "*fp16",
+           "PV": "*bf16" if kv != "*fp16" else "*fp16", "DST": "*i64"},
+          {"HAS_MU": has_mu, "D": 128, "D_BLOCK": 128, "BLOCK_T": 16}, 4)
+for flags, has in (("*u8", True), ("*i32", False)):
+    build(_nan_broken_promise_kernel,
+          {"out": "*bf16", "cu_q": "*i32", "seq_lens": "*i32", "flags": flags},
+          {"HAS_FLAGS": has, "HEAD_DIM": 128, "D_BLOCK": 128}, 1)
+print("compiled 6 variants")
+'''
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton build ships no ptxas")
+def test_varlen_helper_kernels_compile_for_sm90a():
+    """_pack_chunk_rows_kernel (bf16 / float32 / fp16 rows, with and without the key offset)
+    and _nan_broken_promise_kernel (the varlen path's flags and the bypass's own check)
+    compile to sm_90 cubins on any box: Triton → PTX → ptxas."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    res = subprocess.run([sys.executable, "-c", _HELPERS], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "compiled 6 variants" in res.stdout, res.stderr[-2000:]
