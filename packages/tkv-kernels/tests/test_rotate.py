@@ -160,7 +160,8 @@ def test_launch_plan_defaults_and_overrides():
         RotateLaunch(True, 128, 8, 2)
     assert launch_plan(10, 64, 64, persistent=True) == RotateLaunch(True, 64, 4, 3)
     for bad in ({"persistent": True, "k_pad": 256}, {"block_r": 48}, {"num_warps": 3},
-                {"num_stages": 0}, {"persistent": 1}, {"block_r": 512}):
+                {"num_stages": 0}, {"persistent": 1}, {"block_r": 512}, {"rows": -5},
+                {"rows": 1.5}, {"k_pad": 96}, {"n_pad": 8}):
         kw = {"rows": 8 * wide, "k_pad": 128, "n_pad": 128} | bad
         with pytest.raises((ShapeError, DtypeError)):
             launch_plan(kw.pop("rows"), kw.pop("k_pad"), kw.pop("n_pad"), **kw)

@@ -141,8 +141,9 @@ def _rotate_rows_persistent_kernel(X, sx_t, sx_h, M, sm, Y, sy_t, sy_h, MU, s_mu
 # kernel (session 25, launch_plan), or with persistent=False 128 rows per program with 8
 # warps: 1.18x (bf16 query rows) / 1.20x (float32 output rows) the 32-row launch at 523K rows
 # of 128 on the H200, where 64 rows measured 0.61-0.86x
-# (benchmarks/results/kernels_gpu_2026-12-05_s22_mixed_prefill.md). Decode's batches stay
-# on row_block.
+# (benchmarks/results/kernels_gpu_2026-12-05_s22_mixed_prefill.md). Decode's query
+# rotations stay on row_block below it (a batch reaches it only at 2,048 sequences × 32
+# query heads; it then takes the persistent launch, ~2^-16 relative instead of float32's).
 _WIDE_ROWS = 65536
 
 
@@ -182,10 +183,15 @@ def launch_plan(rows: int, k_pad: int, n_pad: int, *, block_r: int | None = None
     :func:`row_block`, 8 warps.
 
     Raises:
-        ShapeError: ``block_r`` / ``num_warps`` not a power of two in range, ``persistent``
+        ShapeError: ``rows`` not an int ≥ 0, ``k_pad`` / ``n_pad`` not a power of two ≥ 16,
+            ``block_r`` / ``num_warps`` not a power of two in range, ``persistent``
             not a bool or None, ``persistent=True`` for a matrix over 128 × 128 (padded),
             ``num_stages`` not a positive int.
     """
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+        raise ShapeError(f"launch_plan: rows must be an int ≥ 0, got {rows!r}")
+    for name, v in (("k_pad", k_pad), ("n_pad", n_pad)):
+        check_pow2(v, name, 16, 1 << 16)
     wide = rows >= _WIDE_ROWS and n_pad <= 128
     fits = k_pad <= 128 and n_pad <= 128
     if persistent is None:
