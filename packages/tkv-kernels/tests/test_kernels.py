@@ -949,13 +949,13 @@ def test_prefill_bypass_writes_into_out(detach):
                 dense_attention=spy)
 
 
-def test_nan_rows_with_prefix_touches_only_broken_sequences():
+def test_nan_broken_rows_touches_only_broken_sequences():
     """The first-chunk guard on strided output rows: NaN exactly in the rows (every head) of
     sequences whose seq_len ≠ q_len or with more rows than max_query_len (a varlen kernel's
     grid would not cover them), and in rows of no sequence (before cu_seqlens_q[0], from
     cu_seqlens_q[-1]); every other element bit-for-bit unchanged, empty sequences and an
     empty batch fine."""
-    from tkv.kernels.prefill import _nan_rows_with_prefix
+    from tkv.kernels.prefill import _nan_broken_rows
 
     g = _gen(37)
     for cu, sl, max_q, bad in (
@@ -967,14 +967,14 @@ def test_nan_rows_with_prefix_touches_only_broken_sequences():
         out = big[:, 1:4, :24]                        # strides (200, 40, 1): not contiguous
         before = big.clone()
         cu_t, sl_t = (torch.tensor(x, dtype=torch.int32, device=DEV) for x in (cu, sl))
-        _nan_rows_with_prefix(out, cu_t, sl_t, max_q)
+        _nan_broken_rows(out, cu_t, sl_t, max_q)
         want = before.clone()
         for a, b in bad:
             want[a:b, 1:4, :24] = float("nan")
         assert torch.equal(big.isnan(), want.isnan()), (cu, sl, max_q)
         keep = ~want.isnan()
         assert torch.equal(big[keep], before[keep])
-    _nan_rows_with_prefix(out[:0], cu_t[:1], sl_t[:0], 0)
+    _nan_broken_rows(out[:0], cu_t[:1], sl_t[:0], 0)
 
 
 def test_prefill_exact_prefix_through_dense_attention():

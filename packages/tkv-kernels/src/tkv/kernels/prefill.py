@@ -544,7 +544,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # there (FlashAttention's ``out=``: no copy of the chunk's output)
         _dense_into(dense_attention, (query, key, value, cu_seqlens_q, cu_seqlens_q,
                                       max_query_len, max_query_len, scale, window), out)
-        return _nan_rows_with_prefix(out, cu_seqlens_q, seq_lens, max_query_len)
+        return _nan_broken_rows(out, cu_seqlens_q, seq_lens, max_query_len)
     dense = (planar and scratch is not None and max_prefix_len is not None
              and max_prefix_len > 0 and max_query_len > block_mt)
     if dense:
@@ -718,30 +718,23 @@ def _nan_broken_promise_kernel(out, s_t, s_h, cu_q, seq_lens, flags, total, num_
         _nan_rows(out, s_t, s_h, head, tl.maximum(b_meta, 0), total, HEAD_DIM, D_BLOCK)
 
 
-def _nan_rows_with_prefix(out: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          seq_lens: torch.Tensor, max_query_len: int) -> torch.Tensor:
+def _nan_broken_rows(out: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                     max_query_len: int, flags: torch.Tensor | None = None) -> torch.Tensor:
     """NaN into the rows of ``out`` ``(total_q, num_q_heads, head_dim)`` (unit stride on
-    head_dim) whose sequence breaks the ``no_prefix`` promise (``seq_len ≠ q_len``) or has
-    more than ``max_query_len`` rows, and into rows of no sequence (before ``cu_seqlens_q[0]``,
-    from ``cu_seqlens_q[-1]``) — decided on the device (no host sync); one small launch that
-    writes nothing when the metadata holds — the dense first-chunk path's guard without a
-    pass over the whole output."""
-    _nan_rows_launch(out, cu_seqlens_q, seq_lens, None, max_query_len)
-    return out
-
-
-def _nan_rows_launch(out: torch.Tensor, cu_q: torch.Tensor, seq_lens: torch.Tensor,
-                     flags: torch.Tensor | None, max_query_len: int) -> None:
-    """One :func:`_nan_broken_promise_kernel` launch over ``(num_seqs, num_q_heads)``: the
-    broken sequences' rows of ``out`` and the rows of no sequence become NaN (``flags``:
-    ``(num_seqs,)`` bool, the caller's verdict per sequence; None: the kernel's own ``no_prefix``
-    promise check)."""
-    ns, hq, d = cu_q.shape[0] - 1, out.shape[1], out.shape[2]
+    head_dim) of broken sequences and of no sequence (before ``cu_seqlens_q[0]``, from
+    ``cu_seqlens_q[-1]``) — decided on the device (no host sync); one small
+    :func:`_nan_broken_promise_kernel` launch over ``(num_seqs, num_q_heads)`` that writes
+    nothing when the metadata holds, instead of a pass over the whole output. Broken: with
+    ``flags`` (uint8 ``(num_seqs,)``, the varlen path's per-sequence verdict) where it is
+    nonzero; without, where the ``no_prefix`` promise breaks (``seq_len ≠ q_len``) or a
+    sequence has more than ``max_query_len`` rows (the dense first-chunk path's guard)."""
+    ns, hq, d = cu_seqlens_q.shape[0] - 1, out.shape[1], out.shape[2]
     if ns > 0 and out.shape[0] > 0:
         _nan_broken_promise_kernel[(ns, hq)](
-            out, out.stride(0), out.stride(1), cu_q, seq_lens, cu_q if flags is None else flags,
-            out.shape[0], ns, max_query_len, HAS_FLAGS=flags is not None, HEAD_DIM=d,
-            D_BLOCK=next_pow2(d), num_warps=1)
+            out, out.stride(0), out.stride(1), cu_seqlens_q, seq_lens,
+            cu_seqlens_q if flags is None else flags, out.shape[0], ns, max_query_len,
+            HAS_FLAGS=flags is not None, HEAD_DIM=d, D_BLOCK=next_pow2(d), num_warps=1)
+    return out
 
 
 def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, prefix: int,
@@ -916,7 +909,7 @@ def _varlen_prefix_attention(query, key, value, cu_seqlens_q, seq_lens, max_pref
         # the callable's 16-bit rows straight into the unrotation: no float32 rows between
         rotate_rows(check_dense_output(dense_attention(*args), query), loader.out_planar, out)
     # NaN rows: broken sequences and rows of none (one small launch, no pass over ``out``)
-    _nan_rows_launch(out, cu, seq_lens, broken.view(torch.uint8), max_query_len)
+    _nan_broken_rows(out, cu, seq_lens, max_query_len, flags=broken.view(torch.uint8))
 
 
 @triton.jit(do_not_specialize=["sk_t", "sk_h", "sv_t", "sv_h", "s_mu", "sp_t", "sp_h",

@@ -128,27 +128,28 @@ def plan_prefill_runs(query_lens: Sequence[int], prefix_lens: Sequence[int] | No
 def _packed_prefix(q: list[int], p: list[int], a: int, b: int) -> int:
     """Prefix tokens the kernels' varlen path packs for rows ``a:b``: the prefixes of the rows
     with new tokens (an empty row attends nothing, so its prefix is not read)."""
-    return sum(_packed(qi, pi) - qi for qi, pi in zip(q[a:b], p[a:b], strict=True))
+    return sum(map(_read_prefix, q[a:b], p[a:b]))
 
 
-def _packed(q_len: int, prefix: int) -> int:
-    """Packed rows of one row in the varlen path: its prefix and its chunk, none without new
-    tokens (the one packing rule; :func:`tkv.kernels.varlen_prefix_rows` adds the spare row)."""
-    return prefix + q_len if q_len else 0
+def _read_prefix(q_len: int, prefix: int) -> int:
+    """Prefix tokens the varlen path packs for one row: its prefix, none without new tokens
+    (the one packing rule; a row packs this plus its ``q_len`` chunk rows, and
+    :func:`tkv.kernels.varlen_prefix_rows` adds the spare row)."""
+    return prefix if q_len else 0
 
 
 def _fit(q: list[int], p: list[int], a: int, b: int,
          max_rows: int | None) -> list[tuple[int, int]]:
     """Rows ``a:b`` (all with a prefix) as consecutive spans whose packed rows
-    (:func:`_packed` summed, + 1 spare row) fit ``max_rows`` — greedy; a row too large
+    (:func:`_packed_prefix` + their tokens + 1 spare row) fit ``max_rows`` — greedy; a row too large
     alone on its own; an empty row (no packed rows) joins the span before it — or
     ``[(a, b)]`` when they already fit, when there is no bound, or when more than
     :data:`MAX_PACKED_SPLITS` spans would be needed."""
-    if max_rows is None or sum(map(_packed, q[a:b], p[a:b])) + 1 <= max_rows:
+    if max_rows is None or _packed_prefix(q, p, a, b) + sum(q[a:b]) + 1 <= max_rows:
         return [(a, b)]
     spans, lo, used = [], a, 1
     for i in range(a, b):
-        need = _packed(q[i], p[i])
+        need = _read_prefix(q[i], p[i]) + q[i]
         if i > lo and need and used + need > max_rows:
             spans.append((lo, i))
             lo, used = i, 1
