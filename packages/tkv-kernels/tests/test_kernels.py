@@ -3,8 +3,11 @@
 Under TRITON_INTERPRET=1 (CPU, CI) the kernels run with float32 dots at tiny shapes; on a GPU
 the same tests run compiled with fp16/bf16 tensor-core dots (looser tolerance)."""
 
+import contextlib
 import itertools
 import math
+import signal
+import threading
 from unittest import mock
 
 import pytest
@@ -1907,6 +1910,64 @@ def test_prefill_metadata_past_the_tensors_is_nan_not_out_of_bounds(loader):
                        seq_lens=bad_sl, cu_seqlens_q=bad_cu, total_q=25)
     short = prefill(pq, pk, pv, cu, sl, 8, pc, bt, ld, block_m=16)   # grid covers 8 of 20
     assert torch.isnan(short[8:20]).all() and torch.isfinite(short[:8]).all()
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Fail the block (TimeoutError) after ``seconds`` of wall time: a loop over millions of
+    masked tiles under the interpreter is a hang, and a hang must fail, not stall CI. POSIX
+    main thread only (SIGALRM); elsewhere the block just runs."""
+    if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def fire(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# seq_lens of broken metadata far past the block table (an engine bug, a stale buffer): the
+# kernels mask positions past the table's capacity; their loops used to run every masked
+# tile up to the length — ~2³¹ / BLOCK_N tiles, a hang (minutes on a GPU, forever under the
+# interpreter). Page-aligned lengths so that the table's valid pages hold exactly the
+# sequence (past them: poison pages, masked), the output then equals the real length's.
+_HUGE_LEN = 2 ** 31 - 2 ** 12
+
+
+def test_decode_seq_len_past_the_block_table_runs_no_masked_tiles():
+    ld = TkvLoader(TurboKVCodec(64, 4, device=DEV), 2, 16)
+    batch, cache = _scenario(ld, [32, 17], seed=4)
+    g = _gen(41)
+    q = torch.randn(2, 4, 64, generator=g).to(DEV, torch.bfloat16)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    huge = batch.seq_lens.clone()
+    huge[0] = _HUGE_LEN
+    for splits in (1, 4):
+        out = torch.full(q.shape, float("nan"), device=DEV)   # float32: exact under the interpreter
+        with _deadline(120):
+            decode(q, cache, batch.block_table, huge, ld, _ws(), num_splits=splits, out=out)
+        assert _rel(out, ref) < _tol(torch.bfloat16), splits
+
+
+def test_prefill_seq_len_past_the_block_table_runs_no_masked_tiles():
+    ld = TkvLoader(TurboKVCodec(32, 4, device=DEV), 2, 16)
+    q, k, v, cu, batch, cache = _prefill_batch(ld, (16, 9), (20, 5), 2, 6, torch.bfloat16)
+    ref = prefill_reference(q, k, v, cu, batch.seq_lens, cache, batch.block_table, ld)
+    bt = batch.block_table.clone()
+    bt[0, 1:] = 10 ** 6          # sequence 0's prefix is its first page; the rest is poison
+    huge = batch.seq_lens.clone()
+    huge[0] = _HUGE_LEN
+    out = torch.full(q.shape, float("nan"), device=DEV)
+    with _deadline(120):
+        prefill(q, k, v, cu, huge, 20, cache, bt, ld, block_m=16, out=out)
+    assert _rel(out, ref) < _tol(torch.bfloat16)
 
 
 def test_check_metadata_shapes_and_lengths_without_a_block_table():

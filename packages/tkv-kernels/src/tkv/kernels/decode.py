@@ -113,7 +113,11 @@ def _decode_split_kernel(
     if window > 0:
         start = tl.maximum(L - window, 0)
     t0 = start // BLOCK_N
-    t1 = tl.cdiv(L, BLOCK_N)
+    # positions at or past the block table's capacity are masked (``_fetch_kv``): the loop
+    # stops there, so a seq_lens entry far past it (broken metadata, up to 2³¹ − 1) costs no
+    # tiles — and no int32 overflow in ``cdiv`` — instead of minutes of masked ones
+    cap = max_blocks * BLOCK_SIZE
+    t1 = tl.cdiv(tl.minimum(L, cap), BLOCK_N)
     if MIN_SPLIT_TILES > 0:   # length-aware: only the splits this sequence's tiles fill
         used = tl.minimum(tl.maximum(tl.cdiv(t1 - t0, MIN_SPLIT_TILES), 1), NUM_SPLITS)
         per = tl.cdiv(t1 - t0, used)
@@ -121,7 +125,6 @@ def _decode_split_kernel(
         per = tl.cdiv(t1 - t0, NUM_SPLITS)
     my0 = t0 + split * per
     my1 = tl.minimum(my0 + per, t1)
-    cap = max_blocks * BLOCK_SIZE
     bt_row = block_table + seq.to(tl.int64) * s_bt
     # PREFETCH: software pipeline — the K/V bytes of tile t+1 are fetched while tile t is
     # computed (costs the registers of one raw tile pair); the first tile's fetch is issued
@@ -365,7 +368,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         block_table: int32 ``(num_seqs, max_blocks_per_seq)``; entries past a sequence's last
             block are never read.
         seq_lens: int32 ``(num_seqs,)`` tokens in the cache per sequence (the new token
-            included); 0 gives a zero output.
+            included); 0 gives a zero output. Positions at or past the block table's capacity
+            (``max_blocks_per_seq · block_size``) are masked and cost no tile: a length far past
+            it (broken metadata) neither reads outside the table nor stalls the launch.
         loader: :class:`TkvLoader`, :class:`BypassLoader`, :class:`Fp8Loader` or any Loader.
         workspace: the shared :class:`Workspace`.
         out: optional ``(num_seqs, num_q_heads, head_dim)`` output (query dtype by default):

@@ -73,9 +73,11 @@ def _table(table, R: gl.constexpr, C: gl.constexpr, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _blocks(bt_row, pos, L, start, num_blocks, BLOCK_SIZE: gl.constexpr):
-    """(valid mask, physical block) of absolute token positions ``pos``."""
-    m = (pos < L) & (pos >= start)
+def _blocks(bt_row, pos, lim, start, num_blocks, BLOCK_SIZE: gl.constexpr):
+    """(valid mask, physical block) of absolute token positions ``pos`` (valid: in
+    ``[start, lim)``, ``lim`` = the sequence's length capped at the block table's capacity,
+    and a page in range)."""
+    m = (pos < lim) & (pos >= start)
     blk = gl.load(bt_row + pos // BLOCK_SIZE, mask=m, other=0)
     m = m & (blk >= 0) & (blk < num_blocks)
     return m, gl.where(m, blk, 0).to(gl.int64)
@@ -83,7 +85,7 @@ def _blocks(bt_row, pos, L, start, num_blocks, BLOCK_SIZE: gl.constexpr):
 
 @gluon.jit
 def gluon_decode_split_kernel(
-        Q, sq_s, sq_h, block_table, s_bt, seq_lens, num_blocks,
+        Q, sq_s, sq_h, block_table, s_bt, seq_lens, max_blocks, num_blocks,
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
         part_o, part_lse, scale_log2, window,
@@ -111,7 +113,10 @@ def gluon_decode_split_kernel(
     if window > 0:
         start = gl.maximum(L - window, 0)
     t0 = start // BLOCK_N
-    t1 = gl.cdiv(L, BLOCK_N)
+    # positions past the block table's capacity are not read (as decode's Triton kernel):
+    # a seq_lens entry beyond it reads no table entry out of its row and runs no extra tile
+    lim = gl.minimum(L, max_blocks * BLOCK_SIZE)
+    t1 = gl.cdiv(lim, BLOCK_N)
     per = gl.cdiv(t1 - t0, NUM_SPLITS)
     my0 = t0 + split * per
     my1 = gl.minimum(my0 + per, t1)
@@ -139,7 +144,7 @@ def gluon_decode_split_kernel(
         base = t * BLOCK_N
         # K codes: [N, NB] -> relabel bytes -> [NB, N] in the B-operand layout (no movement)
         pk = base + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LK))
-        mk, bk = _blocks(bt_row, pk, L, start, num_blocks, BLOCK_SIZE)
+        mk, bk = _blocks(bt_row, pk, lim, start, num_blocks, BLOCK_SIZE)
         rk = bk * k_sb + KP1 + kvh * k_sh + (pk % BLOCK_SIZE) * k_st
         kc = gl.load(k_base + rk[:, None] + kb[None, :], mask=mk[:, None], other=0)
         kc = gl.permute(gl.reshape(kc, [BLOCK_N, 4, TB // 4, 2, 2]), [0, 2, 3, 1, 4])
@@ -150,7 +155,7 @@ def gluon_decode_split_kernel(
         s = mma_v2(q_hi, k_hi, s)
         # norms in the score columns
         pc = base + gl.arange(0, BLOCK_N, layout=COL)
-        mc, bc = _blocks(bt_row, pc, L, start, num_blocks, BLOCK_SIZE)
+        mc, bc = _blocks(bt_row, pc, lim, start, num_blocks, BLOCK_SIZE)
         kn = gl.load(k_aux + (bc * k_sb + KP2) // 2 + kvh * KP3 + pc % BLOCK_SIZE, mask=mc,
                      other=0.0).to(gl.float32)
         vn = gl.load(v_aux + (bc * v_sb + VP2) // 2 + kvh * VP3 + pc % BLOCK_SIZE, mask=mc,
@@ -165,7 +170,7 @@ def gluon_decode_split_kernel(
         m_i = m_new
         # V codes: [N, NB] -> relabel bytes (lane g's bytes become columns g, g+8, ...)
         pv = base + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LV))
-        mv, bv = _blocks(bt_row, pv, L, start, num_blocks, BLOCK_SIZE)
+        mv, bv = _blocks(bt_row, pv, lim, start, num_blocks, BLOCK_SIZE)
         rv = bv * v_sb + VP1 + kvh * v_sh + (pv % BLOCK_SIZE) * v_st
         vc = gl.load(v_base + rv[:, None] + vb[None, :], mask=mv[:, None], other=0)
         vc = gl.permute(gl.reshape(vc, [BLOCK_N, 8, VB]), [0, 2, 1])
@@ -223,7 +228,8 @@ def launch_split(q, block_table, seq_lens, num_blocks, kargs, vargs, part_o, par
     """Launch :func:`gluon_decode_split_kernel` on grid ``(num_seqs, num_kv_heads, splits)``
     (arguments as ``decode._decode_split_kernel``'s)."""
     gluon_decode_split_kernel[(q.shape[0], num_kv_heads, splits)](
-        q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens, num_blocks,
+        q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
+        block_table.shape[1], num_blocks,
         *kargs[:6], *vargs[:6], part_o, part_lse, scale_log2, window,
         KP1=kargs[7], KP2=kargs[8], KP3=kargs[9], VP1=vargs[7], VP2=vargs[8], VP3=vargs[9],
         G=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,

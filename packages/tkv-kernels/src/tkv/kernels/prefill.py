@@ -268,7 +268,9 @@ def _prefill_kernel(
     if window > 0:
         lo = tl.maximum(tile_lo - window + 1, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
-    for n0 in range(lo, prefix, BLOCK_N):
+    # tokens at or past the block table's capacity are masked: the loop stops there (a
+    # seq_lens entry near 2³¹ would otherwise run ~2³¹ / BLOCK_N masked tiles)
+    for n0 in range(lo, tl.minimum(prefix, max_blocks * BLOCK_SIZE), BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         mask_n, rk, ks, rv, vs = fetch_kv(
             pos, (pos < prefix) & (pos < max_blocks * BLOCK_SIZE),
@@ -347,7 +349,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         cu_seqlens_q: int32 ``(num_seqs + 1,)`` cumulative query lengths, starting at 0,
             ending at ``total_q`` (a sequence reaching past ``total_q`` is not read or
             written out of bounds: its existing rows become NaN).
-        seq_lens: int32 ``(num_seqs,)`` total tokens per sequence (prefix + chunk).
+        seq_lens: int32 ``(num_seqs,)`` total tokens per sequence (prefix + chunk). Prefix
+            positions at or past the block table's capacity are masked and cost no tile (a
+            length far past it — broken metadata — does not stall the launch).
         max_query_len: host int ≥ every q_len (sizes the grid).
         cache, block_table, loader: as :func:`tkv.kernels.decode` (block_table int32
             ``(num_seqs, max_blocks_per_seq)``).
