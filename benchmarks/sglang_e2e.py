@@ -68,6 +68,7 @@ from vllm_e2e import (
     PREFIX_PROMPT_TOKENS,
     PROMPTS,
     REPEATS_HELP,
+    VARIANTS,
     agreement,
     fresh_jit_log,
     jit_mark,
@@ -276,9 +277,12 @@ def run_group(cmd: list[str], env: dict, log: Path, timeout: float, out: Path,
 
 
 def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path | None,
-             out: Path, o: argparse.Namespace, greedy_only: bool = False) -> dict:
-    """One (model, mode) in its own process group; the result dict (``failed`` on error)."""
-    tag = f"{model.name}-{mode}{'-' + bits if bits else ''}"
+             out: Path, o: argparse.Namespace, greedy_only: bool = False,
+             variant: str = "") -> dict:
+    """One (model, mode) in its own process group; the result dict (``failed`` on error).
+    ``variant``: a key of ``vllm_e2e.VARIANTS`` — the tkv engine runs with that extra
+    environment (e.g. ``flash``: ``TKV_PREFILL_ATTENTION=flash``), its files tagged with it."""
+    tag = f"{model.name}-{mode}{'-' + bits if bits else ''}{'-' + variant if variant else ''}"
     result = out / f"{tag}.json"
     result.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "worker", "--model", str(model), "--mode", mode,
@@ -293,9 +297,12 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
         cmd.append("--eager")
     if getattr(o, "profile", 0) and not greedy_only:
         cmd += ["--profile", str(o.profile)]
-    env = {**tkv_env(mode, bits, bundle), "PYTHONUNBUFFERED": "1", **fresh_jit_log(out, tag)}
+    env = {**tkv_env(mode, bits, bundle), **(VARIANTS[variant] if variant else {}),
+           "PYTHONUNBUFFERED": "1", **fresh_jit_log(out, tag)}
     log = out / f"{tag}.log"
-    print(f"== {tag}: TKV_BITS={env.get('TKV_BITS', '-')} {' '.join(cmd[2:])}", flush=True)
+    extra = "".join(f"{k}={v} " for k, v in (VARIANTS[variant] if variant else {}).items())
+    print(f"== {tag}: {extra}TKV_BITS={env.get('TKV_BITS', '-')} {' '.join(cmd[2:])}",
+          flush=True)
     t = time.perf_counter()
     rc = run_group(cmd, env, log, o.timeout, out, result=result)
     dt = time.perf_counter() - t
@@ -378,6 +385,9 @@ def run_models(o: argparse.Namespace, bits_full: list[str], bits_greedy: list[st
                                 greedy_only=not bits_full)}
         for b in bits_full:
             res[f"tkv@{b}"] = run_mode(model, dummy, "tkv", b, bundle, out, o)
+            for v in getattr(o, "variants", []):   # the same run, one engine setting changed
+                res[f"tkv@{b} {v}"] = run_mode(model, dummy, "tkv", b, bundle, out, o,
+                                              variant=v)
         for b in bits_greedy:
             if b not in bits_full:
                 res[f"tkv@{b}"] = run_mode(model, dummy, "tkv", b, bundle, out, o,
@@ -515,6 +525,12 @@ def main(argv: list[str] | None = None) -> None:
                            help="of --bits, those that also get the throughput runs "
                                 "(default 4.0: the KV-capacity configuration)")
             a.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+            a.add_argument("--variants", nargs="+", default=[], choices=sorted(VARIANTS),
+                           help="after each throughput tkv run, the same run with one engine "
+                           "setting changed (vllm_e2e.VARIANTS; e.g. flash = "
+                           "TKV_PREFILL_ATTENTION=flash: sgl-kernel's FlashAttention 3 for "
+                           "first chunks and, through the varlen path, continuation chunks "
+                           "and radix hits; triton = tkv, the default)")
             a.add_argument("--eager", action="store_true", help="disable CUDA graphs")
             a.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
             a.add_argument("--serve", action="store_true",

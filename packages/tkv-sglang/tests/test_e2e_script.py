@@ -214,3 +214,38 @@ def test_profile_flag_reaches_the_throughput_workers_only(e2e, tmp_path, monkeyp
     e2e.run_mode(tmp_path / "m", True, "tkv", "4.0", None, tmp_path, o)
     e2e.run_mode(tmp_path / "m", True, "tkv", "8.0", None, tmp_path, o, greedy_only=True)
     assert seen[0][-2:] == ["--profile", "32"] and "--profile" not in seen[1]
+
+
+def test_variant_runs_get_their_engine_setting(e2e, tmp_path, monkeypatch):
+    """``all --variants flash``: after each throughput tkv run, the same run with
+    TKV_PREFILL_ATTENTION=flash in the worker's environment, under its own key, file tag and
+    table row; the plain run's environment does not carry it."""
+    model = tmp_path / "m"
+    model.mkdir()
+    envs = {}
+
+    def fake_run_group(cmd, env, log, timeout, out, result=None):
+        tag = Path(result).stem
+        envs[tag] = env
+        Path(log).write_text("")
+        Path(result).write_text(json.dumps({"kv_tokens": 100, "greedy": [[1, 2]] * 8}))
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", fake_run_group)
+    monkeypatch.setattr(e2e, "resolve_model", lambda spec, d: (model, "real"))
+    monkeypatch.setattr(e2e, "write_uniform_bundle", lambda m, path: path)
+    o = argparse.Namespace(out=str(tmp_path / "out"), mem=0.5, context_length=4096,
+                           baseline_backend="triton", batches=[8], eager=True, bundle=None,
+                           model=[str(model)], serve=False, timeout=60, repeats=1,
+                           variants=["flash", "split2"])
+    e2e.run_models(o, ["4.0"], ["4.0"])
+    assert set(envs) == {"m-bf16", "m-tkv-4.0", "m-tkv-4.0-flash", "m-tkv-4.0-split2"}
+    assert envs["m-tkv-4.0-flash"]["TKV_PREFILL_ATTENTION"] == "flash"
+    assert envs["m-tkv-4.0-split2"]["TKV_DECODE_SINGLE_SPLIT"] == "0"
+    assert envs["m-tkv-4.0"].get("TKV_PREFILL_ATTENTION") == envs["m-bf16"].get(
+        "TKV_PREFILL_ATTENTION")   # inherited from the driver's environment, not set
+    res = json.loads((tmp_path / "out" / "m.json").read_text())
+    assert list(res) == ["bf16", "tkv@4.0", "tkv@4.0 flash", "tkv@4.0 split2"]
+    assert "| tkv@4.0 flash |" in (tmp_path / "out" / "README.md").read_text()
+    with pytest.raises(SystemExit):   # the CLI refuses an unknown variant
+        e2e.main(["all", "--variants", "nosuch"])
