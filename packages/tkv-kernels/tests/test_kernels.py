@@ -1970,6 +1970,23 @@ def test_prefill_seq_len_past_the_block_table_runs_no_masked_tiles():
     assert _rel(out, ref) < _tol(torch.bfloat16)
 
 
+@pytest.mark.parametrize("length", [-2 ** 31, -1, 19])
+def test_prefill_seq_len_below_the_chunk_is_nan(length):
+    """A seq_lens entry below the sequence's q_len (20 here) is broken metadata: NaN rows for
+    it, the other sequence exact. At −2³¹ the int32 ``L − q_len`` wraps to a huge prefix: it
+    used to attend the whole cached row as a prefix (finite, wrong numbers)."""
+    ld = TkvLoader(TurboKVCodec(32, 4, device=DEV), 2, 16)
+    q, k, v, cu, batch, cache = _prefill_batch(ld, (16, 9), (20, 5), 2, 7, torch.bfloat16)
+    ref = prefill_reference(q, k, v, cu, batch.seq_lens, cache, batch.block_table, ld)
+    bad = batch.seq_lens.clone()
+    bad[0] = length
+    out = torch.full(q.shape, 7.0, device=DEV)
+    with _deadline(120):
+        prefill(q, k, v, cu, bad, 20, cache, batch.block_table, ld, block_m=16, out=out)
+    assert torch.isnan(out[:20]).all()
+    assert _rel(out[20:], ref[20:]) < _tol(torch.bfloat16)
+
+
 def test_check_metadata_shapes_and_lengths_without_a_block_table():
     from tkv.kernels import MetadataError, check_metadata
 

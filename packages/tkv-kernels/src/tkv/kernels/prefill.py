@@ -230,7 +230,8 @@ def _prefill_kernel(
     accumulator. ``K_SINK`` / ``V_SINK``: flagged prefix tokens as in decode's split kernel
     (the chunk's own K/V are exact, never flagged). ``total_q``: rows of Q/KN/VN/Out —
     metadata reaching past them (``cu_q[seq + 1] > total_q``) reads and writes only the rows
-    that exist, and those of the sequence become NaN (loud, never out of bounds)."""
+    that exist, and those of the sequence become NaN (loud, never out of bounds); so do the
+    rows of a sequence whose ``seq_lens`` entry is below its ``q_len``."""
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -241,6 +242,9 @@ def _prefill_kernel(
     if (tile * BLOCK_MT >= q_len) | (q0 < 0):
         return
     L = tl.load(seq_lens + seq)
+    # a length below the chunk's is broken metadata (NaN rows): checked before ``L − q_len``,
+    # which wraps around in int32 for a length near −2³¹ and would read as a huge prefix
+    broken = broken | (q_len > L)
     prefix = L - q_len
     BLOCK_M: tl.constexpr = BLOCK_MT * G_PAD
     if NO_PREFIX:  # the caller promised first chunks only: fail loudly, never guess
@@ -351,7 +355,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             written out of bounds: its existing rows become NaN).
         seq_lens: int32 ``(num_seqs,)`` total tokens per sequence (prefix + chunk). Prefix
             positions at or past the block table's capacity are masked and cost no tile (a
-            length far past it — broken metadata — does not stall the launch).
+            length far past it — broken metadata — does not stall the launch); a length
+            below the sequence's ``q_len`` gives NaN rows for it.
         max_query_len: host int ≥ every q_len (sizes the grid).
         cache, block_table, loader: as :func:`tkv.kernels.decode` (block_table int32
             ``(num_seqs, max_blocks_per_seq)``).
