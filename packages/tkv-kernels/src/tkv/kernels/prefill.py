@@ -1037,8 +1037,10 @@ def warm_prefix_variant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     such step stalls on a Triton compile (seconds — measured inside a vLLM throughput run on the
     H200, 2026-11-30). The call uses this batch's own tensors (``query``/``key``/``value`` of
     the chunk just prefilled, ``block_table`` rows of its sequences, the real ``cache``) so every
-    runtime argument falls in the same specialization class as the real calls; it reads the
-    first sequence's token 0 (stored by this step) and writes nothing but the scratch output.
+    runtime argument falls in the same specialization class as the real calls; it reads token
+    0 of ``block_table``'s first row — the first sequence's, stored by this step, or whatever
+    that page holds when an engine's row 0 is padding (a −1 or out-of-range page is masked) —
+    and writes nothing but throwaway outputs: only the compile matters, never the values.
     Skipped while a CUDA graph is being captured.
 
     With ``scratch`` (the engine's prefill scratch) and a batch of more than
