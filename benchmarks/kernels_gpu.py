@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import json
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
@@ -43,6 +45,8 @@ from tkv.kernels import (
     prefill,
 )
 from tkv.kernels.workspace import SINGLE_SPLIT_TARGETS
+
+prefill_mod = importlib.import_module("tkv.kernels.prefill")   # the module, not the function
 
 DEV = "cuda"
 ROWS: list[dict] = []
@@ -603,10 +607,12 @@ def prefix_hits_rows(copy_gbs):
     without a dense_attention callable); ``varlen path``: every prefix decompressed once
     (back to model space since session 24: no rotation of the query, the chunk or the
     output) and packed with its chunk's rows, ONE call of PyTorch's varlen FlashAttention-2
-    (TorchVarlenAttention; the engines pass their own FA3 the same way); ``bf16 FA2``: the
+    (TorchVarlenAttention; the engines pass their own FA3 the same way); the same with
+    ``prefill.MODEL_BACK_MAP = "pm1"`` (session 26: the dequant kernel's map back to model
+    space as its exact ±1 factor, two tensor-core passes instead of three); ``bf16 FA2``: the
     same FlashAttention over the raw bf16 prefix + chunk in model space, no cache (what a
     bf16 engine does, the floor). Also the varlen path's max abs difference to the Triton
-    loop and, at 32 × (1K + 512), both routes' errors against the float64 oracle
+    loop and, at 32 × (1K + 512), the routes' errors against the float64 oracle
     (:func:`tkv.kernels.reference.prefill_reference`) and the varlen path's and the floor's
     device time kernel by kernel (:func:`_kernel_breakdown`; ``busy_us``: their sum, launch
     gaps excluded)."""
@@ -649,18 +655,25 @@ def prefix_hits_rows(copy_gbs):
             prefill(q, k, v, cu, sl, C, cache, bt, ld, out=out, max_prefix_len=P,
                     scratch=scratch, dense_attention=fa, prefix_tokens=R * P)
 
+        def varlen_pm1():   # session 26's opt-in back map: exact ±1 factor, two passes
+            with mock.patch.object(prefill_mod, "MODEL_BACK_MAP", "pm1"):
+                varlen()
+
         def floor():
             fa(q, kf, vf, cu, cu_k, C, P + C, d ** -0.5, 0)
 
         ref = None
         for impl, fn in (("Triton loop (before, baseline)", triton_loop),
-                         ("varlen path (torch FA2)", varlen), ("bf16 FA2 (floor)", floor)):
+                         ("varlen path (torch FA2)", varlen),
+                         ("varlen path, ±1 back map (MODEL_BACK_MAP=pm1)", varlen_pm1),
+                         ("bf16 FA2 (floor)", floor)):
             ms = timed_row(base, impl, fn, ref_ms=ref)
             if ms is not None:
                 ROWS[-1]["TFLOPs"] = round(flops / ms / 1e9, 1)
             ref = ref if ref is not None else ms
         if R == 32:   # where the path is furthest above the floor (session 25: 1.61x)
-            for impl, fn in (("varlen path", varlen), ("bf16 FA2", floor)):
+            for impl, fn in (("varlen path", varlen), ("varlen path pm1", varlen_pm1),
+                             ("bf16 FA2", floor)):
                 row = {**base, "kernel": "prefix_hits_breakdown", "impl": impl}
                 try:
                     br = _kernel_breakdown(fn, calls=10)
@@ -677,7 +690,10 @@ def prefix_hits_rows(copy_gbs):
             if R == 32:   # each route against the float64 oracle (one shape: it is slow)
                 from tkv.kernels.reference import prefill_reference
                 ref64 = prefill_reference(q, k, v, cu, sl, cache, bt, ld)
-                for impl, o in (("Triton loop", a), ("varlen path", out)):
+                b = out.clone()
+                varlen_pm1()
+                for impl, o in (("Triton loop", a), ("varlen path", b),
+                                ("varlen path pm1", out)):
                     err = o.double() - ref64
                     log({**base, "impl": f"{impl} vs float64 oracle: max abs error",
                          "value": float(err.abs().max()),

@@ -4,6 +4,7 @@ Under TRITON_INTERPRET=1 (CPU, CI) the kernels run with float32 dots at tiny sha
 the same tests run compiled with fp16/bf16 tensor-core dots (looser tolerance)."""
 
 import contextlib
+import importlib
 import itertools
 import math
 import signal
@@ -1037,6 +1038,47 @@ def test_prefill_varlen_prefix_through_dense_attention(head_dim, kb, vb, group, 
                        max_prefix_len=mp + 3, scratch=short, dense_attention=spy,
                        prefix_tokens=total)
         assert len(spy.calls) == 1
+
+
+@pytest.mark.parametrize("head_dim,scales", [(128, False), (64, True)])
+def test_prefill_varlen_model_space_pm1_back_map(head_dim, scales):
+    """``prefill.MODEL_BACK_MAP = "pm1"`` (session 26, opt-in): the varlen path's dequant
+    kernel takes prefix rows back to model space through the map's exact ±1 factor and
+    float32 column scales (two passes) instead of its bf16 hi/lo halves (three): the same
+    float64-oracle accuracy, with and without per-channel scales (non-uniform column scales),
+    outputs equal to the default's to ~1e-5; the factor's scales are really read (doubled V
+    scales move the output); an unknown value is a named error."""
+    pm = importlib.import_module("tkv.kernels.prefill")
+    g = _gen(head_dim)
+    kw = ({"k_channel_scales": torch.rand(head_dim, generator=g) + 0.5,
+           "v_channel_scales": torch.rand(head_dim, generator=g) + 0.5} if scales else {})
+    ld = TkvLoader(TurboKVCodec(head_dim, 4, device=DEV, seed=5, **kw), 2, 16)
+    assert ld.k_back_pm1 is not None and ld.v_back_pm1 is not None
+    prefix, qlens, group = [40, 17], [19, 33], 4
+    q, k, v, cu, batch, cache = _prefill_batch(ld, prefix, qlens, group, 17, torch.bfloat16)
+    ref = prefill_reference(q, k, v, cu, batch.seq_lens, cache, batch.block_table, ld)
+    scratch = torch.full((1 << 20,), float("nan"), device=DEV)
+
+    def run(back):
+        out = torch.full(q.shape, float("nan"), device=DEV)
+        with mock.patch.object(pm, "MODEL_BACK_MAP", back):
+            prefill(q, k, v, cu, batch.seq_lens, max(qlens), cache, batch.block_table, ld,
+                    out=out, max_prefix_len=max(prefix), scratch=scratch,
+                    dense_attention=_SpyDense(), prefix_tokens=sum(prefix))
+        return out
+
+    split3, pm1 = run("split3"), run("pm1")
+    tol = max(_tol(torch.bfloat16), 1e-3)
+    assert _rel(split3, ref) < tol and _rel(pm1, ref) < tol
+    assert _rel(pm1, split3.double()) < 1e-5
+    w = ld.v_back_w.clone()
+    try:
+        ld.v_back_w.mul_(2)
+        assert _rel(run("pm1"), split3.double()) > 0.05   # the prefix values doubled
+    finally:
+        ld.v_back_w.copy_(w)
+    with pytest.raises(ValueError, match="MODEL_BACK_MAP"):
+        run("tf32")
 
 
 def test_prefill_by_runs_matches_reference_and_warms_once():

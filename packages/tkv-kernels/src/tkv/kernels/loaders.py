@@ -620,6 +620,20 @@ def decode_pipeline_from_env(environ=None) -> bool:
 DECODE_PIPELINE = decode_pipeline_from_env()
 
 
+def _pm1_factor(m: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(S, w)`` with ``m = S · diag(w)``, ``S`` bfloat16 ±1 (exact) and ``w`` float32
+    ``(m.shape[1],)`` — a randomized Walsh–Hadamard map with per-column scales, whatever its
+    row order — or ``(None, None)`` when ``m`` (float32 2-D) has another form (an entry off
+    ±w_j by more than 1e-5 relative, or a zero column)."""
+    w = m[0].double()
+    if bool((w == 0).any()):
+        return None, None
+    s = m.double() / w[None, :]
+    if bool(((s.abs() - 1).abs() > 1e-5).any()):
+        return None, None
+    return s.sign().to(torch.bfloat16).contiguous(), w.float().contiguous()
+
+
 def _bf16_halves(m: torch.Tensor) -> torch.Tensor:
     """bfloat16 ``(2, *m.shape)``: ``hi = bf16(m)``, ``lo = bf16(m − hi)`` — two bf16
     tensor-core operands whose sum is the float32 ``m`` to ~2^-16 relative."""
@@ -726,6 +740,9 @@ class TkvLoader:
             (hi + lo = the float32 matrix to ~2^-16 relative) of ``R·diag(s_k)`` /
             ``R·diag(s_v)`` with rows in the side's planar order — planar rows back to model
             space (prefill's varlen path dequantizes prefixes straight into model space).
+        k_back_pm1, k_back_w, v_back_pm1, v_back_w: the same maps factored exactly as a
+            bfloat16 ±1 ``(d_pad, head_dim)`` matrix times float32 column scales
+            ``(head_dim,)`` (a randomized Hadamard rotation always factors so), or None.
         k_sink_shift, v_sink_shift: ``(num_kv_heads, d_pad)`` (natural coordinate order, zero
             padding) rotated shift ``c_h = R((σ_h − μ_h)/s)`` of the side's *flagged* vectors
             (codec ``sink_shift_rotated``), or None when the side has no sink offset. A
@@ -893,6 +910,10 @@ class TkvLoader:
         # R·diag(s_k) (the query's map, transposed) and R·diag(s_v) with rows in planar order
         self.k_back_planar = _bf16_halves(self.q_in_planar.T)
         self.v_back_planar = _bf16_halves(self.out_planar)
+        # the same maps as an exact ±1 matrix and column scales (session 26, opt-in:
+        # prefill.MODEL_BACK_MAP): two bf16 passes instead of three, half the matrix bytes
+        self.k_back_pm1, self.k_back_w = _pm1_factor(self.q_in_planar.T.contiguous())
+        self.v_back_pm1, self.v_back_w = _pm1_factor(self.out_planar)
 
     fetch = tkv_fetch
     dequant = tkv_dequant

@@ -108,14 +108,14 @@ def _dequant_prefix_kernel(
         k_base, k_aux, k_table, k_sb, k_sh, k_st,
         v_base, v_aux, v_table, v_sb, v_sh, v_st,
         PK, PV, max_prefix, k_shift, v_shift, ROW0, row_limit,
-        KB, VB,
+        KB, VB, KW, VW,
         FETCH: tl.constexpr, DEQUANT: tl.constexpr, KP0: tl.constexpr, KP1: tl.constexpr,
         KP2: tl.constexpr, KP3: tl.constexpr, KNP: tl.constexpr, VP0: tl.constexpr,
         VP1: tl.constexpr, VP2: tl.constexpr, VP3: tl.constexpr, VNP: tl.constexpr,
         HKV: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, K_SINK: tl.constexpr,
         V_SINK: tl.constexpr, PACKED: tl.constexpr, MODEL: tl.constexpr = False,
-        OPERAND: tl.constexpr = tl.float32):
+        OPERAND: tl.constexpr = tl.float32, PM1: tl.constexpr = False):
     """Decompress the prefix of sequence ``program_id(1)``, KV head ``program_id(2)``, tokens
     ``[t·BLOCK_N, (t+1)·BLOCK_N)`` into the dense scratch ``PK``/``PV`` (rows
     ``(seq·max_prefix + pos)·HKV + head`` of ``D_PAD`` elements — ``PACKED``: rows
@@ -128,7 +128,9 @@ def _dequant_prefix_kernel(
     (``KB`` / ``VB``: the loader's ``k_back_planar`` / ``v_back_planar``, bf16 hi/lo halves
     ``(2, D_PAD, D_PAD)``) — keys still centered (``k − μ``: the caller centers the chunk's
     keys the same way), so the attention that reads them takes the model's own query and
-    values; needs ``HEAD_DIM == D_PAD``."""
+    values; needs ``HEAD_DIM == D_PAD``. ``PM1`` (session 26, opt-in): ``KB`` / ``VB`` are
+    the maps' exact ±1 factors (bf16 ``(D_PAD, D_PAD)``, ``k_back_pm1`` / ``v_back_pm1``) and
+    ``KW`` / ``VW`` their float32 column scales: ``k = (y @ S) · w``."""
     t = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -164,8 +166,8 @@ def _dequant_prefix_kernel(
         vs = tl.where(mask_n, 1.0, 0.0)
     if MODEL:
         cols = tl.arange(0, D_PAD)
-        km = _unrotated(k, ks, KB, KNP, D_PAD, BLOCK_N, OPERAND)
-        vm = _unrotated(v, vs, VB, VNP, D_PAD, BLOCK_N, OPERAND)
+        km = _unrotated(k, ks, KB, KW, KNP, D_PAD, BLOCK_N, OPERAND, PM1)
+        vm = _unrotated(v, vs, VB, VW, VNP, D_PAD, BLOCK_N, OPERAND, PM1)
         ptr = rows[:, None] + cols[None, :]
         tl.store(PK + ptr, km.to(PK.dtype.element_ty), mask=mask_n[:, None])
         tl.store(PV + ptr, vm.to(PV.dtype.element_ty), mask=mask_n[:, None])
@@ -175,15 +177,18 @@ def _dequant_prefix_kernel(
 
 
 @triton.jit
-def _unrotated(planes, scale, MB, NP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-               OPERAND: tl.constexpr):
+def _unrotated(planes, scale, MB, MW, NP: tl.constexpr, D_PAD: tl.constexpr,
+               BLOCK_N: tl.constexpr, OPERAND: tl.constexpr, PM1: tl.constexpr = False):
     """``Σ_p (planes[p] · scale[:, None]) @ M[rows of plane p]``: ``[BLOCK_N, D_PAD]`` float32
     — a planar tile taken back to model space. ``MB``: bf16 ``(2, D_PAD, D_PAD)``, M's hi and
     lo halves (:func:`~tkv.kernels.loaders._bf16_halves`); the tile is split hi/lo too
     (:func:`~tkv.kernels.rotate.split_bf16`): three
     tensor-core passes per plane (hi·hi + hi·lo + lo·hi, ~2^-16 relative, as
     ``rotate_rows(bf16_split=True)``). ``OPERAND``: the passes' operand dtype, bf16 (float32
-    holding the same bf16 values under the interpreter)."""
+    holding the same bf16 values under the interpreter). ``PM1``: ``MB`` is instead M's exact
+    ±1 factor ``S`` (bf16 ``(D_PAD, D_PAD)``) and ``MW`` its float32 column scales ``w``
+    (``M = S · diag(w)``): two passes per plane (hi·S + lo·S, the same ~2^-16 with S exact),
+    half the matrix bytes, then the columns times ``w``."""
     W: tl.constexpr = D_PAD // NP
     j = tl.arange(0, W)
     n = tl.arange(0, D_PAD)
@@ -191,11 +196,13 @@ def _unrotated(planes, scale, MB, NP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N
     for p in tl.static_range(NP):
         at = MB + (p * W + j)[:, None] * D_PAD + n[None, :]
         m_hi = tl.load(at).to(OPERAND)
-        m_lo = tl.load(at + D_PAD * D_PAD).to(OPERAND)
         x_hi, x_lo = split_bf16(planes[p] * scale[:, None], OPERAND)
         acc = tl.dot(x_hi, m_hi, acc)
-        acc = tl.dot(x_hi, m_lo, acc)
+        if not PM1:
+            acc = tl.dot(x_hi, tl.load(at + D_PAD * D_PAD).to(OPERAND), acc)
         acc = tl.dot(x_lo, m_hi, acc)
+    if PM1:
+        acc = acc * tl.load(MW + n)[None, :]
     return acc
 
 
@@ -654,6 +661,16 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
+# How the varlen path's dequant kernel takes prefix rows back to model space (session 26):
+# "split3" (default) — the map's bf16 hi/lo halves, three tensor-core passes per plane;
+# "pm1" — its exact ±1 factor and float32 column scales (``TkvLoader.k_back_pm1`` / ``_w``),
+# two passes, half the matrix bytes, the same ~2^-16 precision. The kernel is compute-bound
+# at short prefixes (docs/kernels.md, "Session 26"); "pm1" becomes the default only once a GPU
+# has timed it (``benchmarks/kernels_gpu.py --prefix-hits`` times both).
+MODEL_BACK_MAP = "split3"
+_MODEL_BACK_MAPS = ("split3", "pm1")
+
+
 def _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, vargs, fetch,
                     dequant, loader, pk, pv, maxp: int, ns: int, hkv: int, d_pad: int,
                     row0: torch.Tensor | None = None, row_limit: int = 0,
@@ -663,16 +680,29 @@ def _dequant_prefix(cu_seqlens_q, seq_lens, block_table, num_blocks, kargs, varg
     the decompress-once Triton loop and for the SDPA path alike — or, with ``row0`` (int32
     ``(≥ ns,)`` on the device), token rows ``row0[seq] + pos`` below ``row_limit`` (the
     varlen path). ``model_space``: rows in model space (``MODEL``, through the loader's
-    ``k_back_planar`` / ``v_back_planar``)."""
+    ``k_back_planar`` / ``v_back_planar``, or their ±1 factors: :data:`MODEL_BACK_MAP`).
+
+    Raises:
+        ValueError: :data:`MODEL_BACK_MAP` is not one of ``"split3"`` / ``"pm1"``."""
     tb = _prefix_tile(loader)
     k_shift, k_sink = sink_shift(loader, "k", pk)
     v_shift, v_sink = sink_shift(loader, "v", pk)
-    kb, vb = (loader.k_back_planar, loader.v_back_planar) if model_space else (pk, pv)
+    if MODEL_BACK_MAP not in _MODEL_BACK_MAPS:
+        raise ValueError(f"prefill.MODEL_BACK_MAP must be one of {_MODEL_BACK_MAPS}, "
+                         f"got {MODEL_BACK_MAP!r}")
+    pm1 = (model_space and MODEL_BACK_MAP == "pm1"
+           and getattr(loader, "k_back_pm1", None) is not None
+           and getattr(loader, "v_back_pm1", None) is not None)
+    if pm1:
+        kb, vb, kw, vw = loader.k_back_pm1, loader.v_back_pm1, loader.k_back_w, loader.v_back_w
+    else:
+        kb, vb = (loader.k_back_planar, loader.v_back_planar) if model_space else (pk, pv)
+        kw, vw = kb, vb    # unread
     _dequant_prefix_kernel[(triton.cdiv(maxp, tb), ns, hkv)](
         cu_seqlens_q, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
         num_blocks, *kargs[:6], *vargs[:6], pk, pv, maxp, k_shift, v_shift,
         seq_lens if row0 is None else row0, row_limit,
-        kb, vb, MODEL=model_space,
+        kb, vb, kw, vw, MODEL=model_space, PM1=pm1,
         OPERAND=_TL[dot_dtype_for(torch.bfloat16)], PACKED=row0 is not None,
         FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
