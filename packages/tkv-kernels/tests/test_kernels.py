@@ -1040,6 +1040,30 @@ def test_prefill_varlen_prefix_through_dense_attention(head_dim, kb, vb, group, 
         assert len(spy.calls) == 1
 
 
+def test_pm1_factor_is_exact_or_refused():
+    """``_pm1_factor``: a Hadamard map with column scales (any row order) factors exactly;
+    a rotation of another form, a near-±w matrix, a NaN entry or a zero column is refused."""
+    from tkv.codec.rotation import hadamard_matrix
+    from tkv.kernels.loaders import _pm1_factor
+
+    g = _gen(3)
+    h = hadamard_matrix(64, torch.float64)[torch.randperm(64, generator=g)]
+    w = (torch.rand(64, generator=g, dtype=torch.float64) + 0.1) * 0.125
+    m = (h * w[None, :]).float()
+    s, ww = _pm1_factor(m)
+    assert s.dtype == torch.bfloat16 and set(s.float().unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal((s.float() * ww[None, :]), m)
+    q, _ = torch.linalg.qr(torch.randn(64, 64, generator=g, dtype=torch.float64))
+    near = m.clone()
+    near[5, 7] *= 1 + 4e-6
+    nan = m.clone()
+    nan[3, 3] = float("nan")
+    zero = m.clone()
+    zero[:, 9] = 0
+    for bad in (q.float(), near, nan, zero):
+        assert _pm1_factor(bad) == (None, None)
+
+
 @pytest.mark.parametrize("head_dim,scales", [(128, False), (64, True)])
 def test_prefill_varlen_model_space_pm1_back_map(head_dim, scales):
     """``prefill.MODEL_BACK_MAP = "pm1"`` (session 26, opt-in): the varlen path's dequant

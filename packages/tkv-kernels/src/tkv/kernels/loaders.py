@@ -624,12 +624,13 @@ def _pm1_factor(m: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | No
     """``(S, w)`` with ``m = S · diag(w)``, ``S`` bfloat16 ±1 (exact) and ``w`` float32
     ``(m.shape[1],)`` — a randomized Walsh–Hadamard map with per-column scales, whatever its
     row order — or ``(None, None)`` when ``m`` (float32 2-D) has another form (an entry off
-    ±w_j by more than 1e-5 relative, or a zero column)."""
+    ±w_j by more than 1e-6 relative — float32 rounding of a true ±w_j is ~6e-8 —, a zero
+    column, a non-finite entry)."""
     w = m[0].double()
-    if bool((w == 0).any()):
+    if not bool(torch.isfinite(m).all()) or bool((w == 0).any()):
         return None, None
     s = m.double() / w[None, :]
-    if bool(((s.abs() - 1).abs() > 1e-5).any()):
+    if bool(((s.abs() - 1).abs() > 1e-6).any()):
         return None, None
     return s.sign().to(torch.bfloat16).contiguous(), w.float().contiguous()
 
