@@ -253,11 +253,12 @@ def _prefill_kernel(
     # which wraps around in int32 for a length near −2³¹ and would read as a huge prefix
     broken = broken | (q_len > L)
     prefix = L - q_len
+    cap = max_blocks * BLOCK_SIZE                  # prefix tokens the block table can hold
     BLOCK_M: tl.constexpr = BLOCK_MT * G_PAD
     if NO_PREFIX:  # the caller promised first chunks only: fail loudly, never guess
         prefix = tl.where(prefix != 0, -1, prefix)
     if DENSE:  # the scratch holds max_blocks·BLOCK_SIZE prefix tokens: a longer one is NaN
-        prefix = tl.where(prefix > max_blocks * BLOCK_SIZE, -1, prefix)
+        prefix = tl.where(prefix > cap, -1, prefix)
     rows = tl.arange(0, BLOCK_M)
     tok = tile * BLOCK_MT + rows // G_PAD          # chunk-relative query index
     hh = rows % G_PAD
@@ -281,10 +282,10 @@ def _prefill_kernel(
     lo = (lo // BLOCK_N) * BLOCK_N
     # tokens at or past the block table's capacity are masked: the loop stops there (a
     # seq_lens entry near 2³¹ would otherwise run ~2³¹ / BLOCK_N masked tiles)
-    for n0 in range(lo, tl.minimum(prefix, max_blocks * BLOCK_SIZE), BLOCK_N):
+    for n0 in range(lo, tl.minimum(prefix, cap), BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         mask_n, rk, ks, rv, vs = fetch_kv(
-            pos, (pos < prefix) & (pos < max_blocks * BLOCK_SIZE),
+            pos, (pos < prefix) & (pos < cap),
             block_table + seq.to(tl.int64) * s_bt, num_blocks, kvh, k_base, k_aux, k_table,
             k_sb, k_sh, k_st, v_base, v_aux, v_table, v_sb, v_sh, v_st, FETCH, KP0, KP1, KP2,
             KP3, KNP, VP0, VP1, VP2, VP3, VNP, BLOCK_SIZE, D_PAD)
