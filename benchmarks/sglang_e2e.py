@@ -297,10 +297,11 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
         cmd.append("--eager")
     if getattr(o, "profile", 0) and not greedy_only:
         cmd += ["--profile", str(o.profile)]
-    env = {**tkv_env(mode, bits, bundle), **(VARIANTS[variant] if variant else {}),
-           "PYTHONUNBUFFERED": "1", **fresh_jit_log(out, tag)}
+    extra_env = VARIANTS[variant] if variant else {}
+    env = {**tkv_env(mode, bits, bundle), **extra_env, "PYTHONUNBUFFERED": "1",
+           **fresh_jit_log(out, tag)}
     log = out / f"{tag}.log"
-    extra = "".join(f"{k}={v} " for k, v in (VARIANTS[variant] if variant else {}).items())
+    extra = "".join(f"{k}={v} " for k, v in extra_env.items())
     print(f"== {tag}: {extra}TKV_BITS={env.get('TKV_BITS', '-')} {' '.join(cmd[2:])}",
           flush=True)
     t = time.perf_counter()

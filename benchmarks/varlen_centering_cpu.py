@@ -24,6 +24,7 @@ import importlib
 import itertools
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -47,15 +48,9 @@ class RoundedRows(SdpaDenseAttention):
         return super().__call__(*r, *args)
 
 
-@contextlib.contextmanager
 def planar_route():
     """Force the planar route (the model-space test answers False)."""
-    keep = prefill_module._model_space_rows
-    prefill_module._model_space_rows = lambda *a: False
-    try:
-        yield
-    finally:
-        prefill_module._model_space_rows = keep
+    return mock.patch.object(prefill_module, "_model_space_rows", lambda *a: False)
 
 
 def case(dtype: torch.dtype, extra: float, prefix=(100, 60), qlens=(20, 18), d=128,
