@@ -46,13 +46,14 @@ from tkv.calibrate.model import load_model
 from tkv.calibrate.peers import Fp8Quantizer
 
 
-def _prompts() -> list[str]:
-    """``vllm_e2e.PROMPTS`` (the file imports vLLM lazily, so loading it on CPU is fine)."""
+def _vllm_e2e():
+    """``benchmarks/vllm_e2e.py`` as a module — its ``PROMPTS`` and its greedy metrics
+    (``agreement``, ``divergences``); it imports vLLM lazily, so loading it on CPU is fine."""
     spec = importlib.util.spec_from_file_location(
         "vllm_e2e", Path(__file__).with_name("vllm_e2e.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return list(mod.PROMPTS)
+    return mod
 
 
 class _NoiseQuantizer:
@@ -94,7 +95,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3,
                    help="seeds of the noise and tkv arms (rotation / noise draws), default 3")
     a = p.parse_args()
-    prompts = _prompts()
+    e2e = _vllm_e2e()
+    prompts = list(e2e.PROMPTS)
     bf = load_model(dtype=torch.bfloat16)
     fp = load_model(dtype=torch.float32)
     tok = bf.tokenizer
@@ -134,16 +136,12 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, run in arms:
         t0 = time.perf_counter()
-        equal, prefix, div = 0, 0, []
-        for i, x in enumerate(ids):
-            g = run(x)
-            n = next((j for j, (u, v) in enumerate(zip(g, ref[i], strict=True)) if u != v),
-                     a.tokens)
-            equal += n == a.tokens
-            prefix += n
-            if n < a.tokens:
-                div.append(f"p{i}@{n}: {_gap(fp.model, x, ref[i], n):.3f}")
-        print(f"| {name} | {equal}/{len(ids)} | {prefix / len(ids) / a.tokens:.0%} | "
+        gen = [run(x) for x in ids]
+        equal, prefix = e2e.agreement(ref, gen, a.tokens)
+        div = [f"p{d['prompt']}@{d['pos']}: "
+               f"{_gap(fp.model, ids[d['prompt']], ref[d['prompt']], d['pos']):.3f}"
+               for d in e2e.divergences({"greedy": ref}, {"greedy": gen}, a.tokens)]
+        print(f"| {name} | {equal}/{len(ids)} | {prefix:.0%} | "
               f"{', '.join(div) or 'none'} | {time.perf_counter() - t0:.0f} |", flush=True)
     print("\nGaps are computed by the float32 model along bf16's own tokens (teacher-forced).")
 
