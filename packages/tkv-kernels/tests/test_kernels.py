@@ -1070,8 +1070,9 @@ def test_prefill_varlen_model_space_pm1_back_map(head_dim, scales):
     kernel takes prefix rows back to model space through the map's exact ±1 factor and
     float32 column scales (two passes) instead of its bf16 hi/lo halves (three): the same
     float64-oracle accuracy, with and without per-channel scales (non-uniform column scales),
-    outputs equal to the default's to ~1e-5; the factor's scales are really read (doubled V
-    scales move the output); an unknown value is a named error."""
+    outputs equal to the default's to ~1e-5 (1e-3 on CUDA: bf16 scratch rows); the factor's
+    scales are really read (doubled V scales move the output); an unknown value is a named
+    error."""
     pm = importlib.import_module("tkv.kernels.prefill")
     g = _gen(head_dim)
     kw = ({"k_channel_scales": torch.rand(head_dim, generator=g) + 0.5,
@@ -1094,7 +1095,10 @@ def test_prefill_varlen_model_space_pm1_back_map(head_dim, scales):
     split3, pm1 = run("split3"), run("pm1")
     tol = max(_tol(torch.bfloat16), 1e-3)
     assert _rel(split3, ref) < tol and _rel(pm1, ref) < tol
-    assert _rel(pm1, split3.double()) < 1e-5
+    # The interpreter's two maps agree to ~1e-5. On CUDA the scratch rows are rounded to bf16
+    # by the tensor-core epilogue, and two float32 sums a few ulps apart round to neighbouring
+    # bf16 values now and then (measured 2.5e-4 / 2.9e-4 on an H200, session 27)
+    assert _rel(pm1, split3.double()) < (1e-5 if interpreting() else 1e-3)
     w = ld.v_back_w.clone()
     try:
         ld.v_back_w.mul_(2)
