@@ -666,8 +666,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 # "split3" (default) — the map's bf16 hi/lo halves, three tensor-core passes per plane;
 # "pm1" — its exact ±1 factor and float32 column scales (``TkvLoader.k_back_pm1`` / ``_w``),
 # two passes, half the matrix bytes, the same ~2^-16 precision. The kernel is compute-bound
-# at short prefixes (docs/kernels.md, "Session 26"); "pm1" becomes the default only once a GPU
-# has timed it (``benchmarks/kernels_gpu.py --prefix-hits`` times both).
+# at short prefixes (docs/kernels.md, "Session 26"). Timed on an H200 in session 27: the
+# kernel −23 % (198 → 151 µs at 32 × 1K prefixes), the whole path 1.015× there but
+# 0.987-0.996× at 4K-16K prefixes, same oracle error — mixed, so "split3" stays the default.
 MODEL_BACK_MAP = "split3"
 _MODEL_BACK_MAPS = ("split3", "pm1")
 
