@@ -83,6 +83,11 @@ from vllm_e2e import (
 
 KV_TOKENS_RE = re.compile(r"max_total_num_tokens=(\d+)")
 PROMPT_LEN, OUTPUT_LEN = 512, 256
+# engine-argument variants (`all --variants nopcg`), beside the environment ones in
+# vllm_e2e.VARIANTS: the tkv engine with one sgl.Engine argument changed. nopcg: no piecewise
+# prefill CUDA graphs, as the FA3 baseline runs (engine_kwargs) — session 27's SmolLM2 run
+# had tkv's prefill at ~1.5-2x FA3's time with the graphs on one side only
+ENGINE_VARIANTS = {"nopcg": {"disable_piecewise_cuda_graph": True}}
 
 
 # ----------------------------------------------------------------------------- worker
@@ -101,6 +106,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
             # with FA3 on the H200 (CUBLAS_STATUS_EXECUTION_FAILED at num_tokens=8192,
             # session 16); the error message's own workaround. Decode graphs stay on.
             kw.update(disable_piecewise_cuda_graph=True)
+    kw.update(ENGINE_VARIANTS.get(getattr(a, "engine_variant", ""), {}))
     if a.dummy:
         kw.update(load_format="dummy", skip_tokenizer_init=True)
     return kw
@@ -281,7 +287,9 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
              variant: str = "") -> dict:
     """One (model, mode) in its own process group; the result dict (``failed`` on error).
     ``variant``: a key of ``vllm_e2e.VARIANTS`` — the tkv engine runs with that extra
-    environment (e.g. ``flash``: ``TKV_PREFILL_ATTENTION=flash``), its files tagged with it."""
+    environment (e.g. ``flash``: ``TKV_PREFILL_ATTENTION=flash``) — or of
+    :data:`ENGINE_VARIANTS` (one ``sgl.Engine`` argument changed, e.g. ``nopcg``); its files
+    are tagged with it."""
     tag = f"{model.name}-{mode}{'-' + bits if bits else ''}{'-' + variant if variant else ''}"
     result = out / f"{tag}.json"
     result.unlink(missing_ok=True)
@@ -297,7 +305,9 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
         cmd.append("--eager")
     if getattr(o, "profile", 0) and not greedy_only:
         cmd += ["--profile", str(o.profile)]
-    extra_env = VARIANTS[variant] if variant else {}
+    if variant in ENGINE_VARIANTS:
+        cmd += ["--engine-variant", variant]
+    extra_env = VARIANTS.get(variant, {})
     env = {**tkv_env(mode, bits, bundle), **extra_env, "PYTHONUNBUFFERED": "1",
            **fresh_jit_log(out, tag)}
     log = out / f"{tag}.log"
@@ -526,12 +536,15 @@ def main(argv: list[str] | None = None) -> None:
                            help="of --bits, those that also get the throughput runs "
                                 "(default 4.0: the KV-capacity configuration)")
             a.add_argument("--batches", type=int, nargs="+", default=[64, 256])
-            a.add_argument("--variants", nargs="+", default=[], choices=sorted(VARIANTS),
+            a.add_argument("--variants", nargs="+", default=[],
+                           choices=sorted({*VARIANTS, *ENGINE_VARIANTS}),
                            help="after each throughput tkv run, the same run with one engine "
                            "setting changed (vllm_e2e.VARIANTS; e.g. flash = "
                            "TKV_PREFILL_ATTENTION=flash: sgl-kernel's FlashAttention 3 for "
                            "first chunks and, through the varlen path, continuation chunks "
-                           "and radix hits; triton = tkv, the default)")
+                           "and radix hits; triton = tkv, the default) or one sgl.Engine "
+                           "argument (ENGINE_VARIANTS: nopcg = disable_piecewise_cuda_graph, "
+                           "as the fa3 baseline runs)")
             a.add_argument("--eager", action="store_true", help="disable CUDA graphs")
             a.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
             a.add_argument("--serve", action="store_true",
@@ -556,6 +569,8 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--profile", type=int, default=0, metavar="TOKENS",
                    help="profile_decode over the largest batch, TOKENS and 2·TOKENS tokens "
                    "(0: off)")
+    w.add_argument("--engine-variant", default="", choices=("", *sorted(ENGINE_VARIANTS)),
+                   help="an ENGINE_VARIANTS key: its sgl.Engine arguments on top")
     o = p.parse_args(argv)
     {"all": run_all, "smoke": smoke, "serve-check": serve_check, "worker": worker}[o.cmd](o)
 

@@ -249,3 +249,42 @@ def test_variant_runs_get_their_engine_setting(e2e, tmp_path, monkeypatch):
     assert "| tkv@4.0 flash |" in (tmp_path / "out" / "README.md").read_text()
     with pytest.raises(SystemExit):   # the CLI refuses an unknown variant
         e2e.main(["all", "--variants", "nosuch"])
+
+
+def test_engine_variant_changes_one_engine_argument(e2e, tmp_path, monkeypatch):
+    """``all --variants nopcg``: the same tkv run with ``disable_piecewise_cuda_graph=True``
+    (what the fa3 baseline runs with) — an sgl.Engine argument passed to the worker as
+    ``--engine-variant``, not an environment setting; the plain tkv run keeps the graphs."""
+    model = tmp_path / "m"
+    model.mkdir()
+    cmds = {}
+
+    def fake_run_group(cmd, env, log, timeout, out, result=None):
+        cmds[Path(result).stem] = cmd
+        Path(log).write_text("")
+        Path(result).write_text(json.dumps({"kv_tokens": 100, "greedy": [[1, 2]] * 8}))
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", fake_run_group)
+    monkeypatch.setattr(e2e, "resolve_model", lambda spec, d: (model, "real"))
+    monkeypatch.setattr(e2e, "write_uniform_bundle", lambda m, path: path)
+    o = argparse.Namespace(out=str(tmp_path / "out"), mem=0.5, context_length=4096,
+                           baseline_backend="fa3", batches=[8], eager=False, bundle=None,
+                           model=[str(model)], serve=False, timeout=60, repeats=1,
+                           variants=["nopcg"])
+    e2e.run_models(o, ["4.0"], ["4.0"])
+    assert set(cmds) == {"m-bf16", "m-tkv-4.0", "m-tkv-4.0-nopcg"}
+    assert cmds["m-tkv-4.0-nopcg"][-2:] == ["--engine-variant", "nopcg"]
+    assert "--engine-variant" not in cmds["m-tkv-4.0"]
+
+    def kwargs(argv):   # the worker's parsed arguments -> its sgl.Engine arguments
+        parsed = {}
+        monkeypatch.setattr(e2e, "worker", lambda a: parsed.setdefault("a", a))
+        e2e.main(argv)
+        return e2e.engine_kwargs(parsed["a"])
+
+    worker = ["worker", "--model", str(model), "--mode", "tkv", "--result", "r.json"]
+    assert kwargs([*worker, "--engine-variant", "nopcg"])["disable_piecewise_cuda_graph"]
+    assert "disable_piecewise_cuda_graph" not in kwargs(worker)
+    with pytest.raises(SystemExit):
+        e2e.main([*worker, "--engine-variant", "nosuch"])
