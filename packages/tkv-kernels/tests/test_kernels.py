@@ -1394,7 +1394,8 @@ def test_prefill_exact_prefix_broken_promise_is_nan():
     """exact_prefix=True with a max_prefix_len that is not the sequence's prefix (longer or
     shorter) or an invalid prefix page, on the decompress-once path (chunk longer than one
     query tile): every output row is NaN, never a plausible wrong answer; a table narrower
-    than the prefix takes a masking path; exact_prefix must be a bool."""
+    than the prefix too, through the Triton loop it falls back to; exact_prefix must be a
+    bool."""
     codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=12)
     ld = TkvLoader(codec, 2, 16)
     g = _gen(44)
@@ -1415,7 +1416,7 @@ def test_prefill_exact_prefix_broken_promise_is_nan():
     assert torch.isfinite(ok).all()
     # invalid prefix pages (the other paths mask them): a hole or an out-of-range page is a
     # broken promise (NaN, whatever stale data the scratch holds); a table narrower than the
-    # prefix falls back to a masking path (equal to inline)
+    # prefix is broken metadata on every path (NaN rows, as inline, since session 27)
     for page in (-1, batch.num_blocks + 3):
         bt = batch.block_table.clone()
         bt[0, 1] = page
@@ -1428,7 +1429,7 @@ def test_prefill_exact_prefix_broken_promise_is_nan():
                      block_m=32)
     out = prefill(q, kv[0, 40:], kv[1, 40:], cu, batch.seq_lens, 24, cache, narrow, ld,
                   block_m=32, max_prefix_len=40, scratch=scratch, exact_prefix=True)
-    assert torch.allclose(out.float(), inline.float(), atol=2e-3, rtol=2e-3)
+    assert torch.isnan(inline).all() and torch.isnan(out).all()
     with pytest.raises(DtypeError, match="exact_prefix"):
         prefill(q, kv[0, 40:], kv[1, 40:], cu, batch.seq_lens, 24, cache, batch.block_table,
                 ld, max_prefix_len=40, scratch=scratch, exact_prefix=1)
@@ -1472,9 +1473,10 @@ def test_prefill_dense_prefix_limits():
 
 
 def test_prefill_dense_prefix_masks_invalid_pages_like_inline():
-    """Block-table entries that are −1 / out of range, or a table narrower than the prefix:
-    the decompress-once path masks those tokens exactly as the inline path does, whatever the
-    scratch held before (NaN here)."""
+    """Block-table entries that are −1 / out of range: the decompress-once path masks those
+    tokens exactly as the inline path does, whatever the scratch held before (NaN here). A
+    table narrower than a sequence's prefix is broken metadata: NaN rows for it on both paths
+    (session 27; both masked the missing pages before)."""
     codec = TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV, seed=9)
     ld = TkvLoader(codec, 2, 16)
     g = _gen(43)
@@ -1489,12 +1491,15 @@ def test_prefill_dense_prefix_masks_invalid_pages_like_inline():
     bt = batch.block_table.clone()
     bt[0, 1] = -1                       # a hole in sequence 0's prefix
     bt[1, 0] = batch.num_blocks + 5     # an out-of-range page in sequence 1's
-    for table in (bt, bt[:, :2]):       # and a table narrower than the prefix
+    for table in (bt, bt[:, :2]):       # and a table narrower than both prefixes (32 tokens)
         inline = prefill(q, k, k, cu, batch.seq_lens, 20, cache, table, ld, block_m=32)
         scr = torch.full((1 << 18,), float("nan"), device=DEV)
         dense = prefill(q, k, k, cu, batch.seq_lens, 20, cache, table, ld, block_m=32,
                         max_prefix_len=40, scratch=scr)
         assert not torch.isnan(scr).all()        # the dense path ran
+        if table.shape[1] == 2:
+            assert torch.isnan(inline).all() and torch.isnan(dense).all()
+            continue
         assert torch.isfinite(dense.float()).all()
         assert torch.allclose(dense.float(), inline.float(), atol=2e-3, rtol=2e-3)
 
@@ -2017,13 +2022,23 @@ def test_decode_seq_len_past_the_block_table_runs_no_masked_tiles():
     g = _gen(41)
     q = torch.randn(2, 4, 64, generator=g).to(DEV, torch.bfloat16)
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
-    huge = batch.seq_lens.clone()
-    huge[0] = _HUGE_LEN
-    for splits in (1, 4):
-        out = torch.full(q.shape, float("nan"), device=DEV)   # float32: exact under the interpreter
-        with _deadline(120):
-            decode(q, cache, batch.block_table, huge, ld, _ws(), num_splits=splits, out=out)
-        assert _rel(out, ref) < _tol(torch.bfloat16), splits
+    cap = batch.block_table.shape[1] * ld.block_size
+    for length in (_HUGE_LEN, cap + 1):
+        bad = batch.seq_lens.clone()
+        bad[0] = length
+        for splits in (1, 4):
+            out = torch.full(q.shape, 7.0, device=DEV)   # float32: exact under the interpreter
+            with _deadline(120):
+                decode(q, cache, batch.block_table, bad, ld, _ws(), num_splits=splits, out=out)
+            # broken metadata: NaN rows for it (session 27; before, attention over the
+            # table's capacity), the other sequence exact
+            assert torch.isnan(out[0]).all(), (length, splits)
+            assert _rel(out[1], ref[1]) < _tol(torch.bfloat16), (length, splits)
+    # a length exactly at the capacity is valid: a table of two pages, which sequence 0's
+    # 32 tokens fill
+    out = torch.full(q.shape, 7.0, device=DEV)
+    decode(q, cache, batch.block_table[:, :2].contiguous(), batch.seq_lens, ld, _ws(), out=out)
+    assert _rel(out, ref) < _tol(torch.bfloat16)
 
 
 def test_prefill_seq_len_past_the_block_table_runs_no_masked_tiles():
@@ -2034,10 +2049,13 @@ def test_prefill_seq_len_past_the_block_table_runs_no_masked_tiles():
     bt[0, 1:] = 10 ** 6          # sequence 0's prefix is its first page; the rest is poison
     huge = batch.seq_lens.clone()
     huge[0] = _HUGE_LEN
-    out = torch.full(q.shape, float("nan"), device=DEV)
+    out = torch.full(q.shape, 7.0, device=DEV)
     with _deadline(120):
         prefill(q, k, v, cu, huge, 20, cache, bt, ld, block_m=16, out=out)
-    assert _rel(out, ref) < _tol(torch.bfloat16)
+    # a prefix longer than the table holds: NaN rows (session 27; the varlen path's verdict
+    # already), the other sequence exact
+    assert torch.isnan(out[:20]).all()
+    assert _rel(out[20:], ref[20:]) < _tol(torch.bfloat16)
 
 
 @pytest.mark.parametrize("length", [-2 ** 31, -1, 19])

@@ -189,6 +189,9 @@ def _decode_split_kernel(
     if V_SINK:
         acc = add_shift(acc, m_f, load_shift(v_shift, kvh, VNP, D_PAD, HEAD_DIM), VNP)
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+    # a length past the block table's capacity is broken metadata: NaN rows (the reduce's
+    # weighted sum keeps them NaN), never attention over a context cut at the table's end
+    inv = tl.where(cap < L, float("nan"), inv)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     row = (seq.to(tl.int64) * (G * tl.num_programs(1)) + qh) * NUM_SPLITS + split
     out_rows = seq.to(tl.int64) * so_s + qh * so_h
@@ -368,9 +371,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         block_table: int32 ``(num_seqs, max_blocks_per_seq)``; entries past a sequence's last
             block are never read.
         seq_lens: int32 ``(num_seqs,)`` tokens in the cache per sequence (the new token
-            included); 0 gives a zero output. Positions at or past the block table's capacity
-            (``max_blocks_per_seq · block_size``) are masked and cost no tile: a length far past
-            it (broken metadata) neither reads outside the table nor stalls the launch.
+            included); 0 gives a zero output. A length past the block table's capacity
+            (``max_blocks_per_seq · block_size``) is broken metadata: that sequence's rows are
+            NaN, and the launch neither reads outside the table nor runs its masked tiles.
         loader: :class:`TkvLoader`, :class:`BypassLoader`, :class:`Fp8Loader` or any Loader.
         workspace: the shared :class:`Workspace`.
         out: optional ``(num_seqs, num_q_heads, head_dim)`` output (query dtype by default):

@@ -180,6 +180,7 @@ def gluon_decode_split_kernel(
         acc_lo = mma_v2(pa, v_lo, acc_lo * alpha[:, None])
         acc_hi = mma_v2(pa, v_hi, acc_hi * alpha[:, None])
     inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
+    inv = gl.where(lim < L, float("nan"), inv)   # a length past the table: NaN rows
     lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     h = gl.arange(0, 16, layout=ROW)
     row = (seq.to(gl.int64) * (G * gl.num_programs(1)) + kvh * G + h) * NUM_SPLITS + split

@@ -254,6 +254,9 @@ def _prefill_kernel(
     broken = broken | (q_len > L)
     prefix = L - q_len
     cap = max_blocks * BLOCK_SIZE                  # prefix tokens the block table can hold
+    # a prefix longer than the block table holds is broken metadata too (NaN rows, as the
+    # varlen path's verdict), never a context silently cut at the table's end
+    broken = broken | (prefix > cap)
     BLOCK_M: tl.constexpr = BLOCK_MT * G_PAD
     if NO_PREFIX:  # the caller promised first chunks only: fail loudly, never guess
         prefix = tl.where(prefix != 0, -1, prefix)
@@ -361,10 +364,11 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         cu_seqlens_q: int32 ``(num_seqs + 1,)`` cumulative query lengths, starting at 0,
             ending at ``total_q`` (a sequence reaching past ``total_q`` is not read or
             written out of bounds: its existing rows become NaN).
-        seq_lens: int32 ``(num_seqs,)`` total tokens per sequence (prefix + chunk). Prefix
-            positions at or past the block table's capacity are masked and cost no tile (a
-            length far past it — broken metadata — does not stall the launch); a length
-            below the sequence's ``q_len`` gives NaN rows for it.
+        seq_lens: int32 ``(num_seqs,)`` total tokens per sequence (prefix + chunk). Broken
+            metadata gives NaN rows for that sequence, never a guessed context: a length
+            below its ``q_len``, or a prefix longer than the block table holds
+            (``max_blocks_per_seq · block_size``; the loop stops there, so a length near 2³¹
+            does not stall the launch either).
         max_query_len: host int ≥ every q_len (sizes the grid).
         cache, block_table, loader: as :func:`tkv.kernels.decode` (block_table int32
             ``(num_seqs, max_blocks_per_seq)``).
@@ -600,6 +604,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              rot(value, loader.v_in_planar, hkv))
         final = out
     bt, nblk, maxb, bs = block_table, num_blocks, block_table.shape[1], loader.block_size
+    cap_blocks = maxb   # the kernel's capacity check: a longer prefix is broken (NaN rows)
     if varlen:
         _varlen_prefix_attention(query, key, value, *varlen_args, model_space=False)
         return out
@@ -627,7 +632,8 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         dequant, loader, pk, pv, maxp, ns, hkv, d_pad)
         # the scratch as a paged cache with an identity block table: page i·(maxp/bs) + j
         # is page j of sequence i's prefix; −1 where the real table has no valid page there
-        # (beyond its width, −1 or out of range), so those tokens stay masked as inline
+        # (−1 or out of range: those tokens stay masked as inline; beyond its width: the
+        # capacity check below makes the sequence's rows NaN, as inline)
         maxb = maxp // bs
         nblk = ns * maxb
         bt = torch.arange(nblk, dtype=torch.int32, device=dev).view(ns, maxb)
@@ -635,6 +641,9 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         w = min(maxb, block_table.shape[1])
         real[:, :w] = block_table[:, :w]
         bt = torch.where((real >= 0) & (real < num_blocks), bt, -1)
+        # a prefix longer than the REAL table holds is broken as on the inline path (the
+        # identity table alone would mask those tokens): the kernel checks against w pages
+        cap_blocks = w
         page, tok = bs * hkv * d_pad, hkv * d_pad
         kargs = (pk, pk, pk, page, d_pad, tok, d_pad, 0, 0, 0, kargs[10])
         vargs = (pv, pv, pv, page, d_pad, tok, d_pad, 0, 0, 0, vargs[10])
@@ -648,7 +657,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     _prefill_kernel[grid](
         query, query.stride(0), query.stride(1), key, key.stride(0), key.stride(1),
         value, value.stride(0), value.stride(1), out, out.stride(0), out.stride(1),
-        cu_seqlens_q, seq_lens, bt, bt.stride(0), maxb,
+        cu_seqlens_q, seq_lens, bt, bt.stride(0), cap_blocks,
         nblk, tq, *kargs[:6], *vargs[:6], scale * _LOG2E, window, k_shift, v_shift,
         FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
@@ -790,7 +799,7 @@ def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, pref
     ``(q_len, num_q_heads, d_pad)``). Returns False, having written nothing, where SDPA would
     take its math fallback on CUDA (memory ∝ q_len × keys); the caller then runs the Triton
     loop (also, with a RuntimeWarning, when SDPA itself raises, or when the block table is
-    narrower than the prefix). A broken promise — a prefix other than ``prefix``, a chunk not
+    narrower than the prefix: broken metadata, NaN rows there). A broken promise — a prefix other than ``prefix``, a chunk not
     starting at row 0, a prefix page that is −1 or out of range — poisons ``out`` with NaN."""
     from torch.nn.attention.bias import causal_lower_right
 
@@ -798,8 +807,8 @@ def _exact_prefix_attention(query, key, value, out, cu_seqlens_q, seq_lens, pref
     hkv = key.shape[1]
     keys = prefix + tq
     npages = -(-prefix // loader.block_size)
-    if block_table.shape[1] < npages:   # a table narrower than the prefix: the masking paths
-        return False
+    if block_table.shape[1] < npages:   # a table narrower than the prefix: the Triton loop's
+        return False                    # capacity check makes its rows NaN
     flat = scratch.view(-1).view(torch.uint8)[:2 * rows * hkv * d_pad * query.element_size()]
     pk, pv = flat.view(dot_dtype).view(2, rows, hkv, d_pad)
     q4 = query.view(1, tq, hq, d_pad).transpose(1, 2)
