@@ -216,17 +216,15 @@ def test_profile_flag_reaches_the_throughput_workers_only(e2e, tmp_path, monkeyp
     assert seen[0][-2:] == ["--profile", "32"] and "--profile" not in seen[1]
 
 
-def test_variant_runs_get_their_engine_setting(e2e, tmp_path, monkeypatch):
-    """``all --variants flash``: after each throughput tkv run, the same run with
-    TKV_PREFILL_ATTENTION=flash in the worker's environment, under its own key, file tag and
-    table row; the plain run's environment does not carry it."""
+def _run_variants(e2e, tmp_path, monkeypatch, variants, baseline):
+    """``run_models`` on a stub model with ``variants``, the engine runs stubbed: the worker
+    command and environment of each run, by file tag."""
     model = tmp_path / "m"
     model.mkdir()
-    envs = {}
+    runs = {}
 
     def fake_run_group(cmd, env, log, timeout, out, result=None):
-        tag = Path(result).stem
-        envs[tag] = env
+        runs[Path(result).stem] = (cmd, env)
         Path(log).write_text("")
         Path(result).write_text(json.dumps({"kv_tokens": 100, "greedy": [[1, 2]] * 8}))
         return 0
@@ -235,10 +233,19 @@ def test_variant_runs_get_their_engine_setting(e2e, tmp_path, monkeypatch):
     monkeypatch.setattr(e2e, "resolve_model", lambda spec, d: (model, "real"))
     monkeypatch.setattr(e2e, "write_uniform_bundle", lambda m, path: path)
     o = argparse.Namespace(out=str(tmp_path / "out"), mem=0.5, context_length=4096,
-                           baseline_backend="triton", batches=[8], eager=True, bundle=None,
-                           model=[str(model)], serve=False, timeout=60, repeats=1,
-                           variants=["flash", "split2"])
+                           baseline_backend=baseline, batches=[8], eager=baseline != "fa3",
+                           bundle=None, model=[str(model)], serve=False, timeout=60,
+                           repeats=1, variants=variants)
     e2e.run_models(o, ["4.0"], ["4.0"])
+    return runs
+
+
+def test_variant_runs_get_their_engine_setting(e2e, tmp_path, monkeypatch):
+    """``all --variants flash``: after each throughput tkv run, the same run with
+    TKV_PREFILL_ATTENTION=flash in the worker's environment, under its own key, file tag and
+    table row; the plain run's environment does not carry it."""
+    runs = _run_variants(e2e, tmp_path, monkeypatch, ["flash", "split2"], "triton")
+    envs = {tag: env for tag, (_cmd, env) in runs.items()}
     assert set(envs) == {"m-bf16", "m-tkv-4.0", "m-tkv-4.0-flash", "m-tkv-4.0-split2"}
     assert envs["m-tkv-4.0-flash"]["TKV_PREFILL_ATTENTION"] == "flash"
     assert envs["m-tkv-4.0-split2"]["TKV_DECODE_SINGLE_SPLIT"] == "0"
@@ -255,24 +262,9 @@ def test_engine_variant_changes_one_engine_argument(e2e, tmp_path, monkeypatch):
     """``all --variants nopcg``: the same tkv run with ``disable_piecewise_cuda_graph=True``
     (what the fa3 baseline runs with) — an sgl.Engine argument passed to the worker as
     ``--engine-variant``, not an environment setting; the plain tkv run keeps the graphs."""
+    runs = _run_variants(e2e, tmp_path, monkeypatch, ["nopcg"], "fa3")
+    cmds = {tag: cmd for tag, (cmd, _env) in runs.items()}
     model = tmp_path / "m"
-    model.mkdir()
-    cmds = {}
-
-    def fake_run_group(cmd, env, log, timeout, out, result=None):
-        cmds[Path(result).stem] = cmd
-        Path(log).write_text("")
-        Path(result).write_text(json.dumps({"kv_tokens": 100, "greedy": [[1, 2]] * 8}))
-        return 0
-
-    monkeypatch.setattr(e2e, "run_group", fake_run_group)
-    monkeypatch.setattr(e2e, "resolve_model", lambda spec, d: (model, "real"))
-    monkeypatch.setattr(e2e, "write_uniform_bundle", lambda m, path: path)
-    o = argparse.Namespace(out=str(tmp_path / "out"), mem=0.5, context_length=4096,
-                           baseline_backend="fa3", batches=[8], eager=False, bundle=None,
-                           model=[str(model)], serve=False, timeout=60, repeats=1,
-                           variants=["nopcg"])
-    e2e.run_models(o, ["4.0"], ["4.0"])
     assert set(cmds) == {"m-bf16", "m-tkv-4.0", "m-tkv-4.0-nopcg"}
     assert cmds["m-tkv-4.0-nopcg"][-2:] == ["--engine-variant", "nopcg"]
     assert "--engine-variant" not in cmds["m-tkv-4.0"]
