@@ -229,7 +229,7 @@ def _prefill_kernel(
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_MT: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         DOT_DTYPE: tl.constexpr, PLANAR: tl.constexpr, NO_PREFIX: tl.constexpr,
-        DENSE: tl.constexpr = False, K_SINK: tl.constexpr = False,
+        K_SINK: tl.constexpr = False,
         V_SINK: tl.constexpr = False):
     """One (query tile, sequence, KV head). Q/KN/VN/Out live in the loader's space (the wrapper
     rotates them for rotated loaders, in the planar layout: ``PLANAR``); every K/V operand,
@@ -238,7 +238,8 @@ def _prefill_kernel(
     (the chunk's own K/V are exact, never flagged). ``total_q``: rows of Q/KN/VN/Out —
     metadata reaching past them (``cu_q[seq + 1] > total_q``) reads and writes only the rows
     that exist, and those of the sequence become NaN (loud, never out of bounds); so do the
-    rows of a sequence whose ``seq_lens`` entry is below its ``q_len``."""
+    rows of a sequence whose ``seq_lens`` entry is below its ``q_len`` or whose prefix is
+    longer than ``max_blocks · BLOCK_SIZE``."""
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -255,13 +256,13 @@ def _prefill_kernel(
     prefix = L - q_len
     cap = max_blocks * BLOCK_SIZE                  # prefix tokens the block table can hold
     # a prefix longer than the block table holds is broken metadata too (NaN rows, as the
-    # varlen path's verdict), never a context silently cut at the table's end
+    # varlen path's verdict), never a context silently cut at the table's end; on the
+    # decompress-once path the caller passes the pages both the real table and the scratch
+    # hold, so this also covers a prefix longer than the scratch
     broken = broken | (prefix > cap)
     BLOCK_M: tl.constexpr = BLOCK_MT * G_PAD
     if NO_PREFIX:  # the caller promised first chunks only: fail loudly, never guess
         prefix = tl.where(prefix != 0, -1, prefix)
-    if DENSE:  # the scratch holds max_blocks·BLOCK_SIZE prefix tokens: a longer one is NaN
-        prefix = tl.where(prefix > cap, -1, prefix)
     rows = tl.arange(0, BLOCK_M)
     tok = tile * BLOCK_MT + rows // G_PAD          # chunk-relative query index
     hh = rows % G_PAD
@@ -333,7 +334,7 @@ def _prefill_kernel(
         acc = accumulate(acc, alpha, p.to(DOT_DTYPE), v, VNP)
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     inv = tl.where(broken, float("nan"), inv)
-    if NO_PREFIX or DENSE:
+    if NO_PREFIX:
         inv = tl.where(prefix < 0, float("nan"), inv)
     store_planes(Out, (q0 + tok).to(tl.int64) * so_t + qh * so_h, rmask, acc, inv, VNP, D_PAD,
                  HEAD_DIM, PLANAR)
@@ -604,7 +605,6 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              rot(value, loader.v_in_planar, hkv))
         final = out
     bt, nblk, maxb, bs = block_table, num_blocks, block_table.shape[1], loader.block_size
-    cap_blocks = maxb   # the kernel's capacity check: a longer prefix is broken (NaN rows)
     if varlen:
         _varlen_prefix_attention(query, key, value, *varlen_args, model_space=False)
         return out
@@ -641,9 +641,6 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         w = min(maxb, block_table.shape[1])
         real[:, :w] = block_table[:, :w]
         bt = torch.where((real >= 0) & (real < num_blocks), bt, -1)
-        # a prefix longer than the REAL table holds is broken as on the inline path (the
-        # identity table alone would mask those tokens): the kernel checks against w pages
-        cap_blocks = w
         page, tok = bs * hkv * d_pad, hkv * d_pad
         kargs = (pk, pk, pk, page, d_pad, tok, d_pad, 0, 0, 0, kargs[10])
         vargs = (pv, pv, pv, page, d_pad, tok, d_pad, 0, 0, 0, vargs[10])
@@ -657,13 +654,15 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     _prefill_kernel[grid](
         query, query.stride(0), query.stride(1), key, key.stride(0), key.stride(1),
         value, value.stride(0), value.stride(1), out, out.stride(0), out.stride(1),
-        cu_seqlens_q, seq_lens, bt, bt.stride(0), cap_blocks,
+        # max_blocks: the pages the kernel lets a prefix span (longer: NaN rows); on the
+        # dense path the real table's width too, which the identity table alone would hide
+        cu_seqlens_q, seq_lens, bt, bt.stride(0), min(maxb, block_table.shape[1]),
         nblk, tq, *kargs[:6], *vargs[:6], scale * _LOG2E, window, k_shift, v_shift,
         FETCH=fetch, DEQUANT=dequant, KP0=kargs[6], KP1=kargs[7], KP2=kargs[8],
         KP3=kargs[9], KNP=kargs[10], VP0=vargs[6], VP1=vargs[7], VP2=vargs[8],
         VP3=vargs[9], VNP=vargs[10], G=g, G_PAD=g_pad, BLOCK_MT=block_mt, BLOCK_N=block_n,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=loader.block_size, DOT_DTYPE=_TL[dot_dtype],
-        PLANAR=planar, NO_PREFIX=bool(no_prefix), DENSE=bool(dense), K_SINK=k_sink,
+        PLANAR=planar, NO_PREFIX=bool(no_prefix), K_SINK=k_sink,
         V_SINK=v_sink, num_warps=num_warps, num_stages=num_stages)
     if final is not None:
         rotate_rows(out, loader.out_planar, final)
