@@ -86,7 +86,7 @@ PROMPT_LEN, OUTPUT_LEN = 512, 256
 # engine-argument variants (`all --variants nopcg`), beside the environment ones in
 # vllm_e2e.VARIANTS: the tkv engine with one sgl.Engine argument changed. nopcg: no piecewise
 # prefill CUDA graphs, as the FA3 baseline runs (engine_kwargs) — session 27's SmolLM2 run
-# had tkv's prefill at ~1.5-2x FA3's time with the graphs on one side only
+# had tkv's prefill at 1.2-2.8x FA3's time with the graphs on one side only
 ENGINE_VARIANTS = {"nopcg": {"disable_piecewise_cuda_graph": True}}
 
 

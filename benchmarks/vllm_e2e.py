@@ -1386,7 +1386,7 @@ JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the dri
 # (TKV_DECODE_SINGLE_SPLIT=1, the default since session 19) or at least 2 splits always (=0,
 # the rule before); length-aware split-K, at least 4 tiles per used split
 # (TKV_DECODE_MIN_SPLIT_TILES=4, session 18; kernel sweep of session 19: 0.97-0.98×); the prmti
-# split kernel capped at 128 registers (TKV_PRMTI_MAXNREG=128: 4 CTAs per SM instead of 3, ~100 B
+# split kernel capped at 128 registers (TKV_PRMTI_MAXNREG=128: 4 CTAs per SM instead of 3, ~64 B
 # of spills; 1.12-1.19× alone and 2× slower inside vLLM in session 6, never explained — the
 # kernel has changed since, and the JIT log now shows compiles in timed windows). The plain `tkv` run
 # takes tkv-vllm's defaults (TKV_PREFILL_ATTENTION=auto: FlashAttention where it can run;
