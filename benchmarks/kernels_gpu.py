@@ -433,7 +433,10 @@ def store_sweep_rows(copy_gbs):
                         copy_gbs=copy_gbs, x_default=1.0)
         tiles = [(8, 4), (16, 4), (32, 4)] if T <= 256 else [(16, 4), (32, 4), (64, 4),
                                                              (64, 8), (128, 8)]
-        for rot, bt_, nw in [("split", *t) for t in tiles] + [("tf32x3", *tiles[-3])]:
+        rots = [("split", *t) for t in tiles] + [("tf32x3", *tiles[-3])]
+        if ld.k_store_hadamard is not None:   # butterflies (session 28): every tile
+            rots += [("wht", *t) for t in tiles]
+        for rot, bt_, nw in rots:
             opts = dict(rotation=rot, block_t=bt_, num_warps=nw)
             timed_row(base, f"{name} compress_store",
                       lambda o=opts: compress_store(k, v, cache, slots, ld, **o),
@@ -1037,6 +1040,11 @@ def variant_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768
                     timed_row(sbase, "tkv K4V4 compress_store",
                               lambda o=opts: compress_store(kn, vn, cache, slots, ld, **o),
                               moved=moved, ref_ms=sref, **opts)
+                # the butterfly rotation (session 28): no chunks, no rotation operand
+                opts = dict(block_t=bt_, num_warps=nw, rotation="wht")
+                timed_row(sbase, "tkv K4V4 compress_store",
+                          lambda o=opts: compress_store(kn, vn, cache, slots, ld, **o),
+                          moved=moved, ref_ms=sref, **opts)
         del cache
         torch.cuda.empty_cache()
 
@@ -1055,7 +1063,7 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
 
     ``attn``: ``"bf16"`` (index_copy_ store + BypassLoader decode, the same skeleton), ``"none"``
     (the GEMMs alone: attention's share) or a dict of a tkv configuration ``{"lookup": ...,
-    "maxnreg": ...}`` (K4V4, compress_store + decode). Returns ``step()`` → the last hidden
+    "maxnreg": ..., "store_rotation": ...}`` (K4V4, compress_store + decode). Returns ``step()`` → the last hidden
     state, float-finite (RMS-normed each layer)."""
     hidden, hq, hkv, d, inter = dims
     g = torch.Generator(device=device).manual_seed(seed)
@@ -1109,13 +1117,15 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
                            small_head_groups=attn.get("small_head_groups", True))
             per[kb, vb] = ld, tkv_cache(ld, nblk, device, g)
         opts = {k: v for k, v in attn.items()
-                if k not in ("lookup", "widths", "planes", "small_head_groups")}
+                if k not in ("lookup", "widths", "planes", "small_head_groups",
+                             "store_rotation")}
+        rotation = attn.get("store_rotation", "auto")
         layer_no = [0]
 
         def attend(q, k, v):
             ld, cache = per[widths[layer_no[0] % len(widths)]]
             layer_no[0] += 1
-            compress_store(k, v, cache, slots, ld)
+            compress_store(k, v, cache, slots, ld, rotation=rotation)
             return decode(q, cache, bt, sl, ld, ws, out=out, **opts)
 
     def rms(x):
@@ -1238,7 +1248,8 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
     defaults."""
     arms = [("GEMMs only (no attention)", "none"), ("bf16 store + bypass decode", "bf16"),
             ("tkv K4V4 prmt", {"lookup": "prmt"}), ("tkv K4V4 prmti (default)", {}),
-            ("tkv K4V4 prmti, maxnreg 128", {"lookup": "prmti", "maxnreg": 128})]
+            ("tkv K4V4 prmti, maxnreg 128", {"lookup": "prmti", "maxnreg": 128}),
+            ("tkv K4V4 prmti, store by butterflies", {"store_rotation": "wht"})]
     _model_step_arms(arms, shapes, layers)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from tkv.codec import TurboKVCodec
 from tkv.codec.errors import BitWidthError, DeviceMismatchError, DtypeError, ShapeError
+from tkv.codec.packing import unpack_codes
 from tkv.kernels import (
     BypassLoader,
     Fp8Loader,
@@ -88,7 +89,10 @@ def _decode_check(loader, lens, group, seed, window=0, dtype=torch.bfloat16, spl
     (64, 7, 6, "auto", None), (256, 3, 4, "auto", None), (64, 4, 4, "tf32x3", None),
     (96, 3, 5, "tf32x3", None), (128, 4, 4, "auto", 64), (64, 3, 4, "split", 32),
     (96, 2, 6, "split", 64),   # padding coordinates inside 32-wide planes (norm correction)
-    (128, 4, 3, "fp16", 64)])  # float16 K and V through the scaled fp16 terms
+    (128, 4, 3, "fp16", 64),   # float16 K and V through the scaled fp16 terms
+    # butterflies (no rotation matrix): natural-order packing of every width, small tiles
+    (64, 4, 4, "wht", None), (128, 2, 8, "wht", 64), (256, 3, 4, "wht", None),
+    (64, 7, 6, "wht", 8), (16, 5, 4, "wht", None)])
 def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
     g = _gen(1)
     codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=7)
@@ -113,11 +117,10 @@ def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
     pv, nv = codec.compress_v(v[keep])
     # codes bit-exact except (on GPU) for rare float32 ties at bucket boundaries
     ck = codec.k.quantize(k[keep])[0]
-    got_k = __import__("tkv.codec.packing", fromlist=["x"]).unpack_codes(
-        views["k_codes"][b, :, o], kb, head_dim)
+    got_k = unpack_codes(views["k_codes"][b, :, o], kb, head_dim)
     assert (got_k == ck).float().mean() > 0.999
     assert ((got_k - ck).abs() <= 1).all()
-    if interpreting() and head_dim <= 128:  # one-pass path: bit-exact with the codec
+    if interpreting() and head_dim <= 128 and rotation != "wht":  # one pass: bit-exact
         assert torch.equal(views["k_codes"][b, :, o], pk)
         assert torch.equal(views["v_codes"][b, :, o], pv)
         assert torch.equal(views["k_norms"][b, :, o], nk)
@@ -125,8 +128,7 @@ def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
     else:  # float32 rounding may differ: norms within one bf16 ulp, codes off by one rarely
         torch.testing.assert_close(views["k_norms"][b, :, o].float(), nk.float(), rtol=8e-3, atol=0)
         torch.testing.assert_close(views["v_norms"][b, :, o].float(), nv.float(), rtol=8e-3, atol=0)
-        got_v = __import__("tkv.codec.packing", fromlist=["x"]).unpack_codes(
-            views["v_codes"][b, :, o], vb, head_dim)
+        got_v = unpack_codes(views["v_codes"][b, :, o], vb, head_dim)
         assert (got_v == codec.v.quantize(v[keep])[0]).float().mean() > 0.999
     # untouched slots keep their bytes
     written = torch.zeros(nblk * 16, dtype=torch.bool, device=DEV)
@@ -184,6 +186,71 @@ def test_store_rotation_terms_sum_to_the_planar_rotation(head_dim, kb, scales, o
         want = (x - mu) @ ld.k_in.double().cpu()[:head_dim]
         got = x @ ld.k_in.double().cpu()[:head_dim] - ld.k_mu_rot.double().cpu()
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_compress_store_wht_rotation_refuses_non_hadamard_heads():
+    """rotation="wht" needs a pure power-of-two Hadamard rotation: head_dim 96 (Hadamard ⊗
+    DCT) has no store weights and is refused by name, before any launch; float32 K/V are
+    fine (the butterflies run in float32 whatever the input)."""
+    ld = TkvLoader(TurboKVCodec(96, 4, device=DEV), 1, 16)
+    assert ld.k_store_hadamard is None and ld.v_store_hadamard is None
+    cache = ld.layout.allocate(2, DEV)
+    k = torch.randn(3, 1, 96).to(DEV, torch.bfloat16)
+    slots = torch.arange(3, device=DEV)
+    with pytest.raises(ValueError, match="power-of-two Hadamard"):
+        compress_store(k, k, cache, slots, ld, rotation="wht")
+    g = _gen(5)
+    codec = TurboKVCodec(32, k_bits=3, v_bits=4, device=DEV, seed=2,
+                         k_channel_scales=torch.rand(32, generator=g) + 0.5)
+    ld = TkvLoader(codec, 1, 16)
+    x = torch.randn(9, 1, 32, generator=g).to(DEV)
+    cache = ld.layout.allocate(1, DEV)
+    compress_store(x, x * 2, cache, torch.arange(9, device=DEV), ld, rotation="wht")
+    views = ld.layout.views(cache)
+    for side, bits, vals in (("k", 3, x), ("v", 4, x * 2)):
+        codes = unpack_codes(views[f"{side}_codes"][0, :, :9].transpose(0, 1), bits, 32)
+        assert (codes == getattr(codec, side).quantize(vals)[0]).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("policy,tokens,head_dim,butterflies", [
+    ("auto", 8, 64, False), ("wht", 8, 64, True), ("wht", 200, 64, True),
+    ("wht-decode", 128, 64, True), ("wht-decode", 129, 64, False),
+    ("wht", 8, 96, False)])   # head_dim 96: no pure Hadamard, auto's matrix rotation
+def test_store_rotation_policy_picks_the_butterflies(monkeypatch, policy, tokens, head_dim,
+                                                     butterflies):
+    """TKV_STORE_ROTATION (read at import into store.STORE_ROTATION) decides what
+    rotation="auto" runs: the butterflies never ask the loader for the rotation matrix, the
+    matrix paths always do; an explicit rotation= is never overridden."""
+    import tkv.kernels.store as store
+
+    monkeypatch.setattr(store, "STORE_ROTATION", policy)
+    ld = TkvLoader(TurboKVCodec(head_dim, 4, device=DEV), 1, 16)
+    asked = []
+    real = ld.store_rotation
+    monkeypatch.setattr(ld, "store_rotation", lambda *a: asked.append(a) or real(*a))
+    cache = ld.layout.allocate(tokens // 16 + 1, DEV)
+    x = torch.randn(tokens, 1, head_dim, generator=_gen(3)).to(DEV, torch.bfloat16)
+    slots = torch.arange(tokens, device=DEV)
+    compress_store(x, x, cache, slots, ld)
+    assert (not asked) == butterflies
+    asked.clear()
+    compress_store(x, x, cache, slots, ld, rotation="split")
+    assert asked
+
+
+@pytest.mark.parametrize("raw,want", [(None, "auto"), ("", "auto"), (" ", "auto"),
+                                      ("wht", "wht"), (" WHT-decode ", "wht-decode"),
+                                      ("AUTO", "auto"), ("split", None), ("wht_decode", None),
+                                      ("1", None), ("x" * 500, None)])
+def test_store_rotation_env(raw, want):
+    from tkv.kernels import StoreRotationConfigError, store_rotation_from_env
+    env = {} if raw is None else {"TKV_STORE_ROTATION": raw}
+    if want is None:
+        with pytest.raises(StoreRotationConfigError, match="TKV_STORE_ROTATION") as e:
+            store_rotation_from_env(env)
+        assert len(str(e.value)) < 200
+    else:
+        assert store_rotation_from_env(env) == want
 
 
 def test_compress_store_split_rotation_refuses_float32():
@@ -1751,8 +1818,10 @@ def test_check_metadata_names_the_bad_entry():
 
 
 @pytest.mark.skipif(not interpreting(), reason="flips the interpreter's search path")
-@pytest.mark.parametrize("kb,vb,sink", [(2, 5, False), (4, 3, True), (5, 2, True)])
-def test_store_search_trees_equal_the_gathers(monkeypatch, kb, vb, sink):
+@pytest.mark.parametrize("kb,vb,sink,rotation", [(2, 5, False, "auto"), (4, 3, True, "auto"),
+                                                 (5, 2, True, "auto"), (4, 3, True, "wht"),
+                                                 (2, 5, False, "wht")])
+def test_store_search_trees_equal_the_gathers(monkeypatch, kb, vb, sink, rotation):
     """Compiled kernels take the binary search's boundaries and the centroids from select trees
     over scalars; the interpreter normally takes gathers. Both must write identical bytes
     (codes, norms, sink flags) — checked here by running the trees under the interpreter."""
@@ -1774,7 +1843,7 @@ def test_store_search_trees_equal_the_gathers(monkeypatch, kb, vb, sink):
     for tree in (False, True):
         monkeypatch.setattr(store, "_SEARCH_TREE", tree)
         cache = ld.layout.allocate(4, DEV)
-        compress_store(k, v, cache, slots, ld)
+        compress_store(k, v, cache, slots, ld, rotation=rotation)
         caches.append(cache)
     assert torch.equal(caches[0], caches[1])
     if sink:   # the flags really vary (some tokens coded against the sink offset)

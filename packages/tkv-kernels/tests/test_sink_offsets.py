@@ -98,13 +98,16 @@ def _rotated_error(sc, x, packed, norms):
     return ((xh - x.double()) / s).square().sum(-1)
 
 
-@pytest.mark.parametrize("head_dim,kb,vb,heads,center,scales", [
-    (64, 4, 4, None, True, False),
-    (96, 3, 5, 2, True, True),
-    (128, 2, 8, 2, False, False),
-    (64, 6, 7, None, True, True),
+@pytest.mark.parametrize("head_dim,kb,vb,heads,center,scales,rotation", [
+    (64, 4, 4, None, True, False, "auto"),
+    (96, 3, 5, 2, True, True, "auto"),
+    (128, 2, 8, 2, False, False, "auto"),
+    (64, 6, 7, None, True, True, "auto"),
+    (64, 4, 4, None, True, False, "wht"),   # butterflies: both candidates from one tile
+    (128, 6, 7, 2, True, True, "wht"),
 ])
-def test_compress_store_makes_the_codecs_choice(head_dim, kb, vb, heads, center, scales):
+def test_compress_store_makes_the_codecs_choice(head_dim, kb, vb, heads, center, scales,
+                                               rotation):
     """The stored flag and codes are the codec's (``quantize``) for ≥ 97 % of the vectors;
     where the choice differs (float32 near-ties), the kernel's reconstruction is as good as
     the codec's (within 1 %), and never a wrong sign flip."""
@@ -118,7 +121,7 @@ def test_compress_store_makes_the_codecs_choice(head_dim, kb, vb, heads, center,
                           generator=g).to(DEV)
     k, v = _kv(n, h, head_dim, codec, g)
     slots = torch.randperm(nblk * 16, generator=g)[:n].to(DEV)
-    compress_store(k, v, cache, slots, ld)
+    compress_store(k, v, cache, slots, ld, rotation=rotation)
     views = ld.layout.views(cache)
     b, o = slots // 16, slots % 16
     for side, sc, x in (("k", codec.k, k), ("v", codec.v, v)):

@@ -54,7 +54,12 @@ from .prefill import (
 )
 from .prefill_batch import prefill_by_runs
 from .prefill_runs import MAX_PACKED_SPLITS, MAX_PREFILL_RUNS, PrefillRun, plan_prefill_runs
-from .store import compress_store
+from .store import (
+    ENV_STORE_ROTATION,
+    StoreRotationConfigError,
+    compress_store,
+    store_rotation_from_env,
+)
 from .validate import (
     SERVED_HEAD_DIMS,
     MetadataError,
@@ -88,6 +93,7 @@ __all__ = [
     "ENV_LOOKUP",
     "ENV_PREFILL_ATTENTION",
     "ENV_SMALL_HEAD_GROUPS",
+    "ENV_STORE_ROTATION",
     "MAX_PACKED_SPLITS",
     "MAX_PREFILL_RUNS",
     "SERVED_HEAD_DIMS",
@@ -110,6 +116,7 @@ __all__ = [
     "SdpaDenseAttention",
     "SingleSplitConfigError",
     "SmallHeadGroupsConfigError",
+    "StoreRotationConfigError",
     "TkvLoader",
     "TorchVarlenAttention",
     "Workspace",
@@ -132,6 +139,7 @@ __all__ = [
     "prefill_by_runs",
     "serves_head_dim",
     "small_head_groups_from_env",
+    "store_rotation_from_env",
     "varlen_prefix_bytes",
     "varlen_prefix_rows",
     "warm_prefix_variant",

@@ -62,7 +62,7 @@ def load_planes(ptr, rows, rmask, NP: tl.constexpr, D_PAD: tl.constexpr,
 
 
 @triton.jit
-def _hadamard_stage(x, M: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+def hadamard_stage(x, M: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
     """One radix-2 butterfly stage of the Walsh–Hadamard transform along the last axis of
     ``x [M, D]``: coordinates ``i`` and ``i + H`` (bit ``log2 H`` of ``i`` clear) become their
     sum and difference."""
@@ -93,7 +93,7 @@ def hadamard_rows(ptr, rows, rmask, w, out, out_rows, M: tl.constexpr, D: tl.con
     if not POST:
         x = x * tl.load(w + c)[None, :]
     for s in tl.static_range(LOG2D):
-        x = _hadamard_stage(x, M, D, 1 << s)
+        x = hadamard_stage(x, M, D, 1 << s)
     if POST:
         x = x * tl.load(w + c)[None, :]
     tl.store(out + out_rows[:, None] + c[None, :], x.to(out.dtype.element_ty),

@@ -15,6 +15,7 @@ from .loaders import (
     lookup_from_env,
     small_head_groups_from_env,
 )
+from .store import store_rotation_from_env
 from .workspace import decode_min_split_tiles_from_env, decode_single_split_from_env
 
 __all__ = ["EngineKernelSettings", "engine_kernel_settings"]
@@ -31,6 +32,7 @@ class EngineKernelSettings(NamedTuple):
     decode_pipeline: bool         # TKV_DECODE_PIPELINE
     decode_single_split: bool     # TKV_DECODE_SINGLE_SPLIT
     decode_min_split_tiles: int   # TKV_DECODE_MIN_SPLIT_TILES (0: off)
+    store_rotation: str           # TKV_STORE_ROTATION
 
     def describe(self) -> str:
         """One log line, e.g. ``TKV_LOOKUP=auto TKV_SMALL_HEAD_GROUPS=1 ...``."""
@@ -42,8 +44,8 @@ class EngineKernelSettings(NamedTuple):
 def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> EngineKernelSettings:
     """Parse every engine-facing kernel setting from ``environ`` (None: ``os.environ``; then
     the returned ``TKV_PRMTI_MAXNREG`` / ``TKV_DECODE_PIPELINE`` / ``TKV_DECODE_SINGLE_SPLIT``
-    / ``TKV_DECODE_MIN_SPLIT_TILES`` are the values this process read at import, the ones its
-    kernels use — the current values are still validated).
+    / ``TKV_DECODE_MIN_SPLIT_TILES`` / ``TKV_STORE_ROTATION`` are the values this process read
+    at import, the ones its kernels use — the current values are still validated).
 
     Args:
         environ: a mapping of environment variables, or None for the process environment.
@@ -53,20 +55,23 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
     Raises:
         LookupConfigError, SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
         PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError,
-        SingleSplitConfigError, MinSplitTilesConfigError: the first
+        SingleSplitConfigError, MinSplitTilesConfigError, StoreRotationConfigError: the first
         setting with a value its parser refuses (the message names the variable).
     """
-    from . import loaders, workspace
+    from . import loaders, store, workspace
 
-    # validated either way; the four read once at import are reported as this process uses
+    # validated either way; the five read once at import are reported as this process uses
     # them when the environment is the process's own
     maxnreg, pipeline = _prmti_maxnreg_from_env(environ), decode_pipeline_from_env(environ)
     single = decode_single_split_from_env(environ)
     tiles = decode_min_split_tiles_from_env(environ)
+    rotation = store_rotation_from_env(environ)
     if environ is None:
         maxnreg, pipeline = loaders.PRMTI_MAXNREG, loaders.DECODE_PIPELINE
         single, tiles = workspace.DECODE_SINGLE_SPLIT, workspace.DECODE_MIN_SPLIT_TILES
+        rotation = store.STORE_ROTATION
     return EngineKernelSettings(
         lookup_from_env(environ), small_head_groups_from_env(environ),
         fused_query_rotation_from_env(environ),
-        prefill_attention_from_env(environ, prefill_default), maxnreg, pipeline, single, tiles)
+        prefill_attention_from_env(environ, prefill_default), maxnreg, pipeline, single, tiles,
+        rotation)

@@ -722,6 +722,11 @@ class TkvLoader:
             taken before the rotation (R is orthogonal).
         k_sink_delta, v_sink_delta: ``(num_kv_heads, d_pad)`` ``(σ_h − μ_h)/s`` in model
             space (the sink candidate's norm), or None without a sink offset.
+        k_store_hadamard, v_store_hadamard: float32 ``(head_dim,)`` ``w`` with
+            ``x @ k_in = (w ⊙ x) @ H`` (``H`` the unnormalized Sylvester Walsh–Hadamard
+            matrix; ``w`` = the rotation's signs, ``1/s`` and ``1/√d``) where the rotation is
+            a pure power-of-two Hadamard (as :attr:`q_hadamard`), else None:
+            ``compress_store(rotation="wht")`` rotates by butterflies with it.
         q_in: ``(d_pad, d_pad)`` with ``rotate_query(q) = q @ q_in``.
         q_hadamard: float32 ``(head_dim,)`` ``w`` with ``q @ q_in = (w ⊙ q) @ H`` (``H`` the
             unnormalized Sylvester Walsh–Hadamard matrix) where the rotation is a pure
@@ -860,8 +865,12 @@ class TkvLoader:
             return out.to(dev, torch.float32).contiguous()
 
         a_k = torch.diag(1 / sk) @ r.T
+        a_v = torch.diag(1 / sv) @ r.T
         self.k_in = pad(a_k)                            # x @ A = R (x / s_k)
-        self.v_in = pad(torch.diag(1 / sv) @ r.T)
+        self.v_in = pad(a_v)
+        # compress_store(rotation="wht"): x @ A = (w ⊙ x) @ H by butterflies, no matrix
+        self.k_store_hadamard = _hadamard_weights(a_k, dp, dev)
+        self.v_store_hadamard = _hadamard_weights(a_v, dp, dev)
         mu = codec.k.channel_offset
         self.k_mu = self.k_mu_rot = None
         if mu is not None:             # compress_store: x − μ, or x @ A_k − μ @ A_k

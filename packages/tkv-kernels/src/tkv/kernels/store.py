@@ -4,14 +4,16 @@ tkv cache in one launch (no intermediate tensor through HBM)."""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from tkv.codec.errors import ShapeError
+from tkv.codec.errors import ShapeError, TkvError
 from tkv.codec.packing import code_group
 
+from ._planes import hadamard_stage
 from ._util import (
     check_dtype,
     check_int_tensor,
@@ -23,7 +25,7 @@ from ._util import (
 )
 from .loaders import TkvLoader
 
-__all__ = ["compress_store"]
+__all__ = ["StoreRotationConfigError", "compress_store", "store_rotation_from_env"]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 # Compiled: the binary search's boundaries and the centroids come from select trees over scalars
@@ -31,7 +33,43 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 # tile, where a tree of 2**bits − 1 selects costs far more than one gather: it takes the
 # gathers (the same comparisons, the same values); tests flip this to check the trees on CPU.
 _SEARCH_TREE = tl.constexpr(not interpreting())
-_ROTATIONS = ("auto", "split", "tf32x3")
+_ROTATIONS = ("auto", "split", "tf32x3", "wht")
+# the kernel's per-side rotation mode (K_SPLIT / V_SPLIT)
+_TF32X3, _BF16_TERMS, _FP16_TERMS, _BUTTERFLIES = 0, 1, 2, 3
+
+ENV_STORE_ROTATION = "TKV_STORE_ROTATION"
+STORE_POLICIES = ("auto", "wht", "wht-decode")
+# "wht-decode": the butterflies for calls of at most this many new tokens — the decode-step
+# bucket, where compress_store's default tile is 8 tokens (latency-bound programs)
+WHT_DECODE_MAX_TOKENS = 128
+
+
+class StoreRotationConfigError(TkvError, ValueError):
+    """``TKV_STORE_ROTATION`` is not one of ``auto``, ``wht``, ``wht-decode``."""
+
+
+def store_rotation_from_env(environ=None) -> str:
+    """What ``compress_store(rotation="auto")`` does, from ``TKV_STORE_ROTATION`` (read once
+    at import as :data:`STORE_ROTATION`; any case, blanks ignored): ``"auto"`` (default) the
+    tensor-core rotation (``"split"`` for 16-bit K/V, ``"tf32x3"`` for float32); ``"wht"`` the
+    butterflies on every call whose rotation is a pure power-of-two Hadamard (others keep
+    auto's choice); ``"wht-decode"`` the butterflies only for calls of at most
+    :data:`WHT_DECODE_MAX_TOKENS` new tokens (decode steps). An A/B knob for the engines
+    until the butterflies are timed on a GPU (docs/kernels.md, session 28).
+
+    Raises:
+        StoreRotationConfigError: any other value (the message lists the choices).
+    """
+    env = os.environ if environ is None else environ
+    name = (env.get(ENV_STORE_ROTATION) or "").strip().lower() or "auto"
+    if name not in STORE_POLICIES:
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise StoreRotationConfigError(f"{ENV_STORE_ROTATION}={shown!r}: choose one of "
+                                       f"{', '.join(STORE_POLICIES)} (default auto)")
+    return name
+
+
+STORE_ROTATION = store_rotation_from_env()
 
 
 @triton.jit
@@ -226,38 +264,90 @@ def _pack_pass(xop, A, a_scale, valid, MU_ROT, mu_off, SHIFT, pick, inv, bounds,
 
 
 @triton.jit
-def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, bounds, table, MU,
-                MU_ROT, mu_sh, blk, off, page_bytes, SHIFT, DELTA, HAS_MU: tl.constexpr,
-                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
-                CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr, CODE_BYTES: tl.constexpr,
-                NORM_CORR: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr,
-                BLOCK_T: tl.constexpr, HEAD_STRIDE: tl.constexpr, TOK_STRIDE: tl.constexpr,
-                NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr, SINK: tl.constexpr,
-                SPLIT: tl.constexpr, NPL: tl.constexpr):
-    """One side (K or V) of BLOCK_T tokens of one KV head. The norm comes from the
-    pre-rotation vector (``‖R v‖ = ‖v‖``, R orthogonal), so each column chunk of the rotation
-    is quantized and packed as soon as it is computed (no rotated tile is kept). With
-    ``NPL`` > 1 the chunks run over the code-group planes (``A`` in planar column order) and a
-    group's codes are OR-ed into one word in registers; NPL = 1: natural order, the groups
-    formed by ``_pack_store``'s reshape."""
-    offs_d = tl.arange(0, D_PAD)
-    dmask = offs_d < HEAD_DIM
-    x = tl.load(X + tok.to(tl.int64)[:, None] * sx_t + head * sx_h + offs_d[None, :],
-                mask=valid[:, None] & dmask[None, :], other=0.0)
-    xf = x.to(tl.float32)
-    if HAS_MU:  # key centering (float32 rows of MU and MU_ROT; mu_sh = 0: one μ for all heads)
-        mu = tl.load(MU + head * mu_sh + offs_d, mask=dmask, other=0.0)
-        xf = tl.where(valid[:, None] & dmask[None, :], xf - mu[None, :], 0.0)
-    xs = xf * tl.load(INV_S + offs_d)[None, :]                       # (x − μ) / s
-    ss = tl.sum(xs * xs, axis=1)                                     # ‖R((x − μ)/s)‖²
-    n, inv = _norm_inv(ss, HEAD_DIM, BLOCK_T)
+def _sink_choice(n, nb, ua, ca, ub, cb, ss, ssb, NORM_CORR: tl.constexpr):
+    """The codec's sink-offset choice per token: ``(pick, n, nb)`` — ``pick`` where candidate
+    b (coded against the sink offset) has the smaller rotated reconstruction error at its
+    bf16 norm (ties and NaN b errors: a). ``ua``/``ub`` = Σ t², ``ca``/``cb`` = Σ t·y of each
+    candidate's centroids t, ``ss``/``ssb`` its ‖y‖²; ``n``/``nb`` come back norm-corrected
+    when ``NORM_CORR``."""
+    if NORM_CORR:
+        n = _norm_corrected(n, ua)
+        nb = _norm_corrected(nb, ub)
+    ha = _bf16_rne(n).to(tl.float32)
+    hb = _bf16_rne(nb).to(tl.float32)
+    ea = ha * ha * ua - 2.0 * ha * ca + ss          # ‖n̂·c[code] − y‖², expanded
+    eb = hb * hb * ub - 2.0 * hb * cb + ssb
+    pick = (eb < ea) | ((ea != ea) & (eb == eb))
+    return pick, n, nb
+
+
+@triton.jit
+def _flagged_norm(pick, n, nb):
+    """The stored bf16 norm: ``nb`` with its sign BIT set where ``pick``, else ``n``. The bit
+    is set on the bf16 pattern: Triton's ``-x`` is ``0 − x``, which turns a flagged zero norm
+    (x exactly σ) into +0.0 and would drop the flag."""
+    bits = _bf16_rne(tl.where(pick, nb, n)).to(tl.int16, bitcast=True).to(tl.int32)
+    bits = tl.where(pick, bits | 0x8000, bits)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _butterfly_codes(xf, xs, ss, n, inv, valid, head, offs_d, W, bounds, table, SHIFT, DELTA,
+                     cache, row, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
+                     CODE_BYTES: tl.constexpr, NORM_CORR: tl.constexpr, GROUP: tl.constexpr,
+                     GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, SINK: tl.constexpr,
+                     LOG2D: tl.constexpr):
+    """``rotation="wht"``: one side's tile rotated by ``LOG2D`` radix-2 butterfly stages in
+    float32 registers — ``y = (w ⊙ (x − μ)) @ H`` (``W`` the loader's store Hadamard
+    weights: signs, ``1/s`` and ``1/√d``) in natural coordinate order, no ``d × d`` operand
+    read per program — then quantized, packed (natural order: groups by a register reshape)
+    and stored. ``xf`` = x − μ (float32, masked rows 0), ``xs`` = (x − μ)/s, ``ss`` = ‖xs‖²,
+    ``(n, inv)`` its norm and sqrt(d)/n. Returns the bf16 norm to store (sink-flagged)."""
+    y = xf * tl.load(W + offs_d)[None, :]
+    for s in tl.static_range(LOG2D):
+        y = hadamard_stage(y, BLOCK_T, HEAD_DIM, 1 << s)
+    code, preds = _codes(y, inv, offs_d, bounds, HEAD_DIM, HEAD_DIM, BITS, BLOCK_T, HEAD_DIM)
+    if SINK:   # both candidates at once: the whole rotated tile is in registers
+        xb = xs - tl.load(DELTA + head * HEAD_DIM + offs_d)[None, :]    # (x − σ) / s
+        ssb = tl.sum(xb * xb, axis=1)
+        nb, invb = _norm_inv(ssb, HEAD_DIM, BLOCK_T)
+        yb = y - tl.load(SHIFT + head * HEAD_DIM + offs_d)[None, :]
+        code_b, preds_b = _codes(yb, invb, offs_d, bounds, HEAD_DIM, HEAD_DIM, BITS, BLOCK_T,
+                                 HEAD_DIM)
+        ta = _centroid(code, preds, offs_d, table, HEAD_DIM, HEAD_DIM, BITS)
+        tb = _centroid(code_b, preds_b, offs_d, table, HEAD_DIM, HEAD_DIM, BITS)
+        pick, n, nb = _sink_choice(n, nb, tl.sum(ta * ta, axis=1), tl.sum(ta * y, axis=1),
+                                   tl.sum(tb * tb, axis=1), tl.sum(tb * yb, axis=1), ss, ssb,
+                                   NORM_CORR)
+        code = tl.where(pick[:, None], code_b, code)
+        norm16 = _flagged_norm(pick, n, nb)
+    else:
+        if NORM_CORR:
+            t = _centroid(code, preds, offs_d, table, HEAD_DIM, HEAD_DIM, BITS)
+            n = _norm_corrected(n, tl.sum(t * t, axis=1))
+        norm16 = _bf16_rne(n)
+    _pack_store(code, offs_d, valid, cache, row, HEAD_DIM, BITS, CODE_BYTES, GROUP, GROUP_BYTES,
+                BLOCK_T, HEAD_DIM, 0)
+    return norm16
+
+
+@triton.jit
+def _matmul_codes(x, xf, xs, ss, n, inv, valid, head, offs_d, A, a_scale, bounds, table, MU_ROT,
+                  mu_sh, SHIFT, DELTA, cache, row, HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  D_PAD: tl.constexpr, BITS: tl.constexpr, CODE_BYTES: tl.constexpr,
+                  NORM_CORR: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr,
+                  BLOCK_T: tl.constexpr, CH: tl.constexpr, SINK: tl.constexpr,
+                  SPLIT: tl.constexpr, NPL: tl.constexpr):
+    """``rotation="split"`` / ``"tf32x3"``: the rotation as tensor-core products ``x @ A``,
+    one column chunk at a time (:func:`_pack_pass`), each chunk quantized and packed as it
+    leaves the tensor cores. Arguments as :func:`_butterfly_codes` plus ``x`` (as loaded) and
+    ``A`` (:meth:`TkvLoader.store_rotation`). Returns the bf16 norm to store."""
     if SPLIT:   # x as stored (16-bit: an exact operand); μ comes off after the rotation
         xop = x.to(A.dtype.element_ty)
     else:
         xop = xf
     SUB_MU: tl.constexpr = SPLIT > 0 and HAS_MU
     mu_off = head * mu_sh
-    row = blk * page_bytes + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
     WID: tl.constexpr = D_PAD // NPL
     CHW: tl.constexpr = CH if CH < WID else WID
     if GROUP * BITS <= 32:
@@ -290,23 +380,12 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, 
                                       BLOCK_T, CHW)
                 ub += u
                 cb += c
-        if NORM_CORR:
-            n = _norm_corrected(n, ua)
-            nb = _norm_corrected(nb, ub)
-        ha = _bf16_rne(n).to(tl.float32)
-        hb = _bf16_rne(nb).to(tl.float32)
-        ea = ha * ha * ua - 2.0 * ha * ca + ss          # ‖n̂·c[code] − y‖², expanded
-        eb = hb * hb * ub - 2.0 * hb * cb + ssb
-        pick = (eb < ea) | ((ea != ea) & (eb == eb))
+        pick, n, nb = _sink_choice(n, nb, ua, ca, ub, cb, ss, ssb, NORM_CORR)
         _pack_pass(xop, A, a_scale, valid, MU_ROT, mu_off, SHIFT + head * D_PAD, pick,
                    tl.where(pick, invb, inv), bounds, table, cache, row, HEAD_DIM, D_PAD, BITS,
                    CODE_BYTES, False, GROUP, GROUP_BYTES, BLOCK_T, SPLIT, SUB_MU, True, NPL,
                    WID, CHW, WT)
-        # the flag is the sign BIT, set on the bf16 pattern: Triton's `-x` is `0 − x`, which
-        # turns a flagged zero norm (x exactly σ) into +0.0 and would drop the flag
-        bits = _bf16_rne(tl.where(pick, nb, n)).to(tl.int16, bitcast=True).to(tl.int32)
-        bits = tl.where(pick, bits | 0x8000, bits)
-        norm16 = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        norm16 = _flagged_norm(pick, n, nb)
     else:
         usq = _pack_pass(xop, A, a_scale, valid, MU_ROT, mu_off, SHIFT, valid, inv, bounds, table, cache,
                          row, HEAD_DIM, D_PAD, BITS, CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES,
@@ -314,7 +393,47 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, 
         if NORM_CORR:
             n = _norm_corrected(n, usq)
         norm16 = _bf16_rne(n)
+    return norm16
+
+
+@triton.jit
+def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, bounds, table, MU,
+                MU_ROT, mu_sh, blk, off, page_bytes, SHIFT, DELTA, HAS_MU: tl.constexpr,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
+                CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr, CODE_BYTES: tl.constexpr,
+                NORM_CORR: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr,
+                BLOCK_T: tl.constexpr, HEAD_STRIDE: tl.constexpr, TOK_STRIDE: tl.constexpr,
+                NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr, SINK: tl.constexpr,
+                SPLIT: tl.constexpr, NPL: tl.constexpr, LOG2D: tl.constexpr):
+    """One side (K or V) of BLOCK_T tokens of one KV head. The norm comes from the
+    pre-rotation vector (``‖R v‖ = ‖v‖``, R orthogonal), so each column chunk of the rotation
+    is quantized and packed as soon as it is computed (no rotated tile is kept). With
+    ``NPL`` > 1 the chunks run over the code-group planes (``A`` in planar column order) and a
+    group's codes are OR-ed into one word in registers; NPL = 1: natural order, the groups
+    formed by ``_pack_store``'s reshape. ``SPLIT`` = 3 (``rotation="wht"``): ``A`` is the
+    float32 Hadamard weight vector and :func:`_butterfly_codes` rotates the whole tile."""
+    offs_d = tl.arange(0, D_PAD)
+    dmask = offs_d < HEAD_DIM
+    x = tl.load(X + tok.to(tl.int64)[:, None] * sx_t + head * sx_h + offs_d[None, :],
+                mask=valid[:, None] & dmask[None, :], other=0.0)
+    xf = x.to(tl.float32)
+    if HAS_MU:  # key centering (float32 rows of MU and MU_ROT; mu_sh = 0: one μ for all heads)
+        mu = tl.load(MU + head * mu_sh + offs_d, mask=dmask, other=0.0)
+        xf = tl.where(valid[:, None] & dmask[None, :], xf - mu[None, :], 0.0)
+    xs = xf * tl.load(INV_S + offs_d)[None, :]                       # (x − μ) / s
+    ss = tl.sum(xs * xs, axis=1)                                     # ‖R((x − μ)/s)‖²
+    n, inv = _norm_inv(ss, HEAD_DIM, BLOCK_T)
+    row = blk * page_bytes + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
     nidx = (blk * page_bytes + NORMS_OFF) // 2 + head * NORM_HEAD_STRIDE + off
+    if SPLIT == 3:   # butterflies: x − μ rotated in float32 registers (HEAD_DIM = D_PAD = 2^k)
+        norm16 = _butterfly_codes(xf, xs, ss, n, inv, valid, head, offs_d, A, bounds, table,
+                                  SHIFT, DELTA, cache, row, HEAD_DIM, BITS, CODE_BYTES,
+                                  NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T, SINK, LOG2D)
+    else:
+        norm16 = _matmul_codes(x, xf, xs, ss, n, inv, valid, head, offs_d, A, a_scale, bounds,
+                               table, MU_ROT, mu_sh, SHIFT, DELTA, cache, row, HAS_MU, HEAD_DIM,
+                               D_PAD, BITS, CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T,
+                               CH, SINK, SPLIT, NPL)
     tl.store(aux + nidx, norm16, mask=valid)
 
 
@@ -337,7 +456,7 @@ def _compress_store_kernel(
         K_TOK_STRIDE: tl.constexpr, V_HEAD_STRIDE: tl.constexpr, V_TOK_STRIDE: tl.constexpr,
         NORM_HEAD_STRIDE: tl.constexpr, CH: tl.constexpr, K_SINK: tl.constexpr,
         V_SINK: tl.constexpr, K_SPLIT: tl.constexpr, V_SPLIT: tl.constexpr,
-        K_NPL: tl.constexpr, V_NPL: tl.constexpr):
+        K_NPL: tl.constexpr, V_NPL: tl.constexpr, LOG2D: tl.constexpr):
     pid = tl.program_id(0)
     head = tl.program_id(1)
     side = tl.program_id(2)   # 0: K, 1: V — separate programs: half the dependent chain each
@@ -353,14 +472,14 @@ def _compress_store_kernel(
                     ktable, kmu, kmu_rot, kmu_sh, blk, off, page_bytes, kshift, kdelta, K_HAS_MU,
                     HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES, K_NORM_CORR,
                     K_GROUP, K_GROUP_BYTES, BLOCK_T, K_HEAD_STRIDE, K_TOK_STRIDE,
-                    NORM_HEAD_STRIDE, CH, K_SINK, K_SPLIT, K_NPL)
+                    NORM_HEAD_STRIDE, CH, K_SINK, K_SPLIT, K_NPL, LOG2D)
     else:
         _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, av_scale, vinv_s, vbounds,
                     vtable, kmu, kmu_rot, 0, blk, off, page_bytes, vshift, vdelta, False, HEAD_DIM,
                     D_PAD,
                     V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES, V_NORM_CORR, V_GROUP,
                     V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH,
-                    V_SINK, V_SPLIT, V_NPL)
+                    V_SINK, V_SPLIT, V_NPL, LOG2D)
 
 
 def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -407,8 +526,17 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             the loader's three terms of ``A`` in its dtype (:meth:`TkvLoader.store_rotation`),
             float32 accuracy from three plain 16-bit dots; ``"tf32x3"``: ``x`` in float32, one
             ``tf32x3`` dot (Triton splits ``x`` and the ``A`` tile into tf32 pieces in every
-            program: 1.9-3.6× slower at prefill sizes); ``"auto"`` (default): ``"split"`` for
-            bfloat16 / float16 sides, ``"tf32x3"`` for float32.
+            program: 1.9-3.6× slower at prefill sizes); ``"wht"``: no matrix — the rotation
+            as ``log2(head_dim)`` radix-2 Walsh–Hadamard butterfly stages on the whole tile in
+            float32 registers (``(w ⊙ (x − μ)) @ H``, :attr:`TkvLoader.k_store_hadamard`), in
+            the codec's order of operations (μ off before the rotation), any input dtype;
+            only where the rotation is a pure power-of-two Hadamard (head_dim a power of two
+            ≥ 16), else ValueError. It reads no ``d × d`` operand per program (the matrix
+            paths read 3 × 32 KB of ``A`` per side at head_dim 128 from L2): session 28's
+            candidate for decode-sized stores, not yet timed on a GPU. ``"auto"`` (default):
+            ``"split"`` for bfloat16 / float16 sides, ``"tf32x3"`` for float32 — unless the
+            operator's ``TKV_STORE_ROTATION`` (:func:`store_rotation_from_env`) asks for the
+            butterflies.
 
     Values are not checked for NaN / ±inf (that would read them back to the host, a device
     sync inside every layer of a CUDA graph): a non-finite K/V element stores a non-finite
@@ -418,7 +546,8 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
 
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
-        no device sync). ValueError: unknown ``rotation``, or ``"split"`` with a float32 side.
+        no device sync). ValueError: unknown ``rotation``, ``"split"`` with a float32 side, or
+        ``"wht"`` where the rotation is not a pure power-of-two Hadamard.
     """
     if not isinstance(loader, TkvLoader):
         raise TypeError(f"compress_store needs a TkvLoader, got {type(loader).__name__}")
@@ -453,13 +582,27 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         check_pow2(val, name, lo)
     if rotation not in _ROTATIONS:
         raise ValueError(f"rotation must be one of {_ROTATIONS}, got {rotation!r}")
-    modes, operands = [], []   # kernel SPLIT: 0 tf32x3, 1 bf16 terms, 2 scaled fp16 terms
+    if rotation == "auto" and loader.k_store_hadamard is not None and (
+            STORE_ROTATION == "wht"
+            or (STORE_ROTATION == "wht-decode" and n <= WHT_DECODE_MAX_TOKENS)):
+        rotation = "wht"   # the operator's TKV_STORE_ROTATION
+    modes, operands = [], []   # the kernel's K_SPLIT / V_SPLIT per side
     for name, x in (("key", key), ("value", value)):
+        if rotation == "wht":
+            w = loader.k_store_hadamard if name == "key" else loader.v_store_hadamard
+            if w is None:
+                raise ValueError(
+                    f"rotation='wht' needs a pure power-of-two Hadamard rotation (head_dim a "
+                    f"power of two >= 16), got head_dim {lay.head_dim}; use 'auto'")
+            modes.append(_BUTTERFLIES)
+            operands.append((w, 1.0))
+            continue
         half = x.dtype in (torch.bfloat16, torch.float16)
         split = half if rotation == "auto" else rotation == "split"
         if split and not half:
             raise ValueError(f"rotation='split' needs bfloat16/float16 {name}, got {x.dtype}")
-        modes.append(0 if not split else 2 if x.dtype == torch.float16 else 1)
+        modes.append(_TF32X3 if not split else _FP16_TERMS if x.dtype == torch.float16
+                     else _BF16_TERMS)
         operands.append(loader.store_rotation(name[0], x.dtype if split else None))
     kg, kgb = code_group(lay.k_bits)
     vg, vgb = code_group(lay.v_bits)
@@ -490,4 +633,5 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         NORM_HEAD_STRIDE=st["norm_head"], CH=min(loader.d_pad, chunk),
         K_SINK=loader.k_sink_shift is not None, V_SINK=loader.v_sink_shift is not None,
         K_SPLIT=modes[0], V_SPLIT=modes[1], K_NPL=loader.group_planes("k"),
-        V_NPL=loader.group_planes("v"), num_warps=num_warps)
+        V_NPL=loader.group_planes("v"), LOG2D=loader.d_pad.bit_length() - 1,
+        num_warps=num_warps)
