@@ -280,6 +280,8 @@ def test_schema_version_must_be_the_integer():
     (lambda d: d["layers"][1].update(k_channel_scales=[1e300] * 64), "float32 range"),
     (lambda d: d["layers"][0].update(k_channel_offset=[1e39] * 64), "float32 range"),
     (lambda d: d["layers"][0].update(k_channel_offset=[10 ** 400] * 64), "non-finite"),
+    (lambda d: d.update(seed=-1), r"seed: -1 outside \[0, 18446744073709551615\]"),
+    (lambda d: d.update(seed=2 ** 64), "seed: .* outside"),
 ])
 def test_hand_edits_that_would_be_ignored_or_overflow_are_refused(tmp_path, mutate, match):
     """Resealed (valid integrity) but wrong: a misspelled field would silently drop its
@@ -294,6 +296,20 @@ def test_hand_edits_that_would_be_ignored_or_overflow_are_refused(tmp_path, muta
     with pytest.raises(BundleSchemaError, match=match) as e:
         CalibrationBundle.load(p)
     assert "edited.json" in str(e.value)
+
+
+def test_an_integer_past_pythons_conversion_limit_is_a_schema_error(tmp_path):
+    """json.loads refuses integers of more than 4,300 digits with a plain ValueError: the
+    bundle loader reports it as BundleSchemaError naming the file (a short message)."""
+    d = make_bundle().to_dict()
+    d["seed"] = 123456789
+    text = json.dumps(d).replace("123456789", "9" * 5000)
+    assert "9" * 5000 in text
+    p = tmp_path / "huge.json"
+    p.write_text(text)
+    with pytest.raises(BundleSchemaError, match=r"huge\.json") as e:
+        CalibrationBundle.load(p)
+    assert len(str(e.value)) < 600
 
 
 def test_integrity_is_required_unless_resealing_on_purpose(tmp_path):

@@ -394,6 +394,47 @@ def test_large_finite_inputs_keep_a_finite_norm_or_are_refused():
         sink.compress_k(torch.randn(2, 64, generator=g, dtype=torch.float64) * 1e38)
 
 
+@pytest.mark.parametrize("scale,dtype", [(1e-25, torch.float32), (1e-37, torch.float32),
+                                         (1e-30, torch.float64)])
+def test_tiny_inputs_keep_their_norm(scale, dtype):
+    """Σx² underflows float32 below |x| ≈ 1e-19: the norm used to come out 0 and the vector
+    decompressed to zeros (100 % error). The norm of x / max|x|, scaled back, is exact down to
+    bf16's range; a zero vector still stores 0."""
+    g = torch.Generator().manual_seed(5)
+    c = TurboKVCodec(128, 4, seed=2)
+    for side in ("k", "v"):
+        x = (torch.randn(5, 128, generator=g, dtype=torch.float64) * scale).to(dtype)
+        x[2] = 0
+        p, n = getattr(c, f"compress_{side}")(x)
+        assert (n.float()[[0, 1, 3, 4]] > 0).all() and n.float()[2] == 0
+        y = getattr(c, f"decompress_{side}")(p, n, dtype=torch.float64)
+        keep = [0, 1, 3, 4]
+        rel = float(((y[keep] - x[keep].double()) ** 2).sum() / (x[keep].double() ** 2).sum())
+        assert rel < 0.02
+        ref = getattr(c, f"compress_{side}")((x.double() / scale).to(dtype))
+        assert torch.equal(ref[0], p)
+
+
+def test_decompress_refuses_non_finite_norms_when_checking():
+    c = TurboKVCodec(64, 4)
+    p, n = c.compress_k(torch.randn(3, 64))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(NonFiniteError, match="norms"):
+            c.decompress_k(p, torch.full_like(n, bad))
+        with pytest.raises(NonFiniteError, match="norms"):
+            c.k.decompress_rotated(p, torch.full_like(n, bad))
+    unchecked = TurboKVCodec(64, 4, check_finite=False)
+    assert torch.isnan(unchecked.decompress_k(p, torch.full_like(n, float("nan")))).all()
+
+
+@pytest.mark.parametrize("seed", [1.5, None, "1", -1, 2 ** 64, True])
+def test_seed_must_be_a_64_bit_unsigned_int(seed):
+    """SplitMix64's state is 64 bits: -1 and 2**64 would alias 2**64 - 1 and 0."""
+    with pytest.raises(ValueError, match="seed must be an int"):
+        TurboKVCodec(64, 4, seed=seed)
+    TurboKVCodec(64, 4, seed=2 ** 64 - 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64, torch.uint8])
 def test_decompress_and_unrotate_refuse_non_float_output_dtypes(dtype):
     c = TurboKVCodec(64, 4)

@@ -60,3 +60,23 @@ def test_bad_inputs():
         unpack_codes(torch.zeros(4, dtype=torch.int32), 4, 8)
     with pytest.raises(ShapeError):
         unpack_codes(torch.zeros(5, dtype=torch.uint8), 4, 8)
+    with pytest.raises(DtypeError, match=r"torch\.Tensor"):
+        pack_codes([1, 2], 4)
+    with pytest.raises(DtypeError, match=r"torch\.Tensor"):
+        unpack_codes(b"\x00", 4, 2)
+    for n in (-1, 0, 8.0, True):
+        with pytest.raises(ShapeError, match="num_codes"):
+            unpack_codes(torch.zeros(4, dtype=torch.uint8), 4, n)
+
+
+@pytest.mark.parametrize("bits,codes", [(4, [16, 0, 0, 0]), (3, [-1, 0, 0, 0, 0, 0, 0, 0]),
+                                        (8, [300, 1]), (2, [0, 4])])
+def test_out_of_range_codes_are_refused(bits, codes):
+    """A code outside [0, 2**bits) would spill into its neighbours' bits (4 bits: [16, 0, 0, 0]
+    unpacked as [0, 1, 0, 0]): refused by name, and check_range=False (the codec's own,
+    in-range codes) skips the reduction."""
+    with pytest.raises(BitWidthError, match=rf"\[0, {1 << bits}\)"):
+        pack_codes(torch.tensor(codes), bits)
+    ok = torch.tensor(codes).clamp(0, (1 << bits) - 1)
+    assert torch.equal(unpack_codes(pack_codes(ok, bits), bits, len(codes)), ok)
+    pack_codes(torch.tensor(codes), bits, check_range=False)   # no check, no error

@@ -525,7 +525,7 @@ class CalibrationBundle:
         metrics = d.get("metrics", {})
         if not isinstance(prov, Mapping) or not isinstance(metrics, Mapping):
             raise _fail("provenance/metrics", "expected objects")
-        seed = _int(d.get("seed", 0), "seed")
+        seed = _int(d.get("seed", 0), "seed", 0, 2 ** 64 - 1)   # the codec's check_seed
         return cls(geo, layers, table, dict(prov), dict(metrics), seed)
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -560,9 +560,11 @@ class CalibrationBundle:
             raise FileNotFoundError(f"calibration bundle not found: {str(p)!r}")
         try:
             d = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:   # JSONDecodeError, UnicodeDecodeError, and
+            # an integer longer than Python's int-conversion limit (4,300 digits) are ValueErrors
             raise BundleSchemaError(f"calibration bundle {str(p)!r} is not valid JSON (or nests "
-                                    f"deeper than Python's parser allows): {e}") from None
+                                    f"deeper, or holds a longer integer, than Python's parser "
+                                    f"allows): {str(e)[:200]}") from None
         try:
             return cls.from_dict(d)
         except BundleSchemaError as e:

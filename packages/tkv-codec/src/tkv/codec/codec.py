@@ -36,6 +36,7 @@ from .validation import (
     check_channel_offset,
     check_channel_scales,
     check_device,
+    check_seed,
     check_vectors,
 )
 
@@ -173,7 +174,7 @@ class SideCodec:
                 f"{self.name} input: a vector's norm (after its offset and channel scales) "
                 f"exceeds the bf16 range (max {torch.finfo(torch.bfloat16).max:.3g}); largest "
                 f"|x| {float(x.abs().max()):.3g}")
-        return pack_codes(codes, self.bits), norms
+        return pack_codes(codes, self.bits, check_range=False), norms   # in range by construction
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unpacked codes int64 ``(..., head_dim)`` and bf16 norms ``(...)``, no validation.
@@ -212,11 +213,19 @@ class SideCodec:
     def _quantize_rotated(self, y: torch.Tensor):
         """Codes int64 and bf16 norms of a rotated input ``y`` (:meth:`_rotated`)."""
         n = torch.linalg.vector_norm(y, dim=-1)
-        if self.check_finite and not bool(torch.isfinite(n).all()):
-            # Σy² overflowed although y is finite (|y| ≳ 1e18 in float32): the norm of y / max|y|,
-            # scaled back, is exact where it fits (the bf16 cast below still overflows past 3.4e38)
-            a = y.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(y.dtype).tiny)
-            n = torch.where(torch.isfinite(n), n, torch.linalg.vector_norm(y / a, dim=-1) * a[..., 0])
+        # Σy² overflows although y is finite (|y| ≳ 1e18 in float32), or underflows to a norm
+        # of 0 or a few subnormal ulps (|y| ≲ 1e-19): the norm of y / max|y|, scaled back, is
+        # exact where it fits (the bf16 cast below still overflows past 3.4e38; bf16 holds
+        # norms down to float32's 1.2e-38, subnormal to 9.2e-41; below that a norm stores 0).
+        # One host sync, the finiteness check's.
+        tiny_norm = math.sqrt(torch.finfo(y.dtype).tiny) * 2 ** 12
+        bad = ~torch.isfinite(n) | (n < tiny_norm)
+        if self.check_finite and bool(bad.any()):   # only those rows (zero vectors stay 0)
+            yb = y[bad]
+            a = yb.abs().amax(dim=-1, keepdim=True)
+            a = torch.where(a > 0, a, torch.ones_like(a))
+            n = n.clone()
+            n[bad] = torch.linalg.vector_norm(yb / a, dim=-1) * a[..., 0]
         inv = torch.where(n > 0, math.sqrt(self.head_dim) / n, torch.zeros_like(n))
         z = y * inv.unsqueeze(-1)
         codes = self._nearest_centroid(z)
@@ -247,6 +256,9 @@ class SideCodec:
             )
         check_device(packed, self.device, f"{self.name} packed codes")
         check_device(norms, self.device, f"{self.name} norms")
+        if self.check_finite and not bool(torch.isfinite(norms).all()):
+            raise NonFiniteError(f"{self.name} norms contain NaN or ±inf (a corrupt slot, or "
+                                 f"a norm that overflowed bf16 at compress time)")
 
     def decompress_rotated(self, packed: torch.Tensor, norms: torch.Tensor,
                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -256,7 +268,9 @@ class SideCodec:
 
         Raises:
             DtypeError: ``dtype`` not a floating dtype; packed / norms of the wrong dtype.
-            ShapeError, DeviceMismatchError: packed / norms of the wrong shape or device."""
+            ShapeError, DeviceMismatchError: packed / norms of the wrong shape or device.
+            NonFiniteError: a NaN / ±inf norm, when the codec checks values (``check_finite``,
+                a device sync)."""
         self._check_packed(packed, norms, dtype)
         work = torch.float64 if dtype == torch.float64 else torch.float32
         if self._byte_table is not None and work == torch.float32:
@@ -280,7 +294,8 @@ class SideCodec:
 
         Raises:
             DtypeError: ``dtype`` not a floating dtype; packed / norms of the wrong dtype.
-            ShapeError, DeviceMismatchError: packed / norms of the wrong shape or device."""
+            ShapeError, DeviceMismatchError: packed / norms of the wrong shape or device.
+            NonFiniteError: a NaN / ±inf norm (with ``check_finite``)."""
         _check_out_dtype(dtype, f"{self.name} decompress")
         if isinstance(packed, torch.Tensor):
             self._check_heads(packed.shape[:-1], f"{self.name} packed", packed.shape)
@@ -306,7 +321,8 @@ class TurboKVCodec:
         bit_width: default width for both sides, 2..8.
         k_bits, v_bits: per-side widths (default ``bit_width``), 2..8, odd widths included.
         device: where the codec's tables live; inputs must be on the same device.
-        seed: seed of the rotation's random signs (K and V share one rotation).
+        seed: seed of the rotation's random signs (K and V share one rotation), an int in
+            ``[0, 2**64)`` (SplitMix64's state; others would alias).
         k_norm_correction: store ``‖y‖ / ‖û‖`` for keys so that ``‖x̂‖ = ‖x‖``. Why keys and not
             values: Lloyd-Max centroids are conditional means, so ``E‖û‖² = 1 − D_b < 1`` and every
             reconstructed key is shrunk; logits ``q·k`` shrink with it, i.e. a systematic
@@ -339,6 +355,7 @@ class TurboKVCodec:
     Raises:
         BitWidthError: a width outside 2..8. CodebookError: codebook size ≠ ``2**bits``.
         ShapeError / NonFiniteError / ValueError: malformed channel scales.
+        ValueError: a ``seed`` that is not an int in ``[0, 2**64)``.
 
     Example::
 
@@ -359,7 +376,7 @@ class TurboKVCodec:
         self.k_bits = check_bits(bit_width if k_bits is None else k_bits, "k_bits")
         self.v_bits = check_bits(bit_width if v_bits is None else v_bits, "v_bits")
         self.device = torch.device(device)
-        self.seed = seed
+        self.seed = check_seed(seed)
         self.rotation = HadamardRotation(head_dim, seed, self.device)
         ks = check_channel_scales(k_channel_scales, head_dim, "k_channel_scales")
         vs = check_channel_scales(v_channel_scales, head_dim, "v_channel_scales")

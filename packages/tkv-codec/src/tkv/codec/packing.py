@@ -55,25 +55,35 @@ def code_group(bits: int) -> tuple[int, int]:
     return g, g * bits // 8
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_codes(codes: torch.Tensor, bits: int, *, check_range: bool = True) -> torch.Tensor:
     """Pack integer codes into bytes (LSB-first, see module docstring).
 
     Args:
         codes: integer tensor ``(..., n)`` with values in ``[0, 2**bits)``; any integer dtype.
         bits: code width, 2..8.
+        check_range: refuse codes outside ``[0, 2**bits)`` (one min/max reduction and a host
+            sync; such a code would spill into its neighbours' bits). The codec passes False
+            for codes it made itself.
 
     Returns:
         uint8 tensor ``(..., ceil(n*bits/8))`` on the same device.
 
     Raises:
-        BitWidthError: bad ``bits``. DtypeError: ``codes`` is not an integer tensor.
-        ShapeError: ``codes`` is 0-d.
+        BitWidthError: bad ``bits``, or (``check_range``) a code that does not fit in it.
+        DtypeError: ``codes`` is not an integer tensor. ShapeError: ``codes`` is 0-d.
     """
     check_bits(bits)
+    if not isinstance(codes, torch.Tensor):
+        raise DtypeError(f"codes must be an integer torch.Tensor, got {type(codes).__name__}")
     if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
         raise DtypeError(f"codes must be an integer tensor, got {codes.dtype}")
     if codes.dim() == 0:
         raise ShapeError("codes must have at least one dimension")
+    if check_range and codes.numel():
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < 0 or hi >= 1 << bits:
+            raise BitWidthError(f"codes must lie in [0, {1 << bits}) for {bits}-bit packing, "
+                                f"got values in [{lo}, {hi}]")
     n = codes.shape[-1]
     lead = codes.shape[:-1]
     nbytes = (n * bits + 7) // 8
@@ -111,11 +121,15 @@ def unpack_codes(packed: torch.Tensor, bits: int, num_codes: int) -> torch.Tenso
         int64 tensor ``(..., num_codes)`` with values in ``[0, 2**bits)``.
 
     Raises:
-        BitWidthError, DtypeError (not uint8), ShapeError (wrong last dim).
+        BitWidthError, DtypeError (not a uint8 tensor), ShapeError (``num_codes`` not a
+        positive int, wrong last dim).
     """
     check_bits(bits)
-    if packed.dtype != torch.uint8:
-        raise DtypeError(f"packed codes must be uint8, got {packed.dtype}")
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        raise DtypeError(f"packed codes must be a uint8 torch.Tensor, got "
+                         f"{getattr(packed, 'dtype', type(packed).__name__)}")
+    if isinstance(num_codes, bool) or not isinstance(num_codes, int) or num_codes < 1:
+        raise ShapeError(f"num_codes must be a positive int, got {num_codes!r}")
     nbytes = (num_codes * bits + 7) // 8
     if packed.dim() == 0 or packed.shape[-1] != nbytes:
         raise ShapeError(

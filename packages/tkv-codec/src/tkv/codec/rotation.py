@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from .validation import check_seed
+
 __all__ = ["HadamardRotation", "hadamard_matrix", "splitmix64_signs"]
 
 _MASK64 = (1 << 64) - 1
@@ -88,7 +90,7 @@ class HadamardRotation:
 
     Args:
         head_dim: vector length d (≥ 1).
-        seed: int seed of the ±1 signs.
+        seed: int seed of the ±1 signs, in ``[0, 2**64)`` (ValueError otherwise).
         device: where the small factor matrices live.
 
     Methods act on the last dim of float tensors ``(..., head_dim)`` and compute in float32
@@ -99,7 +101,7 @@ class HadamardRotation:
         if head_dim < 1:
             raise ValueError(f"head_dim must be positive, got {head_dim}")
         self.head_dim = head_dim
-        self.seed = seed
+        self.seed = check_seed(seed)
         self.device = torch.device(device)
         p = head_dim & -head_dim  # largest power of two dividing head_dim
         self.pow2 = p

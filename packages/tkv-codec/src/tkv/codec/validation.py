@@ -95,3 +95,15 @@ def check_channel_offset(m, head_dim: int, name: str) -> torch.Tensor | None:
         raise ShapeError(f"{name} must have shape ({head_dim},) or (num_kv_heads, {head_dim}), "
                          f"got {tuple(t.shape)}")
     return _channel_vector(t, head_dim, name)
+
+
+def check_seed(seed) -> int:
+    """The rotation seed: an int in ``[0, 2**64)`` (SplitMix64's state is 64 bits, so other
+    values would silently alias: ``2**64`` is ``0``, ``-1`` is ``2**64 - 1``).
+
+    Raises:
+        ValueError: a bool, a non-int, or an int outside the range (the message names it)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+        shown = repr(seed) if len(repr(seed)) <= 40 else repr(seed)[:40] + "..."
+        raise ValueError(f"seed must be an int in [0, 2**64), got {shown}")
+    return seed
