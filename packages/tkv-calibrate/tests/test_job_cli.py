@@ -118,6 +118,9 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     (["needle", "--lengths", ","], "at least one length"),
     (["needle", "--depths", "0.5,1.5"], "outside [0, 1]"),
     (["needle", "--depths", "mid"], "depth must be a number in [0, 1]"),
+    (["run", "--budgets", ","], "at least one budget"),
+    (["evaluate", "--budgets", " , "], "at least one budget"),
+    (["needle", "--budgets", ","], "at least one budget"),
 ])
 def test_cli_bad_counts_and_needle_grid_are_usage_errors(capsys, argv, msg):
     """Counts, window sizes and the needle grid are checked by argparse: one usage line, exit
@@ -128,6 +131,49 @@ def test_cli_bad_counts_and_needle_grid_are_usage_errors(capsys, argv, msg):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
+
+
+def test_cli_out_naming_a_file_and_non_utf8_text_are_one_line_errors(capsys, tmp_path):
+    """`--out` naming an existing file is refused before the model loads (it used to end in a
+    FileExistsError traceback after it); a calibration text that is not UTF-8 is a named
+    TextEncodingError, one line, exit 2."""
+    from tkv.calibrate.data import read_text
+    from tkv.calibrate.errors import TextEncodingError
+
+    f = tmp_path / "taken"
+    f.write_text("x")
+    (tmp_path / "model").mkdir()   # exists (no config.json): the --out check comes first
+    assert main(["--model", str(tmp_path / "model"), "--out", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "is an existing file" in err and "Traceback" not in err
+    b = tmp_path / "latin1.txt"
+    b.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(TextEncodingError, match="not UTF-8"):
+        read_text(b)
+
+
+def test_job_config_validate_names_every_bad_setting(tmp_path):
+    """JobConfig.validate applies the CLI's rules for callers that build the config: an empty
+    budget list (it used to ship a K4V4 row nobody asked for), counts, center_keys, the
+    codebook gain, threads, the seed, --out — each a named error before any model loads."""
+    from tkv.calibrate.errors import JobConfigError
+    from tkv.calibrate.pipeline import JobConfig
+    from tkv.codec import TkvBitsError
+
+    with pytest.raises(TkvBitsError, match="at least one budget"):
+        JobConfig(budgets=()).validate()
+    (tmp_path / "file").write_text("x")
+    for kw, msg in ((dict(calib_window=1), "calib_window"), (dict(eval_windows=0), "eval_windows"),
+                    (dict(collect_windows=2.5), "collect_windows"),
+                    (dict(center_keys="weird"), "center_keys"),
+                    (dict(codebook_min_gain=1.5), "codebook_min_gain"),
+                    (dict(codebook_min_gain=-1), "codebook_min_gain"),
+                    (dict(threads=0), "threads"), (dict(seed=1.5), "seed"),
+                    (dict(seed=-1), "seed"), (dict(probe_bits=8), "probe_bits"),
+                    (dict(out=str(tmp_path / "file")), "existing file")):
+        with pytest.raises(JobConfigError, match=msg):
+            JobConfig(**{"out": str(tmp_path / "o"), **kw}).validate()
+    JobConfig(out=str(tmp_path / "o"), center_keys=False, threads=2, seed=2 ** 64 - 1).validate()
 
 
 def test_cli_needle_choices_match_the_shipped_needles():

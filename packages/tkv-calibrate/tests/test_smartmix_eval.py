@@ -265,3 +265,30 @@ def test_tkv_cache_refuses_bad_shapes_and_missing_layers(tiny):
         cache.update(k[0], k[0], 0)
     with pytest.raises(ShapeError, match="built for 2 layers"):   # a 4-layer model
         tiny.model(torch.randint(0, 256, (1, 4)), cache=cache, use_cache=True)
+
+
+def test_solver_names_bad_inputs():
+    """solve_mix is public: a bad cap, widths or prediction table is a named error at the
+    call, never an IndexError / KeyError / a terabyte allocation inside the solver; a cap past
+    the widest allocation is that allocation."""
+    from tkv.codec.errors import NonFiniteError, ShapeError
+
+    geo = ModelGeometry(num_layers=3, num_kv_heads=2, head_dim=64)
+    pred = {"k": torch.rand(3, 7), "v": torch.rand(3, 7)}
+    for cap in (-5, 0, float("nan"), float("inf"), "100", True):
+        with pytest.raises(TkvBitsError, match="byte cap"):
+            solve_mix(pred, geo, cap)
+    for widths in ((), None, 4, (1, 4), ("4",)):
+        with pytest.raises(TkvBitsError, match="widths"):
+            solve_mix(pred, geo, 500.0, widths=widths)
+    for bad in ({"k": pred["k"]}, {"k": pred["k"], "v": torch.rand(3, 3)},
+                {"k": pred["k"], "v": torch.rand(2, 7)}, None):
+        with pytest.raises(ShapeError, match="pred"):
+            solve_mix(bad, geo, 500.0)
+    nan = {"k": pred["k"].clone(), "v": pred["v"]}
+    nan["k"][1, 2] = float("nan")   # width 4
+    with pytest.raises(NonFiniteError, match="pred"):
+        solve_mix(nan, geo, 500.0)
+    solve_mix(nan, geo, 500.0, widths=(2, 3, 5))   # the NaN column is not a candidate
+    huge = solve_mix(pred, geo, 1e12)
+    assert huge.allocation == solve_mix(pred, geo, 1e6).allocation

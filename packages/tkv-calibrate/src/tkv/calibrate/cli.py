@@ -68,9 +68,13 @@ def _numbers(s: str, what: str, lo: float, hi: float, unit: str = "") -> tuple[f
 
 
 def _budgets(s: str) -> tuple[float, ...]:
-    """``--budgets``: bits per element in [2.0, 8.0] — the rule of
-    tkv.calibrate.smartmix.check_budget, which the job applies again."""
-    return _numbers(s, "budget", 2.0, 8.0, " bits per element")
+    """``--budgets``: at least one bits-per-element budget in [2.0, 8.0] — the rule of
+    tkv.calibrate.smartmix.check_budget, which the job applies again (an empty list would ship
+    a bundle whose only row nobody asked for)."""
+    out = _numbers(s, "budget", 2.0, 8.0, " bits per element")
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one budget, e.g. 3,4,5")
+    return out
 
 
 def _at_least(lo: int):
@@ -292,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"run": _run, "evaluate": _evaluate, "needle": _needle}[a.cmd](a)
-    except (TkvError, FileNotFoundError) as e:
+    except (TkvError, OSError) as e:   # OSError: a missing file, --out naming a file, ...
         print(f"tkv-calibrate: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import TextTooShortError
+from .errors import TextEncodingError, TextTooShortError
 
 __all__ = [
     "TextWindows",
@@ -51,13 +51,18 @@ def read_text(path: str | Path) -> tuple[str, str]:
     """Read a UTF-8 text file; returns ``(text, sha256 hex of its bytes)``.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file. TextEncodingError: not UTF-8.
     """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"text file not found: {p}")
     raw = p.read_bytes()
-    return raw.decode("utf-8"), hashlib.sha256(raw).hexdigest()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TextEncodingError(f"text file {str(p)!r} is not UTF-8 (byte {e.start}: "
+                                f"{e.reason})") from None
+    return text, hashlib.sha256(raw).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ from tkv.codec.errors import TkvError
 
 __all__ = [
     "CalibrateError",
+    "JobConfigError",
     "ModelNotFoundError",
+    "TextEncodingError",
     "TextTooShortError",
     "UnsupportedModelError",
 ]
@@ -32,3 +34,12 @@ class UnsupportedModelError(CalibrateError, ValueError):
 
 class TextTooShortError(CalibrateError, ValueError):
     """A calibration/evaluation text holds fewer tokens than the requested windows need."""
+
+
+class TextEncodingError(CalibrateError, ValueError):
+    """A calibration/evaluation text file is not UTF-8."""
+
+
+class JobConfigError(CalibrateError, ValueError):
+    """A :class:`tkv.calibrate.pipeline.JobConfig` setting out of range (what the CLI's
+    argument parser refuses, for callers that build the config themselves)."""

@@ -19,10 +19,12 @@ import torch
 
 from tkv.codec import CalibrationBundle, LayerAllocation, ModelGeometry, ModelLayout
 from tkv.codec.errors import TkvBitsError
+from tkv.codec.validation import check_seed
 
 from .calibrate import Calibration, draft_bundle, fit_calibration
 from .collect import window_sink_tokens
 from .data import default_calib_text, default_eval_text, tokenize_windows
+from .errors import JobConfigError
 from .evaluate import Arm, EvalResult, evaluate_arms, measure_kl
 from .fitting import MIN_FITTED_GAIN
 from .model import LoadedModel, load_model
@@ -85,16 +87,40 @@ class JobConfig:
         return cls(**base)
 
     def validate(self) -> None:
-        """Raises TkvBitsError for a budget outside [2, 8] or bad ``mix_widths``; ValueError
-        for bad counts."""
+        """The CLI's argument rules, for callers that build the config themselves.
+
+        Raises:
+            TkvBitsError: no budget, a budget outside [2, 8], or bad ``mix_widths``.
+            JobConfigError: a window count < 1 (tokens per calibration window < 2), probe
+                bits outside 2..7, an unknown ``center_keys``, ``codebook_min_gain`` outside
+                [0, 1), ``threads`` < 1, or a seed that is not an int in [0, 2**64);
+                ``out`` naming an existing file."""
+        if not self.budgets:   # draft_bundle would fill in a K4V4 row nobody asked for
+            raise TkvBitsError("at least one budget is needed, e.g. (3.0, 4.0, 5.0)")
         self.budgets = tuple(sorted({check_budget(b) for b in self.budgets}))
         self.mix_widths = check_widths(self.mix_widths)
-        for name in ("calib_window", "collect_windows", "sensitivity_windows", "verify_windows",
-                     "eval_window", "eval_windows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        for name, lo in (("calib_window", 2), ("collect_windows", 1), ("sensitivity_windows", 1),
+                         ("verify_windows", 1), ("eval_window", 2), ("eval_windows", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise JobConfigError(f"{name} must be an int >= {lo}, got {v!r}")
         if not 2 <= self.probe_bits <= 7:
-            raise ValueError("probe_bits must be in 2..7")
+            raise JobConfigError(f"probe_bits must be in 2..7, got {self.probe_bits!r}")
+        if self.center_keys not in (True, False, "per-head", "shared", "off"):
+            raise JobConfigError(f"center_keys must be 'per-head', 'shared' or 'off' (or a "
+                                 f"bool), got {self.center_keys!r}")
+        g = self.codebook_min_gain
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < 1:
+            raise JobConfigError(f"codebook_min_gain must be a fraction in [0, 1), got {g!r}")
+        if self.threads is not None and (isinstance(self.threads, bool)
+                                         or not isinstance(self.threads, int) or self.threads < 1):
+            raise JobConfigError(f"threads must be None or an int >= 1, got {self.threads!r}")
+        try:
+            check_seed(self.seed)
+        except ValueError as e:
+            raise JobConfigError(str(e)) from None
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise JobConfigError(f"out {self.out!r} is an existing file, not a folder")
 
 
 @dataclass
@@ -234,7 +260,8 @@ def run_job(cfg: JobConfig, loaded: LoadedModel | None = None) -> JobResult:
     """Run the whole job (module docstring). ``loaded`` skips model loading (tests).
 
     Raises:
-        ModelNotFoundError, UnsupportedModelError, TextTooShortError, TkvBitsError.
+        ModelNotFoundError, UnsupportedModelError, TextTooShortError, TextEncodingError,
+        TkvBitsError, JobConfigError (:meth:`JobConfig.validate`, before the model loads).
     """
     from .report import write_report
 

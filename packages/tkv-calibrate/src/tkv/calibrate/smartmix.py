@@ -23,7 +23,7 @@ import torch
 
 from tkv.codec import LayerAllocation, ModelGeometry, ModelLayout, SlotLayout
 from tkv.codec.bundle import normalize_tkv_bits
-from tkv.codec.errors import TkvBitsError
+from tkv.codec.errors import NonFiniteError, ShapeError, TkvBitsError
 
 from .quantizers import PRICE_BLOCK_SIZE
 
@@ -81,13 +81,31 @@ def check_widths(widths) -> tuple[int, ...]:
     ``(2, 4)`` keeps every layer on the two fastest, trading some fidelity per byte.
 
     Raises:
-        TkvBitsError: empty, or a width that is not an int in 2..8.
+        TkvBitsError: empty, not a collection, or a width that is not an int in 2..8.
     """
-    out = sorted(set(widths))
+    try:
+        out = sorted(set(widths))
+    except TypeError:   # None, a bare int, unhashable or unorderable items
+        raise TkvBitsError(f"SmartMix widths must be a collection of ints in 2..8, got "
+                           f"{widths!r}") from None
     if not out or any(isinstance(w, bool) or not isinstance(w, int) or not 2 <= w <= 8
                       for w in out):
         raise TkvBitsError(f"SmartMix widths must be ints in 2..8, got {list(widths)!r}")
     return tuple(out)
+
+
+def _check_predictions(pred, num_layers: int, widths: tuple[int, ...]) -> None:
+    """``pred`` must map ``"k"`` and ``"v"`` to ``(num_layers, 7)`` tensors, finite in the
+    columns of ``widths`` (ShapeError / NonFiniteError naming the side)."""
+    cols = [w - 2 for w in widths]
+    for side in ("k", "v"):
+        t = pred.get(side) if isinstance(pred, dict) else None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (num_layers, len(WIDTHS)):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ShapeError(f"pred[{side!r}] must be a ({num_layers}, {len(WIDTHS)}) tensor of "
+                             f"predicted KL per layer for widths 2..8, got {got}")
+        if not bool(torch.isfinite(t[:, cols].double()).all()):
+            raise NonFiniteError(f"pred[{side!r}] holds NaN / inf for widths {list(widths)}")
 
 
 @dataclass(frozen=True)
@@ -111,17 +129,30 @@ def solve_mix(pred: dict[str, torch.Tensor], geo: ModelGeometry, cap: float,
     layout-priced bytes per token ≤ ``cap``.
 
     Args:
-        pred: ``{"k": (L, 7), "v": (L, 7)}`` predicted KL per layer for widths 2..8.
-        widths: the widths a side may take (default all, 2..8).
+        pred: ``{"k": (L, 7), "v": (L, 7)}`` predicted KL per layer for widths 2..8 (L =
+            ``geo.num_layers``; finite where a width in ``widths`` reads it).
+        geo: the model geometry (prices each pair by :class:`~tkv.codec.SlotLayout`).
+        cap: bytes per token for all layers (:func:`budget_cap_bytes`), a positive finite
+            number; a cap above the widest allocation is that allocation's bytes.
+        widths: the widths a side may take (default all, 2..8; :func:`check_widths`).
 
     Raises:
-        TkvBitsError: no allocation of those widths fits ``cap``.
+        TkvBitsError: bad ``widths`` or ``cap``, or no allocation of those widths fits ``cap``.
+        ShapeError: ``pred`` without ``"k"`` / ``"v"`` tensors of shape ``(L, 7)``.
+        NonFiniteError: a NaN / inf prediction for a width that ``widths`` allows.
     """
+    widths = check_widths(widths)
     n = geo.num_layers
+    _check_predictions(pred, n, widths)
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) \
+            or cap <= 0:
+        raise TkvBitsError(f"the byte cap must be a positive finite number of bytes per "
+                           f"token, got {cap!r}")
     opts = [(kb, vb, round(SlotLayout(geo.head_dim, geo.num_kv_heads, kb, vb,
                                           PRICE_BLOCK_SIZE).bytes_per_token))
             for kb in widths for vb in widths]
     g = reduce(math.gcd, [c for _, _, c in opts])
+    cap = min(cap, n * max(c for _, _, c in opts))   # no table past the widest allocation
     units = math.floor(cap / g + 1e-9)
     inf = float("inf")
     dp = torch.full((units + 1,), inf, dtype=torch.float64)

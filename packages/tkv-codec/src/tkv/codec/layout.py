@@ -188,7 +188,9 @@ class SlotLayout:
         H, B)``, ``v_codes``, ``v_norms`` likewise. Writing into a view writes the cache.
 
         Raises:
-            DtypeError: cache not uint8. ShapeError: last dim ≠ page_bytes or not contiguous.
+            DtypeError: cache not uint8. ShapeError: not 2-D, last dim ≠ page_bytes, or not
+            unit stride on it (rows further apart than ``page_bytes`` are fine: the views
+            follow the row stride; tkv's kernels need a contiguous cache and check it).
         """
         if cache.dtype != torch.uint8:
             raise DtypeError(f"a tkv cache is uint8, got {cache.dtype}")
