@@ -384,3 +384,17 @@ def test_tkv_bits_error_shortens_a_huge_value():
     with pytest.raises(TkvBitsError, match=r"got '44444.*\.\.\. \(5002 characters\)") as e:
         normalize_tkv_bits("4" * 5000)
     assert len(str(e.value)) < 120
+
+
+def test_bundle_codec_names_bad_layer_and_heads():
+    """bundle.codec(layer, ...): a float / str / bool layer, or heads that are not KV-head
+    ints, are named errors (a float layer was a TypeError from list indexing, True was
+    accepted as layer 1)."""
+    b = make_bundle()
+    for layer in (1.0, "1", True, -1, 3):
+        with pytest.raises(IndexError, match="layer must be an int"):
+            b.codec(layer, 4, 4)
+    for heads in (2, [0.0], [True], [5], []):
+        with pytest.raises(BundleGeometryError):
+            b.codec(0, 4, 4, heads=heads)
+    assert b.codec(0, 4, 4, heads=range(1, 2)).k_bits == 4

@@ -445,3 +445,28 @@ def test_decompress_and_unrotate_refuse_non_float_output_dtypes(dtype):
         c.decompress_v_rotated(*c.compress_v(torch.randn(3, 64)), dtype=dtype)
     with pytest.raises(DtypeError, match="floating dtype"):
         c.unrotate_output(torch.randn(3, 64), dtype=dtype)
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(k_codebook="foo"), CodebookError, "'gaussian' or 'beta'"),
+    (dict(v_codebook=5), CodebookError, "1-D sequence"),
+    (dict(k_codebook=[[0.1, 0.2], [0.3, 0.4]]), CodebookError, "1-D"),
+    (dict(k_codebook=["a"] * 16), CodebookError, "real centroids"),
+    (dict(k_channel_scales="abc"), DtypeError, "string"),
+    (dict(k_channel_scales=torch.ones(64, dtype=torch.complex64)), DtypeError, "real"),
+    (dict(v_channel_scales=[object()] * 64), DtypeError, "real tensor"),
+    (dict(k_channel_scales=torch.full((64,), 1e-45)), ValueError, "normal float32"),
+    (dict(k_channel_scales=torch.zeros(64)), ValueError, "normal float32"),
+])
+def test_constructor_names_malformed_codebooks_and_scales(kw, err, match):
+    """Break-test findings (session 28): a codebook name, a non-sequence codebook, string /
+    complex / object scales and subnormal scales (1/s overflows; the bundle refuses them too)
+    were plain ValueError / TypeError from torch, or accepted."""
+    with pytest.raises(err, match=match):
+        TurboKVCodec(64, 4, **kw)
+
+
+def test_beta_codebook_needs_head_dim_three():
+    with pytest.raises(CodebookError, match="head_dim >= 3"):
+        TurboKVCodec(2, 4, k_codebook="beta")
+    TurboKVCodec(3, 4, k_codebook="beta")

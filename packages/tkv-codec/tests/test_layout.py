@@ -103,3 +103,23 @@ def test_model_layout_refuses_empty_mixed_blocks_and_negative_budgets():
     assert lay.tokens_that_fit(0) == 0 and lay.tokens_that_fit(3 * lay.layers[0].page_bytes) == 16
     with pytest.raises(ValueError, match=">= 0"):
         lay.tokens_that_fit(-5)
+
+
+def test_layout_helpers_name_bad_arguments():
+    """allocate / tokens_that_fit / effective_bits_per_element / ModelLayout with bad
+    arguments: named errors, not torch RuntimeError, ZeroDivisionError or a NaN conversion."""
+    lay = SlotLayout(64, 2, 4, 4, 16)
+    for n in (-1, 2.0, True, "3"):
+        with pytest.raises(ShapeError, match="num_blocks"):
+            lay.allocate(n)
+    assert lay.allocate(0).shape == (0, lay.page_bytes)
+    model = ModelLayout((lay, lay))
+    for nbytes in (float("inf"), float("nan"), -1, "1e9"):
+        with pytest.raises(ValueError, match="nbytes"):
+            model.tokens_that_fit(nbytes)
+    assert model.tokens_that_fit(10 ** 9) > 0
+    for d in (0, -64, 64.0):
+        with pytest.raises(ShapeError, match="head_dim"):
+            effective_bits_per_element(d, 4, 4)
+    with pytest.raises(ShapeError, match="entry 1 is a int"):
+        ModelLayout((lay, 1))

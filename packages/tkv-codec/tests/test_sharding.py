@@ -92,3 +92,12 @@ def test_config_codec_slices_per_head_offsets_to_the_rank(tmp_path):
     assert plain.codec(1, shard=shard_kv_heads(h, 2, 1)).k.channel_offset is None
     with pytest.raises(ShapeError, match="inside the model"):
         plain.codec(1, shard=KvHeadShard(1, h, 1))
+
+
+@pytest.mark.parametrize("args", [("8", 2, 1), (None, 2, 0), (8.0, 2, 1), (8, 2.0, 0),
+                                  (8, 2, True)])
+def test_shard_kv_heads_refuses_non_int_sizes(args):
+    """A float 8.0 used to come back as a KvHeadShard holding floats; None / "8" were
+    TypeErrors from a comparison."""
+    with pytest.raises(ShapeError, match="must be an int"):
+        shard_kv_heads(*args)

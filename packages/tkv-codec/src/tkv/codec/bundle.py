@@ -612,21 +612,28 @@ class CalibrationBundle:
         unaffected). None: all ``num_kv_heads`` heads.
 
         Raises:
-            IndexError: layer out of range. BundleGeometryError: a head index outside the
-            bundle's ``num_kv_heads``.
+            IndexError: ``layer`` not an int in range. BundleGeometryError: ``heads`` not a
+            collection of ints inside the bundle's ``num_kv_heads``.
         """
         from .codec import TurboKVCodec
 
-        if not 0 <= layer < self.geometry.num_layers:
-            raise IndexError(f"layer {layer} outside 0..{self.geometry.num_layers - 1}")
+        if isinstance(layer, bool) or not isinstance(layer, int) \
+                or not 0 <= layer < self.geometry.num_layers:
+            raise IndexError(f"layer must be an int in 0..{self.geometry.num_layers - 1}, got "
+                             f"{layer!r}")
         cal = self.layers[layer]
         d = self.geometry.head_dim
         offs = [cal.k_offset_tensor(d), cal.sink_offset_tensor("k", d),
                 cal.sink_offset_tensor("v", d)]
         if heads is not None:
-            idx = list(heads)
             nh = self.geometry.num_kv_heads
-            if not idx or any(not 0 <= h < nh for h in idx):
+            try:
+                idx = list(heads)
+            except TypeError:
+                raise BundleGeometryError(f"heads must be a collection of KV-head indices "
+                                          f"(e.g. range(0, {nh})), got {heads!r}") from None
+            if not idx or any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < nh
+                              for h in idx):
                 raise BundleGeometryError(
                     f"KV heads {idx} outside the bundle's {nh} KV heads (0..{nh - 1})")
             offs = [m[idx] if m is not None and m.dim() == 2 else m for m in offs]

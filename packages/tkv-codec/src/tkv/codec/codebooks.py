@@ -77,8 +77,23 @@ class Codebook:
 
     @classmethod
     def from_centroids(cls, centroids, bits: int | None = None) -> Codebook:
-        """Build from a sequence/tensor of ``2**bits`` centroids (``bits`` inferred if None)."""
-        c = torch.as_tensor(centroids, dtype=torch.float64)
+        """Build from a sequence/tensor of ``2**bits`` centroids (``bits`` inferred if None).
+
+        Raises:
+            CodebookError: not a real 1-D sequence of numbers, or a size that is not a power
+            of two."""
+        if isinstance(centroids, (str, bytes, int, float)) or (
+                isinstance(centroids, torch.Tensor) and (centroids.is_complex()
+                                                         or centroids.dim() != 1)):
+            raise CodebookError(f"a codebook is a 1-D sequence of 2**bits real centroids, got "
+                                f"{type(centroids).__name__}")
+        try:
+            c = torch.as_tensor(centroids, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise CodebookError(f"a codebook is a 1-D sequence of 2**bits real centroids: "
+                                f"{e}") from None
+        if c.dim() != 1:
+            raise CodebookError(f"a codebook is 1-D, got shape {tuple(c.shape)}")
         if bits is None:
             n = c.numel()
             bits = n.bit_length() - 1
@@ -268,11 +283,15 @@ def fit_codebook(samples: torch.Tensor, bits: int, iters: int = 200,
 
 
 def default_codebook(bits: int, head_dim: int | None = None, kind: str = "gaussian") -> Codebook:
-    """The codebook used when none is given: ``kind`` is ``"gaussian"`` (default) or ``"beta"``."""
+    """The codebook used when none is given: ``kind`` is ``"gaussian"`` (default) or ``"beta"``.
+
+    Raises:
+        BitWidthError: bad bits. CodebookError: another ``kind``, or ``"beta"`` without a
+        head_dim ≥ 3 (its density needs d ≥ 3)."""
     if kind == "gaussian":
         return gaussian_codebook(bits)
     if kind == "beta":
-        if head_dim is None:
-            raise ValueError("the beta codebook needs head_dim")
+        if head_dim is None or head_dim < 3:
+            raise CodebookError(f"the beta codebook needs head_dim >= 3, got {head_dim!r}")
         return beta_codebook(head_dim, bits)
-    raise ValueError(f"codebook kind must be 'gaussian' or 'beta', got {kind!r}")
+    raise CodebookError(f"codebook kind must be 'gaussian' or 'beta', got {kind!r}")

@@ -27,6 +27,7 @@ is zero and the page costs exactly the ideal code + norm bytes. A cache tensor i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -55,7 +56,12 @@ def _align_up(n: int, a: int = ALIGN) -> int:
 
 
 def side_slot_bytes(head_dim: int, bits: int) -> int:
-    """Bytes one token of one KV head takes on one side: ``ceil(head_dim·bits/8) + 2``."""
+    """Bytes one token of one KV head takes on one side: ``ceil(head_dim·bits/8) + 2``.
+
+    Raises:
+        ShapeError: ``head_dim`` not a positive int. BitWidthError: bits outside 2..8."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ShapeError(f"head_dim must be a positive int, got {head_dim!r}")
     return packed_bytes(head_dim, bits) + NORM_BYTES
 
 
@@ -178,7 +184,12 @@ class SlotLayout:
 
     # ------------------------------------------------------------------ tensors
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A zeroed cache ``uint8 (num_blocks, page_bytes)``."""
+        """A zeroed cache ``uint8 (num_blocks, page_bytes)``.
+
+        Raises:
+            ShapeError: ``num_blocks`` not an int ≥ 0."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ShapeError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         return torch.zeros(num_blocks, self.page_bytes, dtype=torch.uint8, device=device)
 
     def views(self, cache: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -236,9 +247,13 @@ class ModelLayout:
         """Raises ShapeError: no layers, a non-SlotLayout entry, or layers with different
         block sizes (every layer of a paged cache holds the same tokens per block)."""
         layers = tuple(self.layers)
-        if not layers or not all(isinstance(lay, SlotLayout) for lay in layers):
-            raise ShapeError(f"a ModelLayout needs one SlotLayout per attention layer (at least "
-                             f"one), got {len(layers)} entries")
+        if not layers:
+            raise ShapeError("a ModelLayout needs one SlotLayout per attention layer (at least "
+                             "one), got none")
+        bad = [i for i, lay in enumerate(layers) if not isinstance(lay, SlotLayout)]
+        if bad:
+            raise ShapeError(f"a ModelLayout holds SlotLayouts; entry {bad[0]} is a "
+                             f"{type(layers[bad[0]]).__name__}")
         sizes = {lay.block_size for lay in layers}
         if len(sizes) > 1:
             raise ShapeError(f"layers of one ModelLayout share a block size, got {sorted(sizes)}")
@@ -286,9 +301,10 @@ class ModelLayout:
         holds the same number of blocks).
 
         Raises:
-            ValueError: ``nbytes`` negative."""
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+            ValueError: ``nbytes`` negative, not finite, or not a number."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) \
+                or not math.isfinite(nbytes) or nbytes < 0:
+            raise ValueError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
         block = self.layers[0].block_size
         per_block = sum(lay.page_bytes for lay in self.layers)
         return int(nbytes // per_block) * block

@@ -52,10 +52,13 @@ def shard_kv_heads(total_num_kv_heads: int, tp_size: int, tp_rank: int) -> KvHea
     """The :class:`KvHeadShard` of ``tp_rank`` (the engines' QKVParallelLinear rule, see module doc).
 
     Raises:
-        ShapeError: non-positive sizes, rank out of range, or head counts that the engines
+        ShapeError: non-int or non-positive sizes, rank out of range, or head counts that the engines
         cannot shard (neither ``H % T == 0`` nor ``T % H == 0``).
     """
     h, t, r = total_num_kv_heads, tp_size, tp_rank
+    for name, v in (("total_num_kv_heads", h), ("tp_size", t), ("tp_rank", r)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ShapeError(f"{name} must be an int, got {v!r}")
     if h < 1 or t < 1:
         raise ShapeError(f"total_num_kv_heads={h} and tp_size={t} must be ≥ 1")
     if not 0 <= r < t:

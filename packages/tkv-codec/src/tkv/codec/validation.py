@@ -50,7 +50,17 @@ def check_vectors(x: torch.Tensor, head_dim: int, device: torch.device, name: st
 
 
 def _channel_vector(v, head_dim: int, name: str) -> torch.Tensor:
-    t = torch.as_tensor(v).detach().to("cpu", torch.float32)
+    """A real ``(head_dim,)`` vector as float32 on the CPU (DtypeError for strings, complex or
+    non-numeric input; ShapeError / NonFiniteError as the callers say)."""
+    if isinstance(v, (str, bytes)):
+        raise DtypeError(f"{name} must be a real tensor / sequence of numbers, got a string")
+    try:
+        t = torch.as_tensor(v).detach()
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise DtypeError(f"{name} must be a real tensor / sequence of numbers: {e}") from None
+    if t.is_complex() or t.dtype == torch.bool:
+        raise DtypeError(f"{name} must be real numbers, got {t.dtype}")
+    t = t.to("cpu", torch.float32)
     if t.shape != (head_dim,):
         raise ShapeError(f"{name} must have shape ({head_dim},), got {tuple(t.shape)}")
     if not bool(torch.isfinite(t).all()):
@@ -62,13 +72,16 @@ def check_channel_scales(s, head_dim: int, name: str) -> torch.Tensor | None:
     """Return per-channel scales as a float32 CPU tensor ``(head_dim,)``, or None.
 
     Raises:
-        ShapeError: not ``(head_dim,)``. NonFiniteError: NaN/Inf. ValueError: a scale <= 0.
+        ShapeError: not ``(head_dim,)``. DtypeError: not real numbers. NonFiniteError: NaN/Inf.
+        ValueError: a scale below float32's smallest normal number (1.18e-38: zero, negative,
+        or subnormal — ``1/s`` would overflow; the bundle refuses them too).
     """
     if s is None:
         return None
     t = _channel_vector(s, head_dim, name)
-    if not bool((t > 0).all()):
-        raise ValueError(f"{name} must be strictly positive")
+    if not bool((t >= torch.finfo(torch.float32).tiny).all()):
+        raise ValueError(f"{name} must be positive normal float32 numbers (>= 1.18e-38), got "
+                         f"min {float(t.min()):.3g}")
     return t
 
 
