@@ -398,3 +398,24 @@ def test_bundle_codec_names_bad_layer_and_heads():
         with pytest.raises(BundleGeometryError):
             b.codec(0, 4, 4, heads=heads)
     assert b.codec(0, 4, 4, heads=range(1, 2)).k_bits == 4
+
+
+def test_model_geometry_names_bad_sizes_and_layer_types(tmp_path):
+    """ModelGeometry("2", ...) was a TypeError deep in a comparison; layer_types 0 or {} in a
+    bundle silently became all-full. Now: ShapeError on construction, BundleSchemaError on
+    load; an absent or empty list still means every layer full."""
+    for kw in (dict(num_layers="2"), dict(num_kv_heads=0), dict(head_dim=64.0),
+               dict(layer_types=("full",)), dict(layer_types=("full", "local")),
+               dict(layer_types="full")):
+        with pytest.raises(ShapeError, match="ModelGeometry"):
+            ModelGeometry(**{**dict(num_layers=2, num_kv_heads=1, head_dim=64), **kw})
+    assert ModelGeometry(2, 1, 64).layer_types == ("full", "full")
+    assert ModelGeometry(2, 1, 64, ["sliding", "full"]).layer_types == ("sliding", "full")
+    for bad in (0, {}, "full"):
+        d = make_bundle().to_dict()
+        d["geometry"]["layer_types"] = bad
+        d["integrity"] = _digest({k: v for k, v in d.items() if k != "integrity"})
+        p = tmp_path / "g.json"
+        p.write_text(json.dumps(d))
+        with pytest.raises(BundleSchemaError, match="layer_types"):
+            CalibrationBundle.load(p)

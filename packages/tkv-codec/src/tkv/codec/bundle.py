@@ -54,6 +54,7 @@ from .errors import (
     BundleGeometryError,
     BundleSchemaError,
     CodebookError,
+    ShapeError,
     TkvBitsError,
 )
 from .layout import effective_bits_per_element
@@ -185,8 +186,20 @@ class ModelGeometry:
     model: str = ""
 
     def __post_init__(self) -> None:
-        if not self.layer_types:
-            object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
+        """Raises ShapeError: a size that is not a positive int, or ``layer_types`` that is
+        not one of ``"full"`` / ``"sliding"`` per layer (empty: all ``"full"``)."""
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ShapeError(f"ModelGeometry.{name} must be a positive int, got {v!r}")
+        types = self.layer_types
+        if not isinstance(types, (tuple, list)) or (
+                types and (len(types) != self.num_layers
+                           or any(t not in LAYER_TYPES for t in types))):
+            raise ShapeError(f"ModelGeometry.layer_types must hold {self.num_layers} entries "
+                             f"from {LAYER_TYPES} (or be empty: all full), got {types!r}")
+        object.__setattr__(self, "layer_types",
+                           tuple(types) if types else ("full",) * self.num_layers)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "num_layers": self.num_layers,
@@ -239,7 +252,9 @@ class ModelGeometry:
     def from_dict(cls, d: Mapping, path: str = "geometry") -> ModelGeometry:
         n = _int(_req(d, "num_layers", path), f"{path}.num_layers", 1)
         _keys(d, GEOMETRY_FIELDS, path)
-        types = d.get("layer_types") or ["full"] * n
+        types = d.get("layer_types")
+        if types is None or types == []:   # absent or empty: every layer full attention
+            types = ["full"] * n
         if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
             raise _fail(f"{path}.layer_types", f"expected {n} entries from {LAYER_TYPES}")
         sw = d.get("sliding_window")
