@@ -470,3 +470,15 @@ def test_beta_codebook_needs_head_dim_three():
     with pytest.raises(CodebookError, match="head_dim >= 3"):
         TurboKVCodec(2, 4, k_codebook="beta")
     TurboKVCodec(3, 4, k_codebook="beta")
+
+
+def test_per_head_offset_shape_errors_name_the_right_last_dim():
+    """With per-head offsets a wrong head axis names the tensor's own last dim: head_dim for
+    inputs, the packed bytes (48 at 4 bits, head_dim 96) for packed codes."""
+    g = torch.Generator().manual_seed(8)
+    c = TurboKVCodec(96, 4, k_channel_offset=torch.randn(3, 96, generator=g))
+    p, n = c.compress_k(torch.randn(5, 3, 96, generator=g))
+    with pytest.raises(ShapeError, match=r"\(\.\.\., 3, 48\)"):
+        c.decompress_k(p[:, :2], n[:, :2])
+    with pytest.raises(ShapeError, match=r"\(\.\.\., 3, 96\)"):
+        c.compress_k(torch.randn(5, 2, 96, generator=g))

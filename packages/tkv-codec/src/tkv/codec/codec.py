@@ -132,12 +132,13 @@ class SideCodec:
             return None
         return self._rotated(self.sink_offset.to(dtype), self.channel_offset)
 
-    def _check_heads(self, lead: torch.Size, name: str, shape) -> None:
-        """A per-head offset needs the KV-head axis just before head_dim: ``lead[-1] == H``."""
+    def _check_heads(self, lead: torch.Size, name: str, shape, last: int | None = None) -> None:
+        """A per-head offset needs the KV-head axis just before the last dim (head_dim, or
+        ``last`` = the packed bytes of a packed tensor): ``lead[-1] == H``."""
         h = self.offset_heads
         if h is not None and (len(lead) == 0 or lead[-1] != h):
             raise ShapeError(
-                f"{name} must have shape (..., {h}, {self.head_dim}) (the per-head "
+                f"{name} must have shape (..., {h}, {last or self.head_dim}) (the per-head "
                 f"{'key' if self.name == 'K' else 'value'} offsets (channel or sink) "
                 f"hold {h} KV heads), got {tuple(shape)}")
 
@@ -298,7 +299,8 @@ class SideCodec:
             NonFiniteError: a NaN / ±inf norm (with ``check_finite``)."""
         _check_out_dtype(dtype, f"{self.name} decompress")
         if isinstance(packed, torch.Tensor):
-            self._check_heads(packed.shape[:-1], f"{self.name} packed", packed.shape)
+            self._check_heads(packed.shape[:-1], f"{self.name} packed", packed.shape,
+                              self.packed_bytes)
         work = torch.float64 if dtype == torch.float64 else torch.float32
         x = self.rotation.inverse(self.decompress_rotated(packed, norms, work))
         if self.channel_scales is not None:
