@@ -26,13 +26,16 @@ def test_single_attention_kind_keeps_per_layer_widths():
     assert plan_pages(MIX, 128, 8, [4096] * 6).mode == PER_LAYER
 
 
-def test_hybrid_uses_widest_layer_for_every_page_and_reports_the_loss():
+def test_hybrid_serves_each_side_at_its_widest_and_reports_the_loss():
+    """Common pages: every layer at (max k_bits, max v_bits) — MIX's widest-bytes pair is
+    K8V4, but layer 4 was calibrated V6, so the common pair is K8V6 and no layer loses bits
+    on either side."""
     kinds = [None, 4096, 4096, None, 4096, 4096]
     plan = plan_pages(MIX, 128, 8, kinds)
     assert plan.mode == COMMON
-    widest = max(zip(MIX.k_bits, MIX.v_bits, strict=True),
-                 key=lambda p: SlotLayout(128, 8, p[0], p[1], 16).page_bytes)
-    assert set(plan.served) == {widest} == {(8, 4)}
+    assert set(plan.served) == {(max(MIX.k_bits), max(MIX.v_bits))} == {(8, 6)}
+    for (ka, va), (ks, vs) in zip(plan.allocated, plan.served, strict=True):
+        assert ks >= ka and vs >= va
     pages = {plan.layout(i, 32).page_bytes for i in range(6)}
     assert len(pages) == 1
     ideal = sum(SlotLayout(128, 8, k, v, 32).page_bytes for k, v in plan.allocated)
@@ -51,3 +54,15 @@ def test_hybrid_with_uniform_widths_or_manager_off_has_no_loss():
 def test_empty_allocation_is_refused():
     with pytest.raises(ShapeError):
         plan_pages(LayerAllocation((), ()), 128, 8, [])
+
+
+def test_hybrid_with_crossed_widths_never_narrows_a_side():
+    """K5V3 beside K3V5 (SmartMix searches all 49 pairs): the served pair is K5V5, a page
+    wider than either allocated one, never K5V3 for the K3V5 layer (helper break-test,
+    session 28)."""
+    alloc = LayerAllocation((5, 3, 4, 4), (3, 5, 4, 4), "smartmix")
+    plan = plan_pages(alloc, 128, 8, [None, 4096] * 2)
+    assert set(plan.served) == {(5, 5)}
+    widest = max(SlotLayout(128, 8, k, v, 16).page_bytes for k, v in plan.allocated)
+    assert plan.layout(0, 16).page_bytes > widest
+    assert "K5V5" in plan.describe(16) and plan.capacity_loss(16) > 0

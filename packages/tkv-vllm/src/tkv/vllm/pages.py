@@ -9,10 +9,13 @@ layer of a KV-cache group. Two situations:
   ``UniformTypeKVCacheSpecs`` puts all layers in one group with one block table and sizes
   each layer's tensor ``page_bytes(layer) · num_blocks``. Zero waste.
 * **common page** (hybrid full + sliding models under vLLM's hybrid KV-cache manager, which
-  needs one page size across its groups): every page is sized for the widest allocated
-  layer, and instead of padding the narrower layers with dead bytes they are *served at the
-  widest widths* (same bytes, more bits, never worse quality). The capacity lost against
-  per-layer pages is reported at startup (:meth:`PagePlan.capacity_loss`).
+  needs one page size across its groups): every layer is *served at the widest widths of
+  each side* — ``(max k_bits, max v_bits)`` over the layers — so no layer gets fewer bits
+  than allocated on either side (never worse quality) and no page holds dead padding. When
+  one layer holds both maxima that is the widest allocated page (same bytes); when the maxima
+  sit in different layers (K5V3 beside K3V5) the common page is wider than any allocated one.
+  The capacity lost against per-layer pages is reported at startup
+  (:meth:`PagePlan.capacity_loss`).
 
 Page bytes always come from :class:`tkv.codec.layout.SlotLayout`.
 """
@@ -41,7 +44,8 @@ class PagePlan:
         mode: ``"per-layer"`` or ``"common"`` (see module docstring).
         allocated: ``(k_bits, v_bits)`` per layer from the bundle / default allocation.
         served: ``(k_bits, v_bits)`` per layer actually stored (``== allocated`` in
-            per-layer mode; the widest allocated pair for every layer in common mode).
+            per-layer mode; ``(max k_bits, max v_bits)`` over the layers for every layer in
+            common mode).
         head_dim: elements per head. num_kv_heads: KV heads per TP rank.
     """
 
@@ -71,7 +75,8 @@ class PagePlan:
 
     def describe(self, block_size: int) -> str:
         """One startup-log line."""
-        bf16 = sum(2 * self.num_kv_heads * self.head_dim * 2 * block_size for _ in self.served)
+        bf16 = block_size * sum(self.layout(i, block_size).bf16_bytes_per_token
+                                for i in range(len(self.served)))
         per_block = self.bytes_per_block(block_size)
         s = (f"tkv pages ({self.mode}): {len(self.served)} layers, {per_block} B per "
              f"{block_size}-token block, {bf16 / per_block:.3f}x tokens vs bf16")
@@ -81,14 +86,6 @@ class PagePlan:
                   f"{100 * self.capacity_loss(block_size):.1f}% fewer tokens than per-layer "
                   f"pages")
         return s
-
-
-def _widest(pairs: Sequence[tuple[int, int]], head_dim: int, num_kv_heads: int
-            ) -> tuple[int, int]:
-    def key(p: tuple[int, int]) -> tuple[int, int, int]:
-        return (SlotLayout(head_dim, num_kv_heads, p[0], p[1], 16).page_bytes, p[0], p[1])
-
-    return max(pairs, key=key)
 
 
 def plan_pages(allocation: LayerAllocation, head_dim: int, num_kv_heads: int,
@@ -113,5 +110,7 @@ def plan_pages(allocation: LayerAllocation, head_dim: int, num_kv_heads: int,
     hybrid = hybrid_manager and len(set(attention_kinds)) > 1
     if not hybrid or len(set(pairs)) == 1:
         return PagePlan(PER_LAYER, pairs, pairs, head_dim, num_kv_heads)
-    w = _widest(pairs, head_dim, num_kv_heads)
+    # each side at its widest: every layer keeps at least its calibrated bits on both sides
+    # (the widest-bytes pair alone would serve a K3V5 layer at K5V3 beside it)
+    w = (max(k for k, _ in pairs), max(v for _, v in pairs))
     return PagePlan(COMMON, pairs, (w,) * len(pairs), head_dim, num_kv_heads)
