@@ -368,7 +368,8 @@ def test_min_split_tiles_env(raw, want):
                                       ("1_28", None), ("+128", None)])
 def test_prmti_maxnreg_env(monkeypatch, raw, want):
     """TKV_PRMTI_MAXNREG: 0 / empty = no register cap, 64..255 a cap, anything else a named
-    error at import (startup), not a Triton failure at the first decode."""
+    error (at the engines' startup validation or the first kernel call), not a Triton failure
+    at the first decode."""
     import tkv.kernels.loaders as L
 
     monkeypatch.setenv(L.ENV_PRMTI_MAXNREG, raw)
@@ -377,6 +378,50 @@ def test_prmti_maxnreg_env(monkeypatch, raw, want):
             L._prmti_maxnreg_from_env()
     else:
         assert L._prmti_maxnreg_from_env() == want
+
+
+@pytest.mark.parametrize("name,bad,error", [
+    ("TKV_PRMTI_MAXNREG", "abc", "MaxnregConfigError"),
+    ("TKV_DECODE_PIPELINE", "yes", "PipelineConfigError"),
+    ("TKV_DECODE_SINGLE_SPLIT", "2", "SingleSplitConfigError"),
+    ("TKV_DECODE_MIN_SPLIT_TILES", "-1", "MinSplitTilesConfigError"),
+    ("TKV_STORE_ROTATION", "butterfly", "StoreRotationConfigError")])
+def test_a_bad_import_time_setting_is_raised_at_use_not_at_import(name, bad, error):
+    """The engines import tkv's kernels while registering their plugins: a bad value of a
+    setting read at import must not raise there (vLLM's load_general_plugins would fail for
+    every run, tkv or not; SGLang buried it under a usage dump — helper break-test, session
+    28). The import succeeds; engine_kernel_settings() (the engines' launch-time check),
+    Workspace, decode, prefill and compress_store raise the named error."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import torch, tkv.kernels as K
+from tkv.codec import TurboKVCodec
+def raises(fn):
+    try:
+        fn()
+    except K.{error} as e:
+        assert "{name}" in str(e), e
+        return True
+    return False
+ld = K.TkvLoader(TurboKVCodec(64, 4), 1, 16)
+cache = ld.layout.allocate(1)
+x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+one = torch.ones(1, dtype=torch.int32)
+calls = [K.engine_kernel_settings, lambda: K.Workspace(1, 1, 64, "cpu"),
+         lambda: K.compress_store(x, x, cache, torch.zeros(1, dtype=torch.int64), ld),
+         lambda: K.decode(x, cache, one.view(1, 1) * 0, one, ld, None),
+         lambda: K.prefill(x, x, x, torch.tensor([0, 1], dtype=torch.int32), one, 1, cache,
+                           one.view(1, 1) * 0, ld)]
+print([raises(c) for c in calls])
+"""
+    env = {**os.environ, name: bad, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[True, True, True, True, True]", (r.stdout, r.stderr[-800:])
 
 
 def test_immediate_table_lookup_with_a_fitted_codebook_warns_once(monkeypatch):

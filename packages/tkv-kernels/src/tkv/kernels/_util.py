@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from tkv.codec.errors import DeviceMismatchError, DtypeError, NonFiniteError, ShapeError
+from tkv.codec.errors import DeviceMismatchError, DtypeError, NonFiniteError, ShapeError, TkvError
 
 __all__ = ["check_dtype", "check_int_tensor", "check_same_device", "check_tensor", "next_pow2"]
 
@@ -203,3 +203,31 @@ def int_from_env(environ, name: str, ok, error: type[ValueError], expected: str)
         shown = raw if len(raw) <= 40 else raw[:40] + f"... ({len(raw)} characters)"
         raise error(f"{name}={shown!r}: expected {expected}")
     return n
+
+
+# settings read once when a kernel module is imported, whose value was refused (see below)
+_IMPORT_SETTING_ERRORS: list[TkvError] = []
+
+
+def read_at_import(parse):
+    """``parse()`` of the process environment, for a setting read once when its kernel module
+    is imported (``TKV_PRMTI_MAXNREG``, ``TKV_DECODE_PIPELINE``, ``TKV_DECODE_SINGLE_SPLIT``,
+    ``TKV_DECODE_MIN_SPLIT_TILES``, ``TKV_STORE_ROTATION``). A value ``parse`` refuses is not
+    raised here: the engines import tkv's kernels while registering their plugins, where a
+    raise breaks every run of that engine, tkv or not (vLLM's ``load_general_plugins``), or
+    is buried under a usage dump (SGLang). It is kept, the default (``parse({})``) stands in,
+    and :func:`check_import_settings` raises it — the engines' launch-time validation
+    (``engine_kernel_settings``) and every ``decode`` / ``prefill`` / ``compress_store`` /
+    ``Workspace`` call run it first, so nothing ever runs on the stand-in."""
+    try:
+        return parse()
+    except TkvError as e:
+        _IMPORT_SETTING_ERRORS.append(e)
+        return parse({})
+
+
+def check_import_settings() -> None:
+    """Raise the first import-time setting error :func:`read_at_import` kept (its named
+    error, e.g. ``MaxnregConfigError``), if any."""
+    if _IMPORT_SETTING_ERRORS:
+        raise _IMPORT_SETTING_ERRORS[0]

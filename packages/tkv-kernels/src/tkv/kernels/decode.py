@@ -26,6 +26,7 @@ from ._planes import (
 from ._util import (
     check_dtype,
     check_flag,
+    check_import_settings,
     check_int_tensor,
     check_last_dim_contiguous,
     check_out,
@@ -446,8 +447,10 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         ≤ 16), ``num_stages`` or ``min_split_tiles`` out of range; DtypeError for a bool
         option that is not a bool), NonFiniteError for a NaN / inf ``sm_scale``, TypeError
         for a ``loader`` / ``workspace`` of the wrong type, ValueError for an unknown
-        ``kernel``.
+        ``kernel``. A ``TKV_*`` setting refused at import (its named error, e.g.
+        MaxnregConfigError).
     """
+    check_import_settings()
     check_loader(loader)
     if not isinstance(workspace, Workspace):
         raise TypeError(f"workspace must be a tkv.kernels.Workspace, got "

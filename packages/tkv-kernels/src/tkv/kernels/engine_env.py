@@ -59,6 +59,9 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
         setting with a value its parser refuses (the message names the variable).
     """
     from . import loaders, store, workspace
+    from ._util import check_import_settings
+
+    check_import_settings()   # what this process refused at import, whatever ``environ`` says
 
     # validated either way; the five read once at import are reported as this process uses
     # them when the environment is the process's own

@@ -70,6 +70,7 @@ from ._util import (
     int_from_env,
     interpreting,
     next_pow2,
+    read_at_import,
 )
 from ._util import flag_from_env as _flag_from_env
 
@@ -594,7 +595,7 @@ def _prmti_maxnreg_from_env(environ=None) -> int:
                         MaxnregConfigError, "0 (no cap) or 64..255 registers per thread")
 
 
-PRMTI_MAXNREG = _prmti_maxnreg_from_env()
+PRMTI_MAXNREG = read_at_import(_prmti_maxnreg_from_env)
 
 ENV_DECODE_PIPELINE = "TKV_DECODE_PIPELINE"
 
@@ -606,8 +607,9 @@ class PipelineConfigError(TkvError, ValueError):
 def decode_pipeline_from_env(environ=None) -> bool:
     """Whether decode may software-pipeline its code-tile loads on under-filled grids
     (:meth:`TkvLoader.decode_num_stages`): ``TKV_DECODE_PIPELINE=1`` (the default) or ``0``
-    (one stage always: an A/B knob). Read once at import into :data:`DECODE_PIPELINE`, so a
-    bad value stops an engine when it imports tkv's kernels.
+    (one stage always: an A/B knob). Read once at import into :data:`DECODE_PIPELINE`; a bad
+    value is raised by the engines' startup validation or the first kernel call
+    (:func:`._util.read_at_import`).
 
     Raises:
         PipelineConfigError: any other value.
@@ -617,7 +619,7 @@ def decode_pipeline_from_env(environ=None) -> bool:
                           "workspace's target_programs CTAs) or 0 (one stage always)")
 
 
-DECODE_PIPELINE = decode_pipeline_from_env()
+DECODE_PIPELINE = read_at_import(decode_pipeline_from_env)
 
 
 def _pm1_factor(m: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:

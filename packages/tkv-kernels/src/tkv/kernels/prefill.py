@@ -26,6 +26,7 @@ from ._planes import (
 from ._util import (
     check_dtype,
     check_flag,
+    check_import_settings,
     check_int_tensor,
     check_last_dim_contiguous,
     check_no_overlap,
@@ -454,8 +455,10 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError on malformed inputs
         (ShapeError also for ``block_m`` / ``num_warps`` not an int power of two, ``num_stages``
         < 1; DtypeError for a bool option that is not a bool), NonFiniteError for a NaN / inf
-        ``sm_scale``, TypeError for a ``loader`` that is not a Loader.
+        ``sm_scale``, TypeError for a ``loader`` that is not a Loader. A ``TKV_*`` setting
+        refused at import (its named error).
     """
+    check_import_settings()
     if max_prefix_len is not None and (isinstance(max_prefix_len, bool) or not isinstance(
             max_prefix_len, int) or max_prefix_len < 0):
         raise ShapeError(f"max_prefix_len must be a host int ≥ 0 or None, got {max_prefix_len!r}")

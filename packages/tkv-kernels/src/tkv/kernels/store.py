@@ -16,12 +16,14 @@ from tkv.codec.packing import code_group
 from ._planes import hadamard_stage
 from ._util import (
     check_dtype,
+    check_import_settings,
     check_int_tensor,
     check_last_dim_contiguous,
     check_pow2,
     check_same_device,
     check_tensor,
     interpreting,
+    read_at_import,
 )
 from .loaders import TkvLoader
 
@@ -69,7 +71,7 @@ def store_rotation_from_env(environ=None) -> str:
     return name
 
 
-STORE_ROTATION = store_rotation_from_env()
+STORE_ROTATION = read_at_import(store_rotation_from_env)
 
 
 @triton.jit
@@ -547,8 +549,10 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
         no device sync). ValueError: unknown ``rotation``, ``"split"`` with a float32 side, or
-        ``"wht"`` where the rotation is not a pure power-of-two Hadamard.
+        ``"wht"`` where the rotation is not a pure power-of-two Hadamard. A ``TKV_*``
+        setting refused at import (its named error, e.g. StoreRotationConfigError).
     """
+    check_import_settings()
     if not isinstance(loader, TkvLoader):
         raise TypeError(f"compress_store needs a TkvLoader, got {type(loader).__name__}")
     num_blocks = loader.check_cache(cache)

@@ -6,7 +6,14 @@ import torch
 
 from tkv.codec.errors import ShapeError, TkvError
 
-from ._util import check_positive_int, flag_from_env, int_from_env, next_pow2
+from ._util import (
+    check_import_settings,
+    check_positive_int,
+    flag_from_env,
+    int_from_env,
+    next_pow2,
+    read_at_import,
+)
 
 __all__ = ["DECODE_MIN_SPLIT_TILES", "DECODE_SINGLE_SPLIT", "ENV_DECODE_MIN_SPLIT_TILES",
            "ENV_DECODE_SINGLE_SPLIT", "MAX_MIN_SPLIT_TILES", "SINGLE_SPLIT_TARGETS",
@@ -33,7 +40,8 @@ def decode_single_split_from_env(environ=None) -> bool:
     decode at 256 sequences (2,048 CTAs, where it applies) by 2.7 %, decode-only 0.91× → 0.94×
     bf16 (`benchmarks/results/vllm_e2e_2026-12-04_s19_split1/`; at 64 sequences both arms ran
     2 splits). Read once at import into
-    :data:`DECODE_SINGLE_SPLIT`, so a bad value stops an engine when it imports tkv's kernels.
+    :data:`DECODE_SINGLE_SPLIT`; a bad value is raised by the engines' startup validation or
+    the first kernel call (:func:`._util.read_at_import`).
 
     Raises:
         SingleSplitConfigError: any other value.
@@ -44,7 +52,7 @@ def decode_single_split_from_env(environ=None) -> bool:
                          "0 (at least min_splits always)")
 
 
-DECODE_SINGLE_SPLIT = decode_single_split_from_env()
+DECODE_SINGLE_SPLIT = read_at_import(decode_single_split_from_env)
 
 ENV_DECODE_MIN_SPLIT_TILES = "TKV_DECODE_MIN_SPLIT_TILES"
 MAX_MIN_SPLIT_TILES = 4096   # a constexpr of the split kernel: each value compiles anew
@@ -71,7 +79,7 @@ def decode_min_split_tiles_from_env(environ=None) -> int:
                         f"1..{MAX_MIN_SPLIT_TILES}")
 
 
-DECODE_MIN_SPLIT_TILES = decode_min_split_tiles_from_env()
+DECODE_MIN_SPLIT_TILES = read_at_import(decode_min_split_tiles_from_env)
 
 
 def check_min_split_tiles(value) -> int:
@@ -132,6 +140,7 @@ class Workspace:
                  device: torch.device | str = "cuda", *, max_splits: int = 32,
                  target_programs: int | None = None, min_splits: int = 2,
                  single_split_ctas: int | None = None, min_split_tiles: int | None = None):
+        check_import_settings()   # a TKV_DECODE_* value refused at import
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_q_heads", max_num_q_heads),
                         ("max_head_dim", max_head_dim), ("max_splits", max_splits)):
             check_positive_int(v, f"Workspace.{name}")
