@@ -14,22 +14,45 @@ import os
 
 import torch
 
-__all__ = ["ENV_IMPL", "select_impl"]
+from tkv.codec.errors import TkvError
+
+__all__ = ["ENV_IMPL", "ImplConfigError", "impl_from_env", "select_impl"]
 
 ENV_IMPL = "TKV_SGLANG_IMPL"
+IMPLS = ("triton", "reference")
+
+
+class ImplConfigError(TkvError, ValueError):
+    """``TKV_SGLANG_IMPL`` is set to something other than ``triton`` / ``reference``."""
+
+
+def impl_from_env(environ=None) -> str | None:
+    """The forced implementation (``TKV_SGLANG_IMPL``, any case, blanks ignored), or None when
+    unset / blank. Checked at startup by :func:`tkv.sglang.server_args_check.check_server_args`.
+
+    Raises:
+        ImplConfigError: any other value."""
+    forced = (os.environ if environ is None else environ).get(ENV_IMPL, "").strip().lower()
+    if forced and forced not in IMPLS:
+        shown = forced if len(forced) <= 40 else forced[:40] + "..."
+        raise ImplConfigError(f"{ENV_IMPL}={shown!r}: use 'triton' or 'reference' (unset: "
+                              "triton on CUDA and under the Triton interpreter, else reference)")
+    return forced or None
 
 
 def select_impl(device: torch.device | str) -> str:
-    """``"triton"`` or ``"reference"`` for ``device`` (see module docstring).
+    """``"triton"`` or ``"reference"`` for ``device`` (see module docstring; the interpreter
+    as :func:`tkv.kernels._util.interpreting` reads ``TRITON_INTERPRET``: 1 / true / yes /
+    on).
 
     Raises:
-        ValueError: ``TKV_SGLANG_IMPL`` set to something else.
+        ImplConfigError: ``TKV_SGLANG_IMPL`` set to something else.
     """
-    forced = os.environ.get(ENV_IMPL, "").strip().lower()
+    from tkv.kernels._util import interpreting
+
+    forced = impl_from_env()
     if forced:
-        if forced not in ("triton", "reference"):
-            raise ValueError(f"{ENV_IMPL} must be 'triton' or 'reference', got {forced!r}")
         return forced
-    if torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if torch.device(device).type == "cuda" or interpreting():
         return "triton"
     return "reference"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+from tkv.codec.sharding import shard_kv_heads
+
 from .config import tkv_config
 from .errors import UnsupportedFeatureError
 from .geometry import geometry_from_model_config
@@ -35,15 +37,19 @@ def check_server_args(server_args, *, validate_model: bool = True) -> None:
         BudgetRowMissingError: bad tkv configuration (tkv.codec.config).
         LookupConfigError, SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
         PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError,
-        SingleSplitConfigError, MinSplitTilesConfigError: a bad
+        SingleSplitConfigError, MinSplitTilesConfigError, StoreRotationConfigError: a bad
         ``TKV_*`` kernel setting (``tkv.kernels.engine_kernel_settings``, whose effective
-        values are logged).
+        values are logged). ImplConfigError: a bad ``TKV_SGLANG_IMPL``.
+        ShapeError: a KV-head count the attention TP size cannot shard (neither divides the
+        other; :func:`tkv.codec.shard_kv_heads`).
     """
     from tkv.kernels import engine_kernel_settings
 
+    from .impl import impl_from_env
     from .prefill_attention import DEFAULT as PREFILL_DEFAULT
 
     log.info("tkv kernels: %s", engine_kernel_settings(prefill_default=PREFILL_DEFAULT).describe())
+    impl_from_env()
     if server_args.page_size is None:
         server_args.page_size = DEFAULT_PAGE_SIZE
         log.info("tkv: page_size not given, using %d", DEFAULT_PAGE_SIZE)
@@ -75,3 +81,10 @@ def check_server_args(server_args, *, validate_model: bool = True) -> None:
     if validate_model:
         geometry = geometry_from_model_config(server_args.get_model_config())
         tkv_config(geometry)
+        # the attention TP the workers will shard the KV heads over (SGLang's
+        # compute_dp_attention_world_info): a count the engine cannot shard fails here, in the
+        # launching process, as tkv-vllm's check does — not later inside a worker
+        tp = int(getattr(server_args, "tp_size", 1) or 1)
+        if getattr(server_args, "enable_dp_attention", False):
+            tp //= int(getattr(server_args, "dp_size", 1) or 1)
+        shard_kv_heads(geometry.num_kv_heads, max(tp, 1), 0)
