@@ -419,3 +419,24 @@ def test_model_geometry_names_bad_sizes_and_layer_types(tmp_path):
         p.write_text(json.dumps(d))
         with pytest.raises(BundleSchemaError, match="layer_types"):
             CalibrationBundle.load(p)
+
+
+def test_calibration_file_that_is_not_a_regular_readable_file(tmp_path, monkeypatch):
+    """TKV_CALIBRATION_FILE=/dev/null said "no such file"; an unreadable bundle was a bare
+    PermissionError that did not name the variable (helper break-test, session 28)."""
+    import os
+    from pathlib import Path
+
+    from tkv.codec import load_config
+
+    if os.path.exists("/dev/null"):
+        with pytest.raises(FileNotFoundError, match="not a regular file"):
+            load_config(3, 2, 64, env={"TKV_CALIBRATION_FILE": "/dev/null"})
+    p = make_bundle().save(tmp_path / "b.json")
+
+    def denied(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(PermissionError, match=r"TKV_CALIBRATION_FILE=.*cannot be read"):
+        load_config(3, 2, 64, env={"TKV_CALIBRATION_FILE": str(p)})

@@ -111,7 +111,9 @@ def load_config(num_layers: int, num_kv_heads: int, head_dim: int,
     validate them against the model geometry.
 
     Raises:
-        TkvBitsError, FileNotFoundError, BundleSchemaError, BundleGeometryError,
+        TkvBitsError, FileNotFoundError (also a directory or a non-regular file),
+        PermissionError (an unreadable file, the variable named), BundleSchemaError,
+        BundleGeometryError,
         BudgetRowMissingError (see module docstring); ShapeError: a geometry value that is
         not a positive int.
     """
@@ -129,9 +131,16 @@ def load_config(num_layers: int, num_kv_heads: int, head_dim: int,
         if p.is_dir():
             raise FileNotFoundError(f"{ENV_CALIBRATION_FILE}={path!r} is a directory; it must "
                                     "name a calibration bundle file (tkv_bundle.json)")
-        if not p.is_file():
+        if not p.exists():
             raise FileNotFoundError(f"{ENV_CALIBRATION_FILE}={path!r}: no such file")
-        bundle = CalibrationBundle.load(p)
+        if not p.is_file():   # /dev/null, a FIFO, a socket
+            raise FileNotFoundError(f"{ENV_CALIBRATION_FILE}={path!r} is not a regular file; "
+                                    "it must name a calibration bundle file (tkv_bundle.json)")
+        try:
+            bundle = CalibrationBundle.load(p)
+        except PermissionError as e:
+            raise PermissionError(f"{ENV_CALIBRATION_FILE}={path!r} cannot be read: "
+                                  f"{e.strerror}") from None
     try:
         alloc = resolve_allocation(bundle, key, num_layers, num_kv_heads, head_dim)
     except BudgetRowMissingError as e:
