@@ -3,6 +3,8 @@ errors, refusal of models the backend cannot serve, layer indices."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from tkv.codec.errors import (
@@ -81,6 +83,55 @@ def test_chunked_local_attention_is_refused():
     mc.hf_text_config = SimpleNamespace(attention_chunk_size=8192)
     with pytest.raises(UnsupportedModelError, match="chunked local attention"):
         startup.tkv_config(fake_vllm_config(mc), {})
+
+
+@pytest.mark.parametrize("text_cfg,match", [
+    (dict(model_type="gemma2", attn_logit_softcapping=50.0), "soft-capping"),
+    (dict(model_type="bloom"), "ALiBi"),
+    (dict(model_type="falcon", alibi=True), "ALiBi"),
+    (dict(model_type="mpt", attn_config={"alibi": True}), "ALiBi"),
+    (dict(model_type="gpt_oss"), "attention sinks"),
+])
+def test_attention_features_the_kernels_lack_are_refused_at_launch(text_cfg, match):
+    """Gemma-2's soft-capping, ALiBi and gpt-oss's learned sinks used to pass the launch-time
+    check and fail in TurboAttnImpl inside an engine process (helper break-test, session
+    28); the model's config tells at launch."""
+    from types import SimpleNamespace
+
+    mc = fake_model_config()
+    mc.hf_text_config = SimpleNamespace(**text_cfg)
+    with pytest.raises(UnsupportedModelError, match=match):
+        startup.tkv_config(fake_vllm_config(mc), {})
+    mc.hf_text_config = SimpleNamespace(model_type="llama", attn_logit_softcapping=None,
+                                        attn_config={"alibi": False})
+    startup.check_model_supported(mc)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda vc: setattr(vc, "kv_transfer_config", SimpleNamespace(kv_connector="LMCache")),
+     "KV connectors"),
+    (lambda vc: setattr(vc.cache_config, "kv_offloading_size", 4.0), "KV offloading"),
+    (lambda vc: setattr(vc.cache_config, "kv_cache_dtype_skip_layers", ["0"]),
+     "skip-layers"),
+    (lambda vc: setattr(vc.cache_config, "block_size", 8), "--block-size 8"),
+    (lambda vc: setattr(vc.cache_config, "block_size", 24), "--block-size 24"),
+])
+def test_engine_options_that_bypass_tkv_pages_are_refused_at_launch(change, match):
+    """KV connectors / offloading (they failed in get_kv_cache_shape with a misleading "run
+    `tkv-vllm patch apply`"), skip-layers and block sizes off the multiple of 16 (the
+    selector's "block_size not supported" in an engine process) — all at launch now."""
+    from tkv.codec.errors import UnsupportedFeatureError
+
+    vc = fake_vllm_config()
+    change(vc)
+    with pytest.raises(UnsupportedFeatureError, match=match):
+        startup.check_engine_features(vc)
+    ok = fake_vllm_config()
+    ok.kv_transfer_config = SimpleNamespace(kv_connector=None)
+    ok.cache_config.block_size = 64
+    startup.check_engine_features(ok)
+    ok.cache_config.block_size = None   # vLLM picks one later
+    startup.check_engine_features(ok)
 
 
 def test_layer_index():

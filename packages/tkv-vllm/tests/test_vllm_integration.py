@@ -67,7 +67,7 @@ def test_cli_flags(patched_vllm):
         CacheConfig(cache_dtype="tkv8")
 
 
-def test_validate_hook_runs_at_config_time(patched_vllm, tmp_path, monkeypatch):
+def test_validate_hook_runs_at_config_time(patched_vllm, tmp_path, monkeypatch, caplog):
     """vLLM calls the plugin's validator from VllmConfig.__post_init__ (launching process):
     named errors there, and an unset backend becomes TURBO_ATTN."""
     from types import SimpleNamespace
@@ -95,6 +95,14 @@ def test_validate_hook_runs_at_config_time(patched_vllm, tmp_path, monkeypatch):
         validate_plugin_cache_dtype(cfg(fake_model_config(num_layers=30)))
     with pytest.raises(UnsupportedModelError, match="MLA"):
         validate_plugin_cache_dtype(cfg(fake_model_config(use_mla=True)))
+    # inside VllmConfig.__post_init__ pydantic shows only a ValueError's message: the hook
+    # logs the class name first
+    import logging
+
+    with (caplog.at_level(logging.ERROR, logger="tkv.vllm"),
+          pytest.raises(UnsupportedModelError)):
+        validate_plugin_cache_dtype(cfg(fake_model_config(is_hybrid=True)))
+    assert "tkv: UnsupportedModelError: " in caplog.text
     # every TKV_* kernel setting is checked here too (launching process)
     from tkv.kernels import PipelineConfigError
 

@@ -24,6 +24,8 @@ import logging
 
 import torch
 
+from tkv.codec.errors import TkvError
+
 from .errors import BackendMismatchError, PatchesNotAppliedError
 
 __all__ = ["BACKEND_PATH", "TKV_DTYPE", "check_patched", "register", "validate"]
@@ -70,8 +72,25 @@ def validate(vllm_config) -> None:
         kernel settings' (LookupConfigError,
         SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
         PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError,
-        SingleSplitConfigError, MinSplitTilesConfigError).
+        SingleSplitConfigError, MinSplitTilesConfigError, StoreRotationConfigError);
+        UnsupportedFeatureError also for KV connectors / offloading, skip-layers and block
+        sizes off the multiple of 16; UnsupportedModelError also for soft-capping, ALiBi and
+        learned sinks (:func:`tkv.vllm.startup.check_engine_features`,
+        :func:`~tkv.vllm.startup.check_model_supported`). Each is logged with its class name
+        first: inside ``VllmConfig.__post_init__`` pydantic reports a ValueError as a
+        ValidationError carrying only the message.
     """
+    try:
+        _validate(vllm_config)
+    except (TkvError, OSError) as e:
+        # vLLM runs this hook inside VllmConfig.__post_init__, where pydantic turns a
+        # ValueError (every named config error is one) into a ValidationError that shows the
+        # message but not the class: log the name, then raise the error unchanged
+        log.error("tkv: %s: %s", type(e).__name__, e)
+        raise
+
+
+def _validate(vllm_config) -> None:
     from tkv.kernels import engine_kernel_settings
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 

@@ -27,7 +27,8 @@ from tkv.kernels import head_dim_refusal
 
 from .errors import UnsupportedModelError
 
-__all__ = ["check_bundle_matches_model", "check_model_supported", "check_parallel_supported",
+__all__ = ["check_bundle_matches_model", "check_engine_features", "check_model_supported",
+           "check_parallel_supported",
            "layer_codec", "layer_index", "model_geometry", "tkv_config",
            "tp_shard"]
 
@@ -47,8 +48,11 @@ def check_model_supported(model_config: Any) -> None:
 
     Raises:
         UnsupportedModelError: MLA, encoder-decoder, hybrid Mamba/linear-attention,
-        attention-free, no-op-layer or chunked-local-attention models, or a head_dim the
-        kernels do not serve (power of two in 16..256).
+        attention-free, no-op-layer or chunked-local-attention models, attention logit
+        soft-capping (Gemma-2), ALiBi (BLOOM, MPT / Falcon with ``alibi``), learned attention
+        sinks (gpt-oss), or a head_dim the kernels do not serve (power of two in 16..256).
+        The backend refuses the same per layer (``TurboAttnImpl``); these are found in the
+        model's config at launch, before an engine process starts.
     """
     name = getattr(model_config, "model", "the model")
     checks = (
@@ -63,6 +67,20 @@ def check_model_supported(model_config: Any) -> None:
             raise UnsupportedModelError(
                 f"--kv-cache-dtype tkv / --attention-backend turbo-attn: {name} {why}")
     text_cfg = getattr(model_config, "hf_text_config", None)
+    model_type = str(getattr(text_cfg, "model_type", "") or "")
+    attn_cfg = getattr(text_cfg, "attn_config", None)
+    features = (
+        (bool(getattr(text_cfg, "attn_logit_softcapping", None)),
+         "attention logit soft-capping (attn_logit_softcapping)"),
+        (model_type == "bloom" or bool(getattr(text_cfg, "alibi", False))
+         or (isinstance(attn_cfg, dict) and bool(attn_cfg.get("alibi"))), "ALiBi"),
+        (model_type == "gpt_oss", "learned attention sinks"),
+    )
+    for bad, what in features:
+        if bad:
+            raise UnsupportedModelError(
+                f"--kv-cache-dtype tkv / --attention-backend turbo-attn: {name} uses {what}, "
+                "which the turbo-attn kernels do not implement")
     if getattr(text_cfg, "attention_chunk_size", None):
         raise UnsupportedModelError(
             f"--kv-cache-dtype tkv: {name} uses chunked local attention (attention_chunk_size),"
@@ -94,6 +112,37 @@ def check_parallel_supported(vllm_config: Any) -> KvHeadShard:
     return shard_kv_heads(int(vllm_config.model_config.get_total_num_kv_heads()), tp, 0)
 
 
+def check_engine_features(vllm_config: Any) -> None:
+    """Refuse engine options whose KV-cache paths bypass the tkv page layout, at launch (they
+    used to fail in an engine-core process, a KV connector with a misleading "run
+    `tkv-vllm patch apply`").
+
+    Raises:
+        UnsupportedFeatureError: a KV connector or KV offloading (``--kv-transfer-config``,
+        ``--kv-offloading-size``: they move pages in vLLM's bf16 block shape),
+        ``--kv-cache-dtype-skip-layers`` (every layer of a tkv model is tkv), or a
+        ``--block-size`` that is not a multiple of 16 (tkv pages' 16-byte alignment; the
+        backend's supported kernel block sizes).
+    """
+    cc = vllm_config.cache_config
+    kt = getattr(vllm_config, "kv_transfer_config", None)
+    block = getattr(cc, "block_size", None)
+    refused = (
+        (kt is not None and getattr(kt, "kv_connector", None) is not None,
+         f"KV connectors (--kv-transfer-config {getattr(kt, 'kv_connector', None)})"),
+        (getattr(cc, "kv_offloading_size", None) is not None,
+         "KV offloading (--kv-offloading-size)"),
+        (bool(getattr(cc, "kv_cache_dtype_skip_layers", None)),
+         "--kv-cache-dtype-skip-layers (every attention layer of the model is served by tkv)"),
+        (block is not None and (isinstance(block, bool) or not isinstance(block, int)
+                                or block < 16 or block % 16),
+         f"--block-size {block} (tkv pages need a multiple of 16 tokens: 16, 32, 64, ...)"),
+    )
+    for bad, what in refused:
+        if bad:
+            raise UnsupportedFeatureError(f"--kv-cache-dtype tkv does not support {what}")
+
+
 def check_bundle_matches_model(config: TkvConfig, model_config: Any) -> None:
     """Beyond the geometry :func:`load_config` checks: the bundle's per-layer attention kinds
     and sliding window must be the served model's
@@ -121,6 +170,7 @@ def tkv_config(vllm_config: Any, env: dict[str, str] | None = None) -> TkvConfig
     mc = vllm_config.model_config
     check_model_supported(mc)
     check_parallel_supported(vllm_config)
+    check_engine_features(vllm_config)
     geo = model_geometry(mc)
     e = os.environ if env is None else env
     key = (*geo, e.get(ENV_BITS), e.get(ENV_CALIBRATION_FILE))
