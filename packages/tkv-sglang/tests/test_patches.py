@@ -81,6 +81,41 @@ def test_conflict_leaves_nothing_half_applied(sglang_copy):
     assert cli.main(["patch", "status", "--target", str(sglang_copy)]) == 2
 
 
+def test_an_edited_file_of_an_applied_patch_is_named(sglang_copy, capsys):
+    """After a local edit to a file an applied patch created, `patch status` used to print
+    only the forward check ("patch does not apply" for another file, expected since it is
+    applied); the reverse check, which names the edited file, is shown too."""
+    apply_series(sglang_copy)
+    reg = sglang_copy / "sglang/srt/mem_cache/kv_cache_dtype_registry.py"
+    reg.write_text(reg.read_text() + "# local\n")
+    assert cli.main(["patch", "status", "--target", str(sglang_copy)]) == 2
+    out = capsys.readouterr()
+    assert "kv_cache_dtype_registry.py" in out.out + out.err
+    assert "as applied (git apply --check --reverse)" in out.out + out.err
+
+
+def test_revert_is_all_or_nothing(sglang_copy, monkeypatch):
+    """A patch that fails to revert re-applies the ones reverted before it (docs: apply and
+    revert are all-or-nothing); it used to leave the tree half reverted."""
+    import tkv.sglang.patching as P
+
+    apply_series(sglang_copy)
+    applied = _snapshot(sglang_copy)
+    first = series_patches()[0].name
+    real = P._git
+
+    def failing(root, *args):
+        if "--reverse" in args and "--check" not in args and args[-1].endswith(first):
+            return type("R", (), {"returncode": 1, "stderr": "simulated failure", "stdout": ""})()
+        return real(root, *args)
+
+    monkeypatch.setattr(P, "_git", failing)
+    with pytest.raises(PatchError, match="re-applied"):
+        revert_series(sglang_copy)
+    assert _snapshot(sglang_copy) == applied
+    assert [s.state for s in patch_states(sglang_copy)] == [APPLIED] * len(series_patches())
+
+
 def test_cli_status_apply_revert(sglang_copy, capsys):
     t = ["--target", str(sglang_copy)]
     assert cli.main(["patch", "status", *t]) == 1

@@ -147,7 +147,13 @@ def _state(root: Path, patch: Path) -> PatchState:
     rev = _git(root, "--check", "--reverse", str(patch))
     if rev.returncode == 0:
         return PatchState(patch, APPLIED)
-    return PatchState(patch, CONFLICT, (fwd.stderr or fwd.stdout).strip())
+    # neither direction: a file of an applied patch edited since shows only in the reverse
+    # check (the forward one just says the patch is already there) — report both
+    detail = "\n".join(
+        f"{what}: {(r.stderr or r.stdout).strip()}" for what, r in
+        (("as unapplied (git apply --check)", fwd),
+         ("as applied (git apply --check --reverse)", rev)))
+    return PatchState(patch, CONFLICT, detail)
 
 
 def patch_states(root: Path | None = None, *, check: bool = True) -> list[PatchState]:
@@ -193,7 +199,8 @@ def apply_series(root: Path | None = None) -> list[str]:
 
 def revert_series(root: Path | None = None) -> list[str]:
     """Revert the series on ``root`` (default: the installed sglang), last patch first.
-    Idempotent. Raises like :func:`apply_series`."""
+    Idempotent, and all-or-nothing like :func:`apply_series`: a patch that fails to revert
+    re-applies the ones already reverted. Raises like :func:`apply_series`."""
     root = Path(root) if root is not None else find_installed_sglang()
     check_version(root)
     states = patch_states(root, check=False)
@@ -202,13 +209,18 @@ def revert_series(root: Path | None = None) -> list[str]:
         raise PatchError(f"{conflicts[0].patch.name} neither applies nor reverts cleanly on "
                          f"{root}:\n{conflicts[0].detail}")
     out = []
+    done: list[Path] = []
     for st in reversed(states):
         if st.state == UNAPPLIED:
             out.append(f"not applied {st.patch.name}")
             continue
         res = _git(root, "--reverse", str(st.patch))
         if res.returncode != 0:
-            raise PatchError(f"git apply --reverse {st.patch.name} failed in {root}:\n{res.stderr}")
+            for p in reversed(done):   # back to the state we found
+                _git(root, str(p))
+            raise PatchError(f"git apply --reverse {st.patch.name} failed in {root} (the "
+                             f"patches reverted before it were re-applied):\n{res.stderr}")
+        done.append(st.patch)
         out.append(f"reverted {st.patch.name}")
     return out
 
