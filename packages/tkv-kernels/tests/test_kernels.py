@@ -241,7 +241,7 @@ def test_store_rotation_policy_picks_the_butterflies(monkeypatch, policy, tokens
 @pytest.mark.parametrize("raw,want", [(None, "auto"), ("", "auto"), (" ", "auto"),
                                       ("wht", "wht"), (" WHT-decode ", "wht-decode"),
                                       ("AUTO", "auto"), ("split", None), ("wht_decode", None),
-                                      ("1", None), ("x" * 500, None)])
+                                      ("1", None), ("x" * 500, None), (1, None)])
 def test_store_rotation_env(raw, want):
     from tkv.kernels import StoreRotationConfigError, store_rotation_from_env
     env = {} if raw is None else {"TKV_STORE_ROTATION": raw}
@@ -251,6 +251,48 @@ def test_store_rotation_env(raw, want):
         assert len(str(e.value)) < 200
     else:
         assert store_rotation_from_env(env) == want
+
+
+@pytest.mark.parametrize("rotation", ["auto", "wht"])
+@pytest.mark.parametrize("sink", [False, True])
+def test_compress_store_stores_nan_for_a_nan_input(rotation, sink):
+    """A NaN element stores a NaN norm — loud downstream, as documented. A NaN with bits
+    0x7FFFFFFF (what GPU arithmetic makes; fp16 0x7FFF converts to it) used to overflow the
+    integer bf16 rounding into 0x8000: a flagged −0.0 norm that decodes to the sink offset,
+    finite (helper break-test, session 28); −NaN (0xFFFFFFFF) into +0.0."""
+    g = _gen(17)
+    kw = dict(k_sink_offset=(torch.randn(64, generator=g) * 4).bfloat16().float()) if sink else {}
+    ld = TkvLoader(TurboKVCodec(64, 4, device=DEV, check_finite=False, **kw), 1, 16)
+    k = torch.randn(4, 1, 64, generator=g).to(torch.float16)
+    k.view(torch.int16)[0, 0, 5] = 0x7FFF          # fp16 NaN, all mantissa bits
+    k.view(torch.int16)[1, 0, 9] = -1              # 0xFFFF: a negative NaN
+    x = torch.randn(4, 1, 64, generator=g)
+    x.view(torch.int32)[2, 0, 3] = 0x7FFFFFFF      # float32 NaN, all mantissa bits
+    cache = ld.layout.allocate(1, DEV)
+    slots = torch.arange(4, device=DEV)
+    compress_store(k.to(DEV), k.to(DEV), cache, slots, ld, rotation=rotation)
+    norms = ld.layout.views(cache)["k_norms"][0, 0, :4].float()
+    assert torch.isnan(norms[:2]).all() and torch.isfinite(norms[2:]).all(), norms
+    compress_store(x.to(DEV), x.to(DEV), cache, slots, ld, rotation=rotation)
+    norms = ld.layout.views(cache)["v_norms"][0, 0, :4].float()
+    assert torch.isnan(norms[2]) and torch.isfinite(norms[[0, 1, 3]]).all(), norms
+
+
+def test_compress_store_checks_its_arguments_on_an_empty_batch():
+    """A zero-token call returned before any argument check, so a misconfigured engine
+    failed only at its first non-empty batch."""
+    ld = TkvLoader(TurboKVCodec(96, 4, device=DEV), 1, 16)
+    cache = ld.layout.allocate(1, DEV)
+    x = torch.zeros(0, 1, 96, device=DEV, dtype=torch.bfloat16)
+    s = torch.zeros(0, dtype=torch.int64, device=DEV)
+    for kw, err in ((dict(rotation="bogus"), "rotation must be"),
+                    (dict(rotation="wht"), "power-of-two Hadamard"),
+                    (dict(block_t=3), "block_t")):
+        with pytest.raises(ValueError, match=err):
+            compress_store(x, x, cache, s, ld, **kw)
+    with pytest.raises(ValueError, match="bfloat16/float16"):
+        compress_store(x.float(), x.float(), cache, s, ld, rotation="split")
+    compress_store(x, x, cache, s, ld)   # a valid empty call is a no-op
 
 
 def test_compress_store_split_rotation_refuses_float32():

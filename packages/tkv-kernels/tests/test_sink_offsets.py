@@ -140,16 +140,28 @@ def test_compress_store_makes_the_codecs_choice(head_dim, kb, vb, heads, center,
         assert (e_got <= e_ref * 1.01 + 1e-6).all(), (side, (e_got / e_ref).max())
 
 
-def test_compress_store_flags_a_vector_equal_to_the_sink_offset():
+@pytest.mark.parametrize("scales,center,rotation", [(False, False, "auto"), (True, True, "auto"),
+                                                   (True, True, "wht"), (False, True, "wht")])
+def test_compress_store_flags_a_vector_equal_to_the_sink_offset(scales, center, rotation):
     """A key / value exactly equal to its sink offset (e.g. the BOS token's K/V at position 0
     taken as σ) codes to a zero norm that must keep its flag: −0.0, as the codec stores it.
-    (Triton's unary minus is ``0 − x``: negating +0.0 gives +0.0 and would drop the flag.)"""
+    (Triton's unary minus is ``0 − x``: negating +0.0 gives +0.0 and would drop the flag.)
+    With channel scales (and key centering) too: the kernel forms ``(x − μ − (σ − μ))/s``
+    from the float32 ``σ − μ`` it subtracts like ``x − μ``, exactly 0 — it used to subtract
+    a rounded ``(σ − μ)/s`` from ``(x − μ)/s`` and store a tiny norm with random codes
+    (helper break-test, session 28); the codes are then the codec's (the middle code)."""
     g = torch.Generator().manual_seed(13)
     d, h = 64, 2
     sk = torch.randn(h, d, generator=g).bfloat16().float() * 4    # bf16-representable σ
     sv = torch.randn(h, d, generator=g).bfloat16().float() * 4
+    kw = {}
+    if scales:
+        kw.update(k_channel_scales=torch.rand(d, generator=g) + 0.5,
+                  v_channel_scales=torch.rand(d, generator=g) + 0.5)
+    if center:
+        kw.update(k_channel_offset=torch.randn(h, d, generator=g))
     codec = TurboKVCodec(d, k_bits=4, v_bits=4, device=DEV, seed=2, k_sink_offset=sk,
-                         v_sink_offset=sv)
+                         v_sink_offset=sv, **kw)
     ld = TkvLoader(codec, h, 16)
     batch = make_paged_batch([20], 16, DEV, generator=g)
     cache = make_cache(ld, batch.num_blocks, DEV, generator=g)
@@ -157,14 +169,17 @@ def test_compress_store_flags_a_vector_equal_to_the_sink_offset():
     v = torch.randn(20, h, d, generator=g)
     k[0], v[0] = sk, sv                     # token 0 IS the sink
     k, v = k.to(DEV, torch.bfloat16), v.to(DEV, torch.bfloat16)
-    fill_cache(ld, cache, k, v, batch.slots(0))
+    compress_store(k, v, cache, batch.slots(0), ld, rotation=rotation)
     views = ld.layout.views(cache)
     s = batch.slots(0)
     for side, x, sc in (("k", k, codec.k), ("v", v, codec.v)):
         got = views[f"{side}_norms"][s // 16, :, s % 16]
-        ref = sc.compress(x)[1]
+        ref_codes, ref = sc.quantize(x)
         assert torch.signbit(ref[0]).all()                        # the codec flags it
         assert torch.equal(torch.signbit(got[0]), torch.signbit(ref[0])), got[0]
+        assert (got[0].float() == 0).all(), got[0]
+        codes = unpack_codes(views[f"{side}_codes"][s[:1] // 16, :, s[:1] % 16], 4, d)[0]
+        assert torch.equal(codes, ref_codes[0])
     q = torch.randn(1, 2 * h, d, generator=g).to(DEV, torch.bfloat16)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEV)
     decode(q, cache, batch.block_table, batch.seq_lens, ld, Workspace(8, 32, 256, DEV),

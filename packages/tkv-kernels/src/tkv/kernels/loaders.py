@@ -722,8 +722,10 @@ class TkvLoader:
             that ``R((x − μ)/s) = x @ A_k − μ @ A_k``), or None without a key offset.
         k_inv_scale, v_inv_scale: ``(d_pad,)`` ``1/s`` (0 at padding): ``‖R((x − μ)/s)‖`` is
             taken before the rotation (R is orthogonal).
-        k_sink_delta, v_sink_delta: ``(num_kv_heads, d_pad)`` ``(σ_h − μ_h)/s`` in model
-            space (the sink candidate's norm), or None without a sink offset.
+        k_sink_delta, v_sink_delta: ``(num_kv_heads, d_pad)`` ``σ_h − μ_h`` in model space
+            (``σ_h`` for values), subtracted in float32 as compress_store forms ``x − μ_h``,
+            so a vector equal to σ gives exactly 0 (the sink candidate's ``(x − σ)/s`` is
+            ``(x − μ − delta)/s``), or None without a sink offset.
         k_store_hadamard, v_store_hadamard: float32 ``(head_dim,)`` ``w`` with
             ``x @ k_in = (w ⊙ x) @ H`` (``H`` the unnormalized Sylvester Walsh–Hadamard
             matrix; ``w`` = the rotation's signs, ``1/s`` and ``1/√d``) where the rotation is
@@ -880,15 +882,15 @@ class TkvLoader:
             self.k_mu, self.k_mu_rot = rows(mu), rows(mu @ a_k)
         self.k_inv_scale, self.v_inv_scale = (rows((1 / sc)[None, :])[0] for sc in (sk, sv))
 
-        def sink_delta(side, s):   # (σ − μ)/s in model space, one row per KV head
+        def sink_delta(side):   # σ − μ in model space, one row per KV head, float32 arithmetic
             if side.sink_offset is None:
                 return None
-            m = side.sink_offset.double().cpu().reshape(-1, d)
-            if side.channel_offset is not None:
-                m = m - side.channel_offset.double().cpu().reshape(-1, d)
-            return rows((m / s).expand(num_kv_heads, d))
+            m = side.sink_offset.float().cpu().reshape(-1, d)
+            if side.channel_offset is not None:   # as the kernel forms x − μ: x = σ gives 0
+                m = m - side.channel_offset.float().cpu().reshape(-1, d)
+            return rows(m.expand(num_kv_heads, d))
 
-        self.k_sink_delta, self.v_sink_delta = sink_delta(codec.k, sk), sink_delta(codec.v, sv)
+        self.k_sink_delta, self.v_sink_delta = sink_delta(codec.k), sink_delta(codec.v)
         self._store_rotation = {}
         self.q_in = pad(torch.diag(sk) @ r.T)           # q @ Q = R (q * s_k)
         self.q_hadamard = _hadamard_weights(torch.diag(sk) @ r.T, dp, dev)

@@ -63,7 +63,7 @@ def store_rotation_from_env(environ=None) -> str:
         StoreRotationConfigError: any other value (the message lists the choices).
     """
     env = os.environ if environ is None else environ
-    name = (env.get(ENV_STORE_ROTATION) or "").strip().lower() or "auto"
+    name = str(env.get(ENV_STORE_ROTATION) or "").strip().lower() or "auto"
     if name not in STORE_POLICIES:
         shown = name if len(name) <= 40 else name[:40] + "..."
         raise StoreRotationConfigError(f"{ENV_STORE_ROTATION}={shown!r}: choose one of "
@@ -77,9 +77,12 @@ STORE_ROTATION = read_at_import(store_rotation_from_env)
 @triton.jit
 def _bf16_rne(x):
     """float32 → bfloat16, round to nearest even, with integer ops (identical on the GPU and
-    in the CPU interpreter, whose float cast truncates). x finite."""
+    in the CPU interpreter, whose float cast truncates); ±inf stay ±inf, a NaN becomes the
+    canonical bf16 NaN — the rounding add would overflow a NaN's bits (0x7FFFFFFF, what the
+    GPU's arithmetic makes) into 0x8000, a flagged −0.0 norm that decodes finite."""
     b = x.to(tl.int32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    r = tl.where(x == x, r, 0x7FC0)
     return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
@@ -294,7 +297,7 @@ def _flagged_norm(pick, n, nb):
 
 
 @triton.jit
-def _butterfly_codes(xf, xs, ss, n, inv, valid, head, offs_d, W, bounds, table, SHIFT, DELTA,
+def _butterfly_codes(xf, inv_s, ss, n, inv, valid, head, offs_d, W, bounds, table, SHIFT, DELTA,
                      cache, row, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
                      CODE_BYTES: tl.constexpr, NORM_CORR: tl.constexpr, GROUP: tl.constexpr,
                      GROUP_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, SINK: tl.constexpr,
@@ -303,14 +306,15 @@ def _butterfly_codes(xf, xs, ss, n, inv, valid, head, offs_d, W, bounds, table, 
     float32 registers — ``y = (w ⊙ (x − μ)) @ H`` (``W`` the loader's store Hadamard
     weights: signs, ``1/s`` and ``1/√d``) in natural coordinate order, no ``d × d`` operand
     read per program — then quantized, packed (natural order: groups by a register reshape)
-    and stored. ``xf`` = x − μ (float32, masked rows 0), ``xs`` = (x − μ)/s, ``ss`` = ‖xs‖²,
-    ``(n, inv)`` its norm and sqrt(d)/n. Returns the bf16 norm to store (sink-flagged)."""
+    and stored. ``xf`` = x − μ (float32, masked rows 0), ``inv_s`` = 1/s ``[1, d]``, ``ss`` =
+    ‖(x − μ)/s‖², ``(n, inv)`` its norm and sqrt(d)/n. Returns the bf16 norm to store
+    (sink-flagged)."""
     y = xf * tl.load(W + offs_d)[None, :]
     for s in tl.static_range(LOG2D):
         y = hadamard_stage(y, BLOCK_T, HEAD_DIM, 1 << s)
     code, preds = _codes(y, inv, offs_d, bounds, HEAD_DIM, HEAD_DIM, BITS, BLOCK_T, HEAD_DIM)
     if SINK:   # both candidates at once: the whole rotated tile is in registers
-        xb = xs - tl.load(DELTA + head * HEAD_DIM + offs_d)[None, :]    # (x − σ) / s
+        xb = (xf - tl.load(DELTA + head * HEAD_DIM + offs_d)[None, :]) * inv_s   # (x − σ)/s
         ssb = tl.sum(xb * xb, axis=1)
         nb, invb = _norm_inv(ssb, HEAD_DIM, BLOCK_T)
         yb = y - tl.load(SHIFT + head * HEAD_DIM + offs_d)[None, :]
@@ -334,7 +338,7 @@ def _butterfly_codes(xf, xs, ss, n, inv, valid, head, offs_d, W, bounds, table, 
 
 
 @triton.jit
-def _matmul_codes(x, xf, xs, ss, n, inv, valid, head, offs_d, A, a_scale, bounds, table, MU_ROT,
+def _matmul_codes(x, xf, inv_s, ss, n, inv, valid, head, offs_d, A, a_scale, bounds, table, MU_ROT,
                   mu_sh, SHIFT, DELTA, cache, row, HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr,
                   D_PAD: tl.constexpr, BITS: tl.constexpr, CODE_BYTES: tl.constexpr,
                   NORM_CORR: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr,
@@ -361,7 +365,7 @@ def _matmul_codes(x, xf, xs, ss, n, inv, valid, head, offs_d, A, a_scale, bounds
         # keep the one with the smaller reconstruction error at its bf16 norm (ties and NaN
         # y_b errors: y_a), flag y_b by the norm's sign bit (the codec's quantize). Pass 1:
         # the per-token sums of both errors; pass 2: the winner's codes, recomputed, packed.
-        xb = xs - tl.load(DELTA + head * D_PAD + offs_d)[None, :]    # (x − σ) / s
+        xb = (xf - tl.load(DELTA + head * D_PAD + offs_d)[None, :]) * inv_s   # (x − σ) / s
         ssb = tl.sum(xb * xb, axis=1)
         nb, invb = _norm_inv(ssb, HEAD_DIM, BLOCK_T)
         ua = tl.zeros([BLOCK_T], tl.float32)
@@ -422,17 +426,18 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, 
     if HAS_MU:  # key centering (float32 rows of MU and MU_ROT; mu_sh = 0: one μ for all heads)
         mu = tl.load(MU + head * mu_sh + offs_d, mask=dmask, other=0.0)
         xf = tl.where(valid[:, None] & dmask[None, :], xf - mu[None, :], 0.0)
-    xs = xf * tl.load(INV_S + offs_d)[None, :]                       # (x − μ) / s
+    inv_s = tl.load(INV_S + offs_d)[None, :]
+    xs = xf * inv_s                                                  # (x − μ) / s
     ss = tl.sum(xs * xs, axis=1)                                     # ‖R((x − μ)/s)‖²
     n, inv = _norm_inv(ss, HEAD_DIM, BLOCK_T)
     row = blk * page_bytes + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
     nidx = (blk * page_bytes + NORMS_OFF) // 2 + head * NORM_HEAD_STRIDE + off
     if SPLIT == 3:   # butterflies: x − μ rotated in float32 registers (HEAD_DIM = D_PAD = 2^k)
-        norm16 = _butterfly_codes(xf, xs, ss, n, inv, valid, head, offs_d, A, bounds, table,
+        norm16 = _butterfly_codes(xf, inv_s, ss, n, inv, valid, head, offs_d, A, bounds, table,
                                   SHIFT, DELTA, cache, row, HEAD_DIM, BITS, CODE_BYTES,
                                   NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T, SINK, LOG2D)
     else:
-        norm16 = _matmul_codes(x, xf, xs, ss, n, inv, valid, head, offs_d, A, a_scale, bounds,
+        norm16 = _matmul_codes(x, xf, inv_s, ss, n, inv, valid, head, offs_d, A, a_scale, bounds,
                                table, MU_ROT, mu_sh, SHIFT, DELTA, cache, row, HAS_MU, HEAD_DIM,
                                D_PAD, BITS, CODE_BYTES, NORM_CORR, GROUP, GROUP_BYTES, BLOCK_T,
                                CH, SINK, SPLIT, NPL)
@@ -544,7 +549,10 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     sync inside every layer of a CUDA graph): a non-finite K/V element stores a non-finite
     norm, and attention over that token is NaN — loud downstream, where the codec's
     ``compress_k`` raises NonFiniteError at once. Likewise a vector beyond ~1.8e19 in norm
-    (float32 Σx² overflows) stores an inf norm.
+    (float32 Σx² overflows) stores an inf norm. At the other end Σx² underflows: a vector
+    below ~1e-22 in norm loses its norm's precision and below ~1e-24 stores a norm of 0
+    (decodes to its offset); the codec rescales such vectors (``compress_k``), the kernel
+    does not (an extra pass per row for vectors far below any model's activations).
 
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
@@ -573,8 +581,6 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     check_same_device(cache.device, key=key, value=value, slot_mapping=slot_mapping,
                       tables=loader.k_table)
     n = key.shape[0]
-    if n == 0:
-        return
     st = lay.strides()
     if block_t is None:
         block_t = 8 if n <= 128 else 16 if n <= 1024 else 64
@@ -608,6 +614,8 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         modes.append(_TF32X3 if not split else _FP16_TERMS if x.dtype == torch.float16
                      else _BF16_TERMS)
         operands.append(loader.store_rotation(name[0], x.dtype if split else None))
+    if n == 0:   # after every argument check: a bad call fails on an empty batch too
+        return
     kg, kgb = code_group(lay.k_bits)
     vg, vgb = code_group(lay.v_bits)
     mu = loader.k_mu             # (1 or num_kv_heads, d_pad) or None; so is mu_rot
