@@ -1,7 +1,8 @@
 """Every ``TKV_*`` setting of the kernels that the engine adapters expose, parsed and checked
 in one call: the launching process validates them all before an engine process starts (each
 parser also runs where its value is used — at import or when a layer binds — so workers
-never run on an unchecked value either)."""
+never run on an unchecked value either; a value refused at import is raised by the first
+kernel call, :func:`._util.read_at_import`)."""
 
 from __future__ import annotations
 
