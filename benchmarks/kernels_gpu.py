@@ -1249,7 +1249,7 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
     arms = [("GEMMs only (no attention)", "none"), ("bf16 store + bypass decode", "bf16"),
             ("tkv K4V4 prmt", {"lookup": "prmt"}), ("tkv K4V4 prmti (default)", {}),
             ("tkv K4V4 prmti, maxnreg 128", {"lookup": "prmti", "maxnreg": 128}),
-            ("tkv K4V4 prmti, store by butterflies", {"store_rotation": "wht"})]
+            ("tkv K4V4 prmti, store by the rotation matrix", {"store_rotation": "split"})]
     _model_step_arms(arms, shapes, layers)
 
 

@@ -977,7 +977,7 @@ def run_all(opts: argparse.Namespace) -> int:
                 "tkvsplit2": ("tkv", opts.bits, bundle, False, "split2"),
                 "tkvtiles4": ("tkv", opts.bits, bundle, False, "tiles4"),
                 "tkvnreg128": ("tkv", opts.bits, bundle, False, "nreg128"),
-                "tkvstorewht": ("tkv", opts.bits, bundle, False, "storewht"),
+                "tkvstorematrix": ("tkv", opts.bits, bundle, False, "storematrix"),
                 "bf16block64": ("bf16", None, None, False, "block64"),
                 "tkvblock64": ("tkv", opts.bits, bundle, False, "block64")}
         res = {}
@@ -1380,7 +1380,7 @@ def divergence_cpu(opts: argparse.Namespace) -> int:
 
 JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the driver runs without tkv)
 # engine-environment variants of a tkv run (`all --runs tkvflash tkvtriton tkvcont tkvqrot
-# tkvnoqrot tkvnopipe tkvsplit1 tkvsplit2 tkvtiles4 tkvnreg128 tkvstorewht`): prefill through vLLM's FlashAttention (required), tkv's own Triton / SDPA
+# tkvnoqrot tkvnopipe tkvsplit1 tkvsplit2 tkvtiles4 tkvnreg128 tkvstorematrix`): prefill through vLLM's FlashAttention (required), tkv's own Triton / SDPA
 # kernels, or FlashAttention for continuation chunks only (first chunks: tkv's Triton); decode
 # with the query rotated inside the split kernel, or by a separate launch; decode never
 # pipelined (TKV_DECODE_PIPELINE=0); decode with one split on full grids
@@ -1389,10 +1389,10 @@ JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the dri
 # (TKV_DECODE_MIN_SPLIT_TILES=4, session 18; kernel sweep of session 19: 0.97-0.98×); the prmti
 # split kernel capped at 128 registers (TKV_PRMTI_MAXNREG=128: 4 CTAs per SM instead of 3, ~64 B
 # of spills; 1.12-1.19× alone and 2× slower inside vLLM in session 6, never explained — the
-# kernel has changed since, and the JIT log now shows compiles in timed windows); decode steps'
-# compress_store by butterflies instead of the tensor-core rotation (TKV_STORE_ROTATION=
-# wht-decode, session 28: offline 83.5 vs 162 instructions per element at 8-token tiles, no
-# rotation matrix read per program). The plain `tkv` run
+# kernel has changed since, and the JIT log now shows compiles in timed windows); compress_store
+# by the tensor-core rotation matrix instead of the Walsh-Hadamard butterflies (TKV_STORE_ROTATION=
+# matrix: the default until session 28; the butterflies measured 1.3-2.3x faster at every store
+# size on the H100, +1.0-1.6 % on 36-layer model steps). The plain `tkv` run
 # takes tkv-vllm's defaults (TKV_PREFILL_ATTENTION=auto: FlashAttention where it can run;
 # TKV_FUSED_QUERY_ROTATION=1 since session 16: the query rotated inside the split kernel;
 # TKV_DECODE_SINGLE_SPLIT=1 since session 19)
@@ -1406,7 +1406,7 @@ VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
             "split2": {"TKV_DECODE_SINGLE_SPLIT": "0"},
             "tiles4": {"TKV_DECODE_MIN_SPLIT_TILES": "4"},
             "nreg128": {"TKV_PRMTI_MAXNREG": "128"},
-            "storewht": {"TKV_STORE_ROTATION": "wht-decode"}}
+            "storematrix": {"TKV_STORE_ROTATION": "matrix"}}
 # engine block_size variants (`all --runs bf16block64 tkvblock64`): 64-token pages instead of
 # vLLM's default 16 (session 19, benchmarks/results/pool_placement_gpu_2026-12-04_s19.md: tkv's
 # 36 decode layers 1.6-3.6 % faster at 64 for 256 sequences, kernel only)
@@ -1484,7 +1484,7 @@ def main(argv: list[str] | None = None) -> int:
                            choices=["bf16", "tq4", "tkv", "tkv8", "tkvflash", "tkvtriton",
                                     "tkvcont", "tkvqrot", "tkvnoqrot", "tkvnopipe",
                                     "tkvsplit1", "tkvsplit2", "tkvtiles4", "tkvnreg128",
-                                    "tkvstorewht", "bf16block64", "tkvblock64"],
+                                    "tkvstorematrix", "bf16block64", "tkvblock64"],
                            default=["bf16", "tq4", "tkv", "tkv8"],
                            help="engine runs per model: bf16, vLLM turboquant_4bit_nc, tkv at "
                            "--bits (capacity+greedy+throughput; tkv-vllm's default prefill, "
@@ -1498,8 +1498,8 @@ def main(argv: list[str] | None = None) -> int:
                            "tkvsplit2 = tkv at --bits with TKV_DECODE_SINGLE_SPLIT=0 (at least 2 "
                            "splits always, the earlier rule), tkvtiles4 = tkv at --bits with "
                            "TKV_DECODE_MIN_SPLIT_TILES=4, tkvnreg128 = tkv at --bits with "
-                           "TKV_PRMTI_MAXNREG=128, tkvstorewht = tkv at --bits with "
-                           "TKV_STORE_ROTATION=wht-decode, bf16block64 / tkvblock64 = bf16 / tkv "
+                           "TKV_PRMTI_MAXNREG=128, tkvstorematrix = tkv at --bits with "
+                           "TKV_STORE_ROTATION=matrix, bf16block64 / tkvblock64 = bf16 / tkv "
                            "at --bits with block_size 64 (vLLM's default: 16)")
         if name == "serve-check":
             a.add_argument("--port", type=int, default=8011)

@@ -330,9 +330,9 @@ def test_engine_kernel_settings_parses_and_names_every_variable():
     env = {"TKV_LOOKUP": "prmt", "TKV_SMALL_HEAD_GROUPS": "0", "TKV_FUSED_QUERY_ROTATION": "0",
            "TKV_PREFILL_ATTENTION": "continuation", "TKV_PRMTI_MAXNREG": "128",
            "TKV_DECODE_PIPELINE": "0", "TKV_DECODE_SINGLE_SPLIT": "0",
-           "TKV_DECODE_MIN_SPLIT_TILES": " 8 ", "TKV_STORE_ROTATION": " WHT-Decode "}
+           "TKV_DECODE_MIN_SPLIT_TILES": " 8 ", "TKV_STORE_ROTATION": " Matrix "}
     assert K.engine_kernel_settings(env) == ("prmt", False, False, "continuation", 128, False,
-                                             False, 8, "wht-decode")
+                                             False, 8, "matrix")
     for name, bad, err in (("TKV_LOOKUP", "prmt9", K.LookupConfigError),
                            ("TKV_SMALL_HEAD_GROUPS", "on", K.SmallHeadGroupsConfigError),
                            ("TKV_FUSED_QUERY_ROTATION", "2", K.FusedQueryRotationConfigError),

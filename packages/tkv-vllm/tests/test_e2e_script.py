@@ -660,17 +660,17 @@ def test_all_block64_runs_set_the_engine_block_size(e2e, tmp_path, monkeypatch):
 
 def test_all_tkvflash_run_sets_the_prefill_attention(e2e, tmp_path, monkeypatch):
     """`all --runs tkv tkvflash tkvtriton tkvcont tkvqrot tkvnoqrot tkvnopipe tkvsplit1 tkvsplit2
-    tkvtiles4 tkvnreg128 tkvstorewht`: the variant engines get TKV_PREFILL_ATTENTION=flash /
+    tkvtiles4 tkvnreg128 tkvstorematrix`: the variant engines get TKV_PREFILL_ATTENTION=flash /
     =tkv / =continuation, TKV_FUSED_QUERY_ROTATION=1 / =0, TKV_DECODE_PIPELINE=0,
     TKV_DECODE_SINGLE_SPLIT=1 / =0, TKV_DECODE_MIN_SPLIT_TILES=4, TKV_PRMTI_MAXNREG=128 or
-    TKV_STORE_ROTATION=wht-decode in their environment and their own file names and table
+    TKV_STORE_ROTATION=matrix in their environment and their own file names and table
     rows; the plain tkv run none (tkv-vllm's defaults)."""
     calls = []
     _stub_engines(e2e, tmp_path, monkeypatch, lambda m, mode, bits, o, g, kw: calls.append(
         (mode, bits, kw)))
     rc = e2e.main(["all", "--model", "a", "--runs", "tkv", "tkvflash", "tkvtriton", "tkvcont",
                    "tkvqrot", "tkvnoqrot", "tkvnopipe", "tkvsplit1", "tkvsplit2", "tkvtiles4",
-                   "tkvnreg128", "tkvstorewht", "--out", str(tmp_path / "out")])
+                   "tkvnreg128", "tkvstorematrix", "--out", str(tmp_path / "out")])
     assert rc == 0
     assert calls == [("tkv", "4.0", {}),
                      ("tkv", "4.0", {"extra_env": {"TKV_PREFILL_ATTENTION": "flash"},
@@ -693,13 +693,13 @@ def test_all_tkvflash_run_sets_the_prefill_attention(e2e, tmp_path, monkeypatch)
                                      "variant": "tiles4"}),
                      ("tkv", "4.0", {"extra_env": {"TKV_PRMTI_MAXNREG": "128"},
                                      "variant": "nreg128"}),
-                     ("tkv", "4.0", {"extra_env": {"TKV_STORE_ROTATION": "wht-decode"},
-                                     "variant": "storewht"})]
+                     ("tkv", "4.0", {"extra_env": {"TKV_STORE_ROTATION": "matrix"},
+                                     "variant": "storematrix"})]
     (res,) = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")]
     assert list(res) == ["tkv@4.0", "tkv@4.0 flash", "tkv@4.0 triton", "tkv@4.0 cont",
                          "tkv@4.0 qrot", "tkv@4.0 noqrot", "tkv@4.0 nopipe",
                          "tkv@4.0 split1", "tkv@4.0 split2", "tkv@4.0 tiles4",
-                         "tkv@4.0 nreg128", "tkv@4.0 storewht"]
+                         "tkv@4.0 nreg128", "tkv@4.0 storematrix"]
 
 
 # ----------------------------------------------------------------------------- profiles

@@ -40,24 +40,20 @@ _ROTATIONS = ("auto", "split", "tf32x3", "wht")
 _TF32X3, _BF16_TERMS, _FP16_TERMS, _BUTTERFLIES = 0, 1, 2, 3
 
 ENV_STORE_ROTATION = "TKV_STORE_ROTATION"
-STORE_POLICIES = ("auto", "wht", "wht-decode")
-# "wht-decode": the butterflies for calls of at most this many new tokens — the decode-step
-# bucket, where compress_store's default tile is 8 tokens (latency-bound programs)
-WHT_DECODE_MAX_TOKENS = 128
+STORE_POLICIES = ("auto", "matrix")
 
 
 class StoreRotationConfigError(TkvError, ValueError):
-    """``TKV_STORE_ROTATION`` is not one of ``auto``, ``wht``, ``wht-decode``."""
+    """``TKV_STORE_ROTATION`` is not ``auto`` or ``matrix``."""
 
 
 def store_rotation_from_env(environ=None) -> str:
     """What ``compress_store(rotation="auto")`` does, from ``TKV_STORE_ROTATION`` (read once
     at import as :data:`STORE_ROTATION`; any case, blanks ignored): ``"auto"`` (default) the
-    tensor-core rotation (``"split"`` for 16-bit K/V, ``"tf32x3"`` for float32); ``"wht"`` the
-    butterflies on every call whose rotation is a pure power-of-two Hadamard (others keep
-    auto's choice); ``"wht-decode"`` the butterflies only for calls of at most
-    :data:`WHT_DECODE_MAX_TOKENS` new tokens (decode steps). An A/B knob for the engines
-    until the butterflies are timed on a GPU (docs/kernels.md, session 28).
+    Walsh–Hadamard butterflies wherever the rotation is a pure power-of-two Hadamard, else
+    the tensor-core rotation; ``"matrix"`` the tensor-core rotation always (``"split"`` for
+    16-bit K/V, ``"tf32x3"`` for float32: the default until session 28, kept as the A/B
+    arm — ``vllm_e2e.py --runs tkvstorematrix``, ``sglang_e2e.py --variants storematrix``).
 
     Raises:
         StoreRotationConfigError: any other value (the message lists the choices).
@@ -503,7 +499,7 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     ``n / ‖c[code]/sqrt(d)‖`` when the codec's norm correction is on, codes packed LSB-first —
     the codec's ``compress_k`` / ``compress_v`` up to float32 rounding (a code at a bucket
     boundary, one bf16 ulp of a norm) (TurboQuant, Zandieh et al. 2025, Alg. 1). Design and
-    H200 timings: ``docs/kernels.md`` (session 9).
+    timings: ``docs/kernels.md`` (sessions 9 and 28).
 
     With sink offsets (the codec's ``k_sink_offset`` / ``v_sink_offset``; the loader's
     ``k_sink_shift`` / ``v_sink_shift`` ``c_h``), each vector is also coded as
@@ -520,12 +516,14 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             ``-1`` (any negative) skips the token; slots ≥ ``num_blocks · block_size`` are
             skipped too (never written out of bounds).
         loader: the layer's :class:`TkvLoader`.
-        block_t: tokens per program, a power of two. Default 8 up to 128 new tokens (decode
-            steps: latency-bound, more programs), 16 up to 1,024, 64 above (prefill: the
-            rotation operand is loaded once per 64 tokens). H200, K4V4, 8 KV heads, head_dim
-            128 (``benchmarks/results/kernels_gpu_2026-11-30_s9_store_centroids.md``): 16K
-            new tokens 0.160 ms at 64 (16: 0.375, 128 × 8 warps: 0.179), 256 tokens 9.6 µs at
-            16 (8: 13.6, 32: 11.4).
+        block_t: tokens per program, a power of two. Default with the butterflies: 8 up to
+            256 new tokens, then 16 (32 at head_dim ≥ 256) — H100, K4V4, 8 KV heads, head_dim
+            128 (``benchmarks/results/kernels_gpu_2026-12-05_s28_store.md``): 64 tokens 3.9 µs
+            at 8, 256 tokens 4.7 µs at 8 (16: 5.1), 16K tokens 99 µs at 16 (32: 137, 64: 123).
+            With the matrix rotation: 8 up to 128 new tokens (decode steps: latency-bound,
+            more programs), 16 up to 1,024, 64 above (the rotation operand is loaded once per
+            64 tokens; H200, ``kernels_gpu_2026-11-30_s9_store_centroids.md``: 16K tokens
+            0.160 ms at 64, 0.375 at 16).
         num_warps: Triton warps per program; default 8 for 128+ tokens per program, else 4.
         chunk: rotation columns per tensor-core pass (a power of two ≥ 16): default 64 up to
             head_dim 128, 32 above (registers; planar chunks never exceed one code plane).
@@ -539,11 +537,12 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             the codec's order of operations (μ off before the rotation), any input dtype;
             only where the rotation is a pure power-of-two Hadamard (head_dim a power of two
             ≥ 16), else ValueError. It reads no ``d × d`` operand per program (the matrix
-            paths read 3 × 32 KB of ``A`` per side at head_dim 128 from L2): session 28's
-            candidate for decode-sized stores, not yet timed on a GPU. ``"auto"`` (default):
-            ``"split"`` for bfloat16 / float16 sides, ``"tf32x3"`` for float32 — unless the
-            operator's ``TKV_STORE_ROTATION`` (:func:`store_rotation_from_env`) asks for the
-            butterflies.
+            paths read 3 × 32 KB of ``A`` per side at head_dim 128 from L2): on an H100 1.3-2.3×
+            the ``"split"`` path at every size (session 28, ``docs/kernels.md``).
+            ``"auto"`` (default): ``"wht"`` where the rotation is a pure power-of-two
+            Hadamard, else ``"split"`` for bfloat16 / float16 sides and ``"tf32x3"`` for
+            float32; the operator's ``TKV_STORE_ROTATION=matrix``
+            (:func:`store_rotation_from_env`) keeps the matrix paths.
 
     Values are not checked for NaN / ±inf (that would read them back to the host, a device
     sync inside every layer of a CUDA graph): a non-finite K/V element stores a non-finite
@@ -582,20 +581,21 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                       tables=loader.k_table)
     n = key.shape[0]
     st = lay.strides()
+    if rotation not in _ROTATIONS:
+        raise ValueError(f"rotation must be one of {_ROTATIONS}, got {rotation!r}")
+    if rotation == "auto" and loader.k_store_hadamard is not None and STORE_ROTATION == "auto":
+        rotation = "wht"   # the butterflies (the operator may pick TKV_STORE_ROTATION=matrix)
     if block_t is None:
-        block_t = 8 if n <= 128 else 16 if n <= 1024 else 64
+        if rotation == "wht":   # H100 sweep, session 28: 8 to 256 tokens, then 16 (32 at d 256)
+            block_t = 8 if n <= 256 else 32 if loader.d_pad >= 256 else 16
+        else:
+            block_t = 8 if n <= 128 else 16 if n <= 1024 else 64
     if num_warps is None:
         num_warps = 8 if block_t >= 128 else 4
     if chunk is None:
         chunk = 64 if loader.d_pad <= 128 else 32
     for name, val, lo in (("block_t", block_t, 1), ("chunk", chunk, 16), ("num_warps", num_warps, 1)):
         check_pow2(val, name, lo)
-    if rotation not in _ROTATIONS:
-        raise ValueError(f"rotation must be one of {_ROTATIONS}, got {rotation!r}")
-    if rotation == "auto" and loader.k_store_hadamard is not None and (
-            STORE_ROTATION == "wht"
-            or (STORE_ROTATION == "wht-decode" and n <= WHT_DECODE_MAX_TOKENS)):
-        rotation = "wht"   # the operator's TKV_STORE_ROTATION
     modes, operands = [], []   # the kernel's K_SPLIT / V_SPLIT per side
     for name, x in (("key", key), ("value", value)):
         if rotation == "wht":
