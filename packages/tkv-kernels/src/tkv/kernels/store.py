@@ -223,10 +223,11 @@ def _rotated_chunk(x, A, a_scale, q, coord, valid, MU_ROT, mu_off, HEAD_DIM: tl.
 def _centroid_sums(y, inv, coord, bounds, table, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    BITS: tl.constexpr, BLOCK_T: tl.constexpr, CHW: tl.constexpr):
     """Per-token ``(Σ t², Σ t·y)`` over one chunk, ``t = c[code]/sqrt(d)`` the centroids the
-    chunk's rotated coordinates ``y`` quantize to (``inv`` = sqrt(d)/n)."""
+    chunk's rotated coordinates ``y`` quantize to (``inv`` = sqrt(d)/n), and those codes
+    (int32 ``[T, CHW]``; unused — and compiled away — where the caller recomputes them)."""
     code, preds = _codes(y, inv, coord, bounds, HEAD_DIM, D_PAD, BITS, BLOCK_T, CHW)
     t = _centroid(code, preds, coord, table, HEAD_DIM, D_PAD, BITS)
-    return tl.sum(t * t, axis=1), tl.sum(t * y, axis=1)
+    return tl.sum(t * t, axis=1), tl.sum(t * y, axis=1), code
 
 
 @triton.jit
@@ -308,22 +309,20 @@ def _butterfly_codes(xf, inv_s, ss, n, inv, valid, head, offs_d, W, bounds, tabl
     y = xf * tl.load(W + offs_d)[None, :]
     for s in tl.static_range(LOG2D):
         y = hadamard_stage(y, BLOCK_T, HEAD_DIM, 1 << s)
-    code, preds = _codes(y, inv, offs_d, bounds, HEAD_DIM, HEAD_DIM, BITS, BLOCK_T, HEAD_DIM)
     if SINK:   # both candidates at once: the whole rotated tile is in registers
+        ua, ca, code = _centroid_sums(y, inv, offs_d, bounds, table, HEAD_DIM, HEAD_DIM, BITS,
+                                      BLOCK_T, HEAD_DIM)
         xb = (xf - tl.load(DELTA + head * HEAD_DIM + offs_d)[None, :]) * inv_s   # (x − σ)/s
         ssb = tl.sum(xb * xb, axis=1)
         nb, invb = _norm_inv(ssb, HEAD_DIM, BLOCK_T)
         yb = y - tl.load(SHIFT + head * HEAD_DIM + offs_d)[None, :]
-        code_b, preds_b = _codes(yb, invb, offs_d, bounds, HEAD_DIM, HEAD_DIM, BITS, BLOCK_T,
-                                 HEAD_DIM)
-        ta = _centroid(code, preds, offs_d, table, HEAD_DIM, HEAD_DIM, BITS)
-        tb = _centroid(code_b, preds_b, offs_d, table, HEAD_DIM, HEAD_DIM, BITS)
-        pick, n, nb = _sink_choice(n, nb, tl.sum(ta * ta, axis=1), tl.sum(ta * y, axis=1),
-                                   tl.sum(tb * tb, axis=1), tl.sum(tb * yb, axis=1), ss, ssb,
-                                   NORM_CORR)
+        ub, cb, code_b = _centroid_sums(yb, invb, offs_d, bounds, table, HEAD_DIM, HEAD_DIM,
+                                        BITS, BLOCK_T, HEAD_DIM)
+        pick, n, nb = _sink_choice(n, nb, ua, ca, ub, cb, ss, ssb, NORM_CORR)
         code = tl.where(pick[:, None], code_b, code)
         norm16 = _flagged_norm(pick, n, nb)
     else:
+        code, preds = _codes(y, inv, offs_d, bounds, HEAD_DIM, HEAD_DIM, BITS, BLOCK_T, HEAD_DIM)
         if NORM_CORR:
             t = _centroid(code, preds, offs_d, table, HEAD_DIM, HEAD_DIM, BITS)
             n = _norm_corrected(n, tl.sum(t * t, axis=1))
@@ -373,13 +372,13 @@ def _matmul_codes(x, xf, inv_s, ss, n, inv, valid, head, offs_d, A, a_scale, bou
                 q, coord = _chunk_cols(s, p, NPL, WID, CHW)
                 y = _rotated_chunk(xop, A, a_scale, q, coord, valid, MU_ROT, mu_off, HEAD_DIM, D_PAD,
                                    SPLIT, SUB_MU)
-                u, c = _centroid_sums(y, inv, coord, bounds, table, HEAD_DIM, D_PAD, BITS,
-                                      BLOCK_T, CHW)
+                u, c, _ = _centroid_sums(y, inv, coord, bounds, table, HEAD_DIM, D_PAD, BITS,
+                                         BLOCK_T, CHW)
                 ua += u
                 ca += c
                 yb = y - tl.load(SHIFT + head * D_PAD + coord)[None, :]
-                u, c = _centroid_sums(yb, invb, coord, bounds, table, HEAD_DIM, D_PAD, BITS,
-                                      BLOCK_T, CHW)
+                u, c, _ = _centroid_sums(yb, invb, coord, bounds, table, HEAD_DIM, D_PAD, BITS,
+                                         BLOCK_T, CHW)
                 ub += u
                 cb += c
         pick, n, nb = _sink_choice(n, nb, ua, ca, ub, cb, ss, ssb, NORM_CORR)
