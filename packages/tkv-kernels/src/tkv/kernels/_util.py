@@ -192,6 +192,11 @@ def flag_from_env(environ, name: str, default: str, error: type[ValueError],
     return v == "1"
 
 
+def _shown(raw: str) -> str:
+    """An environment value as an error message quotes it: at most 40 characters."""
+    return raw if len(raw) <= 40 else raw[:40] + f"... ({len(raw)} characters)"
+
+
 def int_from_env(environ, name: str, ok, error: type[ValueError], expected: str) -> int:
     """A non-negative integer engine option from the environment: plain ASCII digits (unset
     or blank: 0); a value that is not digits, or for which ``ok(n)`` is false, raises
@@ -200,9 +205,20 @@ def int_from_env(environ, name: str, ok, error: type[ValueError], expected: str)
     # plain ASCII digits only, and few enough that int() answers (it refuses > 4300 digits)
     n = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else -1
     if n < 0 or not ok(n):
-        shown = raw if len(raw) <= 40 else raw[:40] + f"... ({len(raw)} characters)"
-        raise error(f"{name}={shown!r}: expected {expected}")
+        raise error(f"{name}={_shown(raw)!r}: expected {expected}")
     return n
+
+
+def choice_from_env(environ, name: str, choices, default: str, error: type[ValueError],
+                    expected: str) -> str:
+    """A named engine option from the environment: one of ``choices``, any case, blanks
+    around it ignored (unset or blank: ``default``); anything else raises ``error`` naming
+    the variable, its value and ``expected`` (what each choice does)."""
+    env = os.environ if environ is None else environ
+    v = str(env.get(name) or "").strip().lower() or default
+    if v not in choices:
+        raise error(f"{name}={_shown(v)!r}: {expected}")
+    return v
 
 
 # settings read once when a kernel module is imported, whose value was refused (see below)

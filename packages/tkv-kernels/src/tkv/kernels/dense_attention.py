@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from tkv.codec.errors import DeviceMismatchError, DtypeError, ShapeError, TkvError
+
+from ._util import choice_from_env
 
 __all__ = ["ENV_PREFILL_ATTENTION", "DenseAttention", "FlashDevice", "FlashVarlenAttention",
            "PrefillAttentionConfigError", "SdpaDenseAttention", "TorchVarlenAttention",
@@ -64,16 +65,13 @@ def prefill_attention_from_env(environ=None, default: str = "tkv") -> str:
     if str(default).strip().lower() not in _CHOICES:   # the adapter's own constant
         raise PrefillAttentionConfigError(
             f"prefill-attention default {default!r} is not one of {_CHOICES}")
-    env = os.environ if environ is None else environ
-    v = (env.get(ENV_PREFILL_ATTENTION) or "").strip().lower() or default.strip().lower()
-    if v not in _CHOICES:
-        raise PrefillAttentionConfigError(
-            f"{ENV_PREFILL_ATTENTION}={v!r}: use 'auto' (the engine's FlashAttention where it "
-            "can run, else tkv's kernels), 'flash' (the engine's FlashAttention for first "
-            "chunks and exact-prefix continuation chunks; an error where it cannot run), "
-            "'continuation' (FlashAttention for continuation chunks only, tkv's Triton kernel "
-            "for first chunks) or 'tkv' (tkv's Triton / SDPA prefill)")
-    return v
+    return choice_from_env(
+        environ, ENV_PREFILL_ATTENTION, _CHOICES, default.strip().lower(),
+        PrefillAttentionConfigError,
+        "use 'auto' (the engine's FlashAttention where it can run, else tkv's kernels), 'flash' "
+        "(the engine's FlashAttention for first chunks and exact-prefix continuation chunks; "
+        "an error where it cannot run), 'continuation' (FlashAttention for continuation chunks "
+        "only, tkv's Triton kernel for first chunks) or 'tkv' (tkv's Triton / SDPA prefill)")
 
 
 @runtime_checkable

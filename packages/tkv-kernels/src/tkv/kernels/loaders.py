@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import warnings
 from typing import Protocol, runtime_checkable
 
@@ -67,6 +66,7 @@ from ._util import (
     check_last_dim_contiguous,
     check_positive_int,
     check_tensor,
+    choice_from_env,
     int_from_env,
     interpreting,
     next_pow2,
@@ -535,12 +535,9 @@ def lookup_from_env(environ=None) -> str:
     Raises:
         LookupConfigError: an unknown name (the message lists the choices).
     """
-    env = os.environ if environ is None else environ
-    name = (env.get(ENV_LOOKUP) or "").strip().lower() or "auto"   # any case, like the others
-    if name not in _LOOKUPS:
-        raise LookupConfigError(f"{ENV_LOOKUP}={name!r} is not a tkv codebook lookup; choose "
-                                f"one of {', '.join(_LOOKUPS)} (default auto)")
-    return name
+    return choice_from_env(environ, ENV_LOOKUP, _LOOKUPS, "auto", LookupConfigError,
+                           f"not a tkv codebook lookup; choose one of {', '.join(_LOOKUPS)} "
+                           "(default auto)")
 
 
 def _is_default_codebook(codec: TurboKVCodec, side: str) -> bool:

@@ -4,7 +4,6 @@ tkv cache in one launch (no intermediate tensor through HBM)."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -22,6 +21,7 @@ from ._util import (
     check_pow2,
     check_same_device,
     check_tensor,
+    choice_from_env,
     interpreting,
     read_at_import,
 )
@@ -58,13 +58,9 @@ def store_rotation_from_env(environ=None) -> str:
     Raises:
         StoreRotationConfigError: any other value (the message lists the choices).
     """
-    env = os.environ if environ is None else environ
-    name = str(env.get(ENV_STORE_ROTATION) or "").strip().lower() or "auto"
-    if name not in STORE_POLICIES:
-        shown = name if len(name) <= 40 else name[:40] + "..."
-        raise StoreRotationConfigError(f"{ENV_STORE_ROTATION}={shown!r}: choose one of "
-                                       f"{', '.join(STORE_POLICIES)} (default auto)")
-    return name
+    return choice_from_env(environ, ENV_STORE_ROTATION, STORE_POLICIES, "auto",
+                           StoreRotationConfigError,
+                           f"choose one of {', '.join(STORE_POLICIES)} (default auto)")
 
 
 STORE_ROTATION = read_at_import(store_rotation_from_env)

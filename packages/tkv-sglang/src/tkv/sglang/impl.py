@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tkv.codec.errors import TkvError
@@ -32,11 +30,11 @@ def impl_from_env(environ=None) -> str | None:
 
     Raises:
         ImplConfigError: any other value."""
-    forced = (os.environ if environ is None else environ).get(ENV_IMPL, "").strip().lower()
-    if forced and forced not in IMPLS:
-        shown = forced if len(forced) <= 40 else forced[:40] + "..."
-        raise ImplConfigError(f"{ENV_IMPL}={shown!r}: use 'triton' or 'reference' (unset: "
-                              "triton on CUDA and under the Triton interpreter, else reference)")
+    from tkv.kernels._util import choice_from_env
+
+    forced = choice_from_env(environ, ENV_IMPL, ("", *IMPLS), "", ImplConfigError,
+                             "use 'triton' or 'reference' (unset: triton on CUDA and under the "
+                             "Triton interpreter, else reference)")
     return forced or None
 
 
