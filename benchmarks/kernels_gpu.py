@@ -50,7 +50,8 @@ prefill_mod = importlib.import_module("tkv.kernels.prefill")   # the module, not
 
 DEV = "cuda"
 ROWS: list[dict] = []
-LOOKUPS: tuple[str, ...] = ("gather", "pair", "shuffle", "prmt", "prmt1", "prmti")  # TkvLoader lookups
+LOOKUPS: tuple[str, ...] = ("gather", "pair", "shuffle", "prmt", "prmt1", "prmti",
+                            "prmts")  # TkvLoader lookups
 
 
 TIMING = {"method": None}  # how the last bench() timed: "graph" or "eager" (logged per row)
@@ -1002,7 +1003,7 @@ def step_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768)))
 
 def variant_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768))):
     """Tuning sweep at the decode-step shapes (Qwen3-8B-like, K4V4): split-K decode over
-    lookup (prmt / prmti) × K as the A operand (swap_qk) × a register cap (maxnreg: more
+    lookup (prmt / prmti / prmts) × K as the A operand (swap_qk) × a register cap (maxnreg: more
     CTAs per SM against spills), and compress_store over tokens per program × warps ×
     rotation chunk. Every row carries ``x_default`` = the default configuration's time
     (``decode(...)`` / ``compress_store(...)`` with no options, timed in the same loop) over
@@ -1010,7 +1011,8 @@ def variant_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768
     hq, hkv, d, block = 32, 8, 128, 16
     ws = Workspace(256, 64, 256, DEV)
     codec = TurboKVCodec(d, 4, device=DEV)
-    loaders = {lk: TkvLoader(codec, hkv, block, lookup=lk) for lk in ("auto", "prmt", "prmti")}
+    loaders = {lk: TkvLoader(codec, hkv, block, lookup=lk)
+               for lk in ("auto", "prmt", "prmti", "prmts")}
     for B, L in shapes:
         bt, sl, nblk, slots, q, kn, vn = step_inputs(B, L, hq, hkv, d, block)
         cache = tkv_cache(loaders["auto"], nblk)
@@ -1020,7 +1022,7 @@ def variant_rows(copy_gbs, shapes=((64, 640), (256, 640), (256, 2048), (1, 32768
         ref = timed_row(base, "tkv K4V4 decode (default)",
                         lambda: decode(q, cache, bt, sl, loaders["auto"], ws), moved=nbytes,
                         copy_gbs=copy_gbs, lookup=lookup_label(loaders["auto"]), x_default=1.0)
-        for lk in ("prmt", "prmti"):
+        for lk in ("prmt", "prmti", "prmts"):
             for swap in (False, True):
                 for nreg in (None, 128, 112):
                     opts = dict(swap_qk=swap, maxnreg=nreg)
@@ -1249,7 +1251,9 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
     arms = [("GEMMs only (no attention)", "none"), ("bf16 store + bypass decode", "bf16"),
             ("tkv K4V4 prmt", {"lookup": "prmt"}), ("tkv K4V4 prmti (default)", {}),
             ("tkv K4V4 prmti, maxnreg 128", {"lookup": "prmti", "maxnreg": 128}),
-            ("tkv K4V4 prmti, store by the rotation matrix", {"store_rotation": "split"})]
+            ("tkv K4V4 prmti, store by the rotation matrix", {"store_rotation": "split"}),
+            ("tkv K4V4 prmts (antisymmetric tables)", {"lookup": "prmts"}),
+            ("tkv K4V4 prmts, maxnreg 128", {"lookup": "prmts", "maxnreg": 128})]
     _model_step_arms(arms, shapes, layers)
 
 
@@ -1523,7 +1527,7 @@ def main():
                     help="alone (with --prefix-hits if given too): rotate_rows at prefill "
                          "sizes, default vs bf16_split vs the persistent launch "
                          "(rotate_sweep_rows)")
-    ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti",
+    ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti,prmts",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
     global LOOKUPS

@@ -53,7 +53,11 @@ VARIANTS = [("prmt (default to session 5)", "prmt", 4, 128, None, None),
             ("prmti, maxnreg 128 (default, large grids)", "prmti", 4, 128, None, 128)]
 # the same with the query rotated in the kernel (decode(fused_query_rotation=True), session 15)
 QROT_VARIANTS = [("prmti, 4 warps, query rotated in-kernel", "prmti", 4, 128, None, None),
-                 ("prmti, maxnreg 128, query rotated in-kernel", "prmti", 4, 128, None, 128)]
+                 ("prmti, maxnreg 128, query rotated in-kernel", "prmti", 4, 128, None, 128),
+                 # session 29: prmti's values from the antisymmetric codebook's half tables
+                 (PRMTS_LABEL := "prmts, 4 warps, query rotated in-kernel", "prmts", 4, 128,
+                  None, None),
+                 ("prmts, maxnreg 128, query rotated in-kernel", "prmts", 4, 128, None, 128)]
 # session 18 (query rotated in-kernel, the default): one split writing the layer output itself
 # (EPILOGUE 2: unrotated by butterflies), and length-aware split-K (MIN_SPLIT_TILES)
 # (label, extra constexprs)
@@ -131,14 +135,16 @@ def main() -> None:
     ap.add_argument("--widths", action="store_true",
                     help="2/3-bit sides: pair tables vs the group prmt lookup (WIDTH_VARIANTS)")
     ap.add_argument("--session18", action="store_true",
-                    help="only the query-rotated prmti kernel and session 18's variants")
+                    help="only the query-rotated prmti and prmts kernels and session 18's "
+                    "variants")
     a = ap.parse_args()
     variants = WIDTH_VARIANTS if a.widths else (
         [(*v, (4, 4), 2, False) for v in VARIANTS] + [(*v, (4, 4), 2, True) for v in QROT_VARIANTS]
         + [(label, "prmti", 4, 128, None, None, (4, 4), 2, True, extra)
            for label, extra in SESSION18_VARIANTS])
     if a.session18:
-        variants = [v for v in variants if v[0] == QROT_VARIANTS[0][0] or len(v) > 9]
+        variants = [v for v in variants if v[0] in (QROT_VARIANTS[0][0], PRMTS_LABEL)
+                    or len(v) > 9]
     # the prmt lookups refuse the interpreter; here nothing runs, the kernel is only compiled
     loaders_mod.interpreting = util.interpreting = lambda: False
     what = "2/3-bit sides" if a.widths else "K4V4"

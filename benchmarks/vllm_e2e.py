@@ -978,6 +978,7 @@ def run_all(opts: argparse.Namespace) -> int:
                 "tkvtiles4": ("tkv", opts.bits, bundle, False, "tiles4"),
                 "tkvnreg128": ("tkv", opts.bits, bundle, False, "nreg128"),
                 "tkvstorematrix": ("tkv", opts.bits, bundle, False, "storematrix"),
+                "tkvprmts": ("tkv", opts.bits, bundle, False, "prmts"),
                 "bf16block64": ("bf16", None, None, False, "block64"),
                 "tkvblock64": ("tkv", opts.bits, bundle, False, "block64")}
         res = {}
@@ -1406,7 +1407,9 @@ VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
             "split2": {"TKV_DECODE_SINGLE_SPLIT": "0"},
             "tiles4": {"TKV_DECODE_MIN_SPLIT_TILES": "4"},
             "nreg128": {"TKV_PRMTI_MAXNREG": "128"},
-            "storematrix": {"TKV_STORE_ROTATION": "matrix"}}
+            "storematrix": {"TKV_STORE_ROTATION": "matrix"},
+            # session 29: the 4-bit lookup from the antisymmetric codebook's half tables
+            "prmts": {"TKV_LOOKUP": "prmts"}}
 # engine block_size variants (`all --runs bf16block64 tkvblock64`): 64-token pages instead of
 # vLLM's default 16 (session 19, benchmarks/results/pool_placement_gpu_2026-12-04_s19.md: tkv's
 # 36 decode layers 1.6-3.6 % faster at 64 for 256 sequences, kernel only)
@@ -1484,7 +1487,8 @@ def main(argv: list[str] | None = None) -> int:
                            choices=["bf16", "tq4", "tkv", "tkv8", "tkvflash", "tkvtriton",
                                     "tkvcont", "tkvqrot", "tkvnoqrot", "tkvnopipe",
                                     "tkvsplit1", "tkvsplit2", "tkvtiles4", "tkvnreg128",
-                                    "tkvstorematrix", "bf16block64", "tkvblock64"],
+                                    "tkvstorematrix", "tkvprmts", "bf16block64",
+                                    "tkvblock64"],
                            default=["bf16", "tq4", "tkv", "tkv8"],
                            help="engine runs per model: bf16, vLLM turboquant_4bit_nc, tkv at "
                            "--bits (capacity+greedy+throughput; tkv-vllm's default prefill, "
@@ -1499,7 +1503,8 @@ def main(argv: list[str] | None = None) -> int:
                            "splits always, the earlier rule), tkvtiles4 = tkv at --bits with "
                            "TKV_DECODE_MIN_SPLIT_TILES=4, tkvnreg128 = tkv at --bits with "
                            "TKV_PRMTI_MAXNREG=128, tkvstorematrix = tkv at --bits with "
-                           "TKV_STORE_ROTATION=matrix, bf16block64 / tkvblock64 = bf16 / tkv "
+                           "TKV_STORE_ROTATION=matrix, tkvprmts = tkv at --bits with "
+                           "TKV_LOOKUP=prmts, bf16block64 / tkvblock64 = bf16 / tkv "
                            "at --bits with block_size 64 (vLLM's default: 16)")
         if name == "serve-check":
             a.add_argument("--port", type=int, default=8011)

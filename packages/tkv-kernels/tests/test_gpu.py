@@ -142,6 +142,33 @@ def test_compress_store_butterflies_equal_the_matrix_rotation(tokens, block_t, n
     assert torch.signbit(views[1]["k_norms"][b[:5], :, o[:5]]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prmts_decode_and_prefill_equal_prmti_bit_for_bit(dtype):
+    """prmts yields prmti's 16-bit centroids from half the tables (the default codebook is
+    antisymmetric), so decode — split-K with the reduce and the one-split rule — and the
+    prefill kernel's compressed-prefix loop give identical outputs with either lookup."""
+    ld, batch, cache, hq = _setup(seed=29)
+    sym = TkvLoader(ld.codec, ld.num_kv_heads, ld.block_size, lookup="prmts")
+    ref = TkvLoader(ld.codec, ld.num_kv_heads, ld.block_size, lookup="prmti")
+    assert (sym.lookup_name("k", dtype), ref.lookup_name("k", dtype)) == ("prmts", "prmti")
+    ns = batch.seq_lens.shape[0]
+    q = torch.randn(ns, hq, 128, device="cuda", dtype=dtype)
+    for single in (0, 1):
+        ws = Workspace(16, 64, 256, "cuda", single_split_ctas=single)
+        a = decode(q, cache, batch.block_table, batch.seq_lens, sym, ws)
+        b = decode(q, cache, batch.block_table, batch.seq_lens, ref, ws)
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    # prefill: a 40-token chunk after each cached prefix (the lookup reads the prefix inline)
+    ql = 40
+    qp = torch.randn(ns * ql, hq, 128, device="cuda", dtype=dtype)
+    kv = torch.randn(2, ns * ql, ld.num_kv_heads, 128, device="cuda", dtype=dtype)
+    cu = torch.arange(0, (ns + 1) * ql, ql, device="cuda", dtype=torch.int32)
+    sl = batch.seq_lens + ql   # the chunk comes from kv, the prefix from the table's pages
+    outs = [prefill(qp, kv[0], kv[1], cu, sl, ql, cache, batch.block_table, lk)
+            for lk in (sym, ref)]
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+
+
 def test_prefill_realistic_shape_vs_sdpa():
     torch.manual_seed(3)
     ld = __import__("tkv.kernels", fromlist=["x"]).BypassLoader(8, 128, 16, torch.bfloat16)

@@ -370,7 +370,8 @@ def test_decode_swap_qk_matches_reference(head_dim, kb, vb, group, window, lens)
 _GPU_ONLY = pytest.mark.skipif(DEV == "cpu", reason="PTX inline assembly: CUDA only")
 
 
-@pytest.mark.parametrize("lookup", ["auto", pytest.param("prmti", marks=_GPU_ONLY)])
+@pytest.mark.parametrize("lookup", ["auto", pytest.param("prmti", marks=_GPU_ONLY),
+                                    pytest.param("prmts", marks=_GPU_ONLY)])
 def test_decode_maxnreg_knob_matches_reference(lookup):
     """``maxnreg`` (a register cap for the split kernel; on the GPU with spills) changes the
     schedule, not the result; on the interpreter it is accepted and ignored."""
@@ -431,7 +432,9 @@ def test_decode_many_rows_partial_row_block():
     pytest.param("prmt1", 4, 2, torch.float16, marks=_GPU_ONLY),
     pytest.param("prmt1", 3, 4, torch.float16, marks=_GPU_ONLY),
     pytest.param("prmti", 4, 4, torch.bfloat16, marks=_GPU_ONLY),
-    pytest.param("prmti", 4, 2, torch.float16, marks=_GPU_ONLY)])
+    pytest.param("prmti", 4, 2, torch.float16, marks=_GPU_ONLY),
+    pytest.param("prmts", 4, 4, torch.bfloat16, marks=_GPU_ONLY),
+    pytest.param("prmts", 4, 2, torch.float16, marks=_GPU_ONLY)])
 def test_decode_lookup_variants(lookup, kb, vb, dtype):
     """Every plane count (NP = 4/2/1 for 2/4/8 bits) with every lookup, fp16 and bf16."""
     codec = TurboKVCodec(64, k_bits=kb, v_bits=vb, device=DEV, seed=11)
@@ -1648,7 +1651,7 @@ def test_prefill_tkv(head_dim, group, prefix, qlens, window):
 @pytest.mark.parametrize("lookup,kb,vb", [
     ("shuffle", 4, 4), pytest.param("prmt", 4, 4, marks=_GPU_ONLY),
     pytest.param("prmt1", 4, 4, marks=_GPU_ONLY), pytest.param("prmti", 4, 4, marks=_GPU_ONLY),
-    pytest.param("auto", 3, 2, marks=_GPU_ONLY)])
+    pytest.param("prmts", 4, 4, marks=_GPU_ONLY), pytest.param("auto", 3, 2, marks=_GPU_ONLY)])
 def test_prefill_tkv_lookups(lookup, kb, vb):
     """The register lookups in the prefill kernel's compressed-prefix loop (K4V4; K3V2: the
     2/3-bit group prmt)."""

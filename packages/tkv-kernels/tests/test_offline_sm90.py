@@ -1,8 +1,9 @@
 """The split-K decode kernel compiles for the H200 (sm_90a) on any box, GPU or not: Triton →
 PTX → the ptxas that ships with Triton (``benchmarks/sass_decode_offline.py --session18``).
 Catches what the interpreter cannot: a kernel signature the compiler refuses, and a register
-or spill regression of the default launch (prmti, 4 warps, query rotated in the kernel) and
-of session 18's variants (one split writing the layer output, length-aware split-K)."""
+or spill regression of the default launch (prmti, 4 warps, query rotated in the kernel), of
+session 18's variants (one split writing the layer output, length-aware split-K) and of the
+antisymmetric-table lookup prmts (session 29)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ def test_decode_split_kernel_compiles_for_sm90a_without_spills(tmp_path):
         # 168 registers = 3 CTAs of 4 warps per SM (docs/kernels.md, session 6)
         assert int(regs) <= 168 and int(spills) == 0, (label, regs, spills)
     assert re.search(r"EPILOGUE 2", out.read_text()) and "MIN_SPLIT_TILES 4" in out.read_text()
+    # prmts (session 29): prmti's values from half the tables — the same occupancy, and fewer
+    # loop instructions than the default launch it would replace
+    sym = [line.split("|")[1:-1] for line in out.read_text().splitlines()
+           if line.startswith("| prmts")]
+    assert len(sym) == 1, sym
+    _, regs, spills, _, loop, *_ = sym[0]
+    assert int(regs) <= 168 and int(spills) == 0, sym[0]
+    assert int(loop.replace(",", "")) < 0.9 * int(rows[0][4].replace(",", "")), (sym[0], rows[0])
 
 
 # The varlen path's helper kernels for sm_90 (session 25: added without a GPU hold after

@@ -45,7 +45,9 @@ def _run(asm: str, operands: dict[str, int]) -> dict[str, int]:
         return regs[tok]
 
     ops = {"and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
-           "shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: a << b}
+           "xor.b32": lambda a, b: a ^ b, "not.b32": lambda a: ~a,
+           "shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: a << b,
+           "mul.lo.u32": lambda a, b: a * b}
     if "mov.b32" in asm:
         ops["mov.b32"] = lambda a: a
     for line in asm.splitlines():
@@ -149,6 +151,105 @@ def test_prmti_asm_matches_codebook(half):
             hi = [r["$2"] & 0xFFFF, r["$2"] >> 16, r["$3"] & 0xFFFF, r["$3"] >> 16]
             assert lo == [want[c & 15] for c in b], (b, lo)
             assert hi == [want[c >> 4] for c in b], (b, hi)
+
+
+def _antisymmetric_codebook(g: torch.Generator, scale: float) -> torch.Tensor:
+    """16 sorted centroids with ``c[15 − i] = −c[i]`` exactly (random magnitudes)."""
+    mags = (torch.rand(8, generator=g) * scale + 1e-3).sort().values
+    return torch.cat([-mags.flip(0), mags])
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_prmts_asm_matches_codebook(half):
+    """``prmts``: the antisymmetric form of prmti's asm (positive-half byte tables, sign from
+    bit 3 of each code) emulated on random bytes, every byte value in every position, random
+    antisymmetric codebooks and the codec's default ones — the same 16-bit values as the
+    codebook (and so as prmti, bit for bit)."""
+    from tkv.codec import TurboKVCodec
+    from tkv.kernels.loaders import _TABLE_SHIFT, _antisymmetric_table, _prmts_asm
+
+    g = torch.Generator().manual_seed(17)
+    books = [TurboKVCodec(d, k_bits=4, v_bits=4, device="cpu").k.scaled_centroids
+             for d in (64, 128, 256)]
+    books += [_antisymmetric_codebook(g, s) for s in (0.05, 1.0, 40.0)]
+    for table in books:
+        words = [int(w) & M32 for w in _prmt_table(table, half)]
+        assert _antisymmetric_table(words)
+        want = (table.to(half).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+        p0 = 4 + 16 * 64 + 65536 * 13 + (sum(w << (32 * i) for i, w in enumerate(words))
+                                          << _TABLE_SHIFT)
+        asm = _prmts_asm.fn(p0)
+        used = set(re.findall(r"^\s*([a-z]+\.[a-z0-9]+)\s", asm, re.M))
+        assert used <= {"and.b32", "or.b32", "xor.b32", "not.b32", "shr.b32", "shl.b32",
+                        "mul.lo.u32", "prmt.b32", "mov.b32"}, used
+        assert "$5" not in asm   # the code bytes are the only input operand
+        codes = torch.randint(0, 256, (48, 4), generator=g).tolist()
+        codes += [[v, (v * 7) % 256, (v * 13 + 5) % 256, 255 - v] for v in range(256)]
+        for b in codes:
+            x = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+            r = _run(asm, {"$4": x})
+            lo = [r["$0"] & 0xFFFF, r["$0"] >> 16, r["$1"] & 0xFFFF, r["$1"] >> 16]
+            hi = [r["$2"] & 0xFFFF, r["$2"] >> 16, r["$3"] & 0xFFFF, r["$3"] >> 16]
+            assert lo == [want[c & 15] for c in b], (b, lo)
+            assert hi == [want[c >> 4] for c in b], (b, hi)
+
+
+def test_antisymmetric_table_check_is_exact():
+    """Only a bit-exact antisymmetric codebook with a non-negative upper half qualifies for
+    prmts: one ulp off in one entry, a descending order, or a random codebook do not."""
+    from tkv.kernels.loaders import _antisymmetric_table
+
+    g = torch.Generator().manual_seed(19)
+    for half in (torch.float16, torch.bfloat16):
+        book = _antisymmetric_codebook(g, 1.0)
+        assert _antisymmetric_table(_prmt_table(book, half).tolist())
+        bits = _prmt_table(book, half)
+        off = book.to(half).clone()
+        off[11] = torch.nextafter(off[11].float(), torch.tensor(9.0)).to(half)
+        if off[11] == book.to(half)[11]:   # the float32 step vanished in the 16-bit type
+            off[11] = (off[11].view(torch.int16) + 1).view(half)
+        assert not _antisymmetric_table(_prmt_table(off.float(), half).tolist())
+        assert not _antisymmetric_table(_prmt_table(book.flip(0), half).tolist())
+        assert not _antisymmetric_table(_prmt_table(torch.randn(16, generator=g), half).tolist())
+        assert bits.shape == (8,)
+
+
+def test_prmts_selection_and_fallback(monkeypatch):
+    """prmts on a 4-bit side with the default (antisymmetric) codebook: LOOKUP 12/13 in P0 with
+    the 8 table words packed as for prmti, q·K^T kept, the register-cap / pipelining rules of
+    prmti; a fitted codebook that is not antisymmetric falls back to prmti (after the
+    per-codebook compile warning); a 2-bit side keeps the group lookup; the interpreter
+    refuses it by name."""
+    import tkv.kernels.loaders as L
+    from tkv.codec import TurboKVCodec
+    from tkv.codec.errors import DtypeError
+
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    codec = TurboKVCodec(128, k_bits=4, v_bits=2, device="cpu", seed=3)
+    ld = L.TkvLoader(codec, 2, 16, lookup="prmts")
+    cache = ld.layout.allocate(2, "cpu")
+    for dot, code in ((torch.float16, L.LOOKUP_PRMTS_F16), (torch.bfloat16, L.LOOKUP_PRMTS_BF16)):
+        p0 = ld.side_args(cache, "k", dot)[6]
+        assert (p0 // 65536) % 256 == code
+        words = [int(w) & M32 for w in _prmt_table(ld.k_table.cpu(), dot)]
+        assert [(p0 >> (L._TABLE_SHIFT + 32 * i)) & M32 for i in range(8)] == words
+    assert ld.lookup_name("k") == "prmts" and ld.lookup_name("v") == "prmt"
+    assert not ld.k_operand_a(torch.bfloat16)
+    k44 = L.TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4, device="cpu"), 8, 16,
+                      lookup="prmts")
+    assert k44.decode_num_stages(256, 528) == 2 and k44.decode_num_stages(2048, 528) == 1
+    from tkv.codec.codebooks import default_codebook
+
+    book = default_codebook(4, 128).centroids.clone()
+    book[3] *= 1.01   # a fitted codebook that is not antisymmetric
+    fitted = TurboKVCodec(128, k_bits=4, v_bits=4, device="cpu", k_codebook=book)
+    monkeypatch.setattr(L, "_WARNED_PER_CODEBOOK", set())
+    with pytest.warns(L.PerCodebookCompileWarning, match="prmts"):
+        fb = L.TkvLoader(fitted, 1, 16, lookup="prmts")
+    assert fb.lookup_name("k") == "prmti" and fb.lookup_name("v") == "prmts"
+    monkeypatch.setattr(L, "interpreting", lambda: True)
+    with pytest.raises(DtypeError, match="prmts"):
+        ld.side_args(cache, "k", torch.bfloat16)
 
 
 def test_lookup_selection_per_width_and_backend(monkeypatch):
@@ -270,7 +371,7 @@ def test_lookup_from_env_validates_tkv_lookup():
 
     assert lookup_from_env({}) == "auto"
     assert lookup_from_env({ENV_LOOKUP: "  "}) == "auto"
-    for name in ("auto", "pair", "gather", "shuffle", "prmt", "prmt1", "prmti"):
+    for name in ("auto", "pair", "gather", "shuffle", "prmt", "prmt1", "prmti", "prmts"):
         assert lookup_from_env({ENV_LOOKUP: name}) == name
     with pytest.raises(LookupConfigError, match=r"TKV_LOOKUP='prmt2'.*prmti"):
         lookup_from_env({ENV_LOOKUP: "prmt2"})

@@ -156,14 +156,19 @@ LOOKUP_SHUFFLE, LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16 = 3, 4, 5
 LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16 = 6, 7
 LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16 = 8, 9
 LOOKUP_PRMTG_F16, LOOKUP_PRMTG_BF16 = 10, 11   # 2/3-bit groups (_lut_asm), tables as operands
+LOOKUP_PRMTS_F16, LOOKUP_PRMTS_BF16 = 12, 13   # prmti for antisymmetric codebooks
 _LOOKUP_NAMES = {LOOKUP_GATHER: "gather", LOOKUP_PAIR_F16: "pair", LOOKUP_PAIR_BF16: "pair",
                  LOOKUP_SHUFFLE: "shuffle", LOOKUP_PRMT_F16: "prmt", LOOKUP_PRMT_BF16: "prmt",
                  LOOKUP_PRMT1_F16: "prmt1", LOOKUP_PRMT1_BF16: "prmt1",
                  LOOKUP_PRMTI_F16: "prmti", LOOKUP_PRMTI_BF16: "prmti",
-                 LOOKUP_PRMTG_F16: "prmt", LOOKUP_PRMTG_BF16: "prmt"}
+                 LOOKUP_PRMTG_F16: "prmt", LOOKUP_PRMTG_BF16: "prmt",
+                 LOOKUP_PRMTS_F16: "prmts", LOOKUP_PRMTS_BF16: "prmts"}
 # lookups whose byte tables travel as immediates in the asm text (packed into P0)
-_IMMEDIATE_TABLES = (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16, LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16)
-_PRMTI = frozenset((LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16))
+_IMMEDIATE_TABLES = (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16, LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16,
+                     LOOKUP_PRMTS_F16, LOOKUP_PRMTS_BF16)
+# the two-plane immediate-table lookups (prmti and its antisymmetric form prmts): decode's
+# register cap and pipelining rules (decode_maxnreg, decode_num_stages) apply to both
+_PRMTI = frozenset((LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16, LOOKUP_PRMTS_F16, LOOKUP_PRMTS_BF16))
 # P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP + 2**_GROUP_SHIFT * log2(group planes)
 #      (+ the prmt1 / prmti table words from bit _TABLE_SHIFT)
 _GROUP_SHIFT = 24   # the jit functions read it as P0 // 16777216 (= 2**24)
@@ -253,6 +258,54 @@ def _prmt1_asm(p0, plane):
     return _prmt_plane_asm(_table_words(p0), int(plane))
 
 
+@triton.constexpr_function   # plain Python from Python; _prmts_asm calls it at compile time
+def _prmt_sym16_asm(words) -> str:
+    """:func:`_prmt_lut16_asm` for an *antisymmetric* codebook (``c[15 − i] = −c[i]`` bit for
+    bit in the 16-bit float, :func:`_antisymmetric_table`; the default Lloyd-Max codebooks of
+    :mod:`tkv.codec` are): same operand ($4, the code bytes) and outputs ($0 $1 plane 0, $2 $3
+    plane 1), same 16-bit values. Only the positive half's byte tables are used (``words``
+    2-3 low bytes, 6-7 high bytes of entries 8-15, as immediates):
+
+    * magnitude index ``j = i − 8`` for ``i ≥ 8`` and ``7 − i`` below, 8 codes at once:
+      ``j = (x ^ 7·(~x >> 3 & 0x11111111)) & 0x77777777``;
+    * one ``prmt`` per 4 codes and byte (8-entry tables: one register pair, no merge);
+    * the sign (bit 3 of the code clear) set in the high bytes from ``prmt``'s sign-replicate
+      mode: the msb of byte ``k`` of ``x << 4`` is bit 3 of code ``2k``, of ``x`` that of
+      code ``2k + 1``, so selectors ``0xD9C8`` / ``0xFBEA`` give 0xFF per positive code.
+
+    18 integer instructions per 4 bytes (8 codes) against 22, with 4 table words instead of 8.
+    Offline sm_90a (decode's split kernel, K4V4, head_dim 128, 4 warps, query rotated
+    in-kernel): 1,495 loop instructions per thread per 128-token tile against prmti's 1,769,
+    166 registers, no spills (``benchmarks/results/sass_decode_offline_2026-12-06_s29.md``)."""
+    w = [int(v) & 0xFFFFFFFF for v in words]
+    lines = ["{", ".reg .b32 M0, M1, N0, N1, t, j, jh, v, n, la, lb, ha, hb;"]
+    lines += _mov_immediates(("M0", "M1", "N0", "N1"), (w[2], w[3], w[6], w[7]))
+    lines += ["shr.b32 t, $4, 3;", "not.b32 t, t;", "and.b32 t, t, 0x11111111;",
+              "mul.lo.u32 t, t, 7;", "xor.b32 j, $4, t;", "and.b32 j, j, 0x77777777;",
+              "shr.b32 jh, j, 16;",
+              "prmt.b32 la, M0, M1, j;", "prmt.b32 lb, M0, M1, jh;",      # low bytes
+              "prmt.b32 ha, N0, N1, j;", "prmt.b32 hb, N0, N1, jh;",      # high bytes, |c|
+              "shl.b32 v, $4, 4;"]
+    for sel, h in (("0xD9C8", "ha"), ("0xFBEA", "hb")):   # codes 0-3 / 4-7: the sign bits
+        lines += [f"prmt.b32 n, v, $4, {sel};", "not.b32 n, n;", "and.b32 n, n, 0x80808080;",
+                  f"or.b32 {h}, {h}, n;"]
+    lines += ["prmt.b32 $0, la, ha, 0x6240;", "prmt.b32 $1, lb, hb, 0x6240;",
+              "prmt.b32 $2, la, ha, 0x7351;", "prmt.b32 $3, lb, hb, 0x7351;", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _antisymmetric_table(words) -> bool:
+    """Whether the 8 byte-table words of a 16-entry 16-bit codebook (:func:`_prmt_table`)
+    hold an antisymmetric one — entry ``15 − i`` equal to entry ``i`` with the sign bit
+    flipped, for every ``i``, and the upper half non-negative — so that
+    :func:`_prmt_sym16_asm` reproduces :func:`_prmt_lut16_asm` exactly."""
+    w = [int(v) & 0xFFFFFFFF for v in words]
+    lo = [(w[i // 4] >> (8 * (i % 4))) & 0xFF for i in range(16)]
+    hi = [(w[4 + i // 4] >> (8 * (i % 4))) & 0xFF for i in range(16)]
+    return all(lo[15 - i] == lo[i] and hi[15 - i] == hi[i] ^ 0x80 for i in range(16)) and \
+        all(h < 0x80 for h in hi[8:])
+
+
 _PRMT_LUT16: tl.constexpr = tl.constexpr(_prmt_lut16_asm())
 
 
@@ -261,6 +314,13 @@ def _prmti_asm(p0):
     """Compile time: :func:`_prmt_lut16_asm` with the table words packed in ``P0`` as
     immediates (``lookup="prmti"``)."""
     return _prmt_lut16_asm(_table_words(p0))
+
+
+@triton.constexpr_function
+def _prmts_asm(p0):
+    """Compile time: :func:`_prmt_sym16_asm` of the table words packed in ``P0``
+    (``lookup="prmts"``; TkvLoader packs only antisymmetric tables with that code)."""
+    return _prmt_sym16_asm(_table_words(p0))
 # outputs: 2 planes x 4 16-bit values (2 regs each); inputs: 4 code bytes (1 reg), then the 8
 # table words, each an int32 tensor (pack=4: 4 regs each, all equal; the asm reads the first)
 _PRMT_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 32)
@@ -401,10 +461,14 @@ def tkv_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr
             HALF: tl.constexpr = tl.float16
         else:
             HALF: tl.constexpr = tl.bfloat16
-        if LOOKUP >= 10:   # LOOKUP_PRMTG_*: 2/3-bit groups, tables as operands
+        if LOOKUP == 10 or LOOKUP == 11:   # LOOKUP_PRMTG_*: 2/3-bit groups, tables as operands
             planes = _prmt_group_planes(raw, table, BITS, GP, HALF, OUT_DTYPE)
         else:   # 4 bits: 2 planes from the byte tile
-            if LOOKUP >= 8:   # LOOKUP_PRMTI_*: the two-plane asm of prmt, tables as immediates
+            if LOOKUP >= 12:   # LOOKUP_PRMTS_*: prmti's outputs from the antisymmetric tables
+                bits16 = tl.inline_asm_elementwise(
+                    _prmts_asm(P0), "=r,=r,=r,=r,r", [raw.to(tl.uint8)],
+                    dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
+            elif LOOKUP >= 8:   # LOOKUP_PRMTI_*: the two-plane asm of prmt, tables as immediates
                 bits16 = tl.inline_asm_elementwise(
                     _prmti_asm(P0), "=r,=r,=r,=r,r", [raw.to(tl.uint8)],
                     dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
@@ -477,7 +541,7 @@ def _prmt_group_table(scaled: torch.Tensor, half: torch.dtype) -> torch.Tensor:
                       scaled.detach().cpu().float().contiguous().view(torch.int32)])
 
 
-_PRMT_FAMILY = ("prmt", "prmt1", "prmti")   # 4-bit byte-permute lookups (PTX, CUDA only)
+_PRMT_FAMILY = ("prmt", "prmt1", "prmti", "prmts")   # 4-bit byte-permute lookups (PTX, CUDA)
 _LOOKUPS = ("auto", "pair", "gather", "shuffle", *_PRMT_FAMILY)
 ENV_LOOKUP = "TKV_LOOKUP"
 
@@ -551,7 +615,8 @@ def _is_default_codebook(codec: TurboKVCodec, side: str) -> bool:
 
 
 class PerCodebookCompileWarning(UserWarning):
-    """An immediate-table lookup (prmti / prmt1) was asked for a fitted, per-layer codebook."""
+    """An immediate-table lookup (prmti / prmts / prmt1) was asked for a fitted, per-layer
+    codebook."""
 
 
 _WARNED_PER_CODEBOOK = set()
@@ -682,6 +747,12 @@ class TkvLoader:
             vllm_e2e_2026-11-30d/``) 5,938 / 9,041 output tok/s at 64 / 256 sequences vs
             prmt's 5,035 / 7,223 in the same session. An optional register cap
             (:meth:`decode_maxnreg`) is off by default.
+            ``"prmts"`` (opt-in, not timed on a GPU yet): ``"prmti"`` for a side whose
+            16-bit codebook is antisymmetric (``c[15 − i] = −c[i]`` bit for bit; the default
+            Lloyd-Max codebooks are), the same values from the positive half's 8-entry byte
+            tables and the code's sign bit (:func:`_prmt_sym16_asm`): offline sm_90a the
+            split kernel's loop has 1,495 instead of 1,769 instructions per thread per tile.
+            Other sides, and 4-bit sides with a non-antisymmetric codebook, as ``"prmti"``.
 
         planes: at most this many coordinate planes per side for the attention kernels
             (1, 2, 4 or 8; default None: 2 for 3/5/7-bit sides, else the group's codes): a
@@ -824,13 +895,18 @@ class TkvLoader:
                 eff = lookup
                 if lookup == "auto":   # prmti compiles per codebook: only the shared default
                     eff = "prmti" if _is_default_codebook(codec, side) else "prmt"
-                elif lookup in ("prmti", "prmt1") and not _is_default_codebook(codec, side):
+                elif lookup in ("prmti", "prmt1", "prmts") and not _is_default_codebook(codec,
+                                                                                         side):
                     _warn_per_codebook_compiles(lookup)
                 codes = {"prmt1": (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16),
-                         "prmti": (LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16)}.get(
+                         "prmti": (LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16),
+                         "prmts": (LOOKUP_PRMTS_F16, LOOKUP_PRMTS_BF16)}.get(
                              eff, (LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16))
                 for half, code in zip((torch.float16, torch.bfloat16), codes, strict=True):
                     words = _prmt_table(table, half)
+                    if code in (LOOKUP_PRMTS_F16, LOOKUP_PRMTS_BF16) and not \
+                            _antisymmetric_table(words.tolist()):
+                        code -= LOOKUP_PRMTS_F16 - LOOKUP_PRMTI_F16   # prmti: any codebook
                     self._prmt[side, half] = (words.to(dev), code)
                     if code in _IMMEDIATE_TABLES:  # one constexpr int (no host sync per call)
                         self._prmt_words[side, code] = sum(
@@ -1112,8 +1188,8 @@ class TkvLoader:
 
     def lookup_name(self, side: str, dot_dtype: torch.dtype = torch.bfloat16) -> str:
         """The lookup side ``"k"``/``"v"`` really uses with ``dot_dtype`` dots: "prmt",
-        "prmt1", "prmti", "pair", "shuffle" or "gather" (a requested ``lookup`` falls back per
-        side)."""
+        "prmt1", "prmti", "prmts", "pair", "shuffle" or "gather" (a requested ``lookup``
+        falls back per side)."""
         return _LOOKUP_NAMES[self._lookup(side, dot_dtype)[1]]
 
     def k_operand_a(self, dot_dtype: torch.dtype) -> bool:
