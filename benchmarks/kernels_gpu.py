@@ -1241,6 +1241,9 @@ def width_rows(copy_gbs, shapes=((32, 8192), (256, 640))):
     _model_step_arms(arms, ((64, 640), (256, 640)), 36)
 
 
+MODEL_STEP_ARMS: tuple[str, ...] = ()   # --model-step-arms: label substrings to keep (bf16 always)
+
+
 def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
     """Engine-like decode steps (:func:`make_model_step`, Qwen3-8B-like, 36 layers, one CUDA
     graph per step) for bf16 and tkv K4V4 configurations, ``x_bf16`` = bf16's step time over
@@ -1254,6 +1257,9 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
             ("tkv K4V4 prmti, store by the rotation matrix", {"store_rotation": "split"}),
             ("tkv K4V4 prmts (antisymmetric tables)", {"lookup": "prmts"}),
             ("tkv K4V4 prmts, maxnreg 128", {"lookup": "prmts", "maxnreg": 128})]
+    if MODEL_STEP_ARMS:   # a short hold: bf16 (the baseline) and the arms asked for
+        arms = [(lb, at) for lb, at in arms
+                if at == "bf16" or any(k in lb for k in MODEL_STEP_ARMS)]
     _model_step_arms(arms, shapes, layers)
 
 
@@ -1494,6 +1500,9 @@ def main():
                     help="only the tuning sweep at the decode-step shapes (variant_rows)")
     ap.add_argument("--model-step", action="store_true",
                     help="engine-like 36-layer decode steps (GEMMs + attention) per config")
+    ap.add_argument("--model-step-arms", default="",
+                    help="comma-separated label substrings: only those --model-step arms "
+                         "(and the bf16 baseline), e.g. 'prmti (default),prmts'")
     ap.add_argument("--sink", action="store_true",
                     help="also the sink-offset rows first (decode, compress_store, prefill "
                          "without and with sink offsets)")
@@ -1530,8 +1539,9 @@ def main():
     ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti,prmts",
                     help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
     a = ap.parse_args()
-    global LOOKUPS
+    global LOOKUPS, MODEL_STEP_ARMS
     LOOKUPS = tuple(a.lookups.split(","))
+    MODEL_STEP_ARMS = tuple(k for k in a.model_step_arms.split(",") if k)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
