@@ -65,6 +65,19 @@ def _run(asm: str, operands: dict[str, int]) -> dict[str, int]:
     return regs
 
 
+def _check_two_plane_asm(asm: str, want: list[int], codes, operands=None) -> None:
+    """Run a two-plane 4-bit lookup asm (code bytes in $4; outputs $0 $1 = low-nibble codes
+    of bytes 0-1 / 2-3, $2 $3 = high-nibble codes) on each 4-byte row of ``codes`` and compare
+    with the codebook's 16-bit patterns ``want``."""
+    for b in codes:
+        x = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+        r = _run(asm, {**(operands or {}), "$4": x})
+        lo = [r["$0"] & 0xFFFF, r["$0"] >> 16, r["$1"] & 0xFFFF, r["$1"] >> 16]
+        hi = [r["$2"] & 0xFFFF, r["$2"] >> 16, r["$3"] & 0xFFFF, r["$3"] >> 16]
+        assert lo == [want[c & 15] for c in b], (b, lo)
+        assert hi == [want[c >> 4] for c in b], (b, hi)
+
+
 def test_prmt_asm_uses_only_emulated_instructions():
     used = set(re.findall(r"^\s*([a-z]+\.[a-z0-9]+)\s", _PRMT_LUT16, re.M))
     assert used <= {"and.b32", "or.b32", "shr.b32", "prmt.b32"}, used
@@ -81,13 +94,7 @@ def test_prmt_lookup_matches_codebook(half):
         operands = {f"${5 + 4 * i}": w for i, w in enumerate(words)}
         codes = torch.randint(0, 256, (64, 4), generator=g).tolist()
         codes += [[0, 0, 0, 0], [255, 255, 255, 255], [0x0F, 0xF0, 0x88, 0x77]]
-        for b in codes:
-            x = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
-            r = _run(_PRMT_LUT16, {**operands, "$4": x})
-            lo = [r["$0"] & 0xFFFF, r["$0"] >> 16, r["$1"] & 0xFFFF, r["$1"] >> 16]
-            hi = [r["$2"] & 0xFFFF, r["$2"] >> 16, r["$3"] & 0xFFFF, r["$3"] >> 16]
-            assert lo == [want[c & 15] for c in b], (b, lo)
-            assert hi == [want[c >> 4] for c in b], (b, hi)
+        _check_two_plane_asm(_PRMT_LUT16, want, codes, operands)
 
 
 def _packed_codebook(g: torch.Generator, trial: int, half: torch.dtype, lookup: int):
@@ -144,13 +151,7 @@ def test_prmti_asm_matches_codebook(half):
         assert "$5" not in asm   # the code bytes are the only input operand
         codes = torch.randint(0, 256, (64, 4), generator=g).tolist()
         codes += [[0, 0, 0, 0], [255, 255, 255, 255], [0x0F, 0xF0, 0x88, 0x77]]
-        for b in codes:
-            x = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
-            r = _run(asm, {"$4": x})
-            lo = [r["$0"] & 0xFFFF, r["$0"] >> 16, r["$1"] & 0xFFFF, r["$1"] >> 16]
-            hi = [r["$2"] & 0xFFFF, r["$2"] >> 16, r["$3"] & 0xFFFF, r["$3"] >> 16]
-            assert lo == [want[c & 15] for c in b], (b, lo)
-            assert hi == [want[c >> 4] for c in b], (b, hi)
+        _check_two_plane_asm(asm, want, codes)
 
 
 def _antisymmetric_codebook(g: torch.Generator, scale: float) -> torch.Tensor:
@@ -185,13 +186,7 @@ def test_prmts_asm_matches_codebook(half):
         assert "$5" not in asm   # the code bytes are the only input operand
         codes = torch.randint(0, 256, (48, 4), generator=g).tolist()
         codes += [[v, (v * 7) % 256, (v * 13 + 5) % 256, 255 - v] for v in range(256)]
-        for b in codes:
-            x = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
-            r = _run(asm, {"$4": x})
-            lo = [r["$0"] & 0xFFFF, r["$0"] >> 16, r["$1"] & 0xFFFF, r["$1"] >> 16]
-            hi = [r["$2"] & 0xFFFF, r["$2"] >> 16, r["$3"] & 0xFFFF, r["$3"] >> 16]
-            assert lo == [want[c & 15] for c in b], (b, lo)
-            assert hi == [want[c >> 4] for c in b], (b, hi)
+        _check_two_plane_asm(asm, want, codes)
 
 
 def test_antisymmetric_table_check_is_exact():
