@@ -47,7 +47,7 @@ def _run(asm: str, operands: dict[str, int]) -> dict[str, int]:
     ops = {"and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
            "xor.b32": lambda a, b: a ^ b, "not.b32": lambda a: ~a,
            "shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: a << b,
-           "mul.lo.u32": lambda a, b: a * b}
+           "mul.hi.u32": lambda a, b: (a * b) >> 32}
     if "mov.b32" in asm:
         ops["mov.b32"] = lambda a: a
     for line in asm.splitlines():
@@ -182,7 +182,7 @@ def test_prmts_asm_matches_codebook(half):
         asm = _prmts_asm.fn(p0)
         used = set(re.findall(r"^\s*([a-z]+\.[a-z0-9]+)\s", asm, re.M))
         assert used <= {"and.b32", "or.b32", "xor.b32", "not.b32", "shr.b32", "shl.b32",
-                        "mul.lo.u32", "prmt.b32", "mov.b32"}, used
+                        "mul.hi.u32", "prmt.b32", "mov.b32"}, used
         assert "$5" not in asm   # the code bytes are the only input operand
         codes = torch.randint(0, 256, (48, 4), generator=g).tolist()
         codes += [[v, (v * 7) % 256, (v * 13 + 5) % 256, 255 - v] for v in range(256)]

@@ -267,21 +267,26 @@ def _prmt_sym16_asm(words) -> str:
     2-3 low bytes, 6-7 high bytes of entries 8-15, as immediates):
 
     * magnitude index ``j = i − 8`` for ``i ≥ 8`` and ``7 − i`` below, 8 codes at once:
-      ``j = (x ^ 7·(~x >> 3 & 0x11111111)) & 0x77777777``;
+      ``j = ~(x ^ t) & 0x77777777`` with ``t = hi32((x & 0x88888888) · 7·2²⁹)`` (7 in each
+      nibble of a code with bit 3 set);
     * one ``prmt`` per 4 codes and byte (8-entry tables: one register pair, no merge);
     * the sign (bit 3 of the code clear) set in the high bytes from ``prmt``'s sign-replicate
       mode: the msb of byte ``k`` of ``x << 4`` is bit 3 of code ``2k``, of ``x`` that of
       code ``2k + 1``, so selectors ``0xD9C8`` / ``0xFBEA`` give 0xFF per positive code.
 
-    18 integer instructions per 4 bytes (8 codes) against 22, with 4 table words instead of 8.
+    17 SASS instructions per 4 bytes (8 codes) once ptxas fuses the logic into LOP3 (prmti's
+    asm: 21), with 4 table words instead of 8.
     Offline sm_90a (decode's split kernel, K4V4, head_dim 128, 4 warps, query rotated
-    in-kernel): 1,495 loop instructions per thread per 128-token tile against prmti's 1,769,
-    166 registers, no spills (``benchmarks/results/sass_decode_offline_2026-12-06_s29.md``)."""
+    in-kernel): 1,468 loop instructions per thread per 128-token tile against prmti's 1,769,
+    167 registers, no spills (``benchmarks/results/sass_decode_offline_2026-12-06_s29.md``)."""
     w = [int(v) & 0xFFFFFFFF for v in words]
     lines = ["{", ".reg .b32 M0, M1, N0, N1, t, j, jh, v, n, la, lb, ha, hb;"]
     lines += _mov_immediates(("M0", "M1", "N0", "N1"), (w[2], w[3], w[6], w[7]))
-    lines += ["shr.b32 t, $4, 3;", "not.b32 t, t;", "and.b32 t, t, 0x11111111;",
-              "mul.lo.u32 t, t, 7;", "xor.b32 j, $4, t;", "and.b32 j, j, 0x77777777;",
+    # 7 in every nibble whose code has bit 3 set: (x & 0x88888888) · 7 / 8, exactly, as the
+    # high word of the 64-bit product with 7 · 2^29 (no carries between nibbles); then the
+    # negative codes' nibbles are flipped: j = ~(x ^ t) & 0x77777777
+    lines += ["and.b32 t, $4, 0x88888888;", "mul.hi.u32 t, t, 0xE0000000;",
+              "xor.b32 j, $4, t;", "not.b32 j, j;", "and.b32 j, j, 0x77777777;",
               "shr.b32 jh, j, 16;",
               "prmt.b32 la, M0, M1, j;", "prmt.b32 lb, M0, M1, jh;",      # low bytes
               "prmt.b32 ha, N0, N1, j;", "prmt.b32 hb, N0, N1, jh;",      # high bytes, |c|
@@ -751,7 +756,7 @@ class TkvLoader:
             16-bit codebook is antisymmetric (``c[15 − i] = −c[i]`` bit for bit; the default
             Lloyd-Max codebooks are), the same values from the positive half's 8-entry byte
             tables and the code's sign bit (:func:`_prmt_sym16_asm`): offline sm_90a the
-            split kernel's loop has 1,495 instead of 1,769 instructions per thread per tile.
+            split kernel's loop has 1,468 instead of 1,769 instructions per thread per tile.
             Other sides, and 4-bit sides with a non-antisymmetric codebook, as ``"prmti"``.
 
         planes: at most this many coordinate planes per side for the attention kernels
