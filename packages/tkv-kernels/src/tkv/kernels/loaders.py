@@ -326,6 +326,8 @@ def _prmts_asm(p0):
     """Compile time: :func:`_prmt_sym16_asm` of the table words packed in ``P0``
     (``lookup="prmts"``; TkvLoader packs only antisymmetric tables with that code)."""
     return _prmt_sym16_asm(_table_words(p0))
+
+
 # outputs: 2 planes x 4 16-bit values (2 regs each); inputs: 4 code bytes (1 reg), then the 8
 # table words, each an int32 tensor (pack=4: 4 regs each, all equal; the asm reads the first)
 _PRMT_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 32)
@@ -757,7 +759,8 @@ class TkvLoader:
             Lloyd-Max codebooks are), the same values from the positive half's 8-entry byte
             tables and the code's sign bit (:func:`_prmt_sym16_asm`): offline sm_90a the
             split kernel's loop has 1,468 instead of 1,769 instructions per thread per tile.
-            Other sides, and 4-bit sides with a non-antisymmetric codebook, as ``"prmti"``.
+            4-bit sides with a codebook that is not antisymmetric, and 2/3-bit sides, as
+            with ``"prmti"``.
 
         planes: at most this many coordinate planes per side for the attention kernels
             (1, 2, 4 or 8; default None: 2 for 3/5/7-bit sides, else the group's codes): a
