@@ -1536,8 +1536,8 @@ def main():
                     help="alone (with --prefix-hits if given too): rotate_rows at prefill "
                          "sizes, default vs bf16_split vs the persistent launch "
                          "(rotate_sweep_rows)")
-    ap.add_argument("--lookups", default="gather,pair,shuffle,prmt,prmt1,prmti,prmts",
-                    help="TkvLoader lookup variants to time (gather, pair, shuffle, prmt, prmt1)")
+    ap.add_argument("--lookups", default=",".join(LOOKUPS),
+                    help="comma-separated TkvLoader lookups to time (default: all of them)")
     a = ap.parse_args()
     global LOOKUPS, MODEL_STEP_ARMS
     LOOKUPS = tuple(a.lookups.split(","))

@@ -51,12 +51,12 @@ VARIANTS = [("prmt (default to session 5)", "prmt", 4, 128, None, None),
             ("prmti, 4 warps", "prmti", 4, 128, None, None),
             ("prmti, 8 warps", "prmti", 8, 128, None, None),
             ("prmti, maxnreg 128 (default, large grids)", "prmti", 4, 128, None, 128)]
+# session 29: prmti's values from the antisymmetric codebook's half tables
+PRMTS_LABEL = "prmts, 4 warps, query rotated in-kernel"
 # the same with the query rotated in the kernel (decode(fused_query_rotation=True), session 15)
 QROT_VARIANTS = [("prmti, 4 warps, query rotated in-kernel", "prmti", 4, 128, None, None),
                  ("prmti, maxnreg 128, query rotated in-kernel", "prmti", 4, 128, None, 128),
-                 # session 29: prmti's values from the antisymmetric codebook's half tables
-                 (PRMTS_LABEL := "prmts, 4 warps, query rotated in-kernel", "prmts", 4, 128,
-                  None, None),
+                 (PRMTS_LABEL, "prmts", 4, 128, None, None),
                  ("prmts, maxnreg 128, query rotated in-kernel", "prmts", 4, 128, None, 128)]
 # session 18 (query rotated in-kernel, the default): one split writing the layer output itself
 # (EPILOGUE 2: unrotated by butterflies), and length-aware split-K (MIN_SPLIT_TILES)

@@ -967,20 +967,9 @@ def run_all(opts: argparse.Namespace) -> int:
         runs = {"bf16": ("bf16", None, None, False, ""), "tq4": ("tq4", None, None, False, ""),
                 "tkv": ("tkv", opts.bits, bundle, False, ""),
                 "tkv8": ("tkv", "8.0", bundle, True, ""),
-                "tkvflash": ("tkv", opts.bits, bundle, False, "flash"),
-                "tkvtriton": ("tkv", opts.bits, bundle, False, "triton"),
-                "tkvcont": ("tkv", opts.bits, bundle, False, "cont"),
-                "tkvqrot": ("tkv", opts.bits, bundle, False, "qrot"),
-                "tkvnoqrot": ("tkv", opts.bits, bundle, False, "noqrot"),
-                "tkvnopipe": ("tkv", opts.bits, bundle, False, "nopipe"),
-                "tkvsplit1": ("tkv", opts.bits, bundle, False, "split1"),
-                "tkvsplit2": ("tkv", opts.bits, bundle, False, "split2"),
-                "tkvtiles4": ("tkv", opts.bits, bundle, False, "tiles4"),
-                "tkvnreg128": ("tkv", opts.bits, bundle, False, "nreg128"),
-                "tkvstorematrix": ("tkv", opts.bits, bundle, False, "storematrix"),
-                "tkvprmts": ("tkv", opts.bits, bundle, False, "prmts"),
-                "bf16block64": ("bf16", None, None, False, "block64"),
-                "tkvblock64": ("tkv", opts.bits, bundle, False, "block64")}
+                **{f"tkv{v}": ("tkv", opts.bits, bundle, False, v) for v in VARIANTS},
+                **{f"bf16{v}": ("bf16", None, None, False, v) for v in BLOCK_SIZE_VARIANTS},
+                **{f"tkv{v}": ("tkv", opts.bits, bundle, False, v) for v in BLOCK_SIZE_VARIANTS}}
         res = {}
         for r in opts.runs:
             mode, bits, b, greedy_only, variant = runs[r]
@@ -1380,8 +1369,7 @@ def divergence_cpu(opts: argparse.Namespace) -> int:
 
 
 JIT_LOG_ENV = "TKV_JIT_LOG"   # = tkv.kernels.jit_log.ENV (not imported: the driver runs without tkv)
-# engine-environment variants of a tkv run (`all --runs tkvflash tkvtriton tkvcont tkvqrot
-# tkvnoqrot tkvnopipe tkvsplit1 tkvsplit2 tkvtiles4 tkvnreg128 tkvstorematrix`): prefill through vLLM's FlashAttention (required), tkv's own Triton / SDPA
+# engine-environment variants of a tkv run (`all --runs tkv<variant>`, e.g. tkvflash): prefill through vLLM's FlashAttention (required), tkv's own Triton / SDPA
 # kernels, or FlashAttention for continuation chunks only (first chunks: tkv's Triton); decode
 # with the query rotated inside the split kernel, or by a separate launch; decode never
 # pipelined (TKV_DECODE_PIPELINE=0); decode with one split on full grids
@@ -1414,6 +1402,10 @@ VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
 # vLLM's default 16 (session 19, benchmarks/results/pool_placement_gpu_2026-12-04_s19.md: tkv's
 # 36 decode layers 1.6-3.6 % faster at 64 for 256 sequences, kernel only)
 BLOCK_SIZE_VARIANTS = {"block64": 64}
+# `all --runs` names: the plain runs, tkv with each engine-environment variant, bf16 and tkv
+# with each block size (run_all maps them to engine runs)
+RUN_NAMES = ["bf16", "tq4", "tkv", "tkv8", *(f"tkv{v}" for v in VARIANTS),
+             *(f"{m}{v}" for v in BLOCK_SIZE_VARIANTS for m in ("bf16", "tkv"))]
 JIT_LEGEND = ("`†n/m`: Triton compiled a kernel inside n of the cell's m timed runs "
               "(`jit_events` / `jit_compiles` in the JSON); `‡n/m`: it only loaded compiled "
               "kernels from its disk cache (`jit_disk_loads`) in n runs. Either is a one-time "
@@ -1484,11 +1476,7 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--long-real", action="store_true",
                            help="also run the long prompt on real-weight models")
             a.add_argument("--runs", nargs="+",
-                           choices=["bf16", "tq4", "tkv", "tkv8", "tkvflash", "tkvtriton",
-                                    "tkvcont", "tkvqrot", "tkvnoqrot", "tkvnopipe",
-                                    "tkvsplit1", "tkvsplit2", "tkvtiles4", "tkvnreg128",
-                                    "tkvstorematrix", "tkvprmts", "bf16block64",
-                                    "tkvblock64"],
+                           choices=RUN_NAMES,
                            default=["bf16", "tq4", "tkv", "tkv8"],
                            help="engine runs per model: bf16, vLLM turboquant_4bit_nc, tkv at "
                            "--bits (capacity+greedy+throughput; tkv-vllm's default prefill, "

@@ -169,6 +169,8 @@ _IMMEDIATE_TABLES = (LOOKUP_PRMT1_F16, LOOKUP_PRMT1_BF16, LOOKUP_PRMTI_F16, LOOK
 # the two-plane immediate-table lookups (prmti and its antisymmetric form prmts): decode's
 # register cap and pipelining rules (decode_maxnreg, decode_num_stages) apply to both
 _PRMTI = frozenset((LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16, LOOKUP_PRMTS_F16, LOOKUP_PRMTS_BF16))
+# prmts with a codebook that is not antisymmetric (_antisymmetric_table): prmti, same half type
+_PRMTS_FALLBACK = {LOOKUP_PRMTS_F16: LOOKUP_PRMTI_F16, LOOKUP_PRMTS_BF16: LOOKUP_PRMTI_BF16}
 # P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP + 2**_GROUP_SHIFT * log2(group planes)
 #      (+ the prmt1 / prmti table words from bit _TABLE_SHIFT)
 _GROUP_SHIFT = 24   # the jit functions read it as P0 // 16777216 (= 2**24)
@@ -912,9 +914,8 @@ class TkvLoader:
                              eff, (LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16))
                 for half, code in zip((torch.float16, torch.bfloat16), codes, strict=True):
                     words = _prmt_table(table, half)
-                    if code in (LOOKUP_PRMTS_F16, LOOKUP_PRMTS_BF16) and not \
-                            _antisymmetric_table(words.tolist()):
-                        code -= LOOKUP_PRMTS_F16 - LOOKUP_PRMTI_F16   # prmti: any codebook
+                    if code in _PRMTS_FALLBACK and not _antisymmetric_table(words.tolist()):
+                        code = _PRMTS_FALLBACK[code]   # prmti: any codebook
                     self._prmt[side, half] = (words.to(dev), code)
                     if code in _IMMEDIATE_TABLES:  # one constexpr int (no host sync per call)
                         self._prmt_words[side, code] = sum(
