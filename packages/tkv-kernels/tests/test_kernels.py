@@ -35,6 +35,7 @@ from tkv.kernels import (
 )
 from tkv.kernels._util import interpreting
 from tkv.kernels.reference import attention_reference, decode_reference, prefill_reference
+from tkv.kernels.store import store_rotation_for
 from tkv.kernels.testing import (
     fill_cache,
     make_cache,
@@ -120,8 +121,7 @@ def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
     got_k = unpack_codes(views["k_codes"][b, :, o], kb, head_dim)
     assert (got_k == ck).float().mean() > 0.999
     assert ((got_k - ck).abs() <= 1).all()
-    butterflies = rotation == "wht" or (rotation in ("auto", "fp16") and ld.k_store_hadamard
-                                          is not None)
+    butterflies = store_rotation_for("auto" if rotation == "fp16" else rotation, ld) == "wht"
     if interpreting() and head_dim <= 128 and not butterflies:  # one pass: bit-exact
         assert torch.equal(views["k_codes"][b, :, o], pk)
         assert torch.equal(views["v_codes"][b, :, o], pv)

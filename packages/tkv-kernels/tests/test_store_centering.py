@@ -34,6 +34,7 @@ from tkv.kernels.reference import (
     gather_kv,
     prefill_reference,
 )
+from tkv.kernels.store import store_rotation_for
 from tkv.kernels.testing import (
     fill_cache,
     make_cache,
@@ -97,8 +98,8 @@ def test_compress_store_subtracts_key_offset(head_dim, kb, vb, scales, per_head,
     got = unpack_codes(views["k_codes"][b, :, o], kb, head_dim)
     assert (got == ck).float().mean() > 0.999
     assert ((got - ck).abs() <= 1).all()
-    if interpreting() and head_dim <= 128 and ld.k_store_hadamard is None \
-            and rotation != "wht":   # the matrix path in one pass: bit-exact
+    if interpreting() and head_dim <= 128 and store_rotation_for(rotation, ld) != "wht":
+        # the matrix path in one pass: bit-exact
         assert torch.equal(views["k_codes"][b, :, o], pk)
         assert torch.equal(views["k_norms"][b, :, o], nk)
     else:

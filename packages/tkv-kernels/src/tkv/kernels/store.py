@@ -66,6 +66,22 @@ def store_rotation_from_env(environ=None) -> str:
 STORE_ROTATION = read_at_import(store_rotation_from_env)
 
 
+def store_rotation_for(rotation: str, loader) -> str:
+    """The rotation :func:`compress_store` runs when asked for ``rotation`` with ``loader``:
+    ``"wht"`` for ``"auto"`` where the loader's rotation is a pure power-of-two Hadamard
+    (``k_store_hadamard``) and :data:`STORE_ROTATION` is ``"auto"``; else ``rotation`` as
+    given (``"auto"`` then picks the matrix path per input dtype).
+
+    Raises:
+        ValueError: ``rotation`` is not one of ``auto``, ``split``, ``tf32x3``, ``wht``.
+    """
+    if rotation not in _ROTATIONS:
+        raise ValueError(f"rotation must be one of {_ROTATIONS}, got {rotation!r}")
+    if rotation == "auto" and loader.k_store_hadamard is not None and STORE_ROTATION == "auto":
+        return "wht"   # the butterflies (the operator may pick TKV_STORE_ROTATION=matrix)
+    return rotation
+
+
 @triton.jit
 def _bf16_rne(x):
     """float32 → bfloat16, round to nearest even, with integer ops (identical on the GPU and
@@ -576,10 +592,7 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                       tables=loader.k_table)
     n = key.shape[0]
     st = lay.strides()
-    if rotation not in _ROTATIONS:
-        raise ValueError(f"rotation must be one of {_ROTATIONS}, got {rotation!r}")
-    if rotation == "auto" and loader.k_store_hadamard is not None and STORE_ROTATION == "auto":
-        rotation = "wht"   # the butterflies (the operator may pick TKV_STORE_ROTATION=matrix)
+    rotation = store_rotation_for(rotation, loader)
     if block_t is None:
         if rotation == "wht":   # H100 sweep, session 28: 8 to 256 tokens, then 16 (32 at d 256)
             block_t = 8 if n <= 256 else 32 if loader.d_pad >= 256 else 16
