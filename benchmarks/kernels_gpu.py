@@ -1481,6 +1481,7 @@ def _model_step_arms(arms, shapes, layers, dims=MODEL_DIMS, model=None, breakdow
 
 
 def main():
+    global LOOKUPS, MODEL_STEP_ARMS   # --lookups / --model-step-arms narrow the module tables
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true")
@@ -1539,7 +1540,6 @@ def main():
     ap.add_argument("--lookups", default=",".join(LOOKUPS),
                     help="comma-separated TkvLoader lookups to time (default: all of them)")
     a = ap.parse_args()
-    global LOOKUPS, MODEL_STEP_ARMS
     LOOKUPS = tuple(a.lookups.split(","))
     MODEL_STEP_ARMS = tuple(k for k in a.model_step_arms.split(",") if k)
     out = Path(a.out)
