@@ -292,3 +292,15 @@ def test_solver_names_bad_inputs():
     solve_mix(nan, geo, 500.0, widths=(2, 3, 5))   # the NaN column is not a candidate
     huge = solve_mix(pred, geo, 1e12)
     assert huge.allocation == solve_mix(pred, geo, 1e6).allocation
+
+
+def test_arm_row_capacity_is_rounded_once_when_printed():
+    """256 B (bf16, head_dim 64) over 68 B (K4V4) is 3.7647×: the report prints it .2f, so the
+    row must not round it to 3.765 first (that printed 3.77×, session 29)."""
+    from tkv.calibrate.evaluate import ArmResult
+    from tkv.calibrate.metrics import Tally
+
+    t = Tally(kl=0.1, top1=9, nll=20.0, positions=10, nll_positions=10)
+    row = ArmResult("K4V4", "tkv", 68.0, t, Tally()).row(base_ppl=7.0, bf16_bytes=256.0)
+    assert f"{row['capacity_vs_bf16']:.2f}" == "3.76"
+    assert row["capacity_vs_bf16"] == pytest.approx(256 / 68, abs=5e-5)

@@ -64,7 +64,7 @@ class ArmResult:
         return {
             "name": self.name, "group": self.group,
             "bytes_per_token_head": round(self.bytes_per_token_head, 3),
-            "capacity_vs_bf16": round(bf16_bytes / self.bytes_per_token_head, 3),
+            "capacity_vs_bf16": round(bf16_bytes / self.bytes_per_token_head, 4),   # printed .2f: one rounding
             "ppl": round(ppl, 4), "delta_ppl_pct": round(100 * (ppl / base_ppl - 1), 3),
             "kl": self.tf.mean_kl, "top1": round(self.tf.top1_agree, 5),
             "decode_kl": self.decode.mean_kl if self.decode.positions else None,

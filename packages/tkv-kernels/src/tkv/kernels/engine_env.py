@@ -2,12 +2,18 @@
 in one call: the launching process validates them all before an engine process starts (each
 parser also runs where its value is used — at import or when a layer binds — so workers
 never run on an unchecked value either; a value refused at import is raised by the first
-kernel call, :func:`._util.read_at_import`)."""
+kernel call, :func:`._util.read_at_import`).
+
+Also the two helpers an engine adapter needs for settings of its own, public here so that
+adapters do not import the private ``_util``: :func:`choice_from_env` (a named option, one
+of a fixed set, with a named error) and :func:`interpreting` (``TRITON_INTERPRET`` read as
+Triton reads it)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from ._util import choice_from_env, interpreting
 from .dense_attention import prefill_attention_from_env
 from .loaders import (
     _prmti_maxnreg_from_env,
@@ -19,7 +25,7 @@ from .loaders import (
 from .store import store_rotation_from_env
 from .workspace import decode_min_split_tiles_from_env, decode_single_split_from_env
 
-__all__ = ["EngineKernelSettings", "engine_kernel_settings"]
+__all__ = ["EngineKernelSettings", "choice_from_env", "engine_kernel_settings", "interpreting"]
 
 
 class EngineKernelSettings(NamedTuple):

@@ -30,7 +30,7 @@ def impl_from_env(environ=None) -> str | None:
 
     Raises:
         ImplConfigError: any other value."""
-    from tkv.kernels._util import choice_from_env
+    from tkv.kernels.engine_env import choice_from_env
 
     forced = choice_from_env(environ, ENV_IMPL, ("", *IMPLS), "", ImplConfigError,
                              "use 'triton' or 'reference' (unset: triton on CUDA and under the "
@@ -40,13 +40,13 @@ def impl_from_env(environ=None) -> str | None:
 
 def select_impl(device: torch.device | str) -> str:
     """``"triton"`` or ``"reference"`` for ``device`` (see module docstring; the interpreter
-    as :func:`tkv.kernels._util.interpreting` reads ``TRITON_INTERPRET``: 1 / true / yes /
+    as :func:`tkv.kernels.engine_env.interpreting` reads ``TRITON_INTERPRET``: 1 / true / yes /
     on).
 
     Raises:
         ImplConfigError: ``TKV_SGLANG_IMPL`` set to something else.
     """
-    from tkv.kernels._util import interpreting
+    from tkv.kernels.engine_env import interpreting
 
     forced = impl_from_env()
     if forced:
