@@ -393,6 +393,7 @@ def store_rows(copy_gbs):
             variants = [{}]
             if (d, T, kb) == (128, 16384, 4):  # tile sweep at the main shape
                 variants += [dict(chunk=64), dict(block_t=32), dict(num_warps=8)]
+            variants.append(dict(rotation="wht_rows"))   # one token per thread (session 30)
             for o in variants:
                 row = {"kernel": "compress_store", "T": T, "Hkv": hkv, "D": d,
                        "impl": f"K{kb}V{vb}", **o}
@@ -437,6 +438,8 @@ def store_sweep_rows(copy_gbs):
         rots = [("split", *t) for t in tiles] + [("tf32x3", *tiles[-3])]
         if ld.k_store_hadamard is not None:   # butterflies (session 28): every tile
             rots += [("wht", *t) for t in tiles]
+            if not sink:   # one token per thread (session 30): 32 tokens per warp
+                rots += [("wht_rows", 32 * nw, nw) for nw in (1, 2, 4, 8)]
         for rot, bt_, nw in rots:
             opts = dict(rotation=rot, block_t=bt_, num_warps=nw)
             timed_row(base, f"{name} compress_store",
@@ -1256,7 +1259,8 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
             ("tkv K4V4 prmti, maxnreg 128", {"lookup": "prmti", "maxnreg": 128}),
             ("tkv K4V4 prmti, store by the rotation matrix", {"store_rotation": "split"}),
             ("tkv K4V4 prmts (antisymmetric tables)", {"lookup": "prmts"}),
-            ("tkv K4V4 prmts, maxnreg 128", {"lookup": "prmts", "maxnreg": 128})]
+            ("tkv K4V4 prmts, maxnreg 128", {"lookup": "prmts", "maxnreg": 128}),
+            ("tkv K4V4 prmti, store one token per thread", {"store_rotation": "wht_rows"})]
     if MODEL_STEP_ARMS:   # a short hold: bf16 (the baseline) and the arms asked for
         arms = [(lb, at) for lb, at in arms
                 if at == "bf16" or any(k in lb for k in MODEL_STEP_ARMS)]
