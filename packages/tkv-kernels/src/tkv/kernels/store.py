@@ -454,6 +454,18 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, 
 
 
 @triton.jit
+def _row_word(words, w: tl.constexpr, BITS: tl.constexpr):
+    """32-bit word ``w`` of a code row held as per-chunk words (chunk ``c`` = bits
+    ``[8·BITS·c, 8·BITS·(c + 1))``): the OR of the chunks it overlaps, shifted into place
+    (compile-time bit schedule)."""
+    CB: tl.constexpr = 8 * BITS
+    acc = (words[(32 * w) // CB] >> ((32 * w) % CB)).to(tl.int64)
+    for c in tl.static_range((32 * w) // CB + 1, (32 * w + 31) // CB + 1):
+        acc = acc | (words[c].to(tl.int64) << (c * CB - 32 * w))
+    return (acc & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _rows_side(X, sx_t, sx_h, tok, valid, head, cache, aux, W, INV_S, bounds, table, MU, mu_sh,
                blk, off, page_bytes, HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr,
                BITS: tl.constexpr, CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr,
@@ -500,12 +512,13 @@ def _rows_side(X, sx_t, sx_h, tok, valid, head, cache, aux, W, INV_S, bounds, ta
     else:
         WT: tl.constexpr = tl.int64
     shifts = (c8 * BITS).to(WT)
+    words = ()   # per chunk: its 8 codes as 8·BITS bits of the code row, LSB first
     for c in tl.static_range(NC):
         z = ys[c] * inv[:, None]
         code = tl.zeros([BLOCK_T, 8], dtype=tl.int32)
         preds = ()
         for step in tl.static_range(BITS):
-            if step < TREE_STEPS:   # one uniform scalar, then a select on the first decision
+            if step < TREE_STEPS:   # one uniform scalar, then selects on the first decisions
                 bnd = _bound_tree(preds, bounds, 0, step, 0, 2 << (BITS - 1 - step),
                                   (1 << (BITS - 1 - step)) - 1)
             else:                   # gathers: nothing but the code stays live
@@ -516,10 +529,18 @@ def _rows_side(X, sx_t, sx_h, tok, valid, head, cache, aux, W, INV_S, bounds, ta
         if NORM_CORR:
             t = tl.load(table + code)
             usq += tl.sum(t * t, axis=1)
-        word = tl.sum(code.to(WT) << shifts[None, :], axis=1)          # [T]: BITS bytes
-        for k in tl.static_range(BITS):
-            tl.store(cache + row + (c * BITS + k), ((word >> (8 * k)) & 0xFF).to(tl.uint8),
-                     mask=valid)
+        words = words + (tl.sum(code.to(WT) << shifts[None, :], axis=1),)
+        if (HEAD_DIM * BITS) % 32 == 0:
+            # the 32-bit words this chunk completes, stored at once (a word spans at most two
+            # chunks: 8·BITS ≥ 16 bits each). One token per thread: a byte store per code
+            # byte would write 32 partial sectors per warp instruction.
+            for w in tl.static_range((c * 8 * BITS) // 32, ((c + 1) * 8 * BITS) // 32):
+                tl.store((cache + row + 4 * w).to(tl.pointer_type(tl.int32)),
+                         _row_word(words, w, BITS), mask=valid)
+        else:   # head_dim 16 at an odd width: 6 / 10 / 14 bytes per row
+            for k in tl.static_range(BITS):
+                tl.store(cache + row + (c * BITS + k),
+                         ((words[c] >> (8 * k)) & 0xFF).to(tl.uint8), mask=valid)
     if NORM_CORR:
         n = _norm_corrected(n, usq)
     nidx = (blk * page_bytes + NORMS_OFF) // 2 + head * NORM_HEAD_STRIDE + off
