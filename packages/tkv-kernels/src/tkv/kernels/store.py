@@ -662,7 +662,7 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             token's whole vector in one thread (``block_t = 32 · num_warps``; stages of
             stride ≥ 8 between 8-coordinate chunks, no lane shuffles, no shared memory; the
             search's last steps and the K centroid gathered), no sink offsets: offline sm_90a
-            36.9 SASS instructions per element and side against ``"wht"``'s 72.2, untimed.
+            36.3 SASS instructions per element and side against ``"wht"``'s 72.2, untimed.
             ``"auto"`` (default): ``"wht"`` where the rotation is a pure power-of-two
             Hadamard, else ``"split"`` for bfloat16 / float16 sides and ``"tf32x3"`` for
             float32; the operator's ``TKV_STORE_ROTATION=matrix``
