@@ -393,7 +393,6 @@ def store_rows(copy_gbs):
             variants = [{}]
             if (d, T, kb) == (128, 16384, 4):  # tile sweep at the main shape
                 variants += [dict(chunk=64), dict(block_t=32), dict(num_warps=8)]
-            variants.append(dict(rotation="wht_rows"))   # one token per thread (session 30)
             for o in variants:
                 row = {"kernel": "compress_store", "T": T, "Hkv": hkv, "D": d,
                        "impl": f"K{kb}V{vb}", **o}
@@ -438,41 +437,12 @@ def store_sweep_rows(copy_gbs):
         rots = [("split", *t) for t in tiles] + [("tf32x3", *tiles[-3])]
         if ld.k_store_hadamard is not None:   # butterflies (session 28): every tile
             rots += [("wht", *t) for t in tiles]
-            if not sink:   # one token per thread (session 30): 32 tokens per warp
-                rots += [("wht_rows", 32 * nw, nw) for nw in (1, 2, 4, 8)]
         for rot, bt_, nw in rots:
             opts = dict(rotation=rot, block_t=bt_, num_warps=nw)
             timed_row(base, f"{name} compress_store",
                       lambda o=opts: compress_store(k, v, cache, slots, ld, **o),
                       moved=moved, copy_gbs=copy_gbs, ref_ms=ref, **opts)
         del cache, k, v
-        torch.cuda.empty_cache()
-
-
-def store_rows_rows(copy_gbs):
-    """Session 30: compress_store with one token per thread (``rotation="wht_rows"``) against
-    the default (the butterflies, ``"wht"``), K4V4 bf16, random slots, at decode-sized and
-    prefill-sized token counts on the Qwen3-8B-like (8 × 128) and SmolLM2 (3 × 64) heads;
-    ``x_default`` > 1: faster than the default. Also the codes' agreement of the two."""
-    for T, hkv, d in ((64, 8, 128), (256, 8, 128), (2048, 8, 128), (16384, 8, 128),
-                      (8192, 3, 64)):
-        ld = TkvLoader(TurboKVCodec(d, 4, device=DEV), hkv, 16)
-        k = torch.randn(T, hkv, d, device=DEV, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        nblk = T // 16 + 1
-        caches = [ld.layout.allocate(nblk, DEV) for _ in range(2)]
-        slots = torch.randperm(nblk * 16, device=DEV)[:T]
-        moved = store_bytes(T, hkv, d, ld)
-        base = dict(kernel="store_rows", T=T, Hkv=hkv, D=d)
-        ref = timed_row(base, "tkv K4V4 compress_store (default: wht)",
-                        lambda: compress_store(k, v, caches[0], slots, ld), moved=moved,
-                        copy_gbs=copy_gbs, x_default=1.0)
-        timed_row(base, "tkv K4V4 compress_store wht_rows",
-                  lambda: compress_store(k, v, caches[1], slots, ld, rotation="wht_rows"),
-                  moved=moved, copy_gbs=copy_gbs, ref_ms=ref)
-        log({**base, "kernel": "store_rows_check",
-             "bytes_equal": (caches[0] == caches[1]).float().mean().item()})
-        del caches, k, v
         torch.cuda.empty_cache()
 
 
@@ -1286,8 +1256,7 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
             ("tkv K4V4 prmti, maxnreg 128", {"lookup": "prmti", "maxnreg": 128}),
             ("tkv K4V4 prmti, store by the rotation matrix", {"store_rotation": "split"}),
             ("tkv K4V4 prmts (antisymmetric tables)", {"lookup": "prmts"}),
-            ("tkv K4V4 prmts, maxnreg 128", {"lookup": "prmts", "maxnreg": 128}),
-            ("tkv K4V4 prmti, store one token per thread", {"store_rotation": "wht_rows"})]
+            ("tkv K4V4 prmts, maxnreg 128", {"lookup": "prmts", "maxnreg": 128})]
     if MODEL_STEP_ARMS:   # a short hold: bf16 (the baseline) and the arms asked for
         arms = [(lb, at) for lb, at in arms
                 if at == "bf16" or any(k in lb for k in MODEL_STEP_ARMS)]
@@ -1538,9 +1507,6 @@ def main():
     ap.add_argument("--sink", action="store_true",
                     help="also the sink-offset rows first (decode, compress_store, prefill "
                          "without and with sink offsets)")
-    ap.add_argument("--store-rows", action="store_true",
-                    help="also compress_store wht_rows (one token per thread) vs the default "
-                         "at 64-16K tokens (store_rows_rows), before the other rows")
     ap.add_argument("--store-sweep", action="store_true",
                     help="also the compress_store tiling x rotation sweep first")
     ap.add_argument("--widths", action="store_true",
@@ -1598,8 +1564,6 @@ def main():
         guarded(sink_rows, "sink", "sink rows")
     if a.store_sweep:
         guarded(store_sweep_rows, "store_sweep", "store sweep")
-    if a.store_rows:
-        guarded(store_rows_rows, "store_rows", "one token per thread")
     # modes that run their rows alone: the first one given, in this precedence (the two
     # pipelining sweeps together)
     stages = [fn for flag, fn in ((a.stages_small, stage_small_rows), (a.stages, stage_rows))

@@ -40,12 +40,9 @@ VARIANTS = [(16, 4, "tf32x3", False), (16, 4, "split", False), (64, 4, "split", 
             # session 28: the butterfly rotation (no d × d operand), decode and prefill tiles
             (8, 4, "split", False), (8, 4, "wht", False), (16, 4, "wht", False),
             (64, 4, "wht", False), (64, 8, "wht", False), (128, 8, "wht", False),
-            (8, 4, "split", True), (8, 4, "wht", True), (32, 4, "wht", True),
-            # session 30: the butterflies with one token per thread (32 tokens per warp)
-            (32, 1, "wht_rows", False), (64, 2, "wht_rows", False), (128, 4, "wht_rows", False),
-            (256, 8, "wht_rows", False)]
+            (8, 4, "split", True), (8, 4, "wht", True), (32, 4, "wht", True)]
 MODES = {"tf32x3": store_mod._TF32X3, "split": store_mod._BF16_TERMS,
-         "wht": store_mod._BUTTERFLIES, "wht_rows": store_mod._ROWS.value}
+         "wht": store_mod._BUTTERFLIES}
 
 
 def compile_store(block_t, warps, rotation, sink, head_dim=128, bits=4):

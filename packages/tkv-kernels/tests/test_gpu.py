@@ -79,7 +79,7 @@ def test_decode_cuda_graph_replay_equals_eager(single_split_ctas):
     assert rel < 2.5e-2
 
 
-@pytest.mark.parametrize("rotation", ["split", "wht", "wht_rows"])
+@pytest.mark.parametrize("rotation", ["split", "wht"])
 def test_compress_store_cuda_graph_replay_equals_eager(rotation):
     ld, batch, cache, _ = _setup(lens=(64, 50))
     k = torch.randn(40, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -140,38 +140,6 @@ def test_compress_store_butterflies_equal_the_matrix_rotation(tokens, block_t, n
         torch.testing.assert_close(nw[same_flag].float(), na[same_flag].float(), rtol=8e-3,
                                    atol=0)
     assert torch.signbit(views[1]["k_norms"][b[:5], :, o[:5]]).all()
-
-
-@pytest.mark.parametrize("tokens", [40, 300, 16384])
-def test_compress_store_rows_equal_the_butterflies(tokens):
-    """rotation="wht_rows" (one token per thread, session 30) against "wht" on the
-    Qwen3-8B-like head geometry with per-head key centering and channel scales, compiled,
-    at 1-, 2- and 4-warp programs: the same butterflies in the same order, so the codes are
-    equal except float32 ties (the norm is summed in another order: ≥ 99.99 %, never more
-    than one bucket apart), norms within one bf16 ulp."""
-    g = torch.Generator().manual_seed(tokens + 1)
-    codec = TurboKVCodec(128, k_bits=4, v_bits=3, device="cuda", seed=5,
-                         k_channel_offset=torch.randn(8, 128, generator=g),
-                         k_channel_scales=torch.rand(128, generator=g) + 0.5)
-    ld = TkvLoader(codec, 8, 16)
-    k = (torch.randn(tokens, 8, 128, generator=g) * 2).to("cuda", torch.bfloat16)
-    v = torch.randn(tokens, 8, 128, generator=g).to("cuda", torch.bfloat16)
-    nblk = tokens // 16 + 2
-    slots = torch.randperm(nblk * 16, generator=g)[:tokens].to("cuda")
-    slots[3] = -1
-    views = []
-    for rotation in ("wht", "wht_rows"):
-        cache = ld.layout.allocate(nblk, "cuda")
-        compress_store(k, v, cache, slots, ld, rotation=rotation)
-        views.append(ld.layout.views(cache))
-    keep = slots >= 0
-    b, o = slots[keep] // 16, slots[keep] % 16
-    for side, bits in (("k", 4), ("v", 3)):
-        ca, cw = (unpack_codes(vw[f"{side}_codes"][b, :, o], bits, 128) for vw in views)
-        assert (ca == cw).float().mean() >= 0.9999
-        assert ((ca - cw).abs() <= 1).all()
-        na, nw = (vw[f"{side}_norms"][b, :, o].float() for vw in views)
-        torch.testing.assert_close(nw, na, rtol=8e-3, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

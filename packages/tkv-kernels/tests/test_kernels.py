@@ -93,10 +93,7 @@ def _decode_check(loader, lens, group, seed, window=0, dtype=torch.bfloat16, spl
     (128, 4, 3, "fp16", 64),   # float16 K and V through the scaled fp16 terms
     # butterflies (no rotation matrix): natural-order packing of every width, small tiles
     (64, 4, 4, "wht", None), (128, 2, 8, "wht", 64), (256, 3, 4, "wht", None),
-    (64, 7, 6, "wht", 8), (16, 5, 4, "wht", None),
-    # one token per thread (session 30): every width, head_dim 16-256, stages between chunks
-    (64, 4, 4, "wht_rows", None), (128, 2, 8, "wht_rows", None), (256, 3, 4, "wht_rows", None),
-    (16, 5, 7, "wht_rows", None), (32, 6, 4, "wht_rows", 32)])
+    (64, 7, 6, "wht", 8), (16, 5, 4, "wht", None)])
 def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
     g = _gen(1)
     codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=7)
@@ -124,8 +121,7 @@ def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
     got_k = unpack_codes(views["k_codes"][b, :, o], kb, head_dim)
     assert (got_k == ck).float().mean() > 0.999
     assert ((got_k - ck).abs() <= 1).all()
-    butterflies = store_rotation_for("auto" if rotation == "fp16" else rotation, ld) in (
-        "wht", "wht_rows")
+    butterflies = store_rotation_for("auto" if rotation == "fp16" else rotation, ld) == "wht"
     if interpreting() and head_dim <= 128 and not butterflies:  # one pass: bit-exact
         assert torch.equal(views["k_codes"][b, :, o], pk)
         assert torch.equal(views["v_codes"][b, :, o], pv)
@@ -260,8 +256,8 @@ def test_store_rotation_env(raw, want):
         assert store_rotation_from_env(env) == want
 
 
-@pytest.mark.parametrize("rotation,sink", [("auto", False), ("auto", True), ("wht", False),
-                                           ("wht", True), ("wht_rows", False)])
+@pytest.mark.parametrize("rotation", ["auto", "wht"])
+@pytest.mark.parametrize("sink", [False, True])
 def test_compress_store_stores_nan_for_a_nan_input(rotation, sink):
     """A NaN element stores a NaN norm — loud downstream, as documented. A NaN with bits
     0x7FFFFFFF (what GPU arithmetic makes; fp16 0x7FFF converts to it) used to overflow the
@@ -283,27 +279,6 @@ def test_compress_store_stores_nan_for_a_nan_input(rotation, sink):
     compress_store(x.to(DEV), x.to(DEV), cache, slots, ld, rotation=rotation)
     norms = ld.layout.views(cache)["v_norms"][0, 0, :4].float()
     assert torch.isnan(norms[2]) and torch.isfinite(norms[[0, 1, 3]]).all(), norms
-
-
-def test_compress_store_wht_rows_refusals():
-    """rotation="wht_rows" (one token per thread) is refused by name where it cannot run:
-    no power-of-two Hadamard (head_dim 96), sink offsets, a tile that is not one token per
-    thread; its defaults give 32 · num_warps tokens per program at every batch size."""
-    x = torch.randn(3, 1, 96).to(DEV, torch.bfloat16)
-    ld = TkvLoader(TurboKVCodec(96, 4, device=DEV), 1, 16)
-    slots = torch.arange(3, device=DEV)
-    with pytest.raises(ValueError, match="power-of-two Hadamard"):
-        compress_store(x, x, ld.layout.allocate(1, DEV), slots, ld, rotation="wht_rows")
-    g = _gen(23)
-    sink = TkvLoader(TurboKVCodec(64, 4, device=DEV, v_sink_offset=torch.randn(64, generator=g)),
-                     1, 16)
-    y = torch.randn(3, 1, 64, generator=g).to(DEV, torch.bfloat16)
-    with pytest.raises(ValueError, match="sink offsets"):
-        compress_store(y, y, sink.layout.allocate(1, DEV), slots, sink, rotation="wht_rows")
-    ld = TkvLoader(TurboKVCodec(64, 4, device=DEV), 1, 16)
-    with pytest.raises(ValueError, match="32 \\* num_warps = 64"):
-        compress_store(y, y, ld.layout.allocate(1, DEV), slots, ld, rotation="wht_rows",
-                       block_t=16, num_warps=2)
 
 
 def test_compress_store_checks_its_arguments_on_an_empty_batch():

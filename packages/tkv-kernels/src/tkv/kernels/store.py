@@ -35,10 +35,9 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 # tile, where a tree of 2**bits − 1 selects costs far more than one gather: it takes the
 # gathers (the same comparisons, the same values); tests flip this to check the trees on CPU.
 _SEARCH_TREE = tl.constexpr(not interpreting())
-_ROTATIONS = ("auto", "split", "tf32x3", "wht", "wht_rows")
+_ROTATIONS = ("auto", "split", "tf32x3", "wht")
 # the kernel's per-side rotation mode (K_SPLIT / V_SPLIT)
 _TF32X3, _BF16_TERMS, _FP16_TERMS, _BUTTERFLIES = 0, 1, 2, 3
-_ROWS: tl.constexpr = tl.constexpr(4)   # the butterflies, one token per thread (_rows_side)
 
 ENV_STORE_ROTATION = "TKV_STORE_ROTATION"
 STORE_POLICIES = ("auto", "matrix")
@@ -74,8 +73,7 @@ def store_rotation_for(rotation: str, loader) -> str:
     given (``"auto"`` then picks the matrix path per input dtype).
 
     Raises:
-        ValueError: ``rotation`` is not one of ``auto``, ``split``, ``tf32x3``, ``wht``,
-            ``wht_rows``.
+        ValueError: ``rotation`` is not one of ``auto``, ``split``, ``tf32x3``, ``wht``.
     """
     if rotation not in _ROTATIONS:
         raise ValueError(f"rotation must be one of {_ROTATIONS}, got {rotation!r}")
@@ -453,100 +451,6 @@ def _store_side(X, sx_t, sx_h, tok, valid, head, cache, aux, A, a_scale, INV_S, 
     tl.store(aux + nidx, norm16, mask=valid)
 
 
-@triton.jit
-def _row_word(words, w: tl.constexpr, BITS: tl.constexpr):
-    """32-bit word ``w`` of a code row held as per-chunk words (chunk ``c`` = bits
-    ``[8·BITS·c, 8·BITS·(c + 1))``): the OR of the chunks it overlaps, shifted into place
-    (compile-time bit schedule)."""
-    CB: tl.constexpr = 8 * BITS
-    acc = (words[(32 * w) // CB] >> ((32 * w) % CB)).to(tl.int64)
-    for c in tl.static_range((32 * w) // CB + 1, (32 * w + 31) // CB + 1):
-        acc = acc | (words[c].to(tl.int64) << (c * CB - 32 * w))
-    return (acc & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _rows_side(X, sx_t, sx_h, tok, valid, head, cache, aux, W, INV_S, bounds, table, MU, mu_sh,
-               blk, off, page_bytes, HAS_MU: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BITS: tl.constexpr, CODES_OFF: tl.constexpr, NORMS_OFF: tl.constexpr,
-               NORM_CORR: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_STRIDE: tl.constexpr,
-               TOK_STRIDE: tl.constexpr, NORM_HEAD_STRIDE: tl.constexpr, LOG2D: tl.constexpr):
-    """``rotation="wht_rows"``: the butterflies with each token's whole vector in one
-    thread's registers, as ``HEAD_DIM / 8`` chunks of 8 coordinates (one 16-byte load each for
-    16-bit K/V). Stages of stride 1, 2 and 4 run inside a chunk, the others between chunks:
-    no lane shuffles, no shared-memory layout conversions; the norm is an in-thread sum; each
-    chunk's 8 codes are ``BITS`` whole bytes of the code row (natural order, LSB first),
-    quantized, packed and stored as soon as the rotation is done. ``HEAD_DIM`` a power of two
-    ≥ 16, no sink offsets."""
-    NC: tl.constexpr = HEAD_DIM // 8
-    TREE_STEPS: tl.constexpr = 3
-    c8 = tl.arange(0, 8)
-    base = X + tok.to(tl.int64)[:, None] * sx_t + head * sx_h
-    ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-    ys = ()
-    for c in tl.static_range(NC):
-        cols = c * 8 + c8
-        xf = tl.load(base + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        if HAS_MU:
-            mu = tl.load(MU + head * mu_sh + cols)
-            xf = tl.where(valid[:, None], xf - mu[None, :], 0.0)
-        xs = xf * tl.load(INV_S + cols)[None, :]
-        ss += tl.sum(xs * xs, axis=1)
-        y = xf * tl.load(W + cols)[None, :]
-        for s in tl.static_range(3):
-            y = hadamard_stage(y, BLOCK_T, 8, 1 << s)
-        ys = ys + (y,)
-    for s in tl.static_range(LOG2D - 3):   # strides 8, 16, ...: between chunks c and c + 2^s
-        nxt = ()
-        for c in tl.static_range(NC):
-            if (c >> s) % 2 == 0:
-                nxt = nxt + (ys[c] + ys[c + (1 << s)],)
-            else:
-                nxt = nxt + (ys[c - (1 << s)] - ys[c],)
-        ys = nxt
-    n, inv = _norm_inv(ss, HEAD_DIM, BLOCK_T)
-    row = blk * page_bytes + CODES_OFF + head * HEAD_STRIDE + off * TOK_STRIDE
-    usq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    if BITS <= 4:
-        WT: tl.constexpr = tl.int32
-    else:
-        WT: tl.constexpr = tl.int64
-    shifts = (c8 * BITS).to(WT)
-    words = ()   # per chunk: its 8 codes as 8·BITS bits of the code row, LSB first
-    for c in tl.static_range(NC):
-        z = ys[c] * inv[:, None]
-        code = tl.zeros([BLOCK_T, 8], dtype=tl.int32)
-        preds = ()
-        for step in tl.static_range(BITS):
-            if step < TREE_STEPS:   # one uniform scalar, then selects on the first decisions
-                bnd = _bound_tree(preds, bounds, 0, step, 0, 2 << (BITS - 1 - step),
-                                  (1 << (BITS - 1 - step)) - 1)
-            else:                   # gathers: nothing but the code stays live
-                bnd = tl.load(bounds + code + ((1 << (BITS - 1 - step)) - 1))
-            d = bnd < z
-            preds = preds + (d,)
-            code = tl.where(d, code + (1 << (BITS - 1 - step)), code)
-        if NORM_CORR:
-            t = tl.load(table + code)
-            usq += tl.sum(t * t, axis=1)
-        words = words + (tl.sum(code.to(WT) << shifts[None, :], axis=1),)
-        if (HEAD_DIM * BITS) % 32 == 0:
-            # the 32-bit words this chunk completes, stored at once (a word spans at most two
-            # chunks: 8·BITS ≥ 16 bits each). One token per thread: a byte store per code
-            # byte would write 32 partial sectors per warp instruction.
-            for w in tl.static_range((c * 8 * BITS) // 32, ((c + 1) * 8 * BITS) // 32):
-                tl.store((cache + row + 4 * w).to(tl.pointer_type(tl.int32)),
-                         _row_word(words, w, BITS), mask=valid)
-        else:   # head_dim 16 at an odd width: 6 / 10 / 14 bytes per row
-            for k in tl.static_range(BITS):
-                tl.store(cache + row + (c * BITS + k),
-                         ((words[c] >> (8 * k)) & 0xFF).to(tl.uint8), mask=valid)
-    if NORM_CORR:
-        n = _norm_corrected(n, usq)
-    nidx = (blk * page_bytes + NORMS_OFF) // 2 + head * NORM_HEAD_STRIDE + off
-    tl.store(aux + nidx, _bf16_rne(n), mask=valid)
-
-
 # num_tokens changes with every eager batch, and a caller may pass slot_mapping as a slice at
 # any offset: no specialization on either (one variant per width pair, compiled at the first
 # call; see prefill._VARYING_INTS). num_tokens only masks tokens; slots are read once.
@@ -578,30 +482,18 @@ def _compress_store_kernel(
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     if side == 0:
-        if K_SPLIT == _ROWS:
-            _rows_side(K, skt, skh, tok, valid, head, cache, aux, Ak, kinv_s, kbounds, ktable,
-                       kmu, kmu_sh, blk, off, page_bytes, K_HAS_MU, HEAD_DIM, K_BITS,
-                       K_CODES_OFF, K_NORMS_OFF, K_NORM_CORR, BLOCK_T, K_HEAD_STRIDE,
-                       K_TOK_STRIDE, NORM_HEAD_STRIDE, LOG2D)
-        else:
-            _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, ak_scale, kinv_s, kbounds,
-                        ktable, kmu, kmu_rot, kmu_sh, blk, off, page_bytes, kshift, kdelta,
-                        K_HAS_MU, HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF,
-                        K_CODE_BYTES, K_NORM_CORR, K_GROUP, K_GROUP_BYTES, BLOCK_T,
-                        K_HEAD_STRIDE, K_TOK_STRIDE, NORM_HEAD_STRIDE, CH, K_SINK, K_SPLIT,
-                        K_NPL, LOG2D)
+        _store_side(K, skt, skh, tok, valid, head, cache, aux, Ak, ak_scale, kinv_s, kbounds,
+                    ktable, kmu, kmu_rot, kmu_sh, blk, off, page_bytes, kshift, kdelta, K_HAS_MU,
+                    HEAD_DIM, D_PAD, K_BITS, K_CODES_OFF, K_NORMS_OFF, K_CODE_BYTES, K_NORM_CORR,
+                    K_GROUP, K_GROUP_BYTES, BLOCK_T, K_HEAD_STRIDE, K_TOK_STRIDE,
+                    NORM_HEAD_STRIDE, CH, K_SINK, K_SPLIT, K_NPL, LOG2D)
     else:
-        if V_SPLIT == _ROWS:
-            _rows_side(V, svt, svh, tok, valid, head, cache, aux, Av, vinv_s, vbounds, vtable,
-                       kmu, 0, blk, off, page_bytes, False, HEAD_DIM, V_BITS, V_CODES_OFF,
-                       V_NORMS_OFF, V_NORM_CORR, BLOCK_T, V_HEAD_STRIDE, V_TOK_STRIDE,
-                       NORM_HEAD_STRIDE, LOG2D)
-        else:
-            _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, av_scale, vinv_s, vbounds,
-                        vtable, kmu, kmu_rot, 0, blk, off, page_bytes, vshift, vdelta, False,
-                        HEAD_DIM, D_PAD, V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES,
-                        V_NORM_CORR, V_GROUP, V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE,
-                        V_TOK_STRIDE, NORM_HEAD_STRIDE, CH, V_SINK, V_SPLIT, V_NPL, LOG2D)
+        _store_side(V, svt, svh, tok, valid, head, cache, aux, Av, av_scale, vinv_s, vbounds,
+                    vtable, kmu, kmu_rot, 0, blk, off, page_bytes, vshift, vdelta, False, HEAD_DIM,
+                    D_PAD,
+                    V_BITS, V_CODES_OFF, V_NORMS_OFF, V_CODE_BYTES, V_NORM_CORR, V_GROUP,
+                    V_GROUP_BYTES, BLOCK_T, V_HEAD_STRIDE, V_TOK_STRIDE, NORM_HEAD_STRIDE, CH,
+                    V_SINK, V_SPLIT, V_NPL, LOG2D)
 
 
 def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -658,11 +550,6 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             ≥ 16), else ValueError. It reads no ``d × d`` operand per program (the matrix
             paths read 3 × 32 KB of ``A`` per side at head_dim 128 from L2): on an H100 1.3-2.3×
             the ``"split"`` path at every size (session 28, ``docs/kernels.md``).
-            ``"wht_rows"`` (experimental, session 30): the same butterflies with each
-            token's whole vector in one thread (``block_t = 32 · num_warps``; stages of
-            stride ≥ 8 between 8-coordinate chunks, no lane shuffles, no shared memory; the
-            search's last steps and the K centroid gathered), no sink offsets: offline sm_90a
-            36.3 SASS instructions per element and side against ``"wht"``'s 72.2, untimed.
             ``"auto"`` (default): ``"wht"`` where the rotation is a pure power-of-two
             Hadamard, else ``"split"`` for bfloat16 / float16 sides and ``"tf32x3"`` for
             float32; the operator's ``TKV_STORE_ROTATION=matrix``
@@ -679,9 +566,8 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
 
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
-        no device sync). ValueError: unknown ``rotation``, ``"split"`` with a float32 side,
-        ``"wht"`` / ``"wht_rows"`` where the rotation is not a pure power-of-two Hadamard, or
-        ``"wht_rows"`` with sink offsets or ``block_t`` other than ``32 · num_warps``. A ``TKV_*``
+        no device sync). ValueError: unknown ``rotation``, ``"split"`` with a float32 side, or
+        ``"wht"`` where the rotation is not a pure power-of-two Hadamard. A ``TKV_*``
         setting refused at import (its named error, e.g. StoreRotationConfigError).
     """
     check_import_settings()
@@ -707,20 +593,6 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     n = key.shape[0]
     st = lay.strides()
     rotation = store_rotation_for(rotation, loader)
-    if rotation == "wht_rows":
-        if loader.k_store_hadamard is None:
-            raise ValueError(
-                f"rotation='wht_rows' needs a pure power-of-two Hadamard rotation (head_dim a "
-                f"power of two >= 16), got head_dim {lay.head_dim}; use 'auto'")
-        if loader.k_sink_shift is not None or loader.v_sink_shift is not None:
-            raise ValueError("rotation='wht_rows' does not take sink offsets; use 'wht'")
-        if num_warps is None:   # one token per thread: small batches get small programs
-            num_warps = 4 if n > 256 else 2 if n > 64 else 1
-        if block_t is None:
-            block_t = 32 * num_warps
-        if block_t != 32 * num_warps:
-            raise ValueError(f"rotation='wht_rows' runs one token per thread: block_t must be "
-                             f"32 * num_warps = {32 * num_warps}, got {block_t}")
     if block_t is None:
         if rotation == "wht":   # H100 sweep, session 28: 8 to 256 tokens, then 16 (32 at d 256)
             block_t = 8 if n <= 256 else 32 if loader.d_pad >= 256 else 16
@@ -734,13 +606,13 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         check_pow2(val, name, lo)
     modes, operands = [], []   # the kernel's K_SPLIT / V_SPLIT per side
     for name, x in (("key", key), ("value", value)):
-        if rotation in ("wht", "wht_rows"):
+        if rotation == "wht":
             w = loader.k_store_hadamard if name == "key" else loader.v_store_hadamard
             if w is None:
                 raise ValueError(
                     f"rotation='wht' needs a pure power-of-two Hadamard rotation (head_dim a "
                     f"power of two >= 16), got head_dim {lay.head_dim}; use 'auto'")
-            modes.append(_BUTTERFLIES if rotation == "wht" else _ROWS.value)
+            modes.append(_BUTTERFLIES)
             operands.append((w, 1.0))
             continue
         half = x.dtype in (torch.bfloat16, torch.float16)
