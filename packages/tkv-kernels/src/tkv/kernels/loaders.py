@@ -756,7 +756,9 @@ class TkvLoader:
             vllm_e2e_2026-11-30d/``) 5,938 / 9,041 output tok/s at 64 / 256 sequences vs
             prmt's 5,035 / 7,223 in the same session. An optional register cap
             (:meth:`decode_maxnreg`) is off by default.
-            ``"prmts"`` (opt-in, not timed on a GPU yet): ``"prmti"`` for a side whose
+            ``"prmts"`` (opt-in; on an H100 the split kernel 2.6 % faster, the 36-layer
+            Qwen3-8B-like step 2.9 % slower at 64 sequences and 1.5 % faster at 256 —
+            ``benchmarks/results/kernels_gpu_2026-12-06_s30_h100.md``): ``"prmti"`` for a side whose
             16-bit codebook is antisymmetric (``c[15 − i] = −c[i]`` bit for bit; the default
             Lloyd-Max codebooks are), the same values from the positive half's 8-entry byte
             tables and the code's sign bit (:func:`_prmt_sym16_asm`): offline sm_90a the
