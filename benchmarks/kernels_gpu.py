@@ -834,6 +834,7 @@ def table(copy_gbs, path, device=None):
              "| kernel | shape | impl | opts | ms | GB/s | % copy BW | TFLOP/s |",
              "|---|---|---|---|---:|---:|---:|---:|"]
     for r in ROWS:
+        r = {"impl": "", **r}   # an error row of a breakdown carries no impl: never crash here
         shape = ", ".join(f"{k}={r[k]}" for k in ("B", "L", "T", "q_len", "prefix", "rows",
                                                    "tokens", "what", "Hq", "Hkv", "D") if k in r)
         opts = ", ".join(f"{k}={r[k]}" for k in ("lookup", "swap_qk", "maxnreg", "block_n",

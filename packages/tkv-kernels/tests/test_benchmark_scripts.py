@@ -35,3 +35,21 @@ def test_gpu_benchmark_argument_parser_builds(command: list[str], option: str):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert option in res.stdout
+
+
+def test_kernels_gpu_table_takes_rows_without_impl(tmp_path, monkeypatch):
+    """The results table is written at the very end of a GPU hold: a logged error row without
+    ``impl`` (a per-kernel breakdown that failed) crashed it in session 30, after every
+    timing had run; the rows had to be recovered from stdout."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import kernels_gpu
+
+    monkeypatch.setattr(kernels_gpu, "ROWS", [
+        {"kernel": "copy", "impl": "torch copy_", "GBps": 3000.0, "ms": 0.0},
+        {"kernel": "decode_step_breakdown", "B": 64, "error": "boom"},
+        {"kernel": "decode", "B": 32, "impl": "tkv", "ms": 0.25, "GBps": 1000.0,
+         "frac_copy": 0.33}])
+    out = tmp_path / "t.md"
+    kernels_gpu.table(3000.0, out, device="test device")
+    text = out.read_text()
+    assert "error: boom" in text and "| decode | B=32 | tkv |" in text
