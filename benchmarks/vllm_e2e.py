@@ -963,16 +963,11 @@ def run_all(opts: argparse.Namespace) -> int:
         model, weights = resolve_model(spec, out / "models", opts.weights, opts.seed)
         bundle = Path(opts.bundle) if opts.bundle else write_uniform_bundle(
             model, out / f"{model.name}-uniform-bundle.json")
-        # run: (mode, bits, bundle, greedy only, variant: the engine's extra env in VARIANTS)
-        runs = {"bf16": ("bf16", None, None, False, ""), "tq4": ("tq4", None, None, False, ""),
-                "tkv": ("tkv", opts.bits, bundle, False, ""),
-                "tkv8": ("tkv", "8.0", bundle, True, ""),
-                **{f"tkv{v}": ("tkv", opts.bits, bundle, False, v) for v in VARIANTS},
-                **{f"bf16{v}": ("bf16", None, None, False, v) for v in BLOCK_SIZE_VARIANTS},
-                **{f"tkv{v}": ("tkv", opts.bits, bundle, False, v) for v in BLOCK_SIZE_VARIANTS}}
         res = {}
         for r in opts.runs:
-            mode, bits, b, greedy_only, variant = runs[r]
+            mode, bits, greedy_only, variant = RUNS[r]
+            bits = opts.bits if bits == "--bits" else bits
+            b = bundle if mode == "tkv" else None
             key = (f"{mode}@{bits}" if bits else mode) + (f" {variant}" if variant else "")
             kw = {"variant": variant} if variant else {}
             if variant in VARIANTS:
@@ -1402,10 +1397,15 @@ VARIANTS = {"flash": {"TKV_PREFILL_ATTENTION": "flash"},
 # vLLM's default 16 (session 19, benchmarks/results/pool_placement_gpu_2026-12-04_s19.md: tkv's
 # 36 decode layers 1.6-3.6 % faster at 64 for 256 sequences, kernel only)
 BLOCK_SIZE_VARIANTS = {"block64": 64}
-# `all --runs` names: the plain runs, tkv with each engine-environment variant, bf16 and tkv
-# with each block size (run_all maps them to engine runs)
-RUN_NAMES = ["bf16", "tq4", "tkv", "tkv8", *(f"tkv{v}" for v in VARIANTS),
-             *(f"{m}{v}" for v in BLOCK_SIZE_VARIANTS for m in ("bf16", "tkv"))]
+# `all --runs` name -> (mode, TKV_BITS: "--bits" = the command's, greedy only, variant: a key
+# of VARIANTS / BLOCK_SIZE_VARIANTS or ""): the plain runs, tkv with each engine-environment
+# variant, bf16 and tkv with each block size (tkv runs take the model's bundle)
+RUNS = {"bf16": ("bf16", None, False, ""), "tq4": ("tq4", None, False, ""),
+        "tkv": ("tkv", "--bits", False, ""), "tkv8": ("tkv", "8.0", True, ""),
+        **{f"tkv{v}": ("tkv", "--bits", False, v) for v in VARIANTS},
+        **{f"{m}{v}": (m, "--bits" if m == "tkv" else None, False, v)
+           for v in BLOCK_SIZE_VARIANTS for m in ("bf16", "tkv")}}
+RUN_NAMES = list(RUNS)
 JIT_LEGEND = ("`†n/m`: Triton compiled a kernel inside n of the cell's m timed runs "
               "(`jit_events` / `jit_compiles` in the JSON); `‡n/m`: it only loaded compiled "
               "kernels from its disk cache (`jit_disk_loads`) in n runs. Either is a one-time "
