@@ -71,7 +71,7 @@ def test_interval_covers_the_true_ratio(pooled):
 
 def test_missing_baseline_and_no_shared_cell_are_named_errors(pooled, tmp_path):
     _job(tmp_path / "a", "m", "tkv", {"64": [1.0, 2.0]})
-    with pytest.raises(pooled.PooledInputError, match="no m-bf16.json"):
+    with pytest.raises(pooled.PooledInputError, match=r"no m-bf16\.json"):
         pooled.table([tmp_path / "a"], "m", "bf16", ["tkv"], ["output_tok_s"],
                      resamples=10, seed=0)
     _job(tmp_path / "a", "m", "bf16", {"256": [1.0, 2.0]})
