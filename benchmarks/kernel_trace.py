@@ -117,11 +117,36 @@ def measure_decode_step(generate: Callable[[int], object],
             "summary": step_summary(rows, 1e3 * (walls["long"] - walls["short"]) / steps)}
 
 
-def table(rows: list[dict], top: int = 30) -> str:
+def measure_run(generate: Callable[[int], object], capture: Callable[[int, Path], Path],
+                tokens: int = 1) -> dict:
+    """Every kernel of ONE whole generate, for the e2e scripts' ``--profile-prefill``: with
+    ``tokens`` = 1 the run is the batch's prefill (all its extend steps) plus one sampling
+    step, so the table is where the prefill's device time goes. ``generate(tokens)`` runs a
+    fresh batch unprofiled (the wall time); ``capture(tokens, folder)`` runs one under the
+    engine's profiler and returns its chrome trace (a temporary folder, deleted afterwards).
+
+    Returns ``{"wall_s": s, "rows": rows, "summary": step_summary(rows, wall ms)}`` with
+    :func:`decode_step_kernels`' row format, one "step" being the whole run: launches and
+    device µs per run. ``gpu_busy`` well below 1 says the run waited on the host (Python,
+    launches, scheduling), not on its kernels.
+
+    Raises:
+        ValueError: ``tokens`` < 1; whatever ``capture`` raises (e.g. no trace written)."""
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    t0 = time.perf_counter()
+    generate(tokens)
+    wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = decode_step_kernels({}, kernel_totals(capture(tokens, Path(tmp))), 1)
+    return {"wall_s": wall, "rows": rows, "summary": step_summary(rows, 1e3 * wall)}
+
+
+def table(rows: list[dict], top: int = 30, per: str = "step") -> str:
     """Markdown table of the ``top`` rows of :func:`decode_step_kernels` plus the rest and the
-    total."""
+    total; ``per``: what one row's counts are per (a decode ``step``, or a whole ``run``)."""
     total = sum(r["us_per_step"] for r in rows)
-    lines = ["| kernel | launches / step | µs / step | share |", "|---|---:|---:|---:|"]
+    lines = [f"| kernel | launches / {per} | µs / {per} | share |", "|---|---:|---:|---:|"]
     for r in rows[:top]:
         share = r["us_per_step"] / total if total else 0.0
         lines.append(f"| `{r['name'][:90]}` | {r['per_step']:g} | {r['us_per_step']:.1f} | "

@@ -170,6 +170,11 @@ def worker(a: argparse.Namespace) -> None:
             res["profile"] = profile_decode(
                 llm, lambda: random_prompt_ids(rng, n, PROMPT_LEN), a.profile,
                 Path(a.result).with_suffix(".profile.md"))
+        if a.profile_prefill:
+            n = max(a.batches)
+            res["profile_prefill"] = profile_prefill(
+                llm, lambda: random_prompt_ids(rng, n, PROMPT_LEN),
+                Path(a.result).with_suffix(".prefill.md"))
     Path(a.result).write_text(json.dumps(res, indent=1))
     llm.shutdown()
 
@@ -188,7 +193,24 @@ def profile_decode(llm, make_ids, steps: int, path: Path) -> dict:
     import kernel_trace as kt
 
     seen: dict = {}
+    run, capture = _profiler_hooks(llm, make_ids, seen)
+    m = kt.measure_decode_step(run, capture, steps)
+    path.write_text(f"# one decode step ({2 * steps}-token run minus {steps}-token run, per "
+                    f"step), {seen['prompts']} prompts of {PROMPT_LEN} tokens\n\n"
+                    f"{m['summary']}\n\n" + kt.table(m["rows"]) + "\n")
+    return {"prompts": seen["prompts"], "tokens": steps,
+            "seconds": {k: round(v, 4) for k, v in m["walls"].items()}, "table": path.name,
+            **m["summary"], "decode_kernels": m["rows"][:60]}
 
+
+def _profiler_hooks(llm, make_ids, seen: dict):
+    """``(run, capture)`` for :mod:`kernel_trace`: ``run(t)`` generates a fresh batch
+    (``make_ids()``) with ``t`` greedy tokens, recording its size in ``seen["prompts"]``;
+    ``capture(t, folder)`` does the same under SGLang's own profiler (``Engine.start_profile``:
+    the scheduler process's torch.profiler, GPU activity only) and returns the chrome trace.
+
+    Raises (from ``capture``):
+        RuntimeError: SGLang wrote no trace."""
     def run(t):
         ids = make_ids()
         seen["prompts"] = len(ids)
@@ -205,13 +227,30 @@ def profile_decode(llm, make_ids, steps: int, path: Path) -> dict:
             raise RuntimeError(f"SGLang's profiler wrote no trace into {folder}")
         return traces[0]
 
-    m = kt.measure_decode_step(run, capture, steps)
-    path.write_text(f"# one decode step ({2 * steps}-token run minus {steps}-token run, per "
-                    f"step), {seen['prompts']} prompts of {PROMPT_LEN} tokens\n\n"
-                    f"{m['summary']}\n\n" + kt.table(m["rows"]) + "\n")
-    return {"prompts": seen["prompts"], "tokens": steps,
-            "seconds": {k: round(v, 4) for k, v in m["walls"].items()}, "table": path.name,
-            **m["summary"], "decode_kernels": m["rows"][:60]}
+    return run, capture
+
+
+def profile_prefill(llm, make_ids, path: Path) -> dict:
+    """Where a batch's prefill goes, kernel by kernel (session 31: SmolLM2's extend batches
+    took 23-32 ms under tkv against FA3's 18-20 ms, cause unknown): ``make_ids()`` generated
+    with ONE token, unprofiled (wall) and under SGLang's profiler
+    (:func:`kernel_trace.measure_run`): every kernel of the run — all the batch's extend steps
+    and one sampling step — with launches and device µs, and ``gpu_busy`` = device / wall time
+    (well below 1: the prefill waits on the host). Writes ``path`` (markdown) and returns the
+    summary with the ``prefill_kernels`` rows.
+
+    Raises:
+        RuntimeError: SGLang wrote no trace."""
+    import kernel_trace as kt
+
+    seen: dict = {}
+    run, capture = _profiler_hooks(llm, make_ids, seen)
+    m = kt.measure_run(run, capture, 1)
+    path.write_text(f"# one prefill: {seen['prompts']} prompts of {PROMPT_LEN} tokens generated "
+                    f"with 1 token (every kernel of the run)\n\n{m['summary']}\n\n"
+                    + kt.table(m["rows"], per="run") + "\n")
+    return {"prompts": seen["prompts"], "seconds": round(m["wall_s"], 4), "table": path.name,
+            **m["summary"], "prefill_kernels": m["rows"][:60]}
 
 
 def radix_check(llm, greedy: dict) -> dict:
@@ -305,6 +344,8 @@ def run_mode(model: Path, dummy: bool, mode: str, bits: str | None, bundle: Path
         cmd.append("--eager")
     if getattr(o, "profile", 0) and not greedy_only:
         cmd += ["--profile", str(o.profile)]
+    if getattr(o, "profile_prefill", False) and not greedy_only:
+        cmd.append("--profile-prefill")
     if variant in ENGINE_VARIANTS:
         cmd += ["--engine-variant", variant]
     extra_env = VARIANTS.get(variant, {})
@@ -554,6 +595,10 @@ def main(argv: list[str] | None = None) -> None:
                            "× 2·TOKENS tokens, unprofiled and under SGLang's profiler: one "
                            "decode step's kernels (2T − T, kernel_trace.py; wall vs device "
                            "ms), next to each throughput run's JSON (0: off)")
+            a.add_argument("--profile-prefill", action="store_true",
+                           help="after the throughput runs, the largest batch generated with "
+                           "one token, unprofiled and under SGLang's profiler: every kernel "
+                           "of its prefill, device vs wall time (<tag>.prefill.md)")
     w = sub.add_parser("worker")
     w.add_argument("--model", required=True)
     w.add_argument("--mode", choices=("bf16", "tkv"), required=True)
@@ -569,6 +614,8 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--profile", type=int, default=0, metavar="TOKENS",
                    help="profile_decode over the largest batch, TOKENS and 2·TOKENS tokens "
                    "(0: off)")
+    w.add_argument("--profile-prefill", action="store_true",
+                   help="profile_prefill over the largest batch (one output token)")
     w.add_argument("--engine-variant", default="", choices=("", *sorted(ENGINE_VARIANTS)),
                    help="an ENGINE_VARIANTS key: its sgl.Engine arguments on top")
     o = p.parse_args(argv)

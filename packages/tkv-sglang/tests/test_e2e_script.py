@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -200,6 +201,49 @@ def test_profile_decode_diffs_sglangs_two_traces(e2e, tmp_path):
         e2e.profile_decode(Silent(), lambda: [[1]], 2, tmp_path / "y.md")
 
 
+def test_profile_prefill_lists_every_kernel_of_a_one_token_run(e2e, tmp_path):
+    """profile_prefill: the batch generated with ONE token, first unprofiled then under
+    SGLang's profiler; every kernel of that run (nothing subtracted) with launches and device
+    µs per run, and gpu_busy = device / wall time."""
+    import gzip
+
+    class FakeEngine:
+        def __init__(self):
+            self.dir, self.calls = None, []
+
+        def start_profile(self, output_dir, activities, with_stack, record_shapes):
+            self.dir = Path(output_dir)
+
+        def generate(self, input_ids, sampling_params):
+            self.calls.append((len(input_ids), sampling_params["max_new_tokens"],
+                               self.dir is not None))
+            time.sleep(0.02)
+
+        def stop_profile(self):
+            ev = ([{"ph": "X", "cat": "kernel", "name": "_prefill_kernel", "dur": 40.0}] * 30
+                  + [{"ph": "X", "cat": "kernel", "name": "_compress_store_kernel",
+                      "dur": 10.0}] * 30
+                  + [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 2.0}]
+                  + [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 999.0}])
+            (self.dir / "1-TP-0.trace.json.gz").write_bytes(
+                gzip.compress(json.dumps({"traceEvents": ev}).encode()))
+            self.dir = None
+
+    llm = FakeEngine()
+    out = e2e.profile_prefill(llm, lambda: [[1] * 4] * 16, tmp_path / "x.prefill.md")
+    assert llm.calls == [(16, 1, False), (16, 1, True)]
+    assert out["prefill_kernels"] == [
+        {"name": "_prefill_kernel", "per_step": 30.0, "us_per_step": 1200.0},
+        {"name": "_compress_store_kernel", "per_step": 30.0, "us_per_step": 300.0},
+        {"name": "[memcpy] Memcpy HtoD", "per_step": 1.0, "us_per_step": 2.0}]
+    assert out["device_ms_per_step"] == pytest.approx(1.502)
+    assert out["prompts"] == 16 and out["seconds"] >= 0.02
+    assert 0 < out["gpu_busy"] < 1.502 / 20 + 1e-9    # wall ≥ 20 ms of host sleep
+    text = (tmp_path / "x.prefill.md").read_text()
+    assert "| kernel | launches / run | µs / run | share |" in text
+    assert "| **total** | 61 | 1502.0 | 100 % |" in text
+
+
 def test_profile_flag_reaches_the_throughput_workers_only(e2e, tmp_path, monkeypatch):
     seen = []
 
@@ -210,10 +254,15 @@ def test_profile_flag_reaches_the_throughput_workers_only(e2e, tmp_path, monkeyp
 
     monkeypatch.setattr(e2e, "run_group", run_group)
     o = argparse.Namespace(mem=0.5, context_length=4096, baseline_backend="fa3", batches=[64, 256],
-                           repeats=1, eager=False, timeout=10, profile=32)
+                           repeats=1, eager=False, timeout=10, profile=32,
+                           profile_prefill=True)
     e2e.run_mode(tmp_path / "m", True, "tkv", "4.0", None, tmp_path, o)
     e2e.run_mode(tmp_path / "m", True, "tkv", "8.0", None, tmp_path, o, greedy_only=True)
-    assert seen[0][-2:] == ["--profile", "32"] and "--profile" not in seen[1]
+    assert seen[0][-3:] == ["--profile", "32", "--profile-prefill"]
+    assert "--profile" not in seen[1] and "--profile-prefill" not in seen[1]
+    o.profile, o.profile_prefill = 0, False
+    e2e.run_mode(tmp_path / "m", True, "tkv", "4.0", None, tmp_path, o)
+    assert not any(x.startswith("--profile") for x in seen[2])
 
 
 def _run_variants(e2e, tmp_path, monkeypatch, variants, baseline):
