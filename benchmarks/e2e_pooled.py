@@ -41,10 +41,30 @@ class PooledInputError(ValueError):
 
 def runs_of(path: Path, metric: str) -> dict[str, list[float]]:
     """``{batch: [metric of every timed run]}`` from one result JSON (``throughput`` →
-    batch → ``runs``); a file without throughput cells (greedy-only runs) gives ``{}``."""
-    data = json.loads(path.read_text())
-    return {batch: [float(r[metric]) for r in cell.get("runs", [cell])]
-            for batch, cell in (data.get("throughput") or {}).items()}
+    batch → ``runs``; a cell without ``runs``, as older results wrote, is one run); a file
+    without throughput cells (greedy-only runs) gives ``{}``.
+
+    Raises:
+        PooledInputError: the file is not JSON, not a result object, or a timed run lacks
+            ``metric`` (or holds a non-number there)."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PooledInputError(f"{path}: not JSON ({e})") from None
+    cells = data.get("throughput") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(cells or {}, dict):
+        raise PooledInputError(f"{path}: not an e2e result (no throughput object)")
+    out = {}
+    for batch, cell in (cells or {}).items():
+        runs = cell.get("runs", [cell]) if isinstance(cell, dict) else None
+        try:
+            out[batch] = [float(r[metric]) for r in runs]
+            if not str(batch).isdigit():
+                raise ValueError(batch)
+        except (KeyError, TypeError, ValueError):
+            raise PooledInputError(f"{path}: throughput cell {batch!r} has a run without a "
+                                   f"numeric {metric}") from None
+    return out
 
 
 def pooled(dirs: list[Path], model: str, arm: str, metric: str) -> dict[str, list[float]]:

@@ -96,3 +96,25 @@ def test_committed_session31_smollm2_table_is_what_the_script_prints(pooled, cap
                                        ["decode_tok_s"], resamples=2000, seed=0)
                if r["batch"] == 64)
     assert row["ratio"] == pytest.approx(np.mean(xs["tkv-4.0"]) / np.mean(xs["bf16"]))
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"throughput": [1]}',
+                                  '{"throughput": {"64": {"runs": [{"seconds": 1}]}}}',
+                                  '{"throughput": {"64": {"runs": [{"output_tok_s": "x"}]}}}',
+                                  '{"throughput": {"big": {"output_tok_s": 1.0}}}'])
+def test_a_file_that_is_not_a_result_is_a_named_error(pooled, tmp_path, text):
+    _job(tmp_path / "a", "m", "bf16", {"64": [1.0, 2.0]})
+    (tmp_path / "a" / "m-tkv.json").write_text(text)
+    with pytest.raises(pooled.PooledInputError, match=r"m-tkv\.json"):
+        pooled.table([tmp_path / "a"], "m", "bf16", ["tkv"], ["output_tok_s"],
+                     resamples=10, seed=0)
+
+
+def test_a_cell_without_runs_counts_as_one_run(pooled, tmp_path):
+    """Results written before the per-run list existed hold one number per cell."""
+    _job(tmp_path / "a", "m", "bf16", {"64": [100.0, 100.0]})
+    (tmp_path / "a" / "m-tkv.json").write_text(
+        json.dumps({"throughput": {"64": {"output_tok_s": 120.0}}}))
+    (row,) = pooled.table([tmp_path / "a"], "m", "bf16", ["tkv"], ["output_tok_s"],
+                          resamples=100, seed=0)
+    assert (row["n_arm"], row["ratio"], row["lo"], row["hi"]) == (1, 1.2, 1.2, 1.2)
