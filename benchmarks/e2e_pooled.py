@@ -5,12 +5,14 @@ Small models' steps are host-bound, and one ``sglang_e2e.py`` / ``vllm_e2e.py`` 
 2-5 runs) moves by 10-20 % from one job to the next (session 31: SmolLM2 at 64 sequences,
 tkv / FA3 = 0.89, 1.09 and 0.96 in three jobs of the same hold). One job's cell cannot then say
 whether tkv is ahead. This script takes every run of every job (the ``runs`` list inside each
-throughput cell, not the job's median), and per (arm, metric, batch) prints
+throughput cell, not the job's median), paired by job (an arm against the baseline runs of
+the jobs that ran that arm), and per (arm, metric, batch) prints
 
 * the mean over all runs for the baseline and for the arm, and their ratio (arm / baseline);
 * a 95 % percentile-bootstrap interval of that ratio: both arms' runs resampled with
   replacement, independently, ``--resamples`` times (Efron & Tibshirani, *An Introduction to
-  the Bootstrap*, 1993, ch. 13), seeded, so the table is reproducible.
+  the Bootstrap*, 1993, ch. 13), seeded, so the table is reproducible; none where a side has
+  a single run (no spread to resample).
 
 Throughput metrics (``output_tok_s``, ``decode_tok_s``) are better when higher, ``prefill_s``
 when lower; the table says which. Runs are treated as independent draws, which they are not
@@ -57,6 +59,8 @@ def runs_of(path: Path, metric: str) -> dict[str, list[float]]:
     out = {}
     for batch, cell in (cells or {}).items():
         runs = cell.get("runs", [cell]) if isinstance(cell, dict) else None
+        if runs == []:
+            raise PooledInputError(f"{path}: throughput cell {batch!r} has no runs")
         try:
             out[batch] = [float(r[metric]) for r in runs]
             if not str(batch).isdigit():
@@ -68,8 +72,8 @@ def runs_of(path: Path, metric: str) -> dict[str, list[float]]:
 
 
 def pooled(dirs: list[Path], model: str, arm: str, metric: str) -> dict[str, list[float]]:
-    """Every run of ``<model>-<arm>.json`` across ``dirs``, per batch. A directory without
-    the file is skipped (a job may not have run every arm); returns ``{}`` when none has it."""
+    """Every run of ``<model>-<arm>.json`` across ``dirs``, per batch (``{}`` when no
+    directory has the file)."""
     out: dict[str, list[float]] = {}
     for d in dirs:
         f = d / f"{model}-{arm}.json"
@@ -80,10 +84,20 @@ def pooled(dirs: list[Path], model: str, arm: str, metric: str) -> dict[str, lis
 
 
 def ratio_interval(base: list[float], arm: list[float], *, resamples: int, seed: int,
-                   level: float = 0.95) -> tuple[float, float, float]:
+                   level: float = 0.95) -> tuple[float, float | None, float | None]:
     """``(mean(arm) / mean(base), lo, hi)``: the ratio of means and its percentile-bootstrap
-    interval at ``level`` (each sample resampled with replacement, independently)."""
+    interval at ``level`` (each sample resampled with replacement, independently). With fewer
+    than 2 runs on either side there is no spread to resample: ``lo`` and ``hi`` are None.
+
+    Raises:
+        ValueError: ``resamples`` < 1, or an empty sample."""
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    if not base or not arm:
+        raise ValueError("ratio_interval needs at least one run on each side")
     b, a = np.asarray(base, float), np.asarray(arm, float)
+    if b.size < 2 or a.size < 2:
+        return float(a.mean() / b.mean()), None, None
     rng = np.random.default_rng(seed)
     rb = rng.choice(b, size=(resamples, b.size)).mean(axis=1)
     ra = rng.choice(a, size=(resamples, a.size)).mean(axis=1)
@@ -93,7 +107,10 @@ def ratio_interval(base: list[float], arm: list[float], *, resamples: int, seed:
 
 def table(dirs: list[Path], model: str, baseline: str, arms: list[str], metrics: list[str], *,
           resamples: int, seed: int) -> list[dict]:
-    """One row per (arm, metric, batch) that both the baseline and the arm have.
+    """One row per (arm, metric, batch) that both the baseline and the arm have. Paired by
+    job: an arm is compared with the baseline runs of the directories that hold the arm's
+    file only (a job that did not run the arm contributes nothing to its row, so job-to-job
+    drift does not enter the ratio); ``jobs`` in the row counts them.
 
     Raises:
         PooledInputError: a directory has no ``<model>-<baseline>.json``, or no arm shares a
@@ -104,13 +121,15 @@ def table(dirs: list[Path], model: str, baseline: str, arms: list[str], metrics:
         raise PooledInputError(f"no {model}-{baseline}.json in: {', '.join(missing)}")
     rows = []
     for arm in arms:
+        jobs = [d for d in dirs if (d / f"{model}-{arm}.json").is_file()]
         for metric in metrics:
-            base, other = pooled(dirs, model, baseline, metric), pooled(dirs, model, arm, metric)
+            base, other = pooled(jobs, model, baseline, metric), pooled(jobs, model, arm, metric)
             for batch in sorted(set(base) & set(other), key=int):
                 r, lo, hi = ratio_interval(base[batch], other[batch], resamples=resamples,
                                            seed=seed)
                 rows.append({"arm": arm, "metric": metric, "better": METRICS[metric],
-                             "batch": int(batch), "n_base": len(base[batch]),
+                             "batch": int(batch), "jobs": len(jobs),
+                             "n_base": len(base[batch]),
                              "n_arm": len(other[batch]),
                              "base_mean": float(np.mean(base[batch])),
                              "arm_mean": float(np.mean(other[batch])),
@@ -127,13 +146,22 @@ def _num(v: float) -> str:
 
 def markdown(rows: list[dict], baseline: str) -> str:
     """The rows as one markdown table (ratios to 3 decimals)."""
-    head = (f"| arm | metric | better | batch | runs {baseline} / arm | {baseline} mean | "
-            "arm mean | arm / " + baseline + " | 95 % bootstrap interval |\n"
-            "|---|---|---|---:|---:|---:|---:|---:|---|\n")
+    head = (f"| arm | metric | better | batch | jobs | runs {baseline} / arm | {baseline} mean "
+            "| arm mean | arm / " + baseline + " | 95 % bootstrap interval |\n"
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---|\n")
     return head + "".join(
-        f"| {r['arm']} | {r['metric']} | {r['better']} | {r['batch']} | {r['n_base']} / "
-        f"{r['n_arm']} | {_num(r['base_mean'])} | {_num(r['arm_mean'])} | {r['ratio']:.3f} | "
-        f"[{r['lo']:.3f}, {r['hi']:.3f}] |\n" for r in rows)
+        f"| {r['arm']} | {r['metric']} | {r['better']} | {r['batch']} | {r['jobs']} | "
+        f"{r['n_base']} / {r['n_arm']} | {_num(r['base_mean'])} | {_num(r['arm_mean'])} | "
+        f"{r['ratio']:.3f} | "
+        + ("- (a side has 1 run)" if r["lo"] is None else f"[{r['lo']:.3f}, {r['hi']:.3f}]")
+        + " |\n" for r in rows)
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,10 +175,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="an arm (file suffix), e.g. tkv-4.0; repeat for more")
     ap.add_argument("--metric", action="append", choices=list(METRICS), dest="metrics",
                     help="repeat for more (default: all three)")
-    ap.add_argument("--resamples", type=int, default=20000)
+    ap.add_argument("--resamples", type=_positive, default=20000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args(argv)
+    if a.json and not a.json.parent.is_dir():
+        ap.error(f"--json {a.json}: no directory {a.json.parent}")
     try:
         rows = table(a.dirs, a.model, a.baseline, a.arms, a.metrics or list(METRICS), resamples=a.resamples,
                      seed=a.seed)

@@ -117,4 +117,47 @@ def test_a_cell_without_runs_counts_as_one_run(pooled, tmp_path):
         json.dumps({"throughput": {"64": {"output_tok_s": 120.0}}}))
     (row,) = pooled.table([tmp_path / "a"], "m", "bf16", ["tkv"], ["output_tok_s"],
                           resamples=100, seed=0)
-    assert (row["n_arm"], row["ratio"], row["lo"], row["hi"]) == (1, 1.2, 1.2, 1.2)
+    assert (row["n_arm"], row["ratio"], row["lo"], row["hi"]) == (1, 1.2, None, None)
+
+
+def test_an_arm_is_paired_with_the_baseline_runs_of_its_own_jobs(pooled, tmp_path):
+    """A job that did not run the arm adds nothing to its row: job-to-job drift (10-20 % on
+    SmolLM2) would otherwise enter the ratio."""
+    _job(tmp_path / "a", "m", "bf16", {"64": [100.0, 102.0]})
+    _job(tmp_path / "a", "m", "tkv", {"64": [110.0, 112.0]})
+    _job(tmp_path / "b", "m", "bf16", {"64": [200.0, 204.0]})   # a faster job, no tkv run
+    (row,) = pooled.table([tmp_path / "a", tmp_path / "b"], "m", "bf16", ["tkv"],
+                          ["output_tok_s"], resamples=100, seed=0)
+    assert (row["jobs"], row["n_base"], row["n_arm"]) == (1, 2, 2)
+    assert row["ratio"] == pytest.approx(111.0 / 101.0)
+
+
+def test_a_single_run_side_gets_no_interval(pooled, tmp_path, capsys):
+    _job(tmp_path / "a", "m", "bf16", {"64": [100.0]})
+    _job(tmp_path / "a", "m", "tkv", {"64": [110.0, 130.0, 90.0]})
+    assert pooled.ratio_interval([100.0], [110.0, 130.0, 90.0], resamples=10, seed=0) == (
+        pytest.approx(1.1), None, None)
+    assert pooled.main(["--model", "m", "--arm", "tkv", str(tmp_path / "a")]) == 0
+    assert "| 1.100 | - (a side has 1 run) |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="resamples"):
+        pooled.ratio_interval([1.0, 2.0], [1.0, 2.0], resamples=0, seed=0)
+
+
+@pytest.mark.parametrize("args", [["--resamples", "0"], ["--resamples", "-1"],
+                                  ["--json", "/nonexistent-dir/x.json"]])
+def test_bad_options_are_refused_before_any_work(pooled, tmp_path, args, capsys):
+    _job(tmp_path / "a", "m", "bf16", {"64": [1.0, 2.0]})
+    _job(tmp_path / "a", "m", "tkv", {"64": [1.0, 2.0]})
+    with pytest.raises(SystemExit) as e:
+        pooled.main(["--model", "m", "--arm", "tkv", *args, str(tmp_path / "a")])
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "error:" in captured.err
+
+
+def test_an_empty_run_list_is_a_named_error(pooled, tmp_path):
+    _job(tmp_path / "a", "m", "bf16", {"64": [1.0, 2.0]})
+    (tmp_path / "a" / "m-tkv.json").write_text(json.dumps({"throughput": {"64": {"runs": []}}}))
+    with pytest.raises(pooled.PooledInputError, match="has no runs"):
+        pooled.table([tmp_path / "a"], "m", "bf16", ["tkv"], ["output_tok_s"],
+                     resamples=10, seed=0)
