@@ -53,18 +53,19 @@ def runs_of(path: Path, metric: str) -> dict[str, list[float]]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise PooledInputError(f"{path}: not JSON ({e})") from None
-    cells = data.get("throughput") if isinstance(data, dict) else None
-    if not isinstance(data, dict) or not isinstance(cells or {}, dict):
+    cells = (data.get("throughput") or {}) if isinstance(data, dict) else None
+    if not isinstance(cells, dict):
         raise PooledInputError(f"{path}: not an e2e result (no throughput object)")
     out = {}
-    for batch, cell in (cells or {}).items():
-        runs = cell.get("runs", [cell]) if isinstance(cell, dict) else None
-        if runs == []:
+    for batch, cell in cells.items():
+        if not batch.isdigit() or not isinstance(cell, dict):
+            raise PooledInputError(f"{path}: throughput entry {batch!r} is not a batch "
+                                   "size's cell")
+        runs = cell.get("runs", [cell])
+        if not runs:
             raise PooledInputError(f"{path}: throughput cell {batch!r} has no runs")
         try:
             out[batch] = [float(r[metric]) for r in runs]
-            if not str(batch).isdigit():
-                raise ValueError(batch)
         except (KeyError, TypeError, ValueError):
             raise PooledInputError(f"{path}: throughput cell {batch!r} has a run without a "
                                    f"numeric {metric}") from None
@@ -182,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.json and not a.json.parent.is_dir():
         ap.error(f"--json {a.json}: no directory {a.json.parent}")
     try:
-        rows = table(a.dirs, a.model, a.baseline, a.arms, a.metrics or list(METRICS), resamples=a.resamples,
-                     seed=a.seed)
+        rows = table(a.dirs, a.model, a.baseline, a.arms, a.metrics or list(METRICS),
+                     resamples=a.resamples, seed=a.seed)
     except PooledInputError as e:
         print(f"e2e_pooled: {e}", file=sys.stderr)
         return 2

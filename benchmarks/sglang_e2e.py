@@ -165,16 +165,17 @@ def worker(a: argparse.Namespace) -> None:
                              sampling_params={**sp, "max_new_tokens": 1})
 
             res["throughput"][str(n)] = timed_repeats(n, OUTPUT_LEN, full, prefill, a.repeats)
+        largest = max(a.batches)
+
+        def make_ids():   # a fresh batch of the largest size, for the profiles
+            return random_prompt_ids(rng, largest, PROMPT_LEN)
+
         if a.profile:
-            n = max(a.batches)
-            res["profile"] = profile_decode(
-                llm, lambda: random_prompt_ids(rng, n, PROMPT_LEN), a.profile,
-                Path(a.result).with_suffix(".profile.md"))
+            res["profile"] = profile_decode(llm, make_ids, a.profile,
+                                            Path(a.result).with_suffix(".profile.md"))
         if a.profile_prefill:
-            n = max(a.batches)
-            res["profile_prefill"] = profile_prefill(
-                llm, lambda: random_prompt_ids(rng, n, PROMPT_LEN),
-                Path(a.result).with_suffix(".prefill.md"))
+            res["profile_prefill"] = profile_prefill(llm, make_ids,
+                                                     Path(a.result).with_suffix(".prefill.md"))
     Path(a.result).write_text(json.dumps(res, indent=1))
     llm.shutdown()
 
