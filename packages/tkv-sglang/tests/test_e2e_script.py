@@ -158,34 +158,42 @@ def test_fa3_baseline_runs_without_piecewise_prefill_graphs(e2e, mode, backend, 
     assert kw["attention_backend"] == ("turbo-attn" if mode == "tkv" else backend)
 
 
+class _ProfilingEngine:
+    """A stand-in ``sgl.Engine`` for the profile functions: ``start_profile`` /
+    ``stop_profile`` write a gzipped chrome trace of ``events(t)`` for the ``t``-token
+    generate in between; ``calls`` records ``(prompts, tokens, profiled)`` of every generate,
+    each of which takes ``sleep`` seconds of host time."""
+
+    def __init__(self, events, sleep: float = 0.0):
+        self.events, self.sleep = events, sleep
+        self.dir, self.calls, self._ev = None, [], []
+
+    def start_profile(self, output_dir, activities, with_stack, record_shapes):
+        assert activities == ["GPU"] and with_stack is False
+        self.dir = Path(output_dir)
+
+    def generate(self, input_ids, sampling_params):
+        t = sampling_params["max_new_tokens"]
+        self.calls.append((len(input_ids), t, self.dir is not None))
+        if self.dir is not None:
+            self._ev = self.events(t)
+        time.sleep(self.sleep)
+
+    def stop_profile(self):
+        import gzip
+
+        (self.dir / "123-TP-0.trace.json.gz").write_bytes(
+            gzip.compress(json.dumps({"traceEvents": self._ev}).encode()))
+        self.dir = None
+
+
 def test_profile_decode_diffs_sglangs_two_traces(e2e, tmp_path):
     """sglang_e2e's profile_decode with a stand-in Engine whose start/stop_profile write a
     chrome trace of the generate in between: one decode step's kernels are the difference of
     the 2·T- and T-token traces divided by T (prefill kernels cancel), written and returned."""
-    import gzip
-
-    class FakeEngine:
-        def __init__(self):
-            self.dir, self.calls = None, []
-
-        def start_profile(self, output_dir, activities, with_stack, record_shapes):
-            assert activities == ["GPU"] and with_stack is False
-            self.dir = Path(output_dir)
-
-        def generate(self, input_ids, sampling_params):
-            t = sampling_params["max_new_tokens"]
-            self.calls.append((len(input_ids), t, self.dir is not None))
-            if self.dir is not None:
-                ev = ([{"ph": "X", "cat": "kernel", "name": "_decode_split_kernel", "dur": 5.0}]
-                      * (36 * t) + [{"ph": "X", "cat": "kernel", "name": "prefill", "dur": 50.0}] * 7)
-                self._ev = ev
-
-        def stop_profile(self):
-            (self.dir / "123-TP-0.trace.json.gz").write_bytes(
-                gzip.compress(json.dumps({"traceEvents": self._ev}).encode()))
-            self.dir = None
-
-    llm = FakeEngine()
+    llm = _ProfilingEngine(lambda t: [
+        {"ph": "X", "cat": "kernel", "name": "_decode_split_kernel", "dur": 5.0}] * (36 * t)
+        + [{"ph": "X", "cat": "kernel", "name": "prefill", "dur": 50.0}] * 7)
     out = e2e.profile_decode(llm, lambda: [[1] * 4] * 3, 8, tmp_path / "x.profile.md")
     assert llm.calls == [(3, 8, False), (3, 16, False), (3, 8, True), (3, 16, True)]
     assert out["decode_kernels"] == [{"name": "_decode_split_kernel", "per_step": 36.0,
@@ -193,43 +201,23 @@ def test_profile_decode_diffs_sglangs_two_traces(e2e, tmp_path):
     assert out["device_ms_per_step"] == 0.18 and out["kernels_per_step"] == 36.0
     assert "_decode_split_kernel" in (tmp_path / "x.profile.md").read_text()
 
-    class Silent(FakeEngine):
+    class Silent(_ProfilingEngine):
         def stop_profile(self):
             self.dir = None
 
     with pytest.raises(RuntimeError, match="no trace"):
-        e2e.profile_decode(Silent(), lambda: [[1]], 2, tmp_path / "y.md")
+        e2e.profile_decode(Silent(lambda t: []), lambda: [[1]], 2, tmp_path / "y.md")
 
 
 def test_profile_prefill_lists_every_kernel_of_a_one_token_run(e2e, tmp_path):
     """profile_prefill: the batch generated with ONE token, first unprofiled then under
     SGLang's profiler; every kernel of that run (nothing subtracted) with launches and device
     µs per run, and gpu_busy = device / wall time."""
-    import gzip
-
-    class FakeEngine:
-        def __init__(self):
-            self.dir, self.calls = None, []
-
-        def start_profile(self, output_dir, activities, with_stack, record_shapes):
-            self.dir = Path(output_dir)
-
-        def generate(self, input_ids, sampling_params):
-            self.calls.append((len(input_ids), sampling_params["max_new_tokens"],
-                               self.dir is not None))
-            time.sleep(0.02)
-
-        def stop_profile(self):
-            ev = ([{"ph": "X", "cat": "kernel", "name": "_prefill_kernel", "dur": 40.0}] * 30
-                  + [{"ph": "X", "cat": "kernel", "name": "_compress_store_kernel",
-                      "dur": 10.0}] * 30
-                  + [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 2.0}]
-                  + [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 999.0}])
-            (self.dir / "1-TP-0.trace.json.gz").write_bytes(
-                gzip.compress(json.dumps({"traceEvents": ev}).encode()))
-            self.dir = None
-
-    llm = FakeEngine()
+    llm = _ProfilingEngine(lambda t: (
+        [{"ph": "X", "cat": "kernel", "name": "_prefill_kernel", "dur": 40.0}] * 30
+        + [{"ph": "X", "cat": "kernel", "name": "_compress_store_kernel", "dur": 10.0}] * 30
+        + [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 2.0}]
+        + [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 999.0}]), sleep=0.02)
     out = e2e.profile_prefill(llm, lambda: [[1] * 4] * 16, tmp_path / "x.prefill.md")
     assert llm.calls == [(16, 1, False), (16, 1, True)]
     assert out["prefill_kernels"] == [
