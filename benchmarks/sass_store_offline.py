@@ -40,9 +40,12 @@ VARIANTS = [(16, 4, "tf32x3", False), (16, 4, "split", False), (64, 4, "split", 
             # session 28: the butterfly rotation (no d × d operand), decode and prefill tiles
             (8, 4, "split", False), (8, 4, "wht", False), (16, 4, "wht", False),
             (64, 4, "wht", False), (64, 8, "wht", False), (128, 8, "wht", False),
-            (8, 4, "split", True), (8, 4, "wht", True), (32, 4, "wht", True)]
+            (8, 4, "split", True), (8, 4, "wht", True), (32, 4, "wht", True),
+            # session 32: one exact ±1 dot (TkvLoader.store_rotation_pm1)
+            (8, 4, "pm1", False), (16, 4, "pm1", False), (64, 4, "pm1", False),
+            (64, 8, "pm1", False), (128, 8, "pm1", False), (32, 4, "pm1", True)]
 MODES = {"tf32x3": store_mod._TF32X3, "split": store_mod._BF16_TERMS,
-         "wht": store_mod._BUTTERFLIES}
+         "wht": store_mod._BUTTERFLIES, "pm1": store_mod._PM1}
 
 
 def compile_store(block_t, warps, rotation, sink, head_dim=128, bits=4):
@@ -64,7 +67,7 @@ def compile_store(block_t, warps, rotation, sink, head_dim=128, bits=4):
                        f"{s}_HEAD_STRIDE": st[f"{lo}_head"], f"{s}_TOK_STRIDE": st[f"{lo}_token"],
                        f"{s}_SINK": sink, f"{s}_SPLIT": MODES[rotation],
                        f"{s}_NPL": ld.group_planes(lo)})
-    a = "*bf16" if rotation == "split" else F32
+    a = "*bf16" if rotation in ("split", "pm1") else F32
     ptrs = {"K": "*bf16", "V": "*bf16", "slots": "*i64", "cache": "*u8", "aux": "*bf16",
             "Ak": a, "Av": a}
     names = _compress_store_kernel.arg_names
@@ -107,7 +110,12 @@ def load_bytes(body: list[str]) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="also write the markdown table here")
+    ap.add_argument("--rotations", default=",".join(MODES),
+                    help="comma-separated rotations to compile (default: all)")
     a = ap.parse_args()
+    wanted = set(a.rotations.split(","))
+    if not wanted <= set(MODES):
+        ap.error(f"--rotations: choose from {', '.join(MODES)}")
     loaders_mod.interpreting = util.interpreting = lambda: False   # compile only, never run
     rows = ["# compress_store kernel, offline sm_90a anatomy (K4V4, head_dim 128, 8 KV heads, "
             "bf16 K/V)", "",
@@ -120,7 +128,7 @@ def main() -> None:
             "| tokens | warps | rotation | sink | registers | spills (B) | shared (B) | "
             "instr./element/side | LDG KB/program/side | top opcodes |",
             "|---:|---:|---|---|---:|---:|---:|---:|---:|---|"]
-    for bt, w, rotation, sink in VARIANTS:
+    for bt, w, rotation, sink in (v for v in VARIANTS if v[2] in wanted):
         info, shared, sass = compile_store(bt, w, rotation, sink)
         body = [m.group(1) for m in (re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?);", line)
                                      for line in sass.splitlines()) if m]
