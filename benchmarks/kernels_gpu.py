@@ -408,8 +408,7 @@ def store_rows(copy_gbs):
 def store_sweep_rows(copy_gbs):
     """compress_store tiling × rotation sweep (bf16 K/V, K4V4, random slots): tokens per
     program ``block_t`` × warps × ``rotation`` ("tf32x3": Triton splits x and A in every
-    program; "split": bf16 x against the loader's three bf16 terms of A; "wht": butterflies;
-    "pm1": bf16 x against the exact ±1 matrix, one dot), at prefill-sized
+    program; "split": bf16 x against the loader's three bf16 terms of A), at prefill-sized
     and decode-sized token counts, Qwen3-8B-like (8 × 128), SmolLM2 (3 × 64) and head_dim 256
     heads, without and with sink offsets. ``x_default`` = the default call's time over the
     row's (> 1: faster than the default)."""
@@ -438,8 +437,6 @@ def store_sweep_rows(copy_gbs):
         rots = [("split", *t) for t in tiles] + [("tf32x3", *tiles[-3])]
         if ld.k_store_hadamard is not None:   # butterflies (session 28): every tile
             rots += [("wht", *t) for t in tiles]
-        if ld.store_rotation_pm1("k", torch.bfloat16) is not None:   # one ±1 dot (session 32)
-            rots += [("pm1", *t) for t in tiles]
         for rot, bt_, nw in rots:
             opts = dict(rotation=rot, block_t=bt_, num_warps=nw)
             timed_row(base, f"{name} compress_store",

@@ -93,10 +93,7 @@ def _decode_check(loader, lens, group, seed, window=0, dtype=torch.bfloat16, spl
     (128, 4, 3, "fp16", 64),   # float16 K and V through the scaled fp16 terms
     # butterflies (no rotation matrix): natural-order packing of every width, small tiles
     (64, 4, 4, "wht", None), (128, 2, 8, "wht", 64), (256, 3, 4, "wht", None),
-    (64, 7, 6, "wht", 8), (16, 5, 4, "wht", None),
-    # one exact ±1 dot (bf16 keys, fp16 values: both operand dtypes), planar and natural packing
-    (64, 4, 4, "pm1", None), (128, 2, 8, "pm1", 64), (256, 3, 4, "pm1", None),
-    (64, 7, 6, "pm1", 8), (128, 5, 4, "pm1", 16)])
+    (64, 7, 6, "wht", 8), (16, 5, 4, "wht", None)])
 def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
     g = _gen(1)
     codec = TurboKVCodec(head_dim, k_bits=kb, v_bits=vb, device=DEV, seed=7)
@@ -124,8 +121,8 @@ def test_compress_store_matches_codec(head_dim, kb, vb, rotation, block_t):
     got_k = unpack_codes(views["k_codes"][b, :, o], kb, head_dim)
     assert (got_k == ck).float().mean() > 0.999
     assert ((got_k - ck).abs() <= 1).all()
-    path = store_rotation_for("auto" if rotation == "fp16" else rotation, ld)
-    if interpreting() and head_dim <= 128 and path not in ("wht", "pm1"):  # one pass: bit-exact
+    butterflies = store_rotation_for("auto" if rotation == "fp16" else rotation, ld) == "wht"
+    if interpreting() and head_dim <= 128 and not butterflies:  # one pass: bit-exact
         assert torch.equal(views["k_codes"][b, :, o], pk)
         assert torch.equal(views["v_codes"][b, :, o], pv)
         assert torch.equal(views["k_norms"][b, :, o], nk)
@@ -293,7 +290,6 @@ def test_compress_store_checks_its_arguments_on_an_empty_batch():
     s = torch.zeros(0, dtype=torch.int64, device=DEV)
     for kw, err in ((dict(rotation="bogus"), "rotation must be"),
                     (dict(rotation="wht"), "power-of-two Hadamard"),
-                    (dict(rotation="pm1"), "one magnitude"),
                     (dict(block_t=3), "block_t")):
         with pytest.raises(ValueError, match=err):
             compress_store(x, x, cache, s, ld, **kw)
@@ -312,38 +308,6 @@ def test_compress_store_split_rotation_refuses_float32():
         compress_store(k, k, cache, slots, ld, rotation="split")
     with pytest.raises(ValueError, match="rotation must be"):
         compress_store(k, k, cache, slots, ld, rotation="fp64")
-
-
-def test_store_rotation_pm1_is_the_planar_rotation_exactly():
-    """TkvLoader.store_rotation_pm1: ``c · S`` equals the float32 planar rotation of
-    store_rotation (S exactly ±1, or 0 in padding), for both 16-bit operand dtypes; None where
-    the entries do not share one magnitude (per-channel scales, head_dim 96), and a float32
-    request is refused."""
-    for d in (16, 64, 128, 256):
-        ld = TkvLoader(TurboKVCodec(d, k_bits=4, v_bits=3, device=DEV, seed=d), 2, 16)
-        for side in "kv":
-            a32, _ = ld.store_rotation(side, None)
-            for dt in (torch.bfloat16, torch.float16):
-                s, c = ld.store_rotation_pm1(side, dt)
-                assert s.shape == (1, ld.d_pad, ld.d_pad)
-                assert set(s.float().unique().tolist()) <= {-1.0, 0.0, 1.0}
-                torch.testing.assert_close(s[0].double() * c, a32.double(), rtol=1e-6, atol=1e-7)
-    assert TkvLoader(TurboKVCodec(96, 4, device=DEV), 1, 16).store_rotation_pm1(
-        "k", torch.bfloat16) is None
-    scaled = TurboKVCodec(64, 4, device=DEV, k_channel_scales=torch.rand(64) + 0.5)
-    ld = TkvLoader(scaled, 1, 16)
-    assert ld.store_rotation_pm1("k", torch.bfloat16) is None
-    assert ld.store_rotation_pm1("v", torch.bfloat16) is not None   # V has no scales
-    with pytest.raises(ValueError, match="bfloat16 or float16"):
-        ld.store_rotation_pm1("v", torch.float32)
-    x = torch.randn(3, 1, 64, device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="one magnitude"):   # keys: scaled → no ±1 form
-        compress_store(x, x, ld.layout.allocate(1, DEV), torch.arange(3, device=DEV), ld,
-                       rotation="pm1")
-    plain = TkvLoader(TurboKVCodec(64, 4, device=DEV), 1, 16)
-    with pytest.raises(ValueError, match="one magnitude"):   # float32 K/V
-        compress_store(x.float(), x.float(), plain.layout.allocate(1, DEV),
-                       torch.arange(3, device=DEV), plain, rotation="pm1")
 
 
 def test_compress_store_channel_scales_and_no_norm_correction():

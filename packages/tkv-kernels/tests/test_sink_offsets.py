@@ -105,8 +105,6 @@ def _rotated_error(sc, x, packed, norms):
     (64, 6, 7, None, True, True, "auto"),
     (64, 4, 4, None, True, False, "wht"),   # butterflies: both candidates from one tile
     (128, 6, 7, 2, True, True, "wht"),
-    (64, 4, 4, None, True, False, "pm1"),   # one exact ±1 dot (no channel scales)
-    (128, 5, 3, 2, True, False, "pm1"),
 ])
 def test_compress_store_makes_the_codecs_choice(head_dim, kb, vb, heads, center, scales,
                                                rotation):

@@ -1056,39 +1056,6 @@ class TkvLoader:
             self._store_rotation[key] = a.contiguous(), scale
         return self._store_rotation[key]
 
-    def store_rotation_pm1(self, side: str, dtype: torch.dtype) -> tuple[torch.Tensor, float] | None:
-        """compress_store's one-term rotation operand (``rotation="pm1"``): ``(S, c)`` with
-        ``A = c · S`` exactly, ``S`` the ±1 matrix ``(1, d_pad, d_pad)`` in ``dtype``
-        (bfloat16 / float16: ±1 is exact in both) with the columns of :meth:`store_rotation`
-        (planar order), ``c`` a float. So a 16-bit ``x`` times ``S`` on tensor cores is exact
-        products with float32 accumulation, ``x @ A`` at float32 accuracy from ONE dot (the
-        ``"split"`` terms need three). That form holds where ``A = diag(1/s) Rᵀ`` has
-        entries of one magnitude: a randomized Walsh–Hadamard rotation (``±1/√d``) without
-        per-channel scales ``s`` (or with all of them equal). None otherwise (then the
-        butterflies or the split terms serve). Under the Triton interpreter ``S`` is float32
-        (its 16-bit dots are not float products). Cached.
-
-        Raises:
-            ValueError: ``dtype`` is not bfloat16 or float16.
-        """
-        if dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"the ±1 store operand is bfloat16 or float16, got {dtype}")
-        key = side, "pm1", dtype, interpreting()
-        if key not in self._store_rotation:
-            a32, _ = self.store_rotation(side, None)       # float32, planar columns
-            a = a32[:self.head_dim].double().cpu()          # padding rows are zero
-            live = a.abs().amax(0) > 0                       # padding columns are zero
-            c = a.abs().max().item()
-            out = None
-            if c > 0 and bool(torch.isfinite(a).all()) and \
-                    bool(((a[:, live].abs() / c - 1).abs() <= 1e-6).all()):
-                s = torch.zeros(self.d_pad, self.d_pad, dtype=torch.float64)
-                s[:self.head_dim] = (a / c).round()
-                s = s.float() if interpreting() else s.to(dtype)
-                out = s[None].to(a32.device).contiguous(), c
-            self._store_rotation[key] = out
-        return self._store_rotation[key]
-
     def group_planes(self, side: str) -> int:
         """Codes per packed group of a side as compress_store writes them (``GP``): one
         whole-byte group, ``8 / gcd(bits, 8)`` (2→4, 3→8, 4→2, 5→8, 6→4, 7→8, 8→1), while a

@@ -35,9 +35,9 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 # tile, where a tree of 2**bits − 1 selects costs far more than one gather: it takes the
 # gathers (the same comparisons, the same values); tests flip this to check the trees on CPU.
 _SEARCH_TREE = tl.constexpr(not interpreting())
-_ROTATIONS = ("auto", "split", "tf32x3", "wht", "pm1")
+_ROTATIONS = ("auto", "split", "tf32x3", "wht")
 # the kernel's per-side rotation mode (K_SPLIT / V_SPLIT)
-_TF32X3, _BF16_TERMS, _FP16_TERMS, _BUTTERFLIES, _PM1 = 0, 1, 2, 3, 4
+_TF32X3, _BF16_TERMS, _FP16_TERMS, _BUTTERFLIES = 0, 1, 2, 3
 
 ENV_STORE_ROTATION = "TKV_STORE_ROTATION"
 STORE_POLICIES = ("auto", "matrix")
@@ -212,16 +212,12 @@ def _chunk_cols(s, p, NPL: tl.constexpr, WID: tl.constexpr, CHW: tl.constexpr):
 def _rotated_chunk(x, A, a_scale, q, coord, valid, MU_ROT, mu_off, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, SPLIT: tl.constexpr, SUB_MU: tl.constexpr):
     """Columns ``q`` of ``x @ A`` (float32 ``[T, CHW]``), minus the rotated key offset at
-    coordinates ``coord`` when ``SUB_MU``. ``SPLIT`` 1 / 2: ``A`` holds the three 16-bit terms
-    of :meth:`TkvLoader.store_rotation` (``SPLIT`` = 2: times the power of two ``a_scale``) and
-    ``x`` is in their dtype — three plain dots, smallest term first; ``SPLIT`` 4: ``A`` is the
-    exact ±1 matrix of :meth:`TkvLoader.store_rotation_pm1` — one dot, times ``a_scale``;
-    else ``A`` and ``x`` are float32, one ``tf32x3`` dot (Triton splits both operands in
-    every program)."""
+    coordinates ``coord`` when ``SUB_MU``. ``SPLIT``: ``A`` holds the three 16-bit terms of
+    :meth:`TkvLoader.store_rotation` (``SPLIT`` = 2: times the power of two ``a_scale``) and
+    ``x`` is in their dtype — three plain dots, smallest term first; else ``A`` and ``x`` are
+    float32, one ``tf32x3`` dot (Triton splits both operands in every program)."""
     a = A + tl.arange(0, D_PAD)[:, None] * D_PAD + q[None, :]
-    if SPLIT == 4:   # ±1 × 16-bit x: exact products, float32 sums
-        y = tl.dot(x, tl.load(a)) * a_scale
-    elif SPLIT:
+    if SPLIT:
         y = tl.dot(x, tl.load(a + 2 * D_PAD * D_PAD))
         y = tl.dot(x, tl.load(a + D_PAD * D_PAD), y)
         y = tl.dot(x, tl.load(a), y)
@@ -620,16 +616,6 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             operands.append((w, 1.0))
             continue
         half = x.dtype in (torch.bfloat16, torch.float16)
-        if rotation == "pm1":
-            pm1 = loader.store_rotation_pm1(name[0], x.dtype) if half else None
-            if pm1 is None:
-                raise ValueError(
-                    f"rotation='pm1' needs bfloat16/float16 {name} and a rotation whose "
-                    f"entries share one magnitude (a Walsh-Hadamard rotation without "
-                    f"per-channel scales), got {x.dtype}; use 'auto'")
-            modes.append(_PM1)
-            operands.append(pm1)
-            continue
         split = half if rotation == "auto" else rotation == "split"
         if split and not half:
             raise ValueError(f"rotation='split' needs bfloat16/float16 {name}, got {x.dtype}")
