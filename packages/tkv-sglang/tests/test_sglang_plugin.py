@@ -403,6 +403,43 @@ def test_window_conversion():
     assert _window(SimpleNamespace(sliding_window_size=4095)) == 4096
 
 
+def test_extend_and_decode_write_into_sglangs_preallocated_output(world, sgl):
+    """SGLang's piecewise-CUDA-graph path leaves its output slice on
+    ``forward_batch._attn_output`` and copies any other returned tensor into it: the backend
+    writes into that buffer (returned as itself, values as without it) where it has the
+    output's shape, dtype and device, and ignores it otherwise (the buffer then untouched)."""
+    w, FM = world, sgl.ForwardMode
+    w.req_to_token[1, : 2 * PAGE] = torch.cat(
+        [torch.arange(p * PAGE, (p + 1) * PAGE) for p in (4, 9)]).int()
+    w.k[1], w.v[1] = w.rand(20, 2, 64), w.rand(20, 2, 64)
+    q = w.rand(19, 4, 64)
+    kk, vv = w.k[1][:19].reshape(19, -1), w.v[1][:19].reshape(19, -1)
+    fb = w.batch(FM.EXTEND, [1], [19], [19])
+    w.backend.init_forward_metadata(fb)
+    plain = w.backend.forward_extend(q, kk, vv, w.layer, fb)
+    for buf in (torch.full((19, 256), float("nan"), device=w.device),        # (tokens, H·d)
+                torch.full((19, 4, 64), float("nan"), device=w.device)):     # (tokens, H, d)
+        fb._attn_output = buf
+        o = w.backend.forward_extend(q, kk, vv, w.layer, fb)
+        assert o.data_ptr() == buf.data_ptr() and o.shape == (19, 256)
+        assert torch.equal(o, plain) and torch.equal(buf.reshape(19, 256), plain)
+    for bad in (torch.full((19, 256), float("nan"), device=w.device, dtype=torch.float16),
+                torch.full((20, 256), float("nan"), device=w.device),
+                torch.full((256, 19), float("nan"), device=w.device).t()):   # not contiguous
+        fb._attn_output = bad
+        o = w.backend.forward_extend(q, kk, vv, w.layer, fb)
+        assert o.data_ptr() != bad.data_ptr() and torch.equal(o, plain)
+        assert torch.isnan(bad).all()
+    # decode: the same rule (one new token)
+    fb = w.batch(FM.DECODE, [1], [20])
+    w.backend.init_forward_metadata(fb)
+    qd, kd, vd = w.rand(1, 256), w.k[1][19].reshape(1, -1), w.v[1][19].reshape(1, -1)
+    plain = w.backend.forward_decode(qd, kd, vd, w.layer, fb)
+    fb._attn_output = torch.full((1, 256), float("nan"), device=w.device)
+    o = w.backend.forward_decode(qd, kd, vd, w.layer, fb)
+    assert o.data_ptr() == fb._attn_output.data_ptr() and torch.equal(o, plain)
+
+
 _TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -542,10 +579,12 @@ def test_triton_impl_radix_hits_take_one_varlen_call(sgl, fakes, tkv_env, bundle
 
 
 def test_prefill_attention_choice_is_validated(sgl, monkeypatch):
-    """TKV_PREFILL_ATTENTION in the SGLang backend: unset = tkv (sgl-kernel's FA3 prefill was
-    slower on the H200, session 16); auto falls back where FA3 cannot run (CPU, a GPU FA3 does
-    not support, a float32 model); flash and continuation raise there; continuation leaves
-    first chunks to tkv's kernels; bad values are named (the shared tkv.kernels parser)."""
+    """TKV_PREFILL_ATTENTION in the SGLang backend: unset = auto (since session 32: FA3's
+    first-chunk attention took half the device time of tkv's Triton kernel on SmolLM2), which
+    falls back where FA3 cannot run (CPU, a GPU FA3 does not support, a float32 model); tkv
+    keeps tkv's kernels everywhere; flash and continuation raise where FA3 cannot run;
+    continuation leaves first chunks to tkv's kernels; bad values are named (the shared
+    tkv.kernels parser)."""
     import sys
     from types import ModuleType
 
@@ -553,7 +592,7 @@ def test_prefill_attention_choice_is_validated(sgl, monkeypatch):
     from tkv.sglang import prefill_attention as pa
 
     bf16 = torch.bfloat16
-    assert pa.DEFAULT == "tkv"
+    assert pa.DEFAULT == "auto"
     assert pa.prefill_attention("cpu", bf16, environ={}) is None
     assert pa.prefill_attention("cpu", bf16, environ={"TKV_PREFILL_ATTENTION": "auto"}) is None
     with pytest.raises(PrefillAttentionConfigError, match="CUDA"):
@@ -577,6 +616,10 @@ def test_prefill_attention_choice_is_validated(sgl, monkeypatch):
     auto, flash = {"TKV_PREFILL_ATTENTION": "auto"}, {"TKV_PREFILL_ATTENTION": "flash"}
     fa = pa.prefill_attention("cuda:0", bf16, environ=auto)
     assert isinstance(fa, FlashVarlenAttention) and fa.extra == {"ver": 3}
+    unset = pa.prefill_attention("cuda:0", bf16, environ={})       # the default is auto
+    assert isinstance(unset, FlashVarlenAttention) and unset.first_chunks
+    assert pa.prefill_attention("cuda:0", bf16, environ={"TKV_PREFILL_ATTENTION": "tkv"}) is None
+    assert pa.prefill_attention("cuda:1", bf16, environ={}) is None   # FA3 unsupported there
     assert pa.prefill_attention("cuda:1", bf16, environ=auto) is None
     assert pa.prefill_attention("cuda:0", torch.float32, environ=auto) is None
     with pytest.raises(PrefillAttentionConfigError, match="Fake GPU"):
