@@ -584,7 +584,8 @@ def main(argv: list[str] | None = None) -> None:
                            "setting changed (vllm_e2e.VARIANTS; e.g. flash = "
                            "TKV_PREFILL_ATTENTION=flash: sgl-kernel's FlashAttention 3 for "
                            "first chunks and, through the varlen path, continuation chunks "
-                           "and radix hits; triton = tkv, the default) or one sgl.Engine "
+                           "and radix hits, what the default auto takes where FA3 runs; "
+                           "triton = tkv: tkv's Triton / SDPA prefill) or one sgl.Engine "
                            "argument (ENGINE_VARIANTS: nopcg = disable_piecewise_cuda_graph, "
                            "as the fa3 baseline runs)")
             a.add_argument("--eager", action="store_true", help="disable CUDA graphs")

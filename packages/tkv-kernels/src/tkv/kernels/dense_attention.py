@@ -56,8 +56,9 @@ def prefill_attention_from_env(environ=None, default: str = "tkv") -> str:
       longer through FlashAttention in the same job (session 15; 5-8 % above bf16 in session
       16), while a 32K prompt's continuation chunks gained most from FlashAttention.
 
-    Unset or blank gives ``default`` (each adapter passes its own: tkv-vllm ``auto``, measured
-    on the H200; tkv-sglang ``tkv``). Case and surrounding blanks are ignored.
+    Unset or blank gives ``default`` (each adapter passes its own; both pass ``auto``: tkv-vllm
+    measured on the H200, tkv-sglang since session 32's prefill profile). Case and surrounding
+    blanks are ignored.
 
     Raises:
         PrefillAttentionConfigError: any other value (also for ``default``).

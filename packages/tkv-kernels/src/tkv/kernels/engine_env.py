@@ -56,8 +56,8 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
 
     Args:
         environ: a mapping of environment variables, or None for the process environment.
-        prefill_default: the adapter's ``TKV_PREFILL_ATTENTION`` default (tkv-vllm ``auto``,
-            tkv-sglang ``tkv``).
+        prefill_default: the adapter's ``TKV_PREFILL_ATTENTION`` default (``auto`` in both
+            tkv-vllm and, since session 32, tkv-sglang).
 
     Raises:
         LookupConfigError, SmallHeadGroupsConfigError, FusedQueryRotationConfigError,

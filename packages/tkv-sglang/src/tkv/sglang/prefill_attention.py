@@ -7,10 +7,15 @@ With ``flash`` the extend path hands a batch of first chunks (no cached prefix) 
 exact-prefix continuation chunk to ``sgl_kernel.flash_attn.flash_attn_varlen_func`` (``ver=3``)
 through :class:`tkv.kernels.FlashVarlenAttention`, as SGLang's own ``fa3`` backend computes
 bf16 attention. ``auto`` uses it where it can run, else tkv's kernels (logged);
-``continuation`` only for the continuation chunk (first chunks: tkv's Triton kernel). Default
-``tkv`` (tkv-vllm's is ``auto``): in session 16 on the H200 (SmolLM2, 512-token prompts,
-``benchmarks/results/sglang_e2e_2026-12-04_s16_fa3/``) the prefill through sgl-kernel's FA3 took
-0.79 s against 0.46 s through tkv's Triton kernels at 256 sequences.
+``continuation`` only for the continuation chunk (first chunks: tkv's Triton kernel).
+
+Default ``auto``, as tkv-vllm's, since session 32. Session 16 (H200, SmolLM2, one wall-clock run)
+had kept ``tkv``: 0.79 s for FA3 against 0.46 s. Session 32's kernel profile of one 256 × 512-token
+prefill of SmolLM2 on an H200 (``benchmarks/results/sglang_e2e_2026-12-06_s32_h200_smollm2_prefill/``)
+measured the first-chunk attention itself: 26.4 ms in tkv's Triton ``_prefill_kernel`` against
+13.6 ms in sgl-kernel's FA3, and the whole prefill's device time 109.4 against 98.6 ms. That
+wall clock was host-bound (GPU busy 13-15 %), which is why session 16's single run misled. On
+Qwen3-8B-like (session 27) the two tied.
 """
 
 from __future__ import annotations
@@ -28,15 +33,15 @@ from tkv.kernels import (
 __all__ = ["prefill_attention"]
 
 
-DEFAULT = "tkv"
+DEFAULT = "auto"
 
 
 def prefill_attention(device: torch.device | str, dtype: torch.dtype,
                       environ: dict[str, str] | None = None, *,
                       impl: str = "triton") -> FlashVarlenAttention | None:
     """The backend's ``dense_attention`` for :func:`tkv.kernels.prefill`: sgl-kernel's
-    FlashAttention 3, or None for tkv's own kernels (``TKV_PREFILL_ATTENTION``: ``tkv``
-    default, ``auto``, ``flash``, ``continuation``). ``dtype``: the model's activation dtype (FA3 takes
+    FlashAttention 3, or None for tkv's own kernels (``TKV_PREFILL_ATTENTION``: ``auto``
+    default, ``tkv``, ``flash``, ``continuation``). ``dtype``: the model's activation dtype (FA3 takes
     float16 / bfloat16). Called once when the backend is built (startup). ``impl``: the
     backend's ``TKV_SGLANG_IMPL``; ``reference`` (plain PyTorch attention) never takes a
     dense_attention, but the variable is still validated, and ``flash`` / ``continuation``
