@@ -2063,6 +2063,21 @@ def test_truthy_options_and_launch_values_are_named_errors():
             Fp8Loader(**geo, k_scale=torch.ones(1), v_scale=torch.ones(1))
 
 
+def test_shares_memory_is_byte_range_intersection_in_one_storage():
+    """tkv.kernels.shares_memory (the engines' check before writing into a buffer they were
+    handed; prefill's overlap refusal uses it): views of one storage whose spans intersect,
+    never separate storages or empty views; strided views by their spans."""
+    from tkv.kernels import shares_memory
+
+    x = torch.randn(6, 8)
+    assert shares_memory(x[:3], x[2:]) and shares_memory(x, x[5, 7:])
+    assert not shares_memory(x[:3], x[3:]) and not shares_memory(x, x.clone())
+    assert not shares_memory(x[:0], x) and not shares_memory(x, x[2:2])
+    assert shares_memory(x[:, :2], x[:, 6:])        # spans interleave: conservative
+    assert not shares_memory(x[:2, :2], x[3:, :])
+    assert shares_memory(x.view(torch.int32), x[1])  # another dtype, same bytes
+
+
 def test_prefill_out_sharing_memory_with_key_or_value_is_refused():
     """Other programs still read the chunk's K/V while out is written: an out that overlaps
     them fed its own rows back (measured: relative error 0.35-0.40) — now a ShapeError."""

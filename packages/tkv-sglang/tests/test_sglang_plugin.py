@@ -406,8 +406,9 @@ def test_window_conversion():
 def test_extend_and_decode_write_into_sglangs_preallocated_output(world, sgl):
     """SGLang's piecewise-CUDA-graph path leaves its output slice on
     ``forward_batch._attn_output`` and copies any other returned tensor into it: the backend
-    writes into that buffer (returned as itself, values as without it) where it has the
-    output's shape, dtype and device, and ignores it otherwise (the buffer then untouched)."""
+    writes into that buffer (returned as itself, values as without it, padding rows past the
+    slice untouched) where it has the output's shape, dtype and device and shares no memory
+    with q / K / V, and ignores it otherwise (the buffer then untouched)."""
     w, FM = world, sgl.ForwardMode
     w.req_to_token[1, : 2 * PAGE] = torch.cat(
         [torch.arange(p * PAGE, (p + 1) * PAGE) for p in (4, 9)]).int()
@@ -423,6 +424,11 @@ def test_extend_and_decode_write_into_sglangs_preallocated_output(world, sgl):
         o = w.backend.forward_extend(q, kk, vv, w.layer, fb)
         assert o.data_ptr() == buf.data_ptr() and o.shape == (19, 256)
         assert torch.equal(o, plain) and torch.equal(buf.reshape(19, 256), plain)
+    padded = torch.full((24, 256), float("nan"), device=w.device)   # SGLang's output[:real]
+    fb._attn_output = padded[:19]
+    o = w.backend.forward_extend(q, kk, vv, w.layer, fb)
+    assert o.data_ptr() == padded.data_ptr() and torch.equal(padded[:19], plain)
+    assert torch.isnan(padded[19:]).all()
     for bad in (torch.full((19, 256), float("nan"), device=w.device, dtype=torch.float16),
                 torch.full((20, 256), float("nan"), device=w.device),
                 torch.full((256, 19), float("nan"), device=w.device).t()):   # not contiguous
@@ -430,6 +436,14 @@ def test_extend_and_decode_write_into_sglangs_preallocated_output(world, sgl):
         o = w.backend.forward_extend(q, kk, vv, w.layer, fb)
         assert o.data_ptr() != bad.data_ptr() and torch.equal(o, plain)
         assert torch.isnan(bad).all()
+    # a buffer that shares memory with q or the chunk's K/V is never written
+    qq, kk2 = q.reshape(19, 256).clone(), torch.cat([kk, kk], 1).clone()   # kk2[:, :128] = K
+    for alias, qa, ka in ((qq, qq, kk), (kk2, q, kk2[:, :128])):
+        keep = alias.clone()
+        fb._attn_output = alias
+        o = w.backend.forward_extend(qa, ka, vv, w.layer, fb)
+        assert o.data_ptr() != alias.data_ptr() and torch.equal(o, plain)
+        assert torch.equal(alias, keep)
     # decode: the same rule (one new token)
     fb = w.batch(FM.DECODE, [1], [20])
     w.backend.init_forward_metadata(fb)
@@ -441,6 +455,52 @@ def test_extend_and_decode_write_into_sglangs_preallocated_output(world, sgl):
 
 
 _TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not _TRITON_OK, reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("flash", [False, True])
+def test_triton_extend_writes_into_a_padded_preallocated_output(sgl, fakes, tkv_env, bundle_file,
+                                                               monkeypatch, flash):
+    """The kernels' path (first chunks, continuations, a continuation beside a new request;
+    with ``flash`` a stand-in sgl-kernel varlen that writes into ``out=``, as
+    TKV_PREFILL_ATTENTION=auto binds FA3 on a GPU): the result lands in SGLang's
+    ``output[:real]`` slice, equal to the reference, the padding rows untouched."""
+    tkv_env("4.5", bundle_file)
+    monkeypatch.setenv("TKV_SGLANG_IMPL", "triton")
+    w = World(sgl, fakes, monkeypatch)
+    if flash:
+        from tkv.kernels import FlashVarlenAttention
+        from tkv.kernels.testing import reference_flash_varlen
+
+        w.backend.dense_attention = FlashVarlenAttention(
+            lambda q, k, v, out=None, **kw: reference_flash_varlen(q, k, v, out=out, **kw),
+            ver=3)
+    bf = torch.bfloat16
+    for row, pages in ((1, [6, 1]), (2, [2, 9]), (3, [4])):
+        w.req_to_token[row, : len(pages) * PAGE] = torch.cat(
+            [torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages]).int()
+        w.k[row] = w.rand(32, 2, 64).to(bf).float()
+        w.v[row] = w.rand(32, 2, 64).to(bf).float()
+    made, returned = [], []
+    batch, forward_extend = w.batch, w.backend.forward_extend
+
+    def padded_batch(mode, rows, seq_lens, ext=None):
+        b = batch(mode, rows, seq_lens, ext)
+        full = torch.full((sum(ext) + 5, 256), float("nan"), dtype=bf, device=w.device)
+        b._attn_output = full[:sum(ext)]
+        made.append(full)
+        return b
+
+    def recording_extend(*a, **kw):
+        returned.append(forward_extend(*a, **kw))
+        return returned[-1]
+
+    w.batch, w.backend.forward_extend = padded_batch, recording_extend
+    for rows, prev, lens in (([1, 2], [0, 0], [20, 7]), ([1, 2], [20, 7], [29, 19]),
+                             ([1, 3], [29, 0], [32, 11])):
+        w.extend(rows, prev, lens)   # checks the values against the float64 reference
+        assert returned[-1].data_ptr() == made[-1].data_ptr()
+        assert torch.isnan(made[-1][-5:].float()).all()
 
 
 @pytest.mark.skipif(not _TRITON_OK, reason="needs a CUDA GPU or TRITON_INTERPRET=1")

@@ -11,6 +11,7 @@ float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
 """
 
 from . import _interpreter_compat
+from ._util import shares_memory
 from .decode import decode
 from .dense_attention import (
     ENV_PREFILL_ATTENTION,
@@ -138,6 +139,7 @@ __all__ = [
     "prefill_attention_from_env",
     "prefill_by_runs",
     "serves_head_dim",
+    "shares_memory",
     "small_head_groups_from_env",
     "store_rotation_from_env",
     "varlen_prefix_bytes",

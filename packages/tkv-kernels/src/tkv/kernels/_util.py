@@ -97,24 +97,28 @@ def check_pow2(value, name: str, lo: int = 1, hi: int | None = None) -> int:
     return value
 
 
-def check_no_overlap(out: torch.Tensor, **inputs: torch.Tensor) -> None:
-    """Raise ShapeError if ``out`` shares memory with one of ``inputs`` that other programs
-    still read while ``out`` is written (e.g. prefill's chunk K/V): the byte ranges the two
-    views span in one storage intersect. Host-side pointer arithmetic only (no sync)."""
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges the views ``a`` and ``b`` span in one storage intersect (empty
+    views never do). Host-side pointer arithmetic only (no sync); conservative for strided
+    views (their spans, not their exact elements)."""
     def span(t: torch.Tensor) -> tuple[int, int]:
         last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 0)
         return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
-    if out.numel() == 0:
-        return
-    o0, o1 = span(out)
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, a1 = span(a)
+    b0, b1 = span(b)
+    return a0 < b1 and b0 < a1
+
+
+def check_no_overlap(out: torch.Tensor, **inputs: torch.Tensor) -> None:
+    """Raise ShapeError if ``out`` shares memory with one of ``inputs`` that other programs
+    still read while ``out`` is written (e.g. prefill's chunk K/V): :func:`shares_memory`."""
     for name, x in inputs.items():
-        if x is None or x.numel() == 0:
-            continue
-        if x.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
-            continue
-        x0, x1 = span(x)
-        if o0 < x1 and x0 < o1:
+        if x is not None and shares_memory(out, x):
             raise ShapeError(f"out shares memory with {name}, which the kernel still reads "
                              "while it writes out: pass a separate output buffer")
 

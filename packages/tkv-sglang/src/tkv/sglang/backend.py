@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-from tkv.kernels import PrefillRun, plan_prefill_runs
+from tkv.kernels import PrefillRun, plan_prefill_runs, shares_memory
 
 from .errors import UnsupportedFeatureError
 from .pool import TkvTokenToKVPool
@@ -46,21 +46,24 @@ __all__ = ["TurboAttnBackend", "TurboAttnMetadata", "reference_attention"]
 log = logging.getLogger("tkv.sglang")
 
 
-def _output_buffer(forward_batch, q3: torch.Tensor) -> torch.Tensor:
+def _output_buffer(forward_batch, q3: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
     """The attention output ``(tokens, q_heads · head_dim)`` in ``q3``'s dtype and device
     (``q3``: ``(tokens, q_heads, head_dim)``): SGLang 0.5.11's piecewise-CUDA-graph path
     (``radix_attention.unified_attention_with_output``) leaves its preallocated output slice
     on ``forward_batch._attn_output`` for the backend to write into — FA3 does — and copies
     any other returned tensor into it, one device-to-device pass over the output per layer
     per extend batch (session 32's SmolLM2 prefill profile: 480 such copies, 2.2 ms of a
-    99 ms prefill). That buffer is used when it has exactly this shape, dtype and device and
-    is contiguous (viewed as ``(tokens, q_heads · head_dim)``); otherwise (no such attribute,
-    decode CUDA graphs, another shape or dtype) a new tensor, as before."""
+    99 ms prefill). That buffer is used when it has exactly this shape, dtype and device, is
+    contiguous (viewed as ``(tokens, q_heads · head_dim)``) and shares no memory with ``q3``
+    or ``inputs`` (the chunk's K/V: the kernels read them while they write the output, and
+    refuse an overlap); otherwise (no such attribute, decode CUDA graphs, another shape or
+    dtype) a new tensor, as before. SGLang 0.5.11's buffer is a fresh ``empty_like(q)``."""
     rows, hq, d = q3.shape
     buf = getattr(forward_batch, "_attn_output", None)
     if (isinstance(buf, torch.Tensor) and buf.dim() >= 1 and buf.shape[0] == rows
             and buf.numel() == rows * hq * d and buf.dtype == q3.dtype
-            and buf.device == q3.device and buf.is_contiguous()):
+            and buf.device == q3.device and buf.is_contiguous()
+            and not any(x is not None and shares_memory(buf, x) for x in (q3, *inputs))):
         return buf.view(rows, hq * d)
     return q3.new_empty(rows, hq * d)
 
@@ -357,7 +360,7 @@ class TurboAttnBackend(AttentionBackend):
         md = self.forward_metadata
         hq, d = layer.tp_q_head_num, layer.head_dim
         q3 = q.view(-1, hq, d)
-        out = _output_buffer(forward_batch, q3)
+        out = _output_buffer(forward_batch, q3, k, v)
         if self.impl == "triton":
             from tkv.kernels import decode
 
@@ -381,7 +384,7 @@ class TurboAttnBackend(AttentionBackend):
         md = self.forward_metadata
         hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
-        out = _output_buffer(forward_batch, q3)
+        out = _output_buffer(forward_batch, q3, k3, v3)
         if self.impl == "triton":
             from tkv.kernels import prefill_by_runs
 
