@@ -457,6 +457,17 @@ def test_extend_and_decode_write_into_sglangs_preallocated_output(world, sgl):
 _TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _three_requests(w) -> None:
+    """Requests 1-3 on scattered pages (2, 2 and 1 pages), bf16-exact K/V of 32 tokens each:
+    the chunked-prefill scenarios' world (first chunks, continuations, a new request)."""
+    bf = torch.bfloat16
+    for row, pages in ((1, [6, 1]), (2, [2, 9]), (3, [4])):
+        w.req_to_token[row, : len(pages) * PAGE] = torch.cat(
+            [torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages]).int()
+        w.k[row] = w.rand(32, 2, 64).to(bf).float()
+        w.v[row] = w.rand(32, 2, 64).to(bf).float()
+
+
 @pytest.mark.skipif(not _TRITON_OK, reason="needs a CUDA GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("flash", [False, True])
 def test_triton_extend_writes_into_a_padded_preallocated_output(sgl, fakes, tkv_env, bundle_file,
@@ -475,18 +486,13 @@ def test_triton_extend_writes_into_a_padded_preallocated_output(sgl, fakes, tkv_
         w.backend.dense_attention = FlashVarlenAttention(
             lambda q, k, v, out=None, **kw: reference_flash_varlen(q, k, v, out=out, **kw),
             ver=3)
-    bf = torch.bfloat16
-    for row, pages in ((1, [6, 1]), (2, [2, 9]), (3, [4])):
-        w.req_to_token[row, : len(pages) * PAGE] = torch.cat(
-            [torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages]).int()
-        w.k[row] = w.rand(32, 2, 64).to(bf).float()
-        w.v[row] = w.rand(32, 2, 64).to(bf).float()
+    _three_requests(w)
     made, returned = [], []
     batch, forward_extend = w.batch, w.backend.forward_extend
 
     def padded_batch(mode, rows, seq_lens, ext=None):
         b = batch(mode, rows, seq_lens, ext)
-        full = torch.full((sum(ext) + 5, 256), float("nan"), dtype=bf, device=w.device)
+        full = torch.full((sum(ext) + 5, 256), float("nan"), dtype=torch.bfloat16, device=w.device)
         b._attn_output = full[:sum(ext)]
         made.append(full)
         return b
@@ -575,12 +581,7 @@ def test_triton_impl_chunked_prefill_matches_the_reference(sgl, fakes, tkv_env, 
     assert w.pool.loader(w.layer.layer_id).lookup == "gather"
     assert w.pool.loader(w.layer.layer_id).small_head_groups is (small_head_groups != "0")
     assert w.pool.loader(w.layer.layer_id).fused_query_rotation is (small_head_groups is None)
-    bf = torch.bfloat16
-    for row, pages in ((1, [6, 1]), (2, [2, 9]), (3, [4])):
-        w.req_to_token[row, : len(pages) * PAGE] = torch.cat(
-            [torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages]).int()
-        w.k[row] = w.rand(32, 2, 64).to(bf).float()
-        w.v[row] = w.rand(32, 2, 64).to(bf).float()
+    _three_requests(w)
     # first chunks (one run: the bypass); two continuations (one run: the decompress-once
     # bound); a continuation then a new request (two runs: exact prefix, then the bypass)
     for rows, prev, lens, want in (
