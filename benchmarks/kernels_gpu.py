@@ -138,9 +138,10 @@ def timed_row(base: dict, impl: str, fn, *, moved: int | None = None,
 
 def lookup_label(loader) -> str:
     """The lookups a TkvLoader really uses for K and V with bf16 dots (the requested
-    ``lookup`` falls back per side, e.g. prmt → pair for a 3-bit side): e.g. "prmt/pair"."""
+    ``lookup`` falls back per side, e.g. prmt → pair for a 3-bit side): e.g. "prmt/pair";
+    "+r" with ``resident_tables``."""
     k, v = (loader.lookup_name(side) for side in "kv")
-    return k if k == v else f"{k}/{v}"
+    return (k if k == v else f"{k}/{v}") + ("+r" if loader.resident_tables else "")
 
 
 def copy_bandwidth():
@@ -354,11 +355,15 @@ def decode_rows(cfgs, widths, copy_gbs, tune):
         vllm_rows(base, q, bt, sl, nblk, hkv, block, copy_gbs)
         for kb, vb in widths:
             codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device=DEV)
-            lds = {lk: TkvLoader(codec, hkv, block, lookup=lk) for lk in LOOKUPS}
+            # "<lookup>+r": the same lookup with resident_tables (session 32)
+            lds = {lk: TkvLoader(codec, hkv, block, lookup=lk.removesuffix("+r"),
+                                 resident_tables=lk.endswith("+r")) for lk in LOOKUPS}
             ld = lds[next(iter(lds))]
             cache = tkv_cache(ld, nblk)
             nbytes = B * L * ld.layout.bytes_per_token
             opts = [dict(lookup=lk) for lk in lds]
+            # resident prmti is 186 registers offline (2 CTAs per SM): also capped at 168 (3)
+            opts += [dict(lookup=lk, maxnreg=168) for lk in lds if lk.endswith("+r")]
             if tune:
                 opts = [dict(block_n=bn, num_warps=nw, lookup=lk)
                         for bn in (64, 128, 256) for nw in (4, 8) for lk in lds
@@ -1117,11 +1122,12 @@ def make_model_step(B, L, attn, *, layers=36, dims=MODEL_DIMS, block=16, device=
         for kb, vb in dict.fromkeys(widths):
             ld = TkvLoader(TurboKVCodec(d, k_bits=kb, v_bits=vb, device=device), hkv, block,
                            lookup=attn.get("lookup", "auto"), planes=attn.get("planes"),
-                           small_head_groups=attn.get("small_head_groups", True))
+                           small_head_groups=attn.get("small_head_groups", True),
+                           resident_tables=attn.get("resident_tables", False))
             per[kb, vb] = ld, tkv_cache(ld, nblk, device, g)
         opts = {k: v for k, v in attn.items()
                 if k not in ("lookup", "widths", "planes", "small_head_groups",
-                             "store_rotation")}
+                             "store_rotation", "resident_tables")}
         rotation = attn.get("store_rotation", "auto")
         layer_no = [0]
 
@@ -1257,7 +1263,12 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
             ("tkv K4V4 prmti, maxnreg 128", {"lookup": "prmti", "maxnreg": 128}),
             ("tkv K4V4 prmti, store by the rotation matrix", {"store_rotation": "split"}),
             ("tkv K4V4 prmts (antisymmetric tables)", {"lookup": "prmts"}),
-            ("tkv K4V4 prmts, maxnreg 128", {"lookup": "prmts", "maxnreg": 128})]
+            ("tkv K4V4 prmts, maxnreg 128", {"lookup": "prmts", "maxnreg": 128}),
+            # session 32: the lookups' first table words resident in regular registers
+            ("tkv K4V4 prmti, resident tables", {"lookup": "prmti", "resident_tables": True}),
+            ("tkv K4V4 prmti, resident tables, maxnreg 168",
+             {"lookup": "prmti", "resident_tables": True, "maxnreg": 168}),
+            ("tkv K4V4 prmts, resident tables", {"lookup": "prmts", "resident_tables": True})]
     if MODEL_STEP_ARMS:   # a short hold: bf16 (the baseline) and the arms asked for
         arms = [(lb, at) for lb, at in arms
                 if at == "bf16" or any(k in lb for k in MODEL_STEP_ARMS)]

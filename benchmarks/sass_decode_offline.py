@@ -79,11 +79,12 @@ WIDTH_VARIANTS = [(f"K{kb}V{vb} {lk}, {npl} planes, {bn}-token tiles", lk, 4, bn
 
 
 def compile_variant(lookup, warps, block_n, swap, maxnreg, tmp: Path, widths=(4, 4), planes=2,
-                    qrot=False, extra=None):
+                    qrot=False, extra=None, resident=False):
     """ptxas info line, shared bytes and the SASS text of one variant (``extra``: constexprs
-    overriding the defaults, e.g. ``{"EPILOGUE": 2, ...}``)."""
+    overriding the defaults, e.g. ``{"EPILOGUE": 2, ...}``; ``resident``: the loader's
+    ``resident_tables``)."""
     ld = TkvLoader(TurboKVCodec(128, k_bits=widths[0], v_bits=widths[1]), 8, 16, lookup=lookup,
-                   planes=planes)
+                   planes=planes, resident_tables=resident)
     cache = torch.zeros(4, ld.layout.page_bytes, dtype=torch.uint8)
     ka, va = (ld.side_args(cache, s, torch.bfloat16) for s in ("k", "v"))
     consts = dict(FETCH=ld.fetch, DEQUANT=ld.dequant, KP0=ka[6], KP1=ka[7], KP2=ka[8],

@@ -169,6 +169,33 @@ def test_prmts_decode_and_prefill_equal_prmti_bit_for_bit(dtype):
     assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("lookup", ["prmti", "prmts"])
+@pytest.mark.parametrize("maxnreg", [None, 168])
+def test_resident_tables_decode_and_prefill_equal_the_plain_lookup_bit_for_bit(lookup, maxnreg):
+    """resident_tables only changes how the first table word of each byte permute reaches
+    its register (a per-thread zero XOR the word): decode — one split and several — and the
+    prefill kernel's compressed-prefix loop give identical outputs with and without it."""
+    ld, batch, cache, hq = _setup(seed=31)
+    plain = TkvLoader(ld.codec, ld.num_kv_heads, ld.block_size, lookup=lookup)
+    res = TkvLoader(ld.codec, ld.num_kv_heads, ld.block_size, lookup=lookup,
+                    resident_tables=True)
+    ns = batch.seq_lens.shape[0]
+    q = torch.randn(ns, hq, 128, device="cuda", dtype=torch.bfloat16)
+    for single in (0, 1):
+        ws = Workspace(16, 64, 256, "cuda", single_split_ctas=single)
+        a = decode(q, cache, batch.block_table, batch.seq_lens, res, ws, maxnreg=maxnreg)
+        b = decode(q, cache, batch.block_table, batch.seq_lens, plain, ws, maxnreg=maxnreg)
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    ql = 40
+    qp = torch.randn(ns * ql, hq, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(2, ns * ql, ld.num_kv_heads, 128, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, (ns + 1) * ql, ql, device="cuda", dtype=torch.int32)
+    sl = batch.seq_lens + ql
+    outs = [prefill(qp, kv[0], kv[1], cu, sl, ql, cache, batch.block_table, lk)
+            for lk in (res, plain)]
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+
+
 def test_prefill_realistic_shape_vs_sdpa():
     torch.manual_seed(3)
     ld = __import__("tkv.kernels", fromlist=["x"]).BypassLoader(8, 128, 16, torch.bfloat16)

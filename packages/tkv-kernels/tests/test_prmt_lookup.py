@@ -32,9 +32,10 @@ def _prmt(a: int, b: int, sel: int) -> int:
     return out
 
 
-def _run(asm: str, operands: dict[str, int]) -> dict[str, int]:
-    """Execute the inline-assembly block on 32-bit values (``$n`` operands preset)."""
-    regs = dict(operands)
+def _run(asm: str, operands: dict[str, int], lane: int = 0) -> dict[str, int]:
+    """Execute the inline-assembly block on 32-bit values (``$n`` operands preset) as the
+    thread of ``lane`` (the special registers ``%laneid`` and ``%lanemask_eq``)."""
+    regs = dict(operands, **{"%laneid": lane, "%lanemask_eq": 1 << lane})
 
     def val(tok):
         tok = tok.strip()
@@ -50,6 +51,8 @@ def _run(asm: str, operands: dict[str, int]) -> dict[str, int]:
            "mul.hi.u32": lambda a, b: (a * b) >> 32}
     if "mov.b32" in asm:
         ops["mov.b32"] = lambda a: a
+    if "mov.u32" in asm:
+        ops["mov.u32"] = lambda a: a
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
@@ -65,13 +68,13 @@ def _run(asm: str, operands: dict[str, int]) -> dict[str, int]:
     return regs
 
 
-def _check_two_plane_asm(asm: str, want: list[int], codes, operands=None) -> None:
+def _check_two_plane_asm(asm: str, want: list[int], codes, operands=None, lane: int = 0) -> None:
     """Run a two-plane 4-bit lookup asm (code bytes in $4; outputs $0 $1 = low-nibble codes
     of bytes 0-1 / 2-3, $2 $3 = high-nibble codes) on each 4-byte row of ``codes`` and compare
     with the codebook's 16-bit patterns ``want``."""
     for b in codes:
         x = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
-        r = _run(asm, {**(operands or {}), "$4": x})
+        r = _run(asm, {**(operands or {}), "$4": x}, lane)
         lo = [r["$0"] & 0xFFFF, r["$0"] >> 16, r["$1"] & 0xFFFF, r["$1"] >> 16]
         hi = [r["$2"] & 0xFFFF, r["$2"] >> 16, r["$3"] & 0xFFFF, r["$3"] >> 16]
         assert lo == [want[c & 15] for c in b], (b, lo)
@@ -187,6 +190,57 @@ def test_prmts_asm_matches_codebook(half):
         codes = torch.randint(0, 256, (48, 4), generator=g).tolist()
         codes += [[v, (v * 7) % 256, (v * 13 + 5) % 256, 255 - v] for v in range(256)]
         _check_two_plane_asm(asm, want, codes)
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_resident_table_asm_gives_the_same_values_on_every_lane(half):
+    """``resident_tables``: prmti's and prmts's asm with each lookup's first table word set
+    from a per-thread zero ((%lanemask_eq >> %laneid) ^ 1) instead of an immediate — the same
+    16-bit values as the codebook on every lane, only the first words changed in form."""
+    from tkv.codec import TurboKVCodec
+    from tkv.kernels.loaders import _RESIDENT_BIT, _TABLE_SHIFT, _prmti_asm, _prmts_asm
+
+    g = torch.Generator().manual_seed(23)
+    table = TurboKVCodec(128, k_bits=4, v_bits=4, device="cpu").k.scaled_centroids
+    words = [int(w) & M32 for w in _prmt_table(table, half)]
+    want = (table.to(half).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+    tw = sum(w << (32 * i) for i, w in enumerate(words)) << _TABLE_SHIFT
+    codes = torch.randint(0, 256, (32, 4), generator=g).tolist()
+    codes += [[v, (v * 7) % 256, (v * 13 + 5) % 256, 255 - v] for v in range(0, 256, 5)]
+    for code, asm_of in ((9, _prmti_asm), (13, _prmts_asm)):
+        p0 = 4 + 16 * 64 + 65536 * code + tw
+        plain, resident = asm_of.fn(p0), asm_of.fn(p0 + (1 << _RESIDENT_BIT))
+        assert "%laneid" in resident and "%laneid" not in plain and "$5" not in resident
+        moved = set(re.findall(r"mov\.b32 \w+, (0x[0-9a-f]+)", resident))
+        assert len(moved) == len(set(re.findall(r"mov\.b32 \w+, (0x[0-9a-f]+)", plain))) // 2
+        for lane in (0, 7, 31):
+            _check_two_plane_asm(resident, want, codes, lane=lane)
+
+
+def test_resident_tables_option_sets_its_bit_for_prmti_and_prmts_only(monkeypatch):
+    """TkvLoader(resident_tables=True) marks P0 of prmti / prmts sides (bit _RESIDENT_BIT,
+    below the table words) and of no other lookup; a non-bool is refused. (Kernel arguments
+    as on a GPU: nothing runs.)"""
+    from tkv.codec import TurboKVCodec
+    from tkv.kernels import TkvLoader
+    from tkv.kernels import loaders as loaders_mod
+    from tkv.kernels.loaders import _RESIDENT_BIT
+
+    monkeypatch.setattr(loaders_mod, "interpreting", lambda: False)
+
+    cache = torch.zeros(2, 4096, dtype=torch.uint8)
+    codec = TurboKVCodec(128, k_bits=4, v_bits=3, device="cpu")
+    for lookup in ("prmti", "prmts", "prmt", "pair", "gather"):
+        plain = TkvLoader(codec, 2, 16, lookup=lookup)
+        res = TkvLoader(codec, 2, 16, lookup=lookup, resident_tables=True)
+        for side in "kv":
+            p, r = (ld.side_args(cache[:, :ld.layout.page_bytes], side, torch.bfloat16)[6]
+                    for ld in (plain, res))
+            marked = lookup in ("prmti", "prmts") and side == "k"   # V is 3-bit: prmtg
+            assert r - p == (1 << _RESIDENT_BIT if marked else 0), (lookup, side)
+            assert not (p >> _RESIDENT_BIT) & 1
+    with pytest.raises(ValueError, match="resident_tables"):
+        TkvLoader(codec, 2, 16, resident_tables="1")
 
 
 def test_antisymmetric_table_check_is_exact():

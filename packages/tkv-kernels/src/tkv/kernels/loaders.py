@@ -172,8 +172,10 @@ _PRMTI = frozenset((LOOKUP_PRMTI_F16, LOOKUP_PRMTI_BF16, LOOKUP_PRMTS_F16, LOOKU
 # prmts with a codebook that is not antisymmetric (_antisymmetric_table): prmti, same half type
 _PRMTS_FALLBACK = {LOOKUP_PRMTS_F16: LOOKUP_PRMTI_F16, LOOKUP_PRMTS_BF16: LOOKUP_PRMTI_BF16}
 # P0 = BITS + 16 * CODE_BYTES + 65536 * LOOKUP + 2**_GROUP_SHIFT * log2(group planes)
+#      (+ 2**_RESIDENT_BIT for prmti / prmts with resident_tables)
 #      (+ the prmt1 / prmti table words from bit _TABLE_SHIFT)
-_GROUP_SHIFT = 24   # the jit functions read it as P0 // 16777216 (= 2**24)
+_GROUP_SHIFT = 24   # the jit functions read it as (P0 // 16777216) % 8 (= 2**24; ≤ 3 bits)
+_RESIDENT_BIT = 27
 _TABLE_SHIFT = 28
 
 
@@ -191,8 +193,24 @@ def _mov_immediates(regs, words) -> list[str]:
     return [f"mov.b32 {r}, 0x{int(w) & 0xFFFFFFFF:08x};" for r, w in zip(regs, words, strict=True)]
 
 
+@triton.constexpr_function
+def _resident_words(regs, words) -> list[str]:
+    """PTX setting each register to its table word through a per-thread zero
+    (``(%lanemask_eq >> %laneid) ^ 1``, which ptxas cannot fold): ``resident_tables``.
+
+    SASS ``PRMT`` takes one of its two data words as an immediate and the other only from a
+    regular register. A constant table word lands in a uniform register, and ptxas copies it
+    into a regular one before every lookup (``IMAD.U32``: 256 per thread per 128-token tile
+    of the decode loop with prmti, 128 with prmts). A per-thread value is loop-invariant but
+    not constant: ptxas hoists it and keeps it resident in a regular register instead."""
+    lines = [".reg .b32 zl, zm;", "mov.u32 zl, %laneid;", "mov.u32 zm, %lanemask_eq;",
+             "shr.b32 zl, zm, zl;", "xor.b32 zl, zl, 1;"]
+    return lines + [f"xor.b32 {r}, zl, 0x{int(w) & 0xFFFFFFFF:08x};"
+                    for r, w in zip(regs, words, strict=True)]
+
+
 @triton.constexpr_function   # plain Python from Python; _prmti_asm calls it at compile time
-def _prmt_lut16_asm(words=None) -> str:
+def _prmt_lut16_asm(words=None, resident=False) -> str:
     """4-bit codes -> 16-bit centroids with byte permutes, 4 code bytes (8 codes) per call: PTX
     ``prmt`` picks 4 of 8 source bytes by 3-bit selectors, so the 16-entry tables of the
     centroids' low bytes ($5 $9 $13 $17) and high bytes ($21 $25 $29 $33) are looked up as
@@ -202,7 +220,8 @@ def _prmt_lut16_asm(words=None) -> str:
     22 integer instructions per 4 bytes, no memory access, any register layout.
 
     ``words`` (8 ints, as :func:`_prmt_table`): the tables as immediates in the text instead
-    of operands (``lookup="prmti"``; the only operand is then $4, the code bytes)."""
+    of operands (``lookup="prmti"``; the only operand is then $4, the code bytes);
+    ``resident``: the first word of each lookup pair through :func:`_resident_words`."""
     lines = ["{", ".reg .b32 x, s, xs, ss, a, b, l0, l1, h0, h1;",
              "and.b32 x, $4, 0x77777777;", "shr.b32 s, $4, 1;", "and.b32 s, s, 0x44444444;",
              "or.b32 s, s, 0x32103210;", "shr.b32 xs, x, 16;", "shr.b32 ss, s, 16;"]
@@ -210,7 +229,12 @@ def _prmt_lut16_asm(words=None) -> str:
     if words is not None:
         lo_t, hi_t = ("T0", "T1", "T2", "T3"), ("U0", "U1", "U2", "U3")
         lines.insert(1, ".reg .b32 " + ", ".join(lo_t + hi_t) + ";")
-        lines[2:2] = _mov_immediates(lo_t + hi_t, words)
+        if resident:   # the words prmt reads as its first data operand (_prmt_lut8)
+            w = list(words)
+            lines[2:2] = (_mov_immediates(("T1", "T3", "U1", "U3"), w[1::2])
+                          + _resident_words(("T0", "T2", "U0", "U2"), w[0::2]))
+        else:
+            lines[2:2] = _mov_immediates(lo_t + hi_t, words)
     for x, sel, lo, hi in (("x", "s", "l0", "h0"), ("xs", "ss", "l1", "h1")):  # bytes 0-1, 2-3
         lines += _prmt_lut8(*lo_t, x, sel, lo)     # centroid low bytes
         lines += _prmt_lut8(*hi_t, x, sel, hi)     # centroid high bytes
@@ -261,7 +285,7 @@ def _prmt1_asm(p0, plane):
 
 
 @triton.constexpr_function   # plain Python from Python; _prmts_asm calls it at compile time
-def _prmt_sym16_asm(words) -> str:
+def _prmt_sym16_asm(words, resident=False) -> str:
     """:func:`_prmt_lut16_asm` for an *antisymmetric* codebook (``c[15 − i] = −c[i]`` bit for
     bit in the 16-bit float, :func:`_antisymmetric_table`; the default Lloyd-Max codebooks of
     :mod:`tkv.codec` are): same operand ($4, the code bytes) and outputs ($0 $1 plane 0, $2 $3
@@ -280,10 +304,15 @@ def _prmt_sym16_asm(words) -> str:
     asm: 21), with 4 table words instead of 8.
     Offline sm_90a (decode's split kernel, K4V4, head_dim 128, 4 warps, query rotated
     in-kernel): 1,468 loop instructions per thread per 128-token tile against prmti's 1,769,
-    167 registers, no spills (``benchmarks/results/sass_decode_offline_2026-12-06_s29.md``)."""
+    167 registers, no spills (``benchmarks/results/sass_decode_offline_2026-12-06_s29.md``).
+    ``resident``: M0 and N0 (each lookup's first data word) through :func:`_resident_words`."""
     w = [int(v) & 0xFFFFFFFF for v in words]
     lines = ["{", ".reg .b32 M0, M1, N0, N1, t, j, jh, v, n, la, lb, ha, hb;"]
-    lines += _mov_immediates(("M0", "M1", "N0", "N1"), (w[2], w[3], w[6], w[7]))
+    if resident:
+        lines += _mov_immediates(("M1", "N1"), (w[3], w[7]))
+        lines += _resident_words(("M0", "N0"), (w[2], w[6]))
+    else:
+        lines += _mov_immediates(("M0", "M1", "N0", "N1"), (w[2], w[3], w[6], w[7]))
     # 7 in every nibble whose code has bit 3 set: (x & 0x88888888) · 7 / 8, exactly, as the
     # high word of the 64-bit product with 7 · 2^29 (no carries between nibbles); then the
     # negative codes' nibbles are flipped: j = ~(x ^ t) & 0x77777777
@@ -319,15 +348,16 @@ _PRMT_LUT16: tl.constexpr = tl.constexpr(_prmt_lut16_asm())
 @triton.constexpr_function
 def _prmti_asm(p0):
     """Compile time: :func:`_prmt_lut16_asm` with the table words packed in ``P0`` as
-    immediates (``lookup="prmti"``)."""
-    return _prmt_lut16_asm(_table_words(p0))
+    immediates (``lookup="prmti"``; resident when ``P0`` has bit ``_RESIDENT_BIT``)."""
+    return _prmt_lut16_asm(_table_words(p0), bool((int(p0) >> _RESIDENT_BIT) & 1))
 
 
 @triton.constexpr_function
 def _prmts_asm(p0):
     """Compile time: :func:`_prmt_sym16_asm` of the table words packed in ``P0``
-    (``lookup="prmts"``; TkvLoader packs only antisymmetric tables with that code)."""
-    return _prmt_sym16_asm(_table_words(p0))
+    (``lookup="prmts"``; TkvLoader packs only antisymmetric tables with that code; resident
+    when ``P0`` has bit ``_RESIDENT_BIT``)."""
+    return _prmt_sym16_asm(_table_words(p0), bool((int(p0) >> _RESIDENT_BIT) & 1))
 
 
 # outputs: 2 planes x 4 16-bit values (2 regs each); inputs: 4 code bytes (1 reg), then the 8
@@ -403,7 +433,7 @@ def tkv_fetch(base, aux, table, blk, off, mask_n, head, stride_block, stride_hea
     """
     BITS: tl.constexpr = P0 % 16
     CODE_BYTES: tl.constexpr = (P0 // 16) % 4096
-    GP: tl.constexpr = 1 << ((P0 // 16777216) % 16)   # group planes (codes per fetched group)
+    GP: tl.constexpr = 1 << ((P0 // 16777216) % 8)   # group planes (codes per fetched group)
     GROUP_BYTES: tl.constexpr = BITS * GP // 8
     page = blk.to(tl.int64) * stride_block                                  # [N] bytes
     row = page + P1 + head * stride_head + off.to(tl.int64) * stride_tok
@@ -458,7 +488,7 @@ def tkv_dequant(raw, table, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr
     """
     BITS: tl.constexpr = P0 % 16
     LOOKUP: tl.constexpr = (P0 // 65536) % 256
-    GP: tl.constexpr = 1 << ((P0 // 16777216) % 16)   # group planes the fetch delivered
+    GP: tl.constexpr = 1 << ((P0 // 16777216) % 8)   # group planes the fetch delivered
     MASK: tl.constexpr = (1 << BITS) - 1
     if BITS * GP > 32:   # 5/7-bit groups: 40/56-bit words
         w = raw.to(tl.int64)
@@ -778,6 +808,13 @@ class TkvLoader:
             ``benchmarks/results/kernels_gpu_2026-12-01_s13_smollm2_step.md``) the decode
             split kernel takes 1.65 ms instead of 2.34 ms per step with the SmartMix 4.0
             row's codecs and 2.18 ms instead of 3.81 ms with the 3.0 row's.
+        resident_tables: prmti / prmts sides set the first table word of each byte permute
+            from a per-thread zero (:func:`_resident_words`), so ptxas keeps it in a regular
+            register instead of copying it from a uniform one before every lookup; the same
+            values. Default False (experimental, session 32: offline sm_90a the default
+            split kernel's loop falls from 1,779 to 1,520 instructions per thread per tile
+            with prmti at 186 registers instead of 168, and from 1,481 to 1,357 with prmts at
+            the same 168; not timed on a GPU yet).
         fused_query_rotation: :func:`~tkv.kernels.decode` rotates the query inside its
             split-K kernel (``q_hadamard``; where the rotation is a power-of-two Hadamard)
             unless the call says otherwise; default True. False keeps the separate
@@ -789,7 +826,7 @@ class TkvLoader:
 
     Raises:
         ValueError: unknown ``lookup``, ``planes`` not 1/2/4/8, ``small_head_groups`` /
-            ``fused_query_rotation`` not a bool. DtypeError: ``codec`` is not a TurboKVCodec.
+            ``fused_query_rotation`` / ``resident_tables`` not a bool. DtypeError: ``codec`` is not a TurboKVCodec.
         ShapeError: a per-head ``k_channel_offset`` whose head count is not ``num_kv_heads``.
         ShapeError also for a per-head sink offset with another head count.
 
@@ -855,7 +892,8 @@ class TkvLoader:
 
     def __init__(self, codec: TurboKVCodec, num_kv_heads: int, block_size: int,
                  lookup: str = "auto", planes: int | None = None,
-                 small_head_groups: bool = True, fused_query_rotation: bool = True):
+                 small_head_groups: bool = True, fused_query_rotation: bool = True,
+                 resident_tables: bool = False):
         if lookup not in _LOOKUPS:
             raise ValueError(f"lookup must be one of {_LOOKUPS}, got {lookup!r}")
         if planes is not None and (isinstance(planes, bool) or not isinstance(planes, int)
@@ -864,11 +902,13 @@ class TkvLoader:
         self.lookup = lookup
         self.max_planes = planes
         for name, flag in (("small_head_groups", small_head_groups),
-                           ("fused_query_rotation", fused_query_rotation)):
+                           ("fused_query_rotation", fused_query_rotation),
+                           ("resident_tables", resident_tables)):
             if not isinstance(flag, bool):   # "0" / "false" would read as True
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         self.small_head_groups = small_head_groups
         self.fused_query_rotation = fused_query_rotation
+        self.resident_tables = resident_tables
         self._prefill_view = None
         if not isinstance(codec, TurboKVCodec):
             raise DtypeError(f"codec must be a TurboKVCodec, got {type(codec).__name__}")
@@ -1224,6 +1264,8 @@ class TkvLoader:
         p0 = bits + 16 * code_bytes + 65536 * code + (gp.bit_length() - 1 << _GROUP_SHIFT)
         if (side, code) in self._prmt_words:   # prmt1/prmti: the tables travel in the constexpr
             p0 += self._prmt_words[side, code] << _TABLE_SHIFT
+            if self.resident_tables and code in _PRMTI:
+                p0 += 1 << _RESIDENT_BIT
         if side == "k":
             return (cache, aux, table, lay.page_bytes, st["k_head"], st["k_token"],
                     p0, lay.k_codes_offset, lay.k_norms_offset, st["norm_head"], self.planes("k"))
