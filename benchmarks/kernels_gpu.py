@@ -1268,7 +1268,9 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
             ("tkv K4V4 prmti, resident tables", {"lookup": "prmti", "resident_tables": True}),
             ("tkv K4V4 prmti, resident tables, maxnreg 168",
              {"lookup": "prmti", "resident_tables": True, "maxnreg": 168}),
-            ("tkv K4V4 prmts, resident tables", {"lookup": "prmts", "resident_tables": True})]
+            ("tkv K4V4 prmts, resident tables", {"lookup": "prmts", "resident_tables": True}),
+            ("tkv K4V4 prmts, resident tables, maxnreg 168",
+             {"lookup": "prmts", "resident_tables": True, "maxnreg": 168})]
     if MODEL_STEP_ARMS:   # a short hold: bf16 (the baseline) and the arms asked for
         arms = [(lb, at) for lb, at in arms
                 if at == "bf16" or any(k in lb for k in MODEL_STEP_ARMS)]

@@ -811,10 +811,14 @@ class TkvLoader:
         resident_tables: prmti / prmts sides set the first table word of each byte permute
             from a per-thread zero (:func:`_resident_words`), so ptxas keeps it in a regular
             register instead of copying it from a uniform one before every lookup; the same
-            values. Default False (experimental, session 32: offline sm_90a the default
-            split kernel's loop falls from 1,779 to 1,520 instructions per thread per tile
-            with prmti at 186 registers instead of 168, and from 1,481 to 1,357 with prmts at
-            the same 168; not timed on a GPU yet).
+            values. Default False (opt-in, session 32: offline sm_90a the default split
+            kernel's loop falls from 1,779 to 1,520 instructions per thread per tile with
+            prmti at 186 registers instead of 168, and from 1,481 to 1,357 with prmts at the
+            same 168. On an H100 the decode kernel alone gains 1-7 % (K4V4 B=32, L=8K: 0.2668
+            ms prmti, 0.2500 ms prmts resident with ``maxnreg=168``), but no variant beats
+            plain prmti in the 36-layer Qwen3-8B-like step at 64 sequences (1.047× bf16
+            against 1.013-1.022×); at 256 sequences prmts resident is the fastest (1.156×
+            against 1.135×); ``benchmarks/results/kernels_gpu_2026-12-06_s32_h100_resident.md``).
         fused_query_rotation: :func:`~tkv.kernels.decode` rotates the query inside its
             split-K kernel (``q_hadamard``; where the rotation is a power-of-two Hadamard)
             unless the call says otherwise; default True. False keeps the separate
