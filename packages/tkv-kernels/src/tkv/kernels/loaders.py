@@ -209,6 +209,20 @@ def _resident_words(regs, words) -> list[str]:
                     for r, w in zip(regs, words, strict=True)]
 
 
+@triton.constexpr_function
+def _table_word_lines(regs, words, first, resident) -> list[str]:
+    """PTX loading the table ``words`` into ``regs``: all as immediates, or with
+    ``resident`` the registers in ``first`` (each byte permute's first data word) through
+    :func:`_resident_words` and the rest as immediates."""
+    if not resident:
+        return _mov_immediates(regs, words)
+    pairs = list(zip(regs, words, strict=True))
+    rest = [p for p in pairs if p[0] not in first]
+    res = [p for p in pairs if p[0] in first]
+    return (_mov_immediates([r for r, _ in rest], [w for _, w in rest])
+            + _resident_words([r for r, _ in res], [w for _, w in res]))
+
+
 @triton.constexpr_function   # plain Python from Python; _prmti_asm calls it at compile time
 def _prmt_lut16_asm(words=None, resident=False) -> str:
     """4-bit codes -> 16-bit centroids with byte permutes, 4 code bytes (8 codes) per call: PTX
@@ -229,12 +243,8 @@ def _prmt_lut16_asm(words=None, resident=False) -> str:
     if words is not None:
         lo_t, hi_t = ("T0", "T1", "T2", "T3"), ("U0", "U1", "U2", "U3")
         lines.insert(1, ".reg .b32 " + ", ".join(lo_t + hi_t) + ";")
-        if resident:   # the words prmt reads as its first data operand (_prmt_lut8)
-            w = list(words)
-            lines[2:2] = (_mov_immediates(("T1", "T3", "U1", "U3"), w[1::2])
-                          + _resident_words(("T0", "T2", "U0", "U2"), w[0::2]))
-        else:
-            lines[2:2] = _mov_immediates(lo_t + hi_t, words)
+        # resident: the words prmt reads as its first data operand (_prmt_lut8)
+        lines[2:2] = _table_word_lines(lo_t + hi_t, words, ("T0", "T2", "U0", "U2"), resident)
     for x, sel, lo, hi in (("x", "s", "l0", "h0"), ("xs", "ss", "l1", "h1")):  # bytes 0-1, 2-3
         lines += _prmt_lut8(*lo_t, x, sel, lo)     # centroid low bytes
         lines += _prmt_lut8(*hi_t, x, sel, hi)     # centroid high bytes
@@ -308,11 +318,8 @@ def _prmt_sym16_asm(words, resident=False) -> str:
     ``resident``: M0 and N0 (each lookup's first data word) through :func:`_resident_words`."""
     w = [int(v) & 0xFFFFFFFF for v in words]
     lines = ["{", ".reg .b32 M0, M1, N0, N1, t, j, jh, v, n, la, lb, ha, hb;"]
-    if resident:
-        lines += _mov_immediates(("M1", "N1"), (w[3], w[7]))
-        lines += _resident_words(("M0", "N0"), (w[2], w[6]))
-    else:
-        lines += _mov_immediates(("M0", "M1", "N0", "N1"), (w[2], w[3], w[6], w[7]))
+    lines += _table_word_lines(("M0", "M1", "N0", "N1"), (w[2], w[3], w[6], w[7]), ("M0", "N0"),
+                               resident)
     # 7 in every nibble whose code has bit 3 set: (x & 0x88888888) · 7 / 8, exactly, as the
     # high word of the 64-bit product with 7 · 2^29 (no carries between nibbles); then the
     # negative codes' nibbles are flipped: j = ~(x ^ t) & 0x77777777
@@ -830,7 +837,8 @@ class TkvLoader:
 
     Raises:
         ValueError: unknown ``lookup``, ``planes`` not 1/2/4/8, ``small_head_groups`` /
-            ``fused_query_rotation`` / ``resident_tables`` not a bool. DtypeError: ``codec`` is not a TurboKVCodec.
+            ``fused_query_rotation`` / ``resident_tables`` not a bool. DtypeError: ``codec``
+            is not a TurboKVCodec.
         ShapeError: a per-head ``k_channel_offset`` whose head count is not ``num_kv_heads``.
         ShapeError also for a per-head sink offset with another head count.
 
