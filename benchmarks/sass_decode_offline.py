@@ -68,6 +68,15 @@ SESSION18_VARIANTS = [
      {"MIN_SPLIT_TILES": 4, "EPILOGUE": 2, "OROT_LOG2": 7})]
 
 
+# session 32: the default kernel (query rotated in-kernel, one split writing the output) with
+# the lookups' first table words resident in regular registers (TkvLoader(resident_tables=))
+_DEFAULT_KERNEL = {"NUM_SPLITS": 1, "EPILOGUE": 2, "OROT_LOG2": 7}
+RESIDENT_VARIANTS = [
+    (f"{lk}{', resident tables' if res else ''}{f', maxnreg {mx}' if mx else ''}", lk, 4, 128,
+     None, mx, (4, 4), 2, True, _DEFAULT_KERNEL, res)
+    for lk in ("prmti", "prmts") for res, mx in ((False, None), (True, None), (True, 168))]
+
+
 # --widths: 2/3-bit sides, pair tables vs the register byte-permute group lookup, and the
 # group planes the kernels take (session 10)
 # (label, lookup, num_warps, BLOCK_N, swap_qk, maxnreg, (k_bits, v_bits), planes)
@@ -138,6 +147,9 @@ def main() -> None:
     ap.add_argument("--session18", action="store_true",
                     help="only the query-rotated prmti and prmts kernels and session 18's "
                     "variants")
+    ap.add_argument("--resident", action="store_true",
+                    help="only the default kernel with and without resident table words "
+                    "(RESIDENT_VARIANTS, session 32)")
     a = ap.parse_args()
     variants = WIDTH_VARIANTS if a.widths else (
         [(*v, (4, 4), 2, False) for v in VARIANTS] + [(*v, (4, 4), 2, True) for v in QROT_VARIANTS]
@@ -146,21 +158,24 @@ def main() -> None:
     if a.session18:
         variants = [v for v in variants if v[0] in (QROT_VARIANTS[0][0], PRMTS_LABEL)
                     or len(v) > 9]
+    if a.resident:
+        variants = RESIDENT_VARIANTS
     # the prmt lookups refuse the interpreter; here nothing runs, the kernel is only compiled
     loaders_mod.interpreting = util.interpreting = lambda: False
     what = "2/3-bit sides" if a.widths else "K4V4"
     rows = [f"# Split-K decode kernel, offline sm_90a anatomy ({what}, head_dim 128, G=4, bf16)",
             "", f"Triton {triton.__version__}; ptxas/cuobjdump from Triton's bundle. Command: "
             "`uv run --frozen python benchmarks/sass_decode_offline.py"
-            f"{' --widths' if a.widths else ''}{' --session18' if a.session18 else ''}`.", "",
+            f"{' --widths' if a.widths else ''}{' --session18' if a.session18 else ''}"
+            f"{' --resident' if a.resident else ''}`.", "",
             "| variant | registers | spills (B) | shared (B) | loop instr / thread | "
             "warp-instr per 128 tokens | PRMT | IMAD.U32 | IMAD.MOV | LDS+STS+LDSM | HMMA |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as d:
         for label, lookup, warps, block_n, swap, maxnreg, widths, planes, *rest in variants:
-            qrot, extra = [*rest, False, None][:2]
+            qrot, extra, resident = (*rest, *(False, None, False)[len(rest):])
             info, shared, sass = compile_variant(lookup, warps, block_n, swap, maxnreg, Path(d),
-                                                 widths, planes, bool(qrot), extra)
+                                                 widths, planes, bool(qrot), extra, resident)
             regs = re.search(r"Used (\d+) registers", info).group(1)
             spill = re.search(r"(\d+) bytes spill stores", info).group(1)
             n, ops, imad_u, imad_mov = loop_ops(sass)
