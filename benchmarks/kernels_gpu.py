@@ -52,6 +52,7 @@ DEV = "cuda"
 ROWS: list[dict] = []
 LOOKUPS: tuple[str, ...] = ("gather", "pair", "shuffle", "prmt", "prmt1", "prmti",
                             "prmts")  # TkvLoader lookups
+CUDA_KERNEL = False   # --cuda: decode rows and a model-step arm of decode(kernel="cuda")
 
 
 TIMING = {"method": None}  # how the last bench() timed: "graph" or "eager" (logged per row)
@@ -364,6 +365,9 @@ def decode_rows(cfgs, widths, copy_gbs, tune):
             opts = [dict(lookup=lk) for lk in lds]
             # resident prmti is 186 registers offline (2 CTAs per SM): also capped at 168 (3)
             opts += [dict(lookup=lk, maxnreg=168) for lk in lds if lk.endswith("+r")]
+            if CUDA_KERNEL and (kb, vb) == (4, 4):   # the hand-written CUDA split kernel
+                opts += [dict(lookup="auto", kernel="cuda")]
+                opts += [dict(lookup="auto", kernel="cuda", num_splits=n) for n in (1, 2, 4, 8)]
             if tune:
                 opts = [dict(block_n=bn, num_warps=nw, lookup=lk)
                         for bn in (64, 128, 256) for nw in (4, 8) for lk in lds
@@ -371,7 +375,7 @@ def decode_rows(cfgs, widths, copy_gbs, tune):
             for o in opts:
                 o = dict(o)
                 lk = o.pop("lookup", next(iter(lds)))
-                ld = lds[lk]
+                ld = lds[lk] if lk in lds else TkvLoader(codec, hkv, block, lookup=lk)
                 try:
                     ms = bench(lambda o=o: decode(q, cache, bt, sl, ld, ws, **o))
                 except Exception as e:
@@ -1270,7 +1274,10 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
              {"lookup": "prmti", "resident_tables": True, "maxnreg": 168}),
             ("tkv K4V4 prmts, resident tables", {"lookup": "prmts", "resident_tables": True}),
             ("tkv K4V4 prmts, resident tables, maxnreg 168",
-             {"lookup": "prmts", "resident_tables": True, "maxnreg": 168})]
+             {"lookup": "prmts", "resident_tables": True, "maxnreg": 168}),
+            # session 33: the hand-written CUDA split kernel (tkv.kernels.cuda_decode)
+            ("tkv K4V4 cuda kernel", {"kernel": "cuda"}),
+            ("tkv K4V4 cuda kernel, 1 split", {"kernel": "cuda", "num_splits": 1})]
     if MODEL_STEP_ARMS:   # a short hold: bf16 (the baseline) and the arms asked for
         arms = [(lb, at) for lb, at in arms
                 if at == "bf16" or any(k in lb for k in MODEL_STEP_ARMS)]
@@ -1495,7 +1502,7 @@ def _model_step_arms(arms, shapes, layers, dims=MODEL_DIMS, model=None, breakdow
 
 
 def main():
-    global LOOKUPS, MODEL_STEP_ARMS   # --lookups / --model-step-arms narrow the module tables
+    global LOOKUPS, MODEL_STEP_ARMS, CUDA_KERNEL   # set from --lookups, --model-step-arms, --cuda
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true")
@@ -1551,10 +1558,13 @@ def main():
                     help="alone (with --prefix-hits if given too): rotate_rows at prefill "
                          "sizes, default vs bf16_split vs the persistent launch "
                          "(rotate_sweep_rows)")
+    ap.add_argument("--cuda", action="store_true",
+                    help="also time decode(kernel='cuda') (the hand-written CUDA split kernel)")
     ap.add_argument("--lookups", default=",".join(LOOKUPS),
                     help="comma-separated TkvLoader lookups to time (default: all of them)")
     a = ap.parse_args()
     LOOKUPS = tuple(a.lookups.split(","))
+    CUDA_KERNEL = a.cuda
     MODEL_STEP_ARMS = tuple(k for k in a.model_step_arms.split(",") if k)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

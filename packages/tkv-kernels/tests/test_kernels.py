@@ -1910,7 +1910,7 @@ def test_gluon_kernel_refuses_what_it_cannot_serve():
     q = torch.randn(2, 4, 64, dtype=torch.bfloat16, device=DEV)
     ws = Workspace(2, 4, 64, DEV)
     with pytest.raises(ValueError, match="kernel must be"):
-        decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, kernel="cuda")
+        decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, kernel="cutlass")
     # On the CPU / interpreter the device is refused first; on a GPU this loader's default
     # lookup (not prmt) is.
     refusal = "CUDA device" if DEV == "cpu" else "prmt lookup"

@@ -12,6 +12,11 @@ from tkv.codec.errors import DeviceMismatchError, DtypeError, NonFiniteError, Sh
 __all__ = ["check_dtype", "check_int_tensor", "check_same_device", "check_tensor", "next_pow2"]
 
 
+class UnsupportedKernelError(ValueError):
+    """``decode(kernel=...)`` named an alternative split kernel ("gluon", "cuda") for a call
+    it cannot serve (each kernel's ``check_supported`` says why)."""
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two ≥ ``n`` (≥ 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())

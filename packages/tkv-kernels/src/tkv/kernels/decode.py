@@ -8,7 +8,7 @@ import triton.language as tl
 
 from tkv.codec.errors import DeviceMismatchError, ShapeError
 
-from . import gluon_decode
+from . import cuda_decode, gluon_decode
 from ._planes import (
     accumulate,
     add_shift,
@@ -407,11 +407,13 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         swap_qk: compute scores as ``K · q^T`` (K tiles as the tensor-core A operand)
             instead of ``q · K^T``; default: the loader's ``k_operand_a(dot_dtype)`` if it
             has one (TkvLoader with ``lookup="prmt1"``), else False. Same result.
-        kernel: ``"triton"`` (default) or ``"gluon"``: the experimental one-warp Gluon split
+        kernel: ``"triton"`` (default), ``"gluon"``: the experimental one-warp Gluon split
             kernel (:mod:`tkv.kernels.gluon_decode`; K4V4 with ``lookup="prmt"``, bf16, CUDA;
-            :class:`~tkv.kernels.gluon_decode.UnsupportedKernelError` otherwise). Same
-            result; slower on the H200 so far (0.78× the Triton kernel at B=32, L=8K,
-            session 11).
+            slower on the H200 so far: 0.78× the Triton kernel at B=32, L=8K, session 11), or
+            ``"cuda"``: the hand-written CUDA split kernel (:mod:`tkv.kernels.cuda_decode`;
+            K4V4, head_dim 64/128/256, ≤ 8 query heads per KV head). Both raise
+            :class:`~tkv.kernels._util.UnsupportedKernelError` on calls outside their scope
+            and use the separate query rotation and the reduce pass. Same result.
         prefetch: fetch tile ``t+1``'s bytes while tile ``t`` is computed (software
             pipeline). Off by default: on the H200 it helped 32-token tiles (0.46 vs 0.49 ms)
             but not the faster 128-token ones (0.44 vs 0.38 ms), K4V4 B=32 L=8K.
@@ -483,10 +485,12 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         raise ShapeError("block_table must have unit stride on its last dim")
     dev = query.device
     dot_dtype = dot_dtype_for(query.dtype)
-    if kernel not in ("triton", "gluon"):
-        raise ValueError(f"kernel must be 'triton' or 'gluon', got {kernel!r}")
+    if kernel not in ("triton", "gluon", "cuda"):
+        raise ValueError(f"kernel must be 'triton', 'gluon' or 'cuda', got {kernel!r}")
     if kernel == "gluon":
         gluon_decode.check_supported(loader, dev, d, hq // hkv, dot_dtype)
+    elif kernel == "cuda":
+        cuda_decode.check_supported(loader, dev, d, hq // hkv, dot_dtype)
     kargs = loader.side_args(cache, "k", dot_dtype)
     vargs = loader.side_args(cache, "v", dot_dtype)
     check_same_device(dev, block_table=block_table, seq_lens=seq_lens, cache_k=kargs[0],
@@ -555,7 +559,11 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     epilogue, o_w, orot_log2 = _single_split_epilogue(
         loader, splits, unrotate, d, d_pad, dev, single_split_epilogue and kernel == "triton",
         min_split_tiles if kernel == "triton" else 0)
-    if kernel == "gluon":
+    if kernel == "cuda":
+        cuda_decode.launch_split(
+            q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,
+            scale * _LOG2E, window, group=g, splits=splits, dot_dtype=dot_dtype)
+    elif kernel == "gluon":
         gluon_decode.launch_split(
             q, block_table, seq_lens, num_blocks, kargs, vargs, part_o, part_lse,
             scale * _LOG2E, window, num_kv_heads=hkv, group=g, head_dim=d,

@@ -28,7 +28,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from ._util import interpreting
+from ._util import UnsupportedKernelError, interpreting
 from .loaders import _PRMT_CONSTRAINTS, _PRMT_LUT16, LOOKUP_PRMT_BF16, TkvLoader
 
 __all__ = ["UnsupportedKernelError", "check_supported", "k_layout", "launch_split", "v_layout"]
@@ -191,11 +191,6 @@ def gluon_decode_split_kernel(
     gl.store(op, acc_lo * inv[:, None], mask=om)
     gl.store(op + 1, acc_hi * inv[:, None], mask=om)
     gl.store(part_lse + row, lse, mask=h < G)
-
-
-class UnsupportedKernelError(ValueError):
-    """``decode(kernel="gluon")`` on a call the Gluon kernel cannot serve (see
-    :func:`check_supported`)."""
 
 
 def check_supported(loader, device, head_dim: int, group: int, dot_dtype) -> None:

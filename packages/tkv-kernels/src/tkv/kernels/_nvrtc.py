@@ -1,0 +1,80 @@
+"""Run-time compilation of tkv's CUDA C++ kernels (``tkv/kernels/cuda/*.cu``) with NVRTC.
+
+NVRTC ships with PyTorch's CUDA wheels (``nvidia-cuda-nvrtc``), so this needs no CUDA toolkit,
+no host compiler and no build step: a kernel is compiled to a cubin for the device's compute
+capability the first time a configuration (its ``-D`` defines) is launched, then cached per
+process. PyTorch's own NVRTC and driver bindings (``torch.cuda._utils``, the machinery behind
+``torch.cuda._compile_kernel``) do the compiling, module loading and ``cuLaunchKernel`` on the
+current stream, so launches are captured by CUDA graphs like any other kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+
+import torch
+
+from tkv.codec.errors import TkvError
+
+__all__ = ["CudaCompileError", "compile_cubin", "kernel", "source"]
+
+
+class CudaCompileError(TkvError, RuntimeError):
+    """A tkv CUDA kernel did not compile or load (NVRTC's log is in the message), or this
+    PyTorch build has no NVRTC bindings."""
+
+
+@functools.cache
+def source(name: str) -> str:
+    """The text of ``tkv/kernels/cuda/<name>``."""
+    return (resources.files("tkv.kernels") / "cuda" / name).read_text()
+
+
+def _options(defines: tuple[tuple[str, int], ...]) -> list[str]:
+    return ["-std=c++17", *(f"-D{k}={int(v)}" for k, v in defines)]
+
+
+def compile_cubin(name: str, entry: str, defines: dict[str, int], arch: str) -> bytes:
+    """Compile ``tkv/kernels/cuda/<name>`` (kernel ``entry``, an ``extern "C"`` name) with
+    ``defines`` for ``sm_<arch>`` (e.g. ``"90"``) to a cubin. Needs no GPU (the offline SASS
+    tools use it).
+
+    Raises:
+        CudaCompileError: NVRTC refused the source (with its log) or is unavailable."""
+    try:
+        from torch.cuda import _utils
+        compile_ = _utils._nvrtc_compile
+    except (ImportError, AttributeError) as e:   # pragma: no cover - PyTorch without NVRTC
+        raise CudaCompileError(f"this PyTorch ({torch.__version__}) has no NVRTC bindings") \
+            from e
+    try:
+        cubin, _ = compile_(source(name), entry, arch,
+                            nvcc_options=_options(tuple(sorted(defines.items()))))
+    except RuntimeError as e:
+        raise CudaCompileError(f"{name} with {defines}: {e}") from e
+    return cubin
+
+
+@functools.cache
+def _load(name: str, entry: str, defines: tuple[tuple[str, int], ...], device_index: int):
+    from torch.cuda import _utils
+    major, minor = torch.cuda.get_device_capability(device_index)
+    cubin = compile_cubin(name, entry, dict(defines), f"{major}{minor}")
+    with torch.cuda.device(device_index):
+        try:
+            return _utils._cuda_load_module(cubin, [entry])[entry]
+        except RuntimeError as e:
+            raise CudaCompileError(f"{name}: loading {entry} failed: {e}") from e
+
+
+def kernel(name: str, entry: str, defines: dict[str, int], device: torch.device):
+    """The launchable kernel ``entry`` of ``tkv/kernels/cuda/<name>`` compiled with
+    ``defines`` for ``device`` (compiled once per process and configuration). Call it as
+    ``k(grid=(x, y, z), block=(n, 1, 1), args=[...])``: tensors pass as device pointers, ints
+    as C ``int``, floats as C ``double`` (PyTorch's launcher), on the current stream.
+
+    Raises:
+        CudaCompileError: the source did not compile or load."""
+    return _load(name, entry, tuple(sorted(defines.items())), torch.device(device).index
+                 if torch.device(device).index is not None else torch.cuda.current_device())

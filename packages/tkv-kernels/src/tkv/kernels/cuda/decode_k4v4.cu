@@ -1,0 +1,426 @@
+// Split-K paged decode for 4-bit K and V sides, hand-written CUDA (compiled at run time by
+// NVRTC; tkv.kernels.cuda_decode builds the defines and launches it).
+//
+// One CTA = one (sequence, KV head, split), WARPS warps. The split's tokens are cut into
+// 16-token *steps*; warp w takes steps w, w + WARPS, ... and keeps its own online-softmax
+// state, so P never leaves the warp; the warps' states are merged once, at the end.
+//
+// Per step and warp, two tensor-core products (mma.m16n8k16, f32 accumulate):
+//   S^T[16 tokens][8 heads] = K[16 tokens][D] · q^T[D][8 heads]
+//       K is the A operand: lane (g, t) holds tokens g and g+8, and the dot's k index is a
+//       relabelling of the code bytes — lane t's D/8 contiguous bytes of a token — so one
+//       vector load per token feeds the lookup, whose outputs ARE the operand registers.
+//       The query is loaded once, in the same relabelled order (the B operand).
+//   O^T[D][8 heads] += V^T[D][16 tokens] · P^T[16 tokens][8 heads]
+//       V^T is the A operand: lane (g, t) needs tokens 2t, 2t+1, 2t+8, 2t+9 and D/8
+//       coordinates (rows g and g+8 of each 16-row tile) = its D/16 contiguous code bytes
+//       of each of the four tokens; two tokens' bytes are interleaved by one byte permute
+//       so the lookup yields (token 2t, token 2t+1) pairs. P^T comes from the S^T
+//       accumulator by one movmatrix.trans per 8 tokens.
+// The query heads of the GQA group (G <= 8) are the N dimension (8 columns): no M padding.
+// Lookups: 16-entry byte tables in registers (PTX prmt; the same algorithms as
+// tkv.kernels.loaders._prmt_lut16_asm / _prmt_sym16_asm). Loads: cp.async into a
+// per-warp NST-stage ring in shared memory; every lane reads back only what it copied,
+// except the 16 norm words (a __syncwarp orders those).
+//
+// Defines (all required): HEAD_DIM (64, 128, 256), GROUP (1..8), WARPS, NST (stages),
+// BLOCK_SIZE (tokens per page, a multiple of 16), Q_KIND (0 float32, 1 bfloat16, 2 float16
+// query), DOT_BF16 (1: bf16 tensor-core operands and tables, 0: fp16), K_SYM / V_SYM (1: the
+// antisymmetric-table lookup), MIN_CTAS (__launch_bounds__ minimum CTAs per SM).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define D HEAD_DIM
+#define CB (D / 2)        // code bytes per token (4 bits)
+#define KB (D / 8)        // K code bytes per lane per token
+#define VB (D / 16)       // V code bytes per lane per token
+#define NCH (D / 16)      // k16 chunks of Q·K == m16 tiles of P·V
+#define KW (D / 32)       // K 32-bit words per lane per token
+#define VW (D / 64)       // V 32-bit words per lane per token
+#define KU (KB < 16 ? KB : 16)   // cp.async unit of K (bytes)
+#define VU (VB < 16 ? VB : 16)   // cp.async unit of V (bytes)
+#define NKU (KB / KU)
+#define NVU (VB / VU)
+// one warp's stage: K [2 tokens][NKU][32 lanes][KU], V [4 tokens][NVU][32 lanes][VU],
+// norms [2 sides][16 tokens] bf16
+#define K_STAGE (2 * KB * 32)
+#define V_STAGE (4 * VB * 32)
+#define STAGE_BYTES (K_STAGE + V_STAGE + 64)
+#define RING_BYTES (WARPS * NST * STAGE_BYTES)
+#define MERGE_BYTES (WARPS * (GROUP * D + 16) * 4)
+#define SMEM_BYTES (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES)
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+  return d;
+}
+
+// 4 code bytes (8 codes) -> 4 registers of two 16-bit centroids: o[0] = low-nibble codes of
+// bytes 0, 1; o[1] = low nibbles of bytes 2, 3; o[2], o[3] = the high nibbles (element 0 in
+// the low half). t[0..3]: the centroids' low-byte table, t[4..7]: their high bytes.
+__device__ __forceinline__ void lut16(u32 c, const u32* t, u32* o) {
+  u32 x = c & 0x77777777u;
+  u32 s = ((c >> 1) & 0x44444444u) | 0x32103210u;
+  u32 xs = x >> 16, ss = s >> 16;
+  u32 l0 = prmt(prmt(t[0], t[1], x), prmt(t[2], t[3], x), s);
+  u32 h0 = prmt(prmt(t[4], t[5], x), prmt(t[6], t[7], x), s);
+  u32 l1 = prmt(prmt(t[0], t[1], xs), prmt(t[2], t[3], xs), ss);
+  u32 h1 = prmt(prmt(t[4], t[5], xs), prmt(t[6], t[7], xs), ss);
+  o[0] = prmt(l0, h0, 0x6240); o[1] = prmt(l1, h1, 0x6240);
+  o[2] = prmt(l0, h0, 0x7351); o[3] = prmt(l1, h1, 0x7351);
+}
+
+// the same for an antisymmetric codebook (c[15 - i] = -c[i] bit for bit): the positive half's
+// tables only (t[2], t[3] low bytes, t[6], t[7] high bytes of entries 8..15) and the sign
+// from prmt's sign-replicate mode (loaders._prmt_sym16_asm).
+__device__ __forceinline__ void sym16(u32 c, const u32* t, u32* o) {
+  u32 m;
+  asm("mul.hi.u32 %0, %1, 0xE0000000;" : "=r"(m) : "r"(c & 0x88888888u));
+  u32 j = ~(c ^ m) & 0x77777777u;
+  u32 jh = j >> 16;
+  u32 la = prmt(t[2], t[3], j), lb = prmt(t[2], t[3], jh);
+  u32 ha = prmt(t[6], t[7], j), hb = prmt(t[6], t[7], jh);
+  u32 v = c << 4;
+  ha |= ~prmt(v, c, 0xD9C8) & 0x80808080u;
+  hb |= ~prmt(v, c, 0xFBEA) & 0x80808080u;
+  o[0] = prmt(la, ha, 0x6240); o[1] = prmt(lb, hb, 0x6240);
+  o[2] = prmt(la, ha, 0x7351); o[3] = prmt(lb, hb, 0x7351);
+}
+
+#if DOT_BF16
+#define MMA_TYPE "bf16"
+#else
+#define MMA_TYPE "f16"
+#endif
+
+// d[0..3] += A[16][16] · B[16][8]: a0..a3 / b0, b1 in the mma.m16n8k16 fragment layout
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 r;
+#if DOT_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ u32 trans8x8(u32 x) {
+  u32 r;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+
+__device__ __forceinline__ float load_q(const void* q, long long i) {
+#if Q_KIND == 0
+  return ((const float*)q)[i];
+#elif Q_KIND == 1
+  return __uint_as_float((u32)((const u16*)q)[i] << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(((const u16*)q)[i]));
+  return f;
+#endif
+}
+
+__device__ __forceinline__ float bf16_to_float(u32 bits) { return __uint_as_float(bits << 16); }
+
+// N bytes (4, 8 or 16) of shared memory at byte address a into w[0 .. N/4)
+template <int N>
+__device__ __forceinline__ void lds(u32 a, u32* w) {
+  if (N == 16)
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(a));
+  else if (N == 8)
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(a));
+  else
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(w[0]) : "r"(a));
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async(u32 dst, const void* src) {
+  if (N == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(dst), "l"(src), "n"(N)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4v4(
+    const void* __restrict__ q, int sq_s, int sq_h,
+    const int* __restrict__ block_table, int s_bt, const int* __restrict__ seq_lens,
+    int max_blocks, int num_blocks,
+    const u8* __restrict__ cache, int page_bytes,
+    int k_codes_off, int k_head_stride, int k_norms_off,
+    int v_codes_off, int v_head_stride, int v_norms_off, int norm_head_stride,
+    const u32* __restrict__ k_tab, const u32* __restrict__ v_tab,
+    float* __restrict__ part_o, float* __restrict__ part_lse,
+    double scale_log2_d, int window, int num_splits) {
+  __shared__ __align__(16) u8 smem[SMEM_BYTES];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  const float scale_log2 = (float)scale_log2_d;
+
+  const int L = seq_lens[seq];
+  const int start = window > 0 ? max(L - window, 0) : 0;
+  const long long cap = (long long)max_blocks * BLOCK_SIZE;
+  const int lim = (int)min((long long)L, cap);
+  const int s0 = start / 16, s1 = (lim + 15) / 16;
+  const int nsteps = max(s1 - s0, 0);
+  const int per = (nsteps + num_splits - 1) / num_splits;
+  const int my0 = s0 + split * per;
+  const int my1 = min(my0 + per, s1);
+  const int n_i = my1 > my0 + warp ? (my1 - my0 - warp + WARPS - 1) / WARPS : 0;
+  const int* bt_row = block_table + (long long)seq * s_bt;
+
+  // the byte tables, resident in regular registers
+  u32 kt[8], vt[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) { kt[i] = k_tab[i]; vt[i] = v_tab[i]; }
+
+  // the query (rotated space) as the B operand of S^T = K · q^T, in the relabelled k order:
+  // chunk c, register r (0: k = 2t, 2t+1; 1: k = 2t+8, 2t+9), element e is coordinate
+  // 2·(t·KB + 4·(c/2) + 2r + e) + (c % 2)
+  u32 qb[NCH][2];
+  {
+    const int head = kvh * GROUP + g;
+    const long long qrow = (long long)seq * sq_s + (long long)head * sq_h;
+#pragma unroll
+    for (int c = 0; c < NCH; ++c)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float e0 = 0.f, e1 = 0.f;
+        if (g < GROUP) {
+          const int base = 2 * (t * KB + 4 * (c >> 1) + 2 * r) + (c & 1);
+          e0 = load_q(q, qrow + base);
+          e1 = load_q(q, qrow + base + 2);
+        }
+        qb[c][r] = pack2(e0, e1);
+      }
+  }
+
+  const u32 ring = (u32)__cvta_generic_to_shared(smem) + warp * NST * STAGE_BYTES;
+  const u8* kv_head_k = cache + k_codes_off + (long long)kvh * k_head_stride;
+  const u8* kv_head_v = cache + v_codes_off + (long long)kvh * v_head_stride;
+  const long long norm_k = k_norms_off + 2LL * kvh * norm_head_stride;
+  const long long norm_v = v_norms_off + 2LL * kvh * norm_head_stride;
+
+  // issue step i's copies into its stage (blk: its page, read one step ahead); returns
+  // whether the page is valid
+  auto issue = [&](int i, int blk) -> bool {
+    if (blk < 0 || blk >= num_blocks) return false;
+    const int pos0 = (my0 + warp + WARPS * i) * 16;
+    const long long page = (long long)blk * page_bytes;
+    const int tok0 = pos0 % BLOCK_SIZE;
+    const u32 st = ring + (i % NST) * STAGE_BYTES;
+    const u8* kp = kv_head_k + page + (long long)(tok0 + g) * CB + t * KB;
+#pragma unroll
+    for (int tk = 0; tk < 2; ++tk)
+#pragma unroll
+      for (int u = 0; u < NKU; ++u)
+        cp_async<KU>(st + ((tk * NKU + u) * 32 + lane) * KU, kp + tk * 8 * CB + u * KU);
+    const u8* vp = kv_head_v + page + (long long)(tok0 + 2 * t) * CB + g * VB;
+#pragma unroll
+    for (int tv = 0; tv < 4; ++tv)
+#pragma unroll
+      for (int u = 0; u < NVU; ++u)
+        cp_async<VU>(st + K_STAGE + ((tv * NVU + u) * 32 + lane) * VU,
+                     vp + ((tv & 1) + 8 * (tv >> 1)) * CB + u * VU);
+    if (lane < 16) {
+      const long long nb = lane < 8 ? norm_k : norm_v;
+      cp_async<4>(st + K_STAGE + V_STAGE + lane * 4,
+                  cache + page + nb + 2LL * (tok0 + 2 * (lane & 7)));
+    }
+    return true;
+  };
+  // the block-table entry of step i (read one step before its copies are issued)
+  auto block_of = [&](int i) -> int {
+    return i < n_i ? bt_row[(my0 + warp + WARPS * i) * 16 / BLOCK_SIZE] : -1;
+  };
+
+  float O[NCH][4];
+#pragma unroll
+  for (int i = 0; i < NCH; ++i) O[i][0] = O[i][1] = O[i][2] = O[i][3] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;   // heads 2t, 2t+1
+  u32 okbits = 0;
+  int nblk = block_of(0);
+
+#pragma unroll
+  for (int j = 0; j < NST - 1; ++j) {
+    const int blk = nblk;
+    nblk = block_of(j + 1);
+    if (j < n_i && issue(j, blk)) okbits |= 1u << j;
+    cp_commit();
+  }
+
+  for (int i = 0; i < n_i; ++i) {
+    __syncwarp();   // every lane is done reading the stage the next issue overwrites
+    {
+      const int j = i + NST - 1;
+      const u32 bit = 1u << (j % NST);
+      okbits &= ~bit;
+      const int blk = nblk;
+      nblk = block_of(j + 1);
+      if (j < n_i && issue(j, blk)) okbits |= bit;
+      cp_commit();
+    }
+    cp_wait<NST - 1>();
+    __syncwarp();   // the norm words copied by lanes 0..15 are visible to all lanes
+    const u32 st = ring + (i % NST) * STAGE_BYTES;
+    const bool ok = (okbits >> (i % NST)) & 1;
+    const int pos0 = (my0 + warp + WARPS * i) * 16;
+    const bool vg = ok && pos0 + g >= start && pos0 + g < lim;
+    const bool vg8 = ok && pos0 + g + 8 >= start && pos0 + g + 8 < lim;
+
+    // S^T = K · q^T
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < NKU; ++u) {
+      u32 ka[KU / 4], kb[KU / 4];
+      const u32 pa = st + (u * 32 + lane) * KU, pb = st + ((NKU + u) * 32 + lane) * KU;
+      lds<KU>(pa, ka);
+      lds<KU>(pb, kb);
+#pragma unroll
+      for (int w = 0; w < KU / 4; ++w) {
+        u32 oa[4], ob[4];
+#if K_SYM
+        sym16(ka[w], kt, oa); sym16(kb[w], kt, ob);
+#else
+        lut16(ka[w], kt, oa); lut16(kb[w], kt, ob);
+#endif
+        const int c = 2 * (u * (KU / 4) + w);
+        mma(s, oa[0], ob[0], oa[1], ob[1], qb[c][0], qb[c][1]);
+        mma(s, oa[2], ob[2], oa[3], ob[3], qb[c + 1][0], qb[c + 1][1]);
+      }
+    }
+    // norms: K then V, tokens g and g+8
+    u32 kn, kn8, vn, vn8;
+    {
+      const u32 pn = st + K_STAGE + V_STAGE;
+      u16 a, b, c2, d2;
+      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(a) : "r"(pn + 2 * g));
+      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(b) : "r"(pn + 2 * (g + 8)));
+      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(c2) : "r"(pn + 32 + 2 * g));
+      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(d2) : "r"(pn + 32 + 2 * (g + 8)));
+      kn = a; kn8 = b; vn = c2; vn8 = d2;
+    }
+    const float sg = bf16_to_float(kn) * scale_log2, sg8 = bf16_to_float(kn8) * scale_log2;
+    const float x0 = vg ? s[0] * sg : NEG_INF, x1 = vg ? s[1] * sg : NEG_INF;
+    const float x2 = vg8 ? s[2] * sg8 : NEG_INF, x3 = vg8 ? s[3] * sg8 : NEG_INF;
+    float mx0 = fmaxf(x0, x2), mx1 = fmaxf(x1, x3);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;
+    const float al0 = exp2f(m0 - ms0), al1 = exp2f(m1 - ms1);
+    m0 = mn0; m1 = mn1;
+    const float p0 = exp2f(x0 - ms0), p1 = exp2f(x1 - ms1);
+    const float p2 = exp2f(x2 - ms0), p3 = exp2f(x3 - ms1);
+    l0 = l0 * al0 + (p0 + p2);
+    l1 = l1 * al1 + (p1 + p3);
+    const float fv = bf16_to_float(vn), fv8 = bf16_to_float(vn8);
+    const u32 b0 = trans8x8(pack2(vg ? p0 * fv : 0.f, vg ? p1 * fv : 0.f));
+    const u32 b1 = trans8x8(pack2(vg8 ? p2 * fv8 : 0.f, vg8 ? p3 * fv8 : 0.f));
+    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {
+#pragma unroll
+      for (int mt = 0; mt < NCH; ++mt) {
+        O[mt][0] *= al0; O[mt][1] *= al1; O[mt][2] *= al0; O[mt][3] *= al1;
+      }
+    }
+    // O^T += V^T · P^T
+#pragma unroll
+    for (int u = 0; u < NVU; ++u) {
+      u32 vv[4][VU / 4];
+#pragma unroll
+      for (int tv = 0; tv < 4; ++tv)
+        lds<VU>(st + K_STAGE + ((tv * NVU + u) * 32 + lane) * VU, vv[tv]);
+#pragma unroll
+      for (int w = 0; w < VU / 4; ++w) {
+        const int v = u * (VU / 4) + w;   // the lane's word index within its VB bytes
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const u32 sel = h ? 0x7362u : 0x5140u;
+          u32 o01[4], o23[4];
+#if V_SYM
+          sym16(prmt(vv[0][w], vv[1][w], sel), vt, o01);
+          sym16(prmt(vv[2][w], vv[3][w], sel), vt, o23);
+#else
+          lut16(prmt(vv[0][w], vv[1][w], sel), vt, o01);
+          lut16(prmt(vv[2][w], vv[3][w], sel), vt, o23);
+#endif
+#pragma unroll
+          for (int k = 0; k < 2; ++k)
+            mma(O[4 * v + 2 * h + k], o01[2 * k], o01[2 * k + 1], o23[2 * k], o23[2 * k + 1],
+                b0, b1);
+        }
+      }
+    }
+  }
+  cp_wait<0>();
+
+  // merge the warps: each writes (m, l) per head and its O^T rows to shared memory
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+  }
+  __syncthreads();
+  float* mo = (float*)smem;                       // [WARPS][GROUP][D]
+  float* ml = mo + WARPS * GROUP * D;             // [WARPS][8] m, then [WARPS][8] l
+  if (g == 0) {
+    ml[warp * 8 + 2 * t] = m0; ml[warp * 8 + 2 * t + 1] = m1;
+    ml[WARPS * 8 + warp * 8 + 2 * t] = l0; ml[WARPS * 8 + warp * 8 + 2 * t + 1] = l1;
+  }
+#pragma unroll
+  for (int mt = 0; mt < NCH; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      // row g (r = 0) / g+8 (r = 1) of tile mt is coordinate
+      // 2·(g·VB + 4·(mt/4) + 2·((mt/2) % 2) + r) + mt % 2
+      const int coord = 2 * (g * VB + 4 * (mt >> 2) + 2 * ((mt >> 1) & 1) + r) + (mt & 1);
+      if (2 * t < GROUP) mo[(warp * GROUP + 2 * t) * D + coord] = O[mt][2 * r];
+      if (2 * t + 1 < GROUP) mo[(warp * GROUP + 2 * t + 1) * D + coord] = O[mt][2 * r + 1];
+    }
+  __syncthreads();
+  const int hkv = gridDim.y;
+  for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32) {
+    const int h = idx / D, d = idx % D;
+    float M = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, ml[w * 8 + h]);
+    const float Ms = M == NEG_INF ? 0.f : M;
+    float Lsum = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float f = exp2f(ml[w * 8 + h] - Ms);
+      Lsum += ml[WARPS * 8 + w * 8 + h] * f;
+      acc += mo[(w * GROUP + h) * D + d] * f;
+    }
+    float inv = 1.f / (Lsum > 0.f ? Lsum : 1.f);
+    if (cap < L) inv = __int_as_float(0x7fc00000);   // a length past the block table: NaN rows
+    const long long row = ((long long)seq * (GROUP * hkv) + kvh * GROUP + h) * num_splits + split;
+    part_o[row * D + d] = acc * inv;
+    if (d == 0) part_lse[row] = Lsum > 0.f ? Ms + log2f(Lsum) : NEG_INF;
+  }
+}

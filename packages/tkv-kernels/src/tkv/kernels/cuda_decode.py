@@ -1,0 +1,125 @@
+"""Split-K paged decode for 4-bit K and V in hand-written CUDA (``cuda/decode_k4v4.cu``).
+
+Why a CUDA kernel: the Triton split kernel spends about a third of its loop on choices made by
+Triton and ptxas (table words copied from uniform registers before each byte permute, operand
+fragments shuffled through shared memory, P's round trip between warps; docs/kernels.md,
+session 32), and the one-warp Gluon kernel (:mod:`tkv.kernels.gluon_decode`) traded those for
+a 16-row M padding and per-token address work. Here every register is placed by hand:
+
+* the GQA group is the N dimension of ``mma.m16n8k16`` (``S^T = K·q^T``, ``O^T += V^T·P^T``),
+  so the tokens fill M and nothing is padded for G ≤ 8;
+* the code bytes of a lane are contiguous in the page: one vector copy per token, and the
+  byte-permute lookup's outputs are the A-operand registers (the dot's k index and the value
+  coordinates are relabellings, undone by the query load and the output store);
+* P goes from the S^T accumulator to the B operand by one ``movmatrix.trans`` per 8 tokens;
+* the warps of a CTA split the tokens (16-token steps) and merge once, at the end;
+* copies go through a per-warp ``cp.async`` ring of ``NST`` stages;
+* the byte tables are per-thread loads, so they stay in regular registers.
+
+Same inputs and partial outputs as the Triton split kernel (the reduce kernel is shared).
+Scope (:func:`check_supported`): a :class:`~tkv.kernels.TkvLoader` with 4-bit K and V and a
+byte-table lookup, head_dim 64 / 128 / 256, at most 8 query heads per KV head, block_size a
+multiple of 16, bf16 or fp16 queries, no sink offsets, a CUDA device of compute capability ≥ 8.0.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import _nvrtc
+from ._util import UnsupportedKernelError, interpreting
+from .loaders import _IMMEDIATE_TABLES, _PRMT_FAMILY, TkvLoader, _antisymmetric_table
+
+__all__ = ["check_supported", "defines", "launch_split"]
+
+SOURCE = "decode_k4v4.cu"
+ENTRY = "tkv_decode_k4v4"
+WARPS = 4
+_Q_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_SYM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # loader -> {(side, half): bool}
+
+
+def check_supported(loader, device, head_dim: int, group: int, dot_dtype) -> None:
+    """Raise :class:`~tkv.kernels._util.UnsupportedKernelError` unless ``decode(kernel="cuda")``
+    can serve the call (see the module docstring for the scope)."""
+    why = None
+    if not isinstance(loader, TkvLoader) or (loader.k_bits, loader.v_bits) != (4, 4):
+        why = "needs a TkvLoader with 4-bit K and V sides"
+    elif head_dim not in (64, 128, 256):
+        why = f"needs head_dim 64, 128 or 256, got {head_dim}"
+    elif group > 8:
+        why = f"needs at most 8 query heads per KV head, got {group}"
+    elif loader.k_sink_shift is not None or loader.v_sink_shift is not None:
+        why = "does not implement sink offsets"
+    elif loader.block_size % 16:
+        why = f"needs a block_size that is a multiple of 16, got {loader.block_size}"
+    elif dot_dtype not in (torch.bfloat16, torch.float16):
+        why = "needs bfloat16 or float16 queries"
+    elif loader.lookup not in ("auto", *_PRMT_FAMILY) or any(
+            (s, dot_dtype) not in loader._prmt for s in ("k", "v")):
+        why = "needs the loader's byte tables (lookup 'auto' or a prmt lookup)"
+    elif torch.device(device).type != "cuda" or interpreting():
+        why = "needs a CUDA device (not the Triton interpreter)"
+    elif torch.cuda.get_device_capability(device) < (8, 0):
+        why = "needs compute capability 8.0 or newer (mma.m16n8k16, cp.async)"
+    if why:
+        raise UnsupportedKernelError(f"decode(kernel='cuda') {why}")
+
+
+def _antisymmetric(loader: TkvLoader, side: str, half: torch.dtype) -> bool:
+    """Whether the side's byte tables hold an antisymmetric codebook (the cheaper lookup);
+    read once per loader (one small device-to-host copy when the words are not on the host)."""
+    memo = _SYM.setdefault(loader, {})
+    if (side, half) not in memo:
+        words, code = loader._prmt[side, half]
+        if code in _IMMEDIATE_TABLES and (side, code) in loader._prmt_words:
+            packed = loader._prmt_words[side, code]
+            host = [(packed >> (32 * i)) & 0xFFFFFFFF for i in range(8)]
+        else:
+            host = [int(w) & 0xFFFFFFFF for w in words.tolist()]
+        memo[side, half] = _antisymmetric_table(host)
+    return memo[side, half]
+
+
+def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
+            dot_dtype: torch.dtype, *, stages: int | None = None,
+            min_ctas: int | None = None) -> dict[str, int]:
+    """The ``-D`` defines of one kernel configuration (the compile key)."""
+    return dict(HEAD_DIM=head_dim, GROUP=group, WARPS=WARPS,
+                NST=stages or (3 if head_dim <= 128 else 2), BLOCK_SIZE=loader.block_size,
+                Q_KIND=_Q_KIND[q_dtype], DOT_BF16=int(dot_dtype == torch.bfloat16),
+                K_SYM=int(_antisymmetric(loader, "k", dot_dtype)),
+                V_SYM=int(_antisymmetric(loader, "v", dot_dtype)),
+                MIN_CTAS=min_ctas or (4 if head_dim <= 128 else 2))
+
+
+def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLoader,
+                 part_o, part_lse, scale_log2: float, window: int, *, group: int,
+                 splits: int, dot_dtype: torch.dtype, stages: int | None = None,
+                 min_ctas: int | None = None) -> None:
+    """Launch the CUDA split kernel on grid ``(num_seqs, num_kv_heads, splits)``: ``q`` the
+    rotated queries ``(num_seqs, num_q_heads, head_dim)`` (float32 / bf16 / fp16, unit stride
+    on head_dim), the partial rows and LSEs (log2 units) into ``part_o`` / ``part_lse`` as
+    ``decode._decode_split_kernel`` writes them.
+
+    Raises:
+        UnsupportedKernelError: the cache's base is not 16-byte aligned.
+        CudaCompileError: the kernel did not compile."""
+    lay = loader.layout
+    st = lay.strides()
+    d = loader.head_dim
+    if cache.data_ptr() % 16:
+        raise UnsupportedKernelError("decode(kernel='cuda') needs a 16-byte aligned cache")
+    if st["k_token"] != d // 2 or st["v_token"] != d // 2:   # 4-bit sides: d/2 code bytes
+        raise UnsupportedKernelError(f"decode(kernel='cuda'): token strides {st}")
+    k = _nvrtc.kernel(SOURCE, ENTRY, defines(loader, d, group, q.dtype, dot_dtype,
+                                             stages=stages, min_ctas=min_ctas), q.device)
+    ktab, vtab = loader._prmt["k", dot_dtype][0], loader._prmt["v", dot_dtype][0]
+    k(grid=(q.shape[0], loader.num_kv_heads, splits), block=(WARPS * 32, 1, 1),
+      args=[q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
+            block_table.shape[1], num_blocks, cache, lay.page_bytes,
+            lay.k_codes_offset, st["k_head"], lay.k_norms_offset,
+            lay.v_codes_offset, st["v_head"], lay.v_norms_offset, st["norm_head"],
+            ktab, vtab, part_o, part_lse, float(scale_log2), int(window), splits])

@@ -1,0 +1,170 @@
+"""The hand-written CUDA split kernel (``decode(kernel="cuda")``, tkv.kernels.cuda_decode).
+
+On the CPU: every supported configuration compiles with NVRTC for sm_90 (no GPU needed) within
+its register budget, and the scope checks refuse by name. On a GPU: the float64 oracle and the
+Triton kernel agree with it on ragged, randomly paged batches; CUDA-graph replay equals eager.
+"""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tkv.codec import TurboKVCodec
+from tkv.kernels import TkvLoader, Workspace, _nvrtc, cuda_decode, decode
+from tkv.kernels._util import UnsupportedKernelError, interpreting
+from tkv.kernels.reference import decode_reference
+from tkv.kernels.testing import fill_cache, make_cache, make_paged_batch
+
+GPU = torch.cuda.is_available() and not interpreting()
+gpu_only = pytest.mark.skipif(not GPU, reason="needs CUDA")
+
+
+def _cuobjdump() -> Path | None:
+    import triton
+    p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return p if p.exists() else None
+
+
+def _defines(d, group, *, sym=1, q_kind=0, bf16=1, block=16):
+    return dict(HEAD_DIM=d, GROUP=group, WARPS=cuda_decode.WARPS, NST=3 if d <= 128 else 2,
+                BLOCK_SIZE=block, Q_KIND=q_kind, DOT_BF16=bf16, K_SYM=sym, V_SYM=sym,
+                MIN_CTAS=4 if d <= 128 else 2)
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="a CPU-only PyTorch has no NVRTC")
+@pytest.mark.parametrize("d,group,sym,q_kind,bf16", [
+    (128, 4, 1, 0, 1), (128, 8, 0, 1, 1), (64, 3, 1, 2, 0), (64, 1, 0, 0, 1), (256, 7, 1, 0, 1)])
+def test_compiles_offline_within_its_register_budget(d, group, sym, q_kind, bf16, tmp_path):
+    """NVRTC compiles the kernel for sm_90 on any machine; at head_dim ≤ 128 it fits 128
+    registers (4 CTAs of 4 warps per SM) without local memory."""
+    cubin = _nvrtc.compile_cubin(cuda_decode.SOURCE, cuda_decode.ENTRY,
+                                 _defines(d, group, sym=sym, q_kind=q_kind, bf16=bf16), "90")
+    assert cubin[:4] == b"\x7fELF"
+    tool = _cuobjdump()
+    if tool is None or d > 128:
+        return
+    (tmp_path / "k.cubin").write_bytes(cubin)
+    res = subprocess.run([str(tool), "-res-usage", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    assert regs <= 128 and "STACK:0" in res and "LOCAL:0" in res, res
+
+
+def test_compile_error_is_named():
+    """A source NVRTC refuses raises CudaCompileError with the log, not a bare RuntimeError."""
+    if torch.version.cuda is None:
+        pytest.skip("a CPU-only PyTorch has no NVRTC")
+    with pytest.raises(_nvrtc.CudaCompileError, match=r"HEAD_DIM|error"):
+        _nvrtc.compile_cubin(cuda_decode.SOURCE, cuda_decode.ENTRY, {"GROUP": 4}, "90")
+
+
+def test_refuses_what_it_cannot_serve():
+    """Outside its scope the CUDA kernel refuses by name before any launch."""
+    dev = "cuda" if GPU else "cpu"
+    ld = TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4, device=dev), 2, 16)
+    check = cuda_decode.check_supported
+    if not GPU:
+        with pytest.raises(UnsupportedKernelError, match="CUDA device"):
+            check(ld, "cpu", 128, 4, torch.bfloat16)
+    odd = TkvLoader(TurboKVCodec(128, k_bits=3, v_bits=4, device=dev), 2, 16)
+    with pytest.raises(UnsupportedKernelError, match="4-bit"):
+        check(odd, dev, 128, 4, torch.bfloat16)
+    with pytest.raises(UnsupportedKernelError, match="head_dim"):
+        check(TkvLoader(TurboKVCodec(96, k_bits=4, v_bits=4, device=dev), 2, 16), dev, 96, 4,
+              torch.bfloat16)
+    with pytest.raises(UnsupportedKernelError, match="8 query heads"):
+        check(ld, dev, 128, 9, torch.bfloat16)
+    with pytest.raises(UnsupportedKernelError, match="multiple of 16"):
+        check(TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4, device=dev), 2, 8), dev, 128, 4,
+              torch.bfloat16)
+    with pytest.raises(UnsupportedKernelError, match="byte tables"):
+        check(TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4, device=dev), 2, 16,
+                        lookup="pair"), dev, 128, 4, torch.bfloat16)
+
+
+def _case(d, hkv, block, lens, seed=0, dtype=torch.bfloat16):
+    torch.manual_seed(seed)
+    ld = TkvLoader(TurboKVCodec(d, k_bits=4, v_bits=4, device="cuda"), hkv, block)
+    batch = make_paged_batch(lens, block, "cuda")
+    cache = make_cache(ld, batch.num_blocks, "cuda")   # poisoned: unused slots hold garbage
+    for i, n in enumerate(lens):
+        kv = torch.randn(2, n, hkv, d, device="cuda", dtype=dtype)
+        fill_cache(ld, cache, kv[0], kv[1], batch.slots(i))
+    return ld, batch, cache
+
+
+def _rel_rows(out, ref):
+    """Largest per-(sequence, head) relative error."""
+    err = (out.double() - ref).flatten(0, 1).norm(dim=-1)
+    return (err / ref.flatten(0, 1).norm(dim=-1).clamp_min(1e-30)).max().item()
+
+
+@gpu_only
+@pytest.mark.parametrize("d,hkv,group,block,window,dtype", [
+    (128, 8, 4, 16, 0, torch.bfloat16), (128, 2, 8, 32, 0, torch.bfloat16),
+    (64, 3, 3, 16, 100, torch.bfloat16), (64, 4, 1, 64, 0, torch.float16),
+    (256, 2, 7, 128, 0, torch.bfloat16), (128, 1, 4, 16, 33, torch.float16)])
+def test_matches_oracle_and_triton(d, hkv, group, block, window, dtype):
+    """Against the float64 oracle (per row, within bf16/fp16 rounding) and the Triton split
+    kernel (same inputs), at the workspace's split count and at 1 and 8 splits: lengths 1, 15,
+    16, 17, tails, random pages, GQA 1-8, windows, fp16."""
+    lens = [1, 37, 300, 1024, 77, 16, 17, 15]
+    ld, batch, cache = _case(d, hkv, block, lens, dtype=dtype)
+    q = torch.randn(len(lens), hkv * group, d, device="cuda", dtype=dtype)
+    ws = Workspace(8, 64, 256, "cuda")
+    args = (q, cache, batch.block_table, batch.seq_lens, ld, ws)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld, window=window)
+    tri = decode(*args, window=window).double()
+    for splits in (None, 1, 8):
+        out = decode(*args, window=window, kernel="cuda", num_splits=splits)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        assert _rel_rows(out, ref) < 2.5e-2, splits
+        assert _rel_rows(out, tri) < 1e-2, splits
+
+
+@gpu_only
+def test_both_lookups_agree_bit_for_bit():
+    """The antisymmetric-table lookup (default codebooks) and the general 16-entry lookup give
+    the same bits: the kernel built with each equals the other exactly."""
+    ld, batch, cache = _case(128, 4, 16, [500, 3, 129])
+    q = torch.randn(3, 16, 128, device="cuda", dtype=torch.bfloat16)
+    ws = Workspace(4, 16, 128, "cuda")
+    args = (q, cache, batch.block_table, batch.seq_lens, ld, ws)
+    assert cuda_decode._antisymmetric(ld, "k", torch.bfloat16)
+    sym = decode(*args, kernel="cuda")
+    cuda_decode._SYM[ld] = {(s, torch.bfloat16): False for s in "kv"}
+    general = decode(*args, kernel="cuda")
+    assert torch.equal(sym, general)
+
+
+@gpu_only
+def test_graph_replay_equals_eager_and_broken_lengths_are_nan():
+    """Captured in a CUDA graph and replayed, the output equals eager; a length past the block
+    table's capacity gives NaN rows (as the Triton kernel) and reads nothing outside it."""
+    ld, batch, cache = _case(128, 8, 16, [700, 5, 2000])
+    q = torch.randn(3, 32, 128, device="cuda", dtype=torch.bfloat16)
+    ws = Workspace(4, 32, 128, "cuda")
+    out = torch.empty_like(q)
+    run = lambda: decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out,
+                         kernel="cuda")
+    run()
+    eager = out.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    batch.seq_lens[1] = 10**6
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all() and torch.equal(out[0], eager[0])
