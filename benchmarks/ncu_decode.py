@@ -7,6 +7,9 @@ Run under ncu on the GPU (hardware counters; leave the clocks alone), e.g.::
         --section LaunchStats --section MemoryWorkloadAnalysis \\
         python benchmarks/ncu_decode.py
 
+``--kernel cuda`` profiles the hand-written CUDA split kernel instead (``--kernel-name
+regex:tkv_decode_k4v4``).
+
 Configs (Qwen3-8B-like attention: Hq=32, Hkv=8, head_dim 128, block_size 16), in order:
 K4V4 (CUDA default lookup) and bf16 BypassLoader at B=256, L=640 (the e2e throughput runs'
 decode steps), then K4V4 at B=32, L=8192. One launch each; nothing is timed here.
@@ -21,6 +24,11 @@ from tkv.kernels import BypassLoader, TkvLoader, Workspace, decode
 
 
 def main() -> None:
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", default="triton", choices=("triton", "cuda"),
+                    help="decode's split kernel for the tkv configs (cuda: tkv_decode_k4v4)")
+    kernel = ap.parse_args().kernel
     dev = "cuda"
     torch.manual_seed(0)
     hq, hkv, d, block = 32, 8, 128, 16
@@ -45,7 +53,7 @@ def main() -> None:
             print(f"B={B} L={L} bf16 bypass", flush=True)
         # the served default: for tkv, the query rotated inside the split kernel since session
         # 16 (profiles before it show a separate rotate_rows launch)
-        decode(q, cache, bt, sl, ld, ws)
+        decode(q, cache, bt, sl, ld, ws, **({"kernel": kernel} if kind == "tkv" else {}))
         torch.cuda.synchronize()
 
 

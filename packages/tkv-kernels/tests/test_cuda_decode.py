@@ -28,20 +28,24 @@ def _cuobjdump() -> Path | None:
     return p if p.exists() else None
 
 
-def _defines(d, group, *, sym=1, q_kind=0, bf16=1, block=16):
-    return dict(HEAD_DIM=d, GROUP=group, WARPS=cuda_decode.WARPS, NST=3 if d <= 128 else 2,
-                BLOCK_SIZE=block, Q_KIND=q_kind, DOT_BF16=bf16, K_SYM=sym, V_SYM=sym,
-                MIN_CTAS=4 if d <= 128 else 2)
-
-
 @pytest.mark.skipif(torch.version.cuda is None, reason="a CPU-only PyTorch has no NVRTC")
-@pytest.mark.parametrize("d,group,sym,q_kind,bf16", [
-    (128, 4, 1, 0, 1), (128, 8, 0, 1, 1), (64, 3, 1, 2, 0), (64, 1, 0, 0, 1), (256, 7, 1, 0, 1)])
-def test_compiles_offline_within_its_register_budget(d, group, sym, q_kind, bf16, tmp_path):
-    """NVRTC compiles the kernel for sm_90 on any machine; at head_dim ≤ 128 it fits 128
-    registers (4 CTAs of 4 warps per SM) without local memory."""
-    cubin = _nvrtc.compile_cubin(cuda_decode.SOURCE, cuda_decode.ENTRY,
-                                 _defines(d, group, sym=sym, q_kind=q_kind, bf16=bf16), "90")
+@pytest.mark.parametrize("d,group,q_dtype,dot,qrot,epilogue,tune", [
+    (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {}),
+    (128, 8, torch.float32, torch.bfloat16, False, 0, {}),
+    (128, 4, torch.float32, torch.bfloat16, False, 0, {"sub": 1, "stages": 3}),
+    (64, 3, torch.float16, torch.float16, True, 1, {}),
+    (64, 1, torch.float32, torch.bfloat16, False, 0, {"sub": 2, "stages": 6}),
+    (256, 7, torch.bfloat16, torch.bfloat16, True, 2, {})])
+def test_compiles_offline_within_its_register_budget(d, group, q_dtype, dot, qrot, epilogue,
+                                                     tune, tmp_path):
+    """NVRTC compiles the kernel for sm_90 on any machine (no GPU needed), with the query
+    rotation and each epilogue; at head_dim ≤ 128 it fits 128 registers (4 CTAs of 4 warps
+    per SM) without local memory."""
+    ld = TkvLoader(TurboKVCodec(d, k_bits=4, v_bits=4), 2, 16)
+    defs = cuda_decode.defines(ld, d, group, q_dtype, dot, qrot=qrot, epilogue=epilogue,
+                               out_dtype=q_dtype, **tune)
+    assert defs["K_SYM"] == defs["V_SYM"] == 1   # the default codebooks are antisymmetric
+    cubin = _nvrtc.compile_cubin(cuda_decode.SOURCE, cuda_decode.ENTRY, defs, "90")
     assert cubin[:4] == b"\x7fELF"
     tool = _cuobjdump()
     if tool is None or d > 128:
@@ -168,3 +172,25 @@ def test_graph_replay_equals_eager_and_broken_lengths_are_nan():
     g.replay()
     torch.cuda.synchronize()
     assert torch.isnan(out[1]).all() and torch.equal(out[0], eager[0])
+
+
+@gpu_only
+@pytest.mark.parametrize("splits", [1, 4])
+def test_rotation_options_match_triton(splits):
+    """The query rotated in the kernel or beforehand (``query_rotated``, a float32 or bf16
+    rotated query), and the output unrotated in the kernel or left rotated
+    (``output_rotated``): each equals the Triton kernel with the same options, through the
+    single-split epilogues (1 split) and the reduce pass (4)."""
+    ld, batch, cache = _case(128, 4, 32, [900, 2, 64])
+    q = torch.randn(3, 16, 128, device="cuda", dtype=torch.bfloat16)
+    ws = Workspace(4, 16, 128, "cuda")
+    args = (cache, batch.block_table, batch.seq_lens, ld, ws)
+    qr = (q.float().reshape(-1, 128) @ ld.q_in[:128, :128].float()).reshape(q.shape)
+    for opts, query in (({}, q), ({"output_rotated": True}, q),
+                        ({"query_rotated": True}, qr),
+                        ({"query_rotated": True}, qr.to(torch.bfloat16)),
+                        ({"fused_query_rotation": False}, q)):
+        tri = decode(query, *args, num_splits=splits, **opts).double()
+        out = decode(query, *args, num_splits=splits, kernel="cuda", **opts)
+        assert torch.isfinite(out).all()
+        assert _rel_rows(out, tri) < 1e-2, opts

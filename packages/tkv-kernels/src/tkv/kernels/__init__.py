@@ -1,4 +1,4 @@
-"""tkv.kernels — Triton kernels reading the tkv packed paged KV cache with inline dequant.
+"""tkv.kernels — Triton and CUDA kernels reading the tkv packed paged KV cache with inline dequant.
 
 Public API: :class:`TkvLoader` (per-layer tkv format), :class:`BypassLoader`,
 :class:`Fp8Loader`, the :class:`Loader` protocol, :class:`Workspace` (shared scratch),
@@ -11,7 +11,8 @@ float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
 """
 
 from . import _interpreter_compat
-from ._util import shares_memory
+from ._util import UnsupportedKernelError, shares_memory
+from .cuda_decode import ENV_DECODE_KERNEL, DecodeKernelConfigError, decode_kernel_from_env
 from .decode import decode
 from .dense_attention import (
     ENV_PREFILL_ATTENTION,
@@ -87,6 +88,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DENSE_PREFIX_CAP",
+    "ENV_DECODE_KERNEL",
     "ENV_DECODE_MIN_SPLIT_TILES",
     "ENV_DECODE_PIPELINE",
     "ENV_DECODE_SINGLE_SPLIT",
@@ -99,6 +101,7 @@ __all__ = [
     "MAX_PREFILL_RUNS",
     "SERVED_HEAD_DIMS",
     "BypassLoader",
+    "DecodeKernelConfigError",
     "DenseAttention",
     "EngineKernelSettings",
     "FlashDevice",
@@ -120,11 +123,13 @@ __all__ = [
     "StoreRotationConfigError",
     "TkvLoader",
     "TorchVarlenAttention",
+    "UnsupportedKernelError",
     "Workspace",
     "WorkspaceTooSmallError",
     "check_metadata",
     "compress_store",
     "decode",
+    "decode_kernel_from_env",
     "decode_min_split_tiles_from_env",
     "decode_pipeline_from_env",
     "decode_single_split_from_env",

@@ -28,15 +28,30 @@ import weakref
 
 import torch
 
+from tkv.codec.errors import TkvError
+
 from . import _nvrtc
-from ._util import UnsupportedKernelError, interpreting
+from ._util import UnsupportedKernelError, choice_from_env, interpreting, read_at_import
 from .loaders import _IMMEDIATE_TABLES, _PRMT_FAMILY, TkvLoader, _antisymmetric_table
 
-__all__ = ["check_supported", "defines", "launch_split"]
+__all__ = [
+    "DECODE_KERNEL",
+    "ENV_DECODE_KERNEL",
+    "DecodeKernelConfigError",
+    "check_supported",
+    "decode_kernel_from_env",
+    "defines",
+    "launch_split",
+    "supported",
+]
 
 SOURCE = "decode_k4v4.cu"
 ENTRY = "tkv_decode_k4v4"
 WARPS = 4
+SUB = 2   # 16-token steps per loop iteration at head_dim ≤ 128 (one softmax update for both)
+# defaults for :func:`defines`' tuning keywords (sub, stages, min_ctas) when a launch passes
+# none; benchmarks override them to time variants
+TUNING: dict[str, int] = {}
 _Q_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _SYM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # loader -> {(side, half): bool}
 
@@ -60,12 +75,46 @@ def check_supported(loader, device, head_dim: int, group: int, dot_dtype) -> Non
     elif loader.lookup not in ("auto", *_PRMT_FAMILY) or any(
             (s, dot_dtype) not in loader._prmt for s in ("k", "v")):
         why = "needs the loader's byte tables (lookup 'auto' or a prmt lookup)"
-    elif torch.device(device).type != "cuda" or interpreting():
+    elif torch.device(device).type != "cuda" or interpreting() or torch.version.cuda is None:
         why = "needs a CUDA device (not the Triton interpreter)"
     elif torch.cuda.get_device_capability(device) < (8, 0):
         why = "needs compute capability 8.0 or newer (mma.m16n8k16, cp.async)"
     if why:
         raise UnsupportedKernelError(f"decode(kernel='cuda') {why}")
+
+
+def supported(loader, device, head_dim: int, group: int, dot_dtype) -> bool:
+    """Whether :func:`check_supported` accepts the call (``decode(kernel="auto")``'s test)."""
+    try:
+        check_supported(loader, device, head_dim, group, dot_dtype)
+    except UnsupportedKernelError:
+        return False
+    return True
+
+
+ENV_DECODE_KERNEL = "TKV_DECODE_KERNEL"
+_KERNELS = ("auto", "triton", "cuda")
+
+
+class DecodeKernelConfigError(TkvError, ValueError):
+    """``TKV_DECODE_KERNEL`` names no decode split kernel."""
+
+
+def decode_kernel_from_env(environ=None) -> str:
+    """``decode``'s split kernel when the caller names none (``TKV_DECODE_KERNEL``): ``auto``
+    (default: the CUDA kernel where :func:`check_supported` accepts the call and no
+    Triton-only option is given, else Triton), ``triton`` or ``cuda`` (refused calls raise
+    UnsupportedKernelError). Read once at import into :data:`DECODE_KERNEL`; a bad value is
+    raised by the engines' startup validation or the first kernel call.
+
+    Raises:
+        DecodeKernelConfigError: any other value."""
+    return choice_from_env(environ, ENV_DECODE_KERNEL, _KERNELS, "auto", DecodeKernelConfigError,
+                           "expected auto (the CUDA split kernel where it applies, else Triton),"
+                           " triton or cuda")
+
+
+DECODE_KERNEL = read_at_import(decode_kernel_from_env)
 
 
 def _antisymmetric(loader: TkvLoader, side: str, half: torch.dtype) -> bool:
@@ -84,25 +133,38 @@ def _antisymmetric(loader: TkvLoader, side: str, half: torch.dtype) -> bool:
 
 
 def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
-            dot_dtype: torch.dtype, *, stages: int | None = None,
-            min_ctas: int | None = None) -> dict[str, int]:
-    """The ``-D`` defines of one kernel configuration (the compile key)."""
-    return dict(HEAD_DIM=head_dim, GROUP=group, WARPS=WARPS,
-                NST=stages or (3 if head_dim <= 128 else 2), BLOCK_SIZE=loader.block_size,
-                Q_KIND=_Q_KIND[q_dtype], DOT_BF16=int(dot_dtype == torch.bfloat16),
+            dot_dtype: torch.dtype, *, qrot: bool = False, epilogue: int = 0,
+            out_dtype: torch.dtype = torch.float32, sub: int | None = None,
+            stages: int | None = None, min_ctas: int | None = None) -> dict[str, int]:
+    """The ``-D`` defines of one kernel configuration (the compile key; see the source's
+    header). ``sub``: 16-token steps per loop iteration (default 2 at head_dim ≤ 128, else
+    1); ``stages``: ring stages per warp (default ``2·sub``, 3 for one step at head_dim ≤
+    128); ``min_ctas``: the register budget as CTAs per SM (default 4, 2 at head_dim 256)."""
+    sub = sub or (SUB if head_dim <= 128 else 1)
+    nst = stages or (2 * sub if sub > 1 or head_dim > 128 else 3)
+    return dict(HEAD_DIM=head_dim, GROUP=group, WARPS=WARPS, SUB=sub, NST=nst,
+                BLOCK_SIZE=loader.block_size, Q_KIND=_Q_KIND[q_dtype], QROT=int(qrot),
+                DOT_BF16=int(dot_dtype == torch.bfloat16),
                 K_SYM=int(_antisymmetric(loader, "k", dot_dtype)),
                 V_SYM=int(_antisymmetric(loader, "v", dot_dtype)),
+                EPILOGUE=epilogue, OUT_KIND=_Q_KIND[out_dtype],
                 MIN_CTAS=min_ctas or (4 if head_dim <= 128 else 2))
 
 
 def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLoader,
                  part_o, part_lse, scale_log2: float, window: int, *, group: int,
-                 splits: int, dot_dtype: torch.dtype, stages: int | None = None,
-                 min_ctas: int | None = None) -> None:
-    """Launch the CUDA split kernel on grid ``(num_seqs, num_kv_heads, splits)``: ``q`` the
-    rotated queries ``(num_seqs, num_q_heads, head_dim)`` (float32 / bf16 / fp16, unit stride
-    on head_dim), the partial rows and LSEs (log2 units) into ``part_o`` / ``part_lse`` as
-    ``decode._decode_split_kernel`` writes them.
+                 splits: int, dot_dtype: torch.dtype, q_w: torch.Tensor | None = None,
+                 epilogue: int = 0, out: torch.Tensor | None = None,
+                 o_w: torch.Tensor | None = None, **config) -> None:
+    """Launch the CUDA split kernel on grid ``(num_seqs, num_kv_heads, splits)``.
+
+    ``q``: ``(num_seqs, num_q_heads, head_dim)`` (float32 / bf16 / fp16, unit stride on
+    head_dim), rotated — or, with ``q_w`` (float32 ``(head_dim,)``, the loader's
+    ``q_hadamard``), in model space and rotated in the kernel as ``H (q_w ⊙ q)``.
+    ``epilogue`` (as ``decode._single_split_epilogue``; one split only): 0 writes the partial
+    rows and LSEs (log2 units) into ``part_o`` / ``part_lse`` as
+    ``decode._decode_split_kernel`` does; 1 writes the normalized rows to ``out``; 2 writes
+    them unrotated as ``o_w ⊙ H o``. ``config``: :func:`defines`' tuning keywords.
 
     Raises:
         UnsupportedKernelError: the cache's base is not 16-byte aligned.
@@ -114,12 +176,19 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
         raise UnsupportedKernelError("decode(kernel='cuda') needs a 16-byte aligned cache")
     if st["k_token"] != d // 2 or st["v_token"] != d // 2:   # 4-bit sides: d/2 code bytes
         raise UnsupportedKernelError(f"decode(kernel='cuda'): token strides {st}")
+    out_dtype = out.dtype if epilogue else torch.float32
     k = _nvrtc.kernel(SOURCE, ENTRY, defines(loader, d, group, q.dtype, dot_dtype,
-                                             stages=stages, min_ctas=min_ctas), q.device)
+                                             qrot=q_w is not None, epilogue=epilogue,
+                                             out_dtype=out_dtype, **{**TUNING, **config}),
+                      q.device)
     ktab, vtab = loader._prmt["k", dot_dtype][0], loader._prmt["v", dot_dtype][0]
+    dummy = part_lse
     k(grid=(q.shape[0], loader.num_kv_heads, splits), block=(WARPS * 32, 1, 1),
       args=[q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
             block_table.shape[1], num_blocks, cache, lay.page_bytes,
             lay.k_codes_offset, st["k_head"], lay.k_norms_offset,
             lay.v_codes_offset, st["v_head"], lay.v_norms_offset, st["norm_head"],
-            ktab, vtab, part_o, part_lse, float(scale_log2), int(window), splits])
+            ktab, vtab, part_o, part_lse, float(scale_log2), int(window), splits,
+            dummy if q_w is None else q_w, out if epilogue else dummy,
+            out.stride(0) if epilogue else 0, out.stride(1) if epilogue else 0,
+            dummy if o_w is None else o_w])

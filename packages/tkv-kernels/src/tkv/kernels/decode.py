@@ -349,7 +349,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
            output_rotated: bool = False, num_splits: int | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
            prefetch: bool = False, swap_qk: bool | None = None,
-           maxnreg: int | None = None, kernel: str = "triton",
+           maxnreg: int | None = None, kernel: str | None = None,
            fused_query_rotation: bool | None = None,
            single_split_epilogue: bool = True,
            min_split_tiles: int | None = None) -> torch.Tensor:
@@ -407,13 +407,20 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         swap_qk: compute scores as ``K · q^T`` (K tiles as the tensor-core A operand)
             instead of ``q · K^T``; default: the loader's ``k_operand_a(dot_dtype)`` if it
             has one (TkvLoader with ``lookup="prmt1"``), else False. Same result.
-        kernel: ``"triton"`` (default), ``"gluon"``: the experimental one-warp Gluon split
-            kernel (:mod:`tkv.kernels.gluon_decode`; K4V4 with ``lookup="prmt"``, bf16, CUDA;
-            slower on the H200 so far: 0.78× the Triton kernel at B=32, L=8K, session 11), or
-            ``"cuda"``: the hand-written CUDA split kernel (:mod:`tkv.kernels.cuda_decode`;
-            K4V4, head_dim 64/128/256, ≤ 8 query heads per KV head). Both raise
-            :class:`~tkv.kernels._util.UnsupportedKernelError` on calls outside their scope
-            and use the separate query rotation and the reduce pass. Same result.
+        kernel: the split kernel. ``"cuda"``: the hand-written CUDA kernel
+            (:mod:`tkv.kernels.cuda_decode`; K4V4 with the byte-table lookups, head_dim 64 /
+            128 / 256, ≤ 8 query heads per KV head, block_size a multiple of 16, no sink
+            offsets; its own split rule, :meth:`Workspace.cuda_splits_for`; 1.5-1.8× the
+            Triton kernel at B=32, L=8K on an H100). ``"triton"``: the Triton kernel (every
+            loader and width). ``"auto"``: the CUDA kernel where it can serve the call and
+            none of the Triton-only options (``block_n``, ``num_warps``, ``num_stages``,
+            ``prefetch``, ``swap_qk``, ``maxnreg``, ``min_split_tiles``) is given, else
+            Triton. ``"gluon"``: the experimental one-warp Gluon kernel
+            (:mod:`tkv.kernels.gluon_decode`; K4V4 with ``lookup="prmt"``, bf16; 0.78× the
+            Triton kernel, session 11). None (default): ``TKV_DECODE_KERNEL`` (default
+            ``auto``). ``"cuda"`` and ``"gluon"`` raise
+            :class:`~tkv.kernels._util.UnsupportedKernelError` on calls outside their scope.
+            Same result (to bf16 rounding of the operands).
         prefetch: fetch tile ``t+1``'s bytes while tile ``t`` is computed (software
             pipeline). Off by default: on the H200 it helped 32-token tiles (0.46 vs 0.49 ms)
             but not the faster 128-token ones (0.44 vs 0.38 ms), K4V4 B=32 L=8K.
@@ -422,8 +429,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             Walsh–Hadamard butterfly stages in float32 registers) instead of one
             ``rotate_rows`` launch before it: one dependent launch and the rotated-query
             round trip through the workspace less per decode call. Only where the rotation
-            is a power-of-two Hadamard (``loader.q_hadamard`` not None), the Triton kernel
-            and an unrotated query; otherwise the separate rotation runs. None (default):
+            is a power-of-two Hadamard (``loader.q_hadamard`` not None), the Triton or CUDA
+            kernel and an unrotated query; otherwise the separate rotation runs. None (default):
             the loader's ``fused_query_rotation`` (TkvLoader: True unless constructed with
             False; the engines: ``TKV_FUSED_QUERY_ROTATION``, default 1).
         single_split_epilogue: with one split (``num_splits=1``, or ``Workspace.splits_for``
@@ -485,8 +492,16 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         raise ShapeError("block_table must have unit stride on its last dim")
     dev = query.device
     dot_dtype = dot_dtype_for(query.dtype)
-    if kernel not in ("triton", "gluon", "cuda"):
-        raise ValueError(f"kernel must be 'triton', 'gluon' or 'cuda', got {kernel!r}")
+    if kernel is None:
+        kernel = cuda_decode.DECODE_KERNEL
+    if kernel not in ("auto", "triton", "gluon", "cuda"):
+        raise ValueError(f"kernel must be 'auto', 'triton', 'gluon' or 'cuda', got {kernel!r}")
+    if kernel == "auto":   # the CUDA kernel unless it cannot serve the call or a Triton option
+        triton_only = (block_n is not None or num_warps != 4 or num_stages is not None
+                       or prefetch or swap_qk is not None or maxnreg is not None
+                       or bool(min_split_tiles) or bool(workspace.min_split_tiles))
+        kernel = "cuda" if not triton_only and cuda_decode.supported(
+            loader, dev, d, hq // hkv, dot_dtype) else "triton"
     if kernel == "gluon":
         gluon_decode.check_supported(loader, dev, d, hq // hkv, dot_dtype)
     elif kernel == "cuda":
@@ -516,8 +531,12 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     d_pad = max(16, next_pow2(d))
     g = hq // hkv
     block_h = max(16, next_pow2(g))
-    splits = (workspace.splits_for(ns, hkv) if num_splits is None
-              else check_pow2(num_splits, "num_splits", 1, workspace.max_splits))
+    if num_splits is not None:
+        splits = check_pow2(num_splits, "num_splits", 1, workspace.max_splits)
+    elif kernel == "cuda":
+        splits = workspace.cuda_splits_for(ns, hkv)
+    else:
+        splits = workspace.splits_for(ns, hkv)
     part_o, part_lse = workspace.partials(ns, hq, splits, d_pad)
     q = query
     br = row_block(ns * hq, d_pad)   # (sequence, head) rows per reduce program
@@ -528,7 +547,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         if fused_query_rotation is None:
             fused_query_rotation = getattr(loader, "fused_query_rotation", False)
         check_flag(fused_query_rotation, "fused_query_rotation")   # "0" would read as True
-        if fused_query_rotation and kernel == "triton" and hw is not None:
+        if fused_query_rotation and kernel in ("triton", "cuda") and hw is not None:
             if hw.device != dev:
                 raise DeviceMismatchError(f"loader.q_hadamard is on {hw.device}, the query on "
                                           f"{dev}")
@@ -557,12 +576,15 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             num_warps=num_warps)
     unrotate = bool(loader.rotated and not output_rotated)
     epilogue, o_w, orot_log2 = _single_split_epilogue(
-        loader, splits, unrotate, d, d_pad, dev, single_split_epilogue and kernel == "triton",
+        loader, splits, unrotate, d, d_pad, dev,
+        single_split_epilogue and kernel in ("triton", "cuda"),
         min_split_tiles if kernel == "triton" else 0)
     if kernel == "cuda":
         cuda_decode.launch_split(
             q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,
-            scale * _LOG2E, window, group=g, splits=splits, dot_dtype=dot_dtype)
+            scale * _LOG2E, window, group=g, splits=splits, dot_dtype=dot_dtype,
+            q_w=q_w if qrot_log2 else None, epilogue=epilogue if splits == 1 else 0,
+            out=out, o_w=o_w)
     elif kernel == "gluon":
         gluon_decode.launch_split(
             q, block_table, seq_lens, num_blocks, kargs, vargs, part_o, part_lse,

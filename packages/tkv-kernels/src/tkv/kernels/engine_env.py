@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ._util import choice_from_env, interpreting
+from .cuda_decode import decode_kernel_from_env
 from .dense_attention import prefill_attention_from_env
 from .loaders import (
     _prmti_maxnreg_from_env,
@@ -40,6 +41,7 @@ class EngineKernelSettings(NamedTuple):
     decode_single_split: bool     # TKV_DECODE_SINGLE_SPLIT
     decode_min_split_tiles: int   # TKV_DECODE_MIN_SPLIT_TILES (0: off)
     store_rotation: str           # TKV_STORE_ROTATION
+    decode_kernel: str            # TKV_DECODE_KERNEL
 
     def describe(self) -> str:
         """One log line, e.g. ``TKV_LOOKUP=auto TKV_SMALL_HEAD_GROUPS=1 ...``."""
@@ -51,7 +53,7 @@ class EngineKernelSettings(NamedTuple):
 def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> EngineKernelSettings:
     """Parse every engine-facing kernel setting from ``environ`` (None: ``os.environ``; then
     the returned ``TKV_PRMTI_MAXNREG`` / ``TKV_DECODE_PIPELINE`` / ``TKV_DECODE_SINGLE_SPLIT``
-    / ``TKV_DECODE_MIN_SPLIT_TILES`` / ``TKV_STORE_ROTATION`` are the values this process read
+    / ``TKV_DECODE_MIN_SPLIT_TILES`` / ``TKV_STORE_ROTATION`` / ``TKV_DECODE_KERNEL`` are the values this process read
     at import, the ones its kernels use — the current values are still validated).
 
     Args:
@@ -62,10 +64,11 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
     Raises:
         LookupConfigError, SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
         PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError,
-        SingleSplitConfigError, MinSplitTilesConfigError, StoreRotationConfigError: the first
-        setting with a value its parser refuses (the message names the variable).
+        SingleSplitConfigError, MinSplitTilesConfigError, StoreRotationConfigError,
+        DecodeKernelConfigError: the first setting with a value its parser refuses (the
+        message names the variable).
     """
-    from . import loaders, store, workspace
+    from . import cuda_decode, loaders, store, workspace
     from ._util import check_import_settings
 
     check_import_settings()   # what this process refused at import, whatever ``environ`` says
@@ -76,12 +79,14 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
     single = decode_single_split_from_env(environ)
     tiles = decode_min_split_tiles_from_env(environ)
     rotation = store_rotation_from_env(environ)
+    kernel = decode_kernel_from_env(environ)
     if environ is None:
         maxnreg, pipeline = loaders.PRMTI_MAXNREG, loaders.DECODE_PIPELINE
         single, tiles = workspace.DECODE_SINGLE_SPLIT, workspace.DECODE_MIN_SPLIT_TILES
         rotation = store.STORE_ROTATION
+        kernel = cuda_decode.DECODE_KERNEL
     return EngineKernelSettings(
         lookup_from_env(environ), small_head_groups_from_env(environ),
         fused_query_rotation_from_env(environ),
         prefill_attention_from_env(environ, prefill_default), maxnreg, pipeline, single, tiles,
-        rotation)
+        rotation, kernel)

@@ -23,10 +23,15 @@
 // per-warp NST-stage ring in shared memory; every lane reads back only what it copied,
 // except the 16 norm words (a __syncwarp orders those).
 //
-// Defines (all required): HEAD_DIM (64, 128, 256), GROUP (1..8), WARPS, NST (stages),
-// BLOCK_SIZE (tokens per page, a multiple of 16), Q_KIND (0 float32, 1 bfloat16, 2 float16
-// query), DOT_BF16 (1: bf16 tensor-core operands and tables, 0: fp16), K_SYM / V_SYM (1: the
-// antisymmetric-table lookup), MIN_CTAS (__launch_bounds__ minimum CTAs per SM).
+// Defines (all required): HEAD_DIM (64, 128, 256), GROUP (1..8), WARPS, SUB (16-token steps
+// per loop iteration: 1 or 2, one softmax update per iteration), NST (ring stages per warp, a
+// multiple of SUB, >= 2·SUB), BLOCK_SIZE (tokens per page, a multiple of 16), Q_KIND (0
+// float32, 1 bfloat16, 2 float16 query), QROT (1: the query is in model space and rotated
+// here as H (q_w ⊙ q)), DOT_BF16 (1: bf16 tensor-core operands and tables, 0: fp16), K_SYM /
+// V_SYM (1: the antisymmetric-table lookup), EPILOGUE (0: the split's partial row and LSE for
+// the reduce kernel; 1: one split, the normalized row written to `out`; 2: the same unrotated
+// as o_w ⊙ H o), OUT_KIND (0 float32, 1 bfloat16, 2 float16 `out`), MIN_CTAS
+// (__launch_bounds__ minimum CTAs per SM).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -49,7 +54,7 @@ typedef unsigned char u8;
 #define V_STAGE (4 * VB * 32)
 #define STAGE_BYTES (K_STAGE + V_STAGE + 64)
 #define RING_BYTES (WARPS * NST * STAGE_BYTES)
-#define MERGE_BYTES (WARPS * (GROUP * D + 16) * 4)
+#define MERGE_BYTES ((WARPS * (GROUP * D + 16) + GROUP * D) * 4)
 #define SMEM_BYTES (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES)
 #define NEG_INF (__int_as_float(0xff800000))
 
@@ -163,6 +168,36 @@ __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
+// y = H x in place for GROUP rows of D floats in shared memory (H the unnormalized Sylvester
+// Walsh–Hadamard matrix): log2(D) butterfly stages, the whole CTA, a barrier after each
+__device__ __forceinline__ void fwht_rows(float* x) {
+#pragma unroll 1
+  for (int h = 1; h < D; h <<= 1) {
+    for (int p = threadIdx.x; p < GROUP * D / 2; p += WARPS * 32) {
+      const int row = p / (D / 2), r = p % (D / 2);
+      const int i = row * D + (r / h) * 2 * h + (r % h);
+      const float a = x[i], b = x[i + h];
+      x[i] = a + b;
+      x[i + h] = a - b;
+    }
+    __syncthreads();
+  }
+}
+
+__device__ __forceinline__ void store_out(void* out, long long i, float v) {
+#if OUT_KIND == 0
+  ((float*)out)[i] = v;
+#elif OUT_KIND == 1
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  ((u16*)out)[i] = r;
+#else
+  u16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  ((u16*)out)[i] = r;
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4v4(
     const void* __restrict__ q, int sq_s, int sq_h,
     const int* __restrict__ block_table, int s_bt, const int* __restrict__ seq_lens,
@@ -172,11 +207,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     int v_codes_off, int v_head_stride, int v_norms_off, int norm_head_stride,
     const u32* __restrict__ k_tab, const u32* __restrict__ v_tab,
     float* __restrict__ part_o, float* __restrict__ part_lse,
-    double scale_log2_d, int window, int num_splits) {
+    double scale_log2_d, int window, int num_splits,
+    const float* __restrict__ q_w, void* __restrict__ out, int so_s, int so_h,
+    const float* __restrict__ o_w) {
   __shared__ __align__(16) u8 smem[SMEM_BYTES];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  const int hkv = gridDim.y;
   const float scale_log2 = (float)scale_log2_d;
 
   const int L = seq_lens[seq];
@@ -188,6 +226,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   const int per = (nsteps + num_splits - 1) / num_splits;
   const int my0 = s0 + split * per;
   const int my1 = min(my0 + per, s1);
+  // this warp's 16-token steps: my0 + warp + WARPS·j, j < n_i
   const int n_i = my1 > my0 + warp ? (my1 - my0 - warp + WARPS - 1) / WARPS : 0;
   const int* bt_row = block_table + (long long)seq * s_bt;
 
@@ -196,13 +235,20 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #pragma unroll
   for (int i = 0; i < 8; ++i) { kt[i] = k_tab[i]; vt[i] = v_tab[i]; }
 
-  // the query (rotated space) as the B operand of S^T = K · q^T, in the relabelled k order:
-  // chunk c, register r (0: k = 2t, 2t+1; 1: k = 2t+8, 2t+9), element e is coordinate
+  // the query as the B operand of S^T = K · q^T, in the relabelled k order: chunk c,
+  // register r (0: k = 2t, 2t+1; 1: k = 2t+8, 2t+9), element e is rotated-space coordinate
   // 2·(t·KB + 4·(c/2) + 2r + e) + (c % 2)
   u32 qb[NCH][2];
   {
-    const int head = kvh * GROUP + g;
-    const long long qrow = (long long)seq * sq_s + (long long)head * sq_h;
+    const long long qrow = (long long)seq * sq_s + (long long)(kvh * GROUP) * sq_h;
+#if QROT
+    // model-space query rows rotated here: H (q_w ⊙ q), through shared memory
+    float* qs = (float*)smem;
+    for (int i = threadIdx.x; i < GROUP * D; i += WARPS * 32)
+      qs[i] = load_q(q, qrow + (long long)(i / D) * sq_h + i % D) * q_w[i % D];
+    __syncthreads();
+    fwht_rows(qs);
+#endif
 #pragma unroll
     for (int c = 0; c < NCH; ++c)
 #pragma unroll
@@ -210,11 +256,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
         float e0 = 0.f, e1 = 0.f;
         if (g < GROUP) {
           const int base = 2 * (t * KB + 4 * (c >> 1) + 2 * r) + (c & 1);
-          e0 = load_q(q, qrow + base);
-          e1 = load_q(q, qrow + base + 2);
+#if QROT
+          e0 = qs[g * D + base];
+          e1 = qs[g * D + base + 2];
+#else
+          e0 = load_q(q, qrow + (long long)g * sq_h + base);
+          e1 = load_q(q, qrow + (long long)g * sq_h + base + 2);
+#endif
         }
         qb[c][r] = pack2(e0, e1);
       }
+#if QROT
+    __syncthreads();   // the ring below reuses the rows' shared memory
+#endif
   }
 
   const u32 ring = (u32)__cvta_generic_to_shared(smem) + warp * NST * STAGE_BYTES;
@@ -223,14 +277,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   const long long norm_k = k_norms_off + 2LL * kvh * norm_head_stride;
   const long long norm_v = v_norms_off + 2LL * kvh * norm_head_stride;
 
-  // issue step i's copies into its stage (blk: its page, read one step ahead); returns
+  // issue step j's copies into its stage (blk: its page, read one step ahead); returns
   // whether the page is valid
-  auto issue = [&](int i, int blk) -> bool {
+  auto issue = [&](int j, int blk) -> bool {
     if (blk < 0 || blk >= num_blocks) return false;
-    const int pos0 = (my0 + warp + WARPS * i) * 16;
+    const int pos0 = (my0 + warp + WARPS * j) * 16;
     const long long page = (long long)blk * page_bytes;
     const int tok0 = pos0 % BLOCK_SIZE;
-    const u32 st = ring + (i % NST) * STAGE_BYTES;
+    const u32 st = ring + (j % NST) * STAGE_BYTES;
     const u8* kp = kv_head_k + page + (long long)(tok0 + g) * CB + t * KB;
 #pragma unroll
     for (int tk = 0; tk < 2; ++tk)
@@ -251,9 +305,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     }
     return true;
   };
-  // the block-table entry of step i (read one step before its copies are issued)
-  auto block_of = [&](int i) -> int {
-    return i < n_i ? bt_row[(my0 + warp + WARPS * i) * 16 / BLOCK_SIZE] : -1;
+  // the block-table entry of step j (read one step before its copies are issued)
+  auto block_of = [&](int j) -> int {
+    return j < n_i ? bt_row[(my0 + warp + WARPS * j) * 16 / BLOCK_SIZE] : -1;
   };
 
   float O[NCH][4];
@@ -262,70 +316,79 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;   // heads 2t, 2t+1
   u32 okbits = 0;
   int nblk = block_of(0);
-
+  // the ring: NST = SUB·(NPF + 1) stages; an iteration consumes SUB steps (one commit
+  // group) while the NPF groups after it are in flight
+  constexpr int NPF = NST / SUB - 1;
+  auto issue_group = [&](int first) {
 #pragma unroll
-  for (int j = 0; j < NST - 1; ++j) {
-    const int blk = nblk;
-    nblk = block_of(j + 1);
-    if (j < n_i && issue(j, blk)) okbits |= 1u << j;
-    cp_commit();
-  }
-
-  for (int i = 0; i < n_i; ++i) {
-    __syncwarp();   // every lane is done reading the stage the next issue overwrites
-    {
-      const int j = i + NST - 1;
+    for (int k = 0; k < SUB; ++k) {
+      const int j = first + k;
       const u32 bit = 1u << (j % NST);
-      okbits &= ~bit;
       const int blk = nblk;
       nblk = block_of(j + 1);
+      okbits &= ~bit;
       if (j < n_i && issue(j, blk)) okbits |= bit;
-      cp_commit();
     }
-    cp_wait<NST - 1>();
-    __syncwarp();   // the norm words copied by lanes 0..15 are visible to all lanes
-    const u32 st = ring + (i % NST) * STAGE_BYTES;
-    const bool ok = (okbits >> (i % NST)) & 1;
-    const int pos0 = (my0 + warp + WARPS * i) * 16;
-    const bool vg = ok && pos0 + g >= start && pos0 + g < lim;
-    const bool vg8 = ok && pos0 + g + 8 >= start && pos0 + g + 8 < lim;
+    cp_commit();
+  };
+#pragma unroll
+  for (int p = 0; p < NPF; ++p) issue_group(p * SUB);
 
-    // S^T = K · q^T
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
+  const int n_it = (n_i + SUB - 1) / SUB;
+  for (int it = 0; it < n_it; ++it) {
+    __syncwarp();   // every lane is done reading the stages the next issue overwrites
+    issue_group((it + NPF) * SUB);
+    cp_wait<NPF>();
+    __syncwarp();   // the norm words copied by lanes 0..15 are visible to all lanes
+
+    float x[SUB][4], fv[SUB][2];
+    bool vm[SUB][2];
+    float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
-    for (int u = 0; u < NKU; ++u) {
-      u32 ka[KU / 4], kb[KU / 4];
-      const u32 pa = st + (u * 32 + lane) * KU, pb = st + ((NKU + u) * 32 + lane) * KU;
-      lds<KU>(pa, ka);
-      lds<KU>(pb, kb);
+    for (int k = 0; k < SUB; ++k) {
+      const int j = it * SUB + k;
+      const u32 st = ring + (j % NST) * STAGE_BYTES;
+      const bool ok = (okbits >> (j % NST)) & 1;   // false past n_i too (never issued)
+      const int pos0 = (my0 + warp + WARPS * j) * 16;
+      vm[k][0] = ok && pos0 + g >= start && pos0 + g < lim;
+      vm[k][1] = ok && pos0 + g + 8 >= start && pos0 + g + 8 < lim;
+      // S^T = K · q^T (two accumulators: half the dependent HMMA chain)
+      float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int w = 0; w < KU / 4; ++w) {
-        u32 oa[4], ob[4];
+      for (int u = 0; u < NKU; ++u) {
+        u32 ka[KU / 4], kb[KU / 4];
+        lds<KU>(st + (u * 32 + lane) * KU, ka);
+        lds<KU>(st + ((NKU + u) * 32 + lane) * KU, kb);
+#pragma unroll
+        for (int w = 0; w < KU / 4; ++w) {
+          u32 oa[4], ob[4];
 #if K_SYM
-        sym16(ka[w], kt, oa); sym16(kb[w], kt, ob);
+          sym16(ka[w], kt, oa); sym16(kb[w], kt, ob);
 #else
-        lut16(ka[w], kt, oa); lut16(kb[w], kt, ob);
+          lut16(ka[w], kt, oa); lut16(kb[w], kt, ob);
 #endif
-        const int c = 2 * (u * (KU / 4) + w);
-        mma(s, oa[0], ob[0], oa[1], ob[1], qb[c][0], qb[c][1]);
-        mma(s, oa[2], ob[2], oa[3], ob[3], qb[c + 1][0], qb[c + 1][1]);
+          const int c = 2 * (u * (KU / 4) + w);
+          mma(sa, oa[0], ob[0], oa[1], ob[1], qb[c][0], qb[c][1]);
+          mma(sb, oa[2], ob[2], oa[3], ob[3], qb[c + 1][0], qb[c + 1][1]);
+        }
       }
-    }
-    // norms: K then V, tokens g and g+8
-    u32 kn, kn8, vn, vn8;
-    {
+      // norms: K then V, tokens g and g+8
       const u32 pn = st + K_STAGE + V_STAGE;
-      u16 a, b, c2, d2;
-      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(a) : "r"(pn + 2 * g));
-      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(b) : "r"(pn + 2 * (g + 8)));
-      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(c2) : "r"(pn + 32 + 2 * g));
-      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(d2) : "r"(pn + 32 + 2 * (g + 8)));
-      kn = a; kn8 = b; vn = c2; vn8 = d2;
+      u16 n0, n1, n2, n3;
+      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(n0) : "r"(pn + 2 * g));
+      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(n1) : "r"(pn + 2 * (g + 8)));
+      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(n2) : "r"(pn + 32 + 2 * g));
+      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(n3) : "r"(pn + 32 + 2 * (g + 8)));
+      const float sg = bf16_to_float(n0) * scale_log2, sg8 = bf16_to_float(n1) * scale_log2;
+      fv[k][0] = bf16_to_float(n2);
+      fv[k][1] = bf16_to_float(n3);
+      x[k][0] = vm[k][0] ? (sa[0] + sb[0]) * sg : NEG_INF;
+      x[k][1] = vm[k][0] ? (sa[1] + sb[1]) * sg : NEG_INF;
+      x[k][2] = vm[k][1] ? (sa[2] + sb[2]) * sg8 : NEG_INF;
+      x[k][3] = vm[k][1] ? (sa[3] + sb[3]) * sg8 : NEG_INF;
+      mx0 = fmaxf(mx0, fmaxf(x[k][0], x[k][2]));
+      mx1 = fmaxf(mx1, fmaxf(x[k][1], x[k][3]));
     }
-    const float sg = bf16_to_float(kn) * scale_log2, sg8 = bf16_to_float(kn8) * scale_log2;
-    const float x0 = vg ? s[0] * sg : NEG_INF, x1 = vg ? s[1] * sg : NEG_INF;
-    const float x2 = vg8 ? s[2] * sg8 : NEG_INF, x3 = vg8 ? s[3] * sg8 : NEG_INF;
-    float mx0 = fmaxf(x0, x2), mx1 = fmaxf(x1, x3);
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) {
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
@@ -335,13 +398,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;
     const float al0 = exp2f(m0 - ms0), al1 = exp2f(m1 - ms1);
     m0 = mn0; m1 = mn1;
-    const float p0 = exp2f(x0 - ms0), p1 = exp2f(x1 - ms1);
-    const float p2 = exp2f(x2 - ms0), p3 = exp2f(x3 - ms1);
-    l0 = l0 * al0 + (p0 + p2);
-    l1 = l1 * al1 + (p1 + p3);
-    const float fv = bf16_to_float(vn), fv8 = bf16_to_float(vn8);
-    const u32 b0 = trans8x8(pack2(vg ? p0 * fv : 0.f, vg ? p1 * fv : 0.f));
-    const u32 b1 = trans8x8(pack2(vg8 ? p2 * fv8 : 0.f, vg8 ? p3 * fv8 : 0.f));
+    l0 *= al0; l1 *= al1;
+    u32 pb[SUB][2];
+#pragma unroll
+    for (int k = 0; k < SUB; ++k) {
+      const float p0 = exp2f(x[k][0] - ms0), p1 = exp2f(x[k][1] - ms1);
+      const float p2 = exp2f(x[k][2] - ms0), p3 = exp2f(x[k][3] - ms1);
+      l0 += p0 + p2;
+      l1 += p1 + p3;
+      // P^T (tokens × heads, V norms applied) → the B operand: one transpose per 8 tokens
+      pb[k][0] = trans8x8(pack2(vm[k][0] ? p0 * fv[k][0] : 0.f, vm[k][0] ? p1 * fv[k][0] : 0.f));
+      pb[k][1] = trans8x8(pack2(vm[k][1] ? p2 * fv[k][1] : 0.f, vm[k][1] ? p3 * fv[k][1] : 0.f));
+    }
     if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {
 #pragma unroll
       for (int mt = 0; mt < NCH; ++mt) {
@@ -350,29 +418,33 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     }
     // O^T += V^T · P^T
 #pragma unroll
-    for (int u = 0; u < NVU; ++u) {
-      u32 vv[4][VU / 4];
+    for (int k = 0; k < SUB; ++k) {
+      const u32 st = ring + ((it * SUB + k) % NST) * STAGE_BYTES;
 #pragma unroll
-      for (int tv = 0; tv < 4; ++tv)
-        lds<VU>(st + K_STAGE + ((tv * NVU + u) * 32 + lane) * VU, vv[tv]);
+      for (int u = 0; u < NVU; ++u) {
+        u32 vv[4][VU / 4];
 #pragma unroll
-      for (int w = 0; w < VU / 4; ++w) {
-        const int v = u * (VU / 4) + w;   // the lane's word index within its VB bytes
+        for (int tv = 0; tv < 4; ++tv)
+          lds<VU>(st + K_STAGE + ((tv * NVU + u) * 32 + lane) * VU, vv[tv]);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const u32 sel = h ? 0x7362u : 0x5140u;
-          u32 o01[4], o23[4];
+        for (int w = 0; w < VU / 4; ++w) {
+          const int v = u * (VU / 4) + w;   // the lane's word index within its VB bytes
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const u32 sel = h ? 0x7362u : 0x5140u;
+            u32 o01[4], o23[4];
 #if V_SYM
-          sym16(prmt(vv[0][w], vv[1][w], sel), vt, o01);
-          sym16(prmt(vv[2][w], vv[3][w], sel), vt, o23);
+            sym16(prmt(vv[0][w], vv[1][w], sel), vt, o01);
+            sym16(prmt(vv[2][w], vv[3][w], sel), vt, o23);
 #else
-          lut16(prmt(vv[0][w], vv[1][w], sel), vt, o01);
-          lut16(prmt(vv[2][w], vv[3][w], sel), vt, o23);
+            lut16(prmt(vv[0][w], vv[1][w], sel), vt, o01);
+            lut16(prmt(vv[2][w], vv[3][w], sel), vt, o23);
 #endif
 #pragma unroll
-          for (int k = 0; k < 2; ++k)
-            mma(O[4 * v + 2 * h + k], o01[2 * k], o01[2 * k + 1], o23[2 * k], o23[2 * k + 1],
-                b0, b1);
+            for (int kk = 0; kk < 2; ++kk)
+              mma(O[4 * v + 2 * h + kk], o01[2 * kk], o01[2 * kk + 1], o23[2 * kk],
+                  o23[2 * kk + 1], pb[k][0], pb[k][1]);
+          }
         }
       }
     }
@@ -388,6 +460,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   __syncthreads();
   float* mo = (float*)smem;                       // [WARPS][GROUP][D]
   float* ml = mo + WARPS * GROUP * D;             // [WARPS][8] m, then [WARPS][8] l
+  float* fin = ml + WARPS * 16;                   // [GROUP][D] the merged rows (EPILOGUE 2)
   if (g == 0) {
     ml[warp * 8 + 2 * t] = m0; ml[warp * 8 + 2 * t + 1] = m1;
     ml[WARPS * 8 + warp * 8 + 2 * t] = l0; ml[WARPS * 8 + warp * 8 + 2 * t + 1] = l1;
@@ -403,7 +476,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
       if (2 * t + 1 < GROUP) mo[(warp * GROUP + 2 * t + 1) * D + coord] = O[mt][2 * r + 1];
     }
   __syncthreads();
-  const int hkv = gridDim.y;
   for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32) {
     const int h = idx / D, d = idx % D;
     float M = NEG_INF;
@@ -419,8 +491,22 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     }
     float inv = 1.f / (Lsum > 0.f ? Lsum : 1.f);
     if (cap < L) inv = __int_as_float(0x7fc00000);   // a length past the block table: NaN rows
+#if EPILOGUE == 0
     const long long row = ((long long)seq * (GROUP * hkv) + kvh * GROUP + h) * num_splits + split;
     part_o[row * D + d] = acc * inv;
     if (d == 0) part_lse[row] = Lsum > 0.f ? Ms + log2f(Lsum) : NEG_INF;
+#elif EPILOGUE == 1
+    store_out(out, (long long)seq * so_s + (long long)(kvh * GROUP + h) * so_h + d, acc * inv);
+#else
+    fin[idx] = acc * inv;
+#endif
   }
+#if EPILOGUE == 2
+  // one split: the normalized rows back to model space, o_w ⊙ H o, written as the output
+  __syncthreads();
+  fwht_rows(fin);
+  for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32)
+    store_out(out, (long long)seq * so_s + (long long)(kvh * GROUP + idx / D) * so_h + idx % D,
+              fin[idx] * o_w[idx % D]);
+#endif
 }

@@ -1,0 +1,164 @@
+# ruff: noqa: B023, F821  (lambdas are timed immediately; the cache is deleted after timing)
+"""decode(kernel="cuda") (the hand-written CUDA split kernel) against the default Triton split
+kernel on one GPU: one table, ratios to the Triton default in the same run, the copy bandwidth
+measured in the same run.
+
+* kernel rows: K4V4, Qwen3-8B-like attention (Hq=32, Hkv=8, head_dim 128, block_size 16) at
+  the issue's decode shapes, plus head_dim 64 / 256 and SmolLM2's geometry; each CUDA variant
+  (``cuda_decode.TUNING``: 16-token steps per iteration ``sub``, ring ``stages``, register
+  budget ``min_ctas``; split count) next to the Triton default on the same cache and query.
+  Timed calls are whole ``decode`` calls (query rotation and, with several splits, the reduce
+  pass included), from CUDA graphs with the L2 flushed (kernels_gpu.bench).
+* ``--model-step``: kernels_gpu's 36-layer engine-like step, bf16 vs Triton default vs CUDA.
+
+Usage: python benchmarks/cuda_decode_gpu.py --out DIR [--tag T] [--quick] [--model-step]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kernels_gpu as kg
+
+from tkv.codec import TurboKVCodec
+from tkv.kernels import TkvLoader, Workspace, cuda_decode, decode
+
+ROWS: list[dict] = []
+
+
+def log(row):
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+@contextlib.contextmanager
+def tuning(**kw):
+    old = dict(cuda_decode.TUNING)
+    cuda_decode.TUNING.update(kw)
+    try:
+        yield
+    finally:
+        cuda_decode.TUNING.clear()
+        cuda_decode.TUNING.update(old)
+
+
+VARIANTS = [("cuda (decode's default, kernel='auto')", {}, {"kernel": None}),
+            ("cuda 1 split", {}, {"num_splits": 1}), ("cuda 2 splits", {}, {"num_splits": 2}),
+            ("cuda 4 splits", {}, {"num_splits": 4}),
+            ("cuda sub=1 stages=3", {"sub": 1, "stages": 3}, {}),
+            ("cuda min_ctas=3", {"min_ctas": 3}, {})]
+
+
+def kernel_rows(shapes, copy_gbs):
+    for (B, L, hq, hkv, d) in shapes:
+        block = 16
+        ws = Workspace(max(B, 1), hq, d, kg.DEV)
+        bt, sl, nblk = kg.paged(B, L, block)
+        q = torch.randn(B, hq, d, device=kg.DEV, dtype=torch.bfloat16)
+        ld = TkvLoader(TurboKVCodec(d, k_bits=4, v_bits=4, device=kg.DEV), hkv, block)
+        cache = kg.tkv_cache(ld, nblk)
+        nbytes = B * L * ld.layout.bytes_per_token
+        base = dict(B=B, L=L, Hq=hq, Hkv=hkv, D=d)
+        ref = decode(q, cache, bt, sl, ld, ws, kernel="triton").float()
+        tri = kg.bench(lambda: decode(q, cache, bt, sl, ld, ws, kernel="triton"))
+        log({**base, "impl": "triton (the default until session 32)", "ms": tri,
+             "frac_copy": nbytes / tri / 1e6 / copy_gbs})
+        for label, tune, opts in VARIANTS:
+            try:
+                opts = {"kernel": "cuda", **opts}
+                with tuning(**tune):
+                    out = decode(q, cache, bt, sl, ld, ws, **opts).float()
+                    err = ((out - ref).norm() / ref.norm()).item()
+                    ms = kg.bench(lambda: decode(q, cache, bt, sl, ld, ws, **opts))
+            except Exception as e:
+                log({**base, "impl": label, "error": str(e)[:200]})
+                continue
+            log({**base, "impl": label, "ms": ms, "frac_copy": nbytes / ms / 1e6 / copy_gbs,
+                 "x_triton": round(tri / ms, 3), "rel_err_vs_triton": float(f"{err:.2e}")})
+        del cache
+        torch.cuda.empty_cache()
+
+
+def model_step_rows(shapes, layers=36):
+    arms = [("bf16 store + bypass decode", "bf16"),
+            ("tkv K4V4 triton (the default until session 32)", {"kernel": "triton"}),
+            ("tkv K4V4 default (kernel='auto': cuda)", {}),
+            ("tkv K4V4 cuda, 2 splits", {"kernel": "cuda", "num_splits": 2})]
+    for B, L in shapes:
+        ref = None
+        for label, attn in arms:
+            try:
+                step = kg.make_model_step(B, L, attn, layers=layers)
+                ms = kg.bench(step)
+            except Exception as e:
+                log({"kernel": "model_step", "B": B, "L": L, "impl": label, "error": str(e)[:200]})
+                continue
+            ref = ms if attn == "bf16" else ref
+            log({"kernel": "model_step", "B": B, "L": L, "layers": layers, "impl": label,
+                 "ms": ms, "x_bf16": round(ref / ms, 3) if ref else None})
+            del step
+            torch.cuda.empty_cache()
+
+
+def table(copy_gbs) -> str:
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}. Copy bandwidth "
+             f"measured in this run: **{copy_gbs:.0f} GB/s**. Baseline: the Triton split kernel "
+             "(decode's default until session 32) on the same cache; x_triton > 1 = the CUDA kernel is "
+             "faster.",
+             "", "| shape | impl | ms | % copy BW | x_triton | rel. err. vs Triton |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in ROWS:
+        if r.get("kernel") in ("model_step", "copy"):
+            continue
+        shape = f"B={r['B']}, L={r['L']}, Hq={r['Hq']}, Hkv={r['Hkv']}, D={r['D']}"
+        if "error" in r:
+            lines.append(f"| {shape} | {r['impl']} | error: {r['error'][:80]} | | | |")
+            continue
+        lines.append(f"| {shape} | {r['impl']} | {r['ms']:.4f} | {100 * r['frac_copy']:.0f}% | "
+                     f"{r.get('x_triton', '')} | {r.get('rel_err_vs_triton', '')} |")
+    steps = [r for r in ROWS if r.get("kernel") == "model_step"]
+    if steps:
+        lines += ["", "36-layer engine-like step (kernels_gpu.make_model_step); x_bf16 > 1 = "
+                  "faster than bf16:", "", "| B × L | impl | ms | x_bf16 |", "|---|---|---:|---:|"]
+        for r in steps:
+            lines.append(f"| {r['B']} × {r['L']} | {r['impl']} | "
+                         + (f"error: {r['error'][:80]} | |" if "error" in r
+                            else f"{r['ms']:.3f} | {r['x_bf16']} |"))
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--quick", action="store_true", help="B=32 L=8K and B=1 L=32K only")
+    ap.add_argument("--model-step", action="store_true")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    copy_gbs = kg.copy_bandwidth()
+    log({"kernel": "copy", "GBps": copy_gbs})
+    shapes = [(b, l, 32, 8, 128) for b in (1, 8, 32, 128) for l in (1024, 8192, 32768)]
+    shapes += [(1, 131072, 32, 8, 128), (32, 8192, 32, 8, 64), (32, 8192, 32, 8, 256),
+               (256, 640, 9, 3, 64), (64, 640, 32, 8, 128), (256, 640, 32, 8, 128)]
+    if a.quick:
+        shapes = [(32, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (256, 640, 32, 8, 128)]
+    kernel_rows(shapes, copy_gbs)
+    if a.model_step:
+        model_step_rows(((64, 640), (256, 640)))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"_{a.tag}" if a.tag else ""
+    (out / f"cuda_decode_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    (out / f"cuda_decode_gpu{tag}.md").write_text(table(copy_gbs))
+    print(table(copy_gbs))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
