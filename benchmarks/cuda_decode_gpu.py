@@ -56,7 +56,7 @@ VARIANTS = [("cuda (decode's default, kernel='auto')", {}, {"kernel": None}),
             ("cuda min_ctas=3", {"min_ctas": 3}, {})]
 
 
-def kernel_rows(shapes, copy_gbs):
+def kernel_rows(shapes, copy_gbs, variants):
     for (B, L, hq, hkv, d) in shapes:
         block = 16
         ws = Workspace(max(B, 1), hq, d, kg.DEV)
@@ -70,7 +70,7 @@ def kernel_rows(shapes, copy_gbs):
         tri = kg.bench(lambda: decode(q, cache, bt, sl, ld, ws, kernel="triton"))
         log({**base, "impl": "triton (the default until session 32)", "ms": tri,
              "frac_copy": nbytes / tri / 1e6 / copy_gbs})
-        for label, tune, opts in VARIANTS:
+        for label, tune, opts in variants:
             try:
                 opts = {"kernel": "cuda", **opts}
                 with tuning(**tune):
@@ -149,7 +149,8 @@ def main():
                (256, 640, 9, 3, 64), (64, 640, 32, 8, 128), (256, 640, 32, 8, 128)]
     if a.quick:
         shapes = [(32, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (256, 640, 32, 8, 128)]
-    kernel_rows(shapes, copy_gbs)
+    # the full grid: the default and its split neighbours; --quick: also the tuning variants
+    kernel_rows(shapes, copy_gbs, VARIANTS if a.quick else VARIANTS[:3])
     if a.model_step:
         model_step_rows(((64, 640), (256, 640)))
     out = Path(a.out)
