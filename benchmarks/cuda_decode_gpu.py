@@ -53,7 +53,9 @@ VARIANTS = [("cuda (decode's default, kernel='auto')", {}, {"kernel": None}),
             ("cuda 1 split", {}, {"num_splits": 1}), ("cuda 2 splits", {}, {"num_splits": 2}),
             ("cuda 4 splits", {}, {"num_splits": 4}),
             ("cuda sub=1 stages=3", {"sub": 1, "stages": 3}, {}),
-            ("cuda min_ctas=3", {"min_ctas": 3}, {})]
+            ("cuda sub=1 stages=3 min_ctas=5", {"sub": 1, "stages": 3, "min_ctas": 5}, {}),
+            ("cuda sub=1 stages=3 min_ctas=5, 4 splits", {"sub": 1, "stages": 3, "min_ctas": 5},
+             {"num_splits": 4})]
 
 
 def kernel_rows(shapes, copy_gbs, variants):
