@@ -58,16 +58,27 @@ VARIANTS = [("cuda (decode's default, kernel='auto')", {}, {"kernel": None}),
              {"num_splits": 4})]
 
 
-def kernel_rows(shapes, copy_gbs, variants):
+def kernel_rows(shapes, copy_gbs, variants, sink=False):
+    """``sink``: codecs with key centering and random K / V sink offsets; the random cache's
+    norms then flag about half of the tokens (the sign bit), as a calibrated bundle's would
+    some."""
     for (B, L, hq, hkv, d) in shapes:
         block = 16
         ws = Workspace(max(B, 1), hq, d, kg.DEV)
         bt, sl, nblk = kg.paged(B, L, block)
         q = torch.randn(B, hq, d, device=kg.DEV, dtype=torch.bfloat16)
-        ld = TkvLoader(TurboKVCodec(d, k_bits=4, v_bits=4, device=kg.DEV), hkv, block)
+        offsets = {"k_channel_offset": torch.randn(d), "k_sink_offset": 4 * torch.randn(d),
+                   "v_sink_offset": 4 * torch.randn(d)} if sink else {}
+        ld = TkvLoader(TurboKVCodec(d, k_bits=4, v_bits=4, device=kg.DEV, **offsets), hkv, block)
         cache = kg.tkv_cache(ld, nblk)
+        if sink:   # flag every other token of every head (sign bit of the norm)
+            for name in ("k_norms", "v_norms"):
+                nv = ld.layout.views(cache)[name]
+                nv[..., ::2] = -nv[..., ::2]
         nbytes = B * L * ld.layout.bytes_per_token
         base = dict(B=B, L=L, Hq=hq, Hkv=hkv, D=d)
+        if sink:
+            base["sink"] = True
         ref = decode(q, cache, bt, sl, ld, ws, kernel="triton").float()
         tri = kg.bench(lambda: decode(q, cache, bt, sl, ld, ws, kernel="triton"))
         log({**base, "impl": "triton (the default until session 32)", "ms": tri,
@@ -120,6 +131,8 @@ def table(copy_gbs) -> str:
         if r.get("kernel") in ("model_step", "copy"):
             continue
         shape = f"B={r['B']}, L={r['L']}, Hq={r['Hq']}, Hkv={r['Hkv']}, D={r['D']}"
+        if r.get("sink"):
+            shape += ", sink offsets"
         if "error" in r:
             lines.append(f"| {shape} | {r['impl']} | error: {r['error'][:80]} | | | |")
             continue
@@ -142,6 +155,8 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--quick", action="store_true", help="B=32 L=8K and B=1 L=32K only")
     ap.add_argument("--model-step", action="store_true")
+    ap.add_argument("--sink", action="store_true",
+                    help="only K4V4 with key centering and sink offsets (B=32 L=8K, 256 × 640)")
     a = ap.parse_args()
     torch.manual_seed(0)
     copy_gbs = kg.copy_bandwidth()
@@ -151,8 +166,11 @@ def main():
                (256, 640, 9, 3, 64), (64, 640, 32, 8, 128), (256, 640, 32, 8, 128)]
     if a.quick:
         shapes = [(32, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (256, 640, 32, 8, 128)]
-    # the full grid: the default and its split neighbours; --quick: also the tuning variants
-    kernel_rows(shapes, copy_gbs, VARIANTS if a.quick else VARIANTS[:3])
+    if a.sink:
+        kernel_rows([(32, 8192, 32, 8, 128), (256, 640, 32, 8, 128)], copy_gbs, VARIANTS[:1],
+                    sink=True)
+    else:   # the full grid: the default and its split neighbours; --quick: tuning variants too
+        kernel_rows(shapes, copy_gbs, VARIANTS if a.quick else VARIANTS[:3])
     if a.model_step:
         model_step_rows(((64, 640), (256, 640)))
     out = Path(a.out)

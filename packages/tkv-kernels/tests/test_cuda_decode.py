@@ -31,6 +31,7 @@ def _cuobjdump() -> Path | None:
 @pytest.mark.skipif(torch.version.cuda is None, reason="a CPU-only PyTorch has no NVRTC")
 @pytest.mark.parametrize("d,group,q_dtype,dot,qrot,epilogue,tune", [
     (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {}),
+    (128, 4, torch.float32, torch.bfloat16, False, 0, {"sink": True}),
     (128, 8, torch.float32, torch.bfloat16, False, 0, {}),
     (128, 4, torch.float32, torch.bfloat16, False, 0, {"sub": 1, "stages": 3}),
     (64, 3, torch.float16, torch.float16, True, 1, {}),
@@ -41,10 +42,14 @@ def test_compiles_offline_within_its_register_budget(d, group, q_dtype, dot, qro
     """NVRTC compiles the kernel for sm_90 on any machine (no GPU needed), with the query
     rotation and each epilogue; at head_dim ≤ 128 it fits 128 registers (4 CTAs of 4 warps
     per SM) without local memory."""
-    ld = TkvLoader(TurboKVCodec(d, k_bits=4, v_bits=4), 2, 16)
+    tune = dict(tune)
+    sinks = {"k_sink_offset": torch.randn(d), "v_sink_offset": torch.randn(d)} \
+        if tune.pop("sink", False) else {}
+    ld = TkvLoader(TurboKVCodec(d, k_bits=4, v_bits=4, **sinks), 2, 16)
     defs = cuda_decode.defines(ld, d, group, q_dtype, dot, qrot=qrot, epilogue=epilogue,
                                out_dtype=q_dtype, **tune)
     assert defs["K_SYM"] == defs["V_SYM"] == 1   # the default codebooks are antisymmetric
+    assert defs["K_SINK"] == defs["V_SINK"] == int(bool(sinks))
     cubin = _nvrtc.compile_cubin(cuda_decode.SOURCE, cuda_decode.ENTRY, defs, "90")
     assert cubin[:4] == b"\x7fELF"
     tool = _cuobjdump()

@@ -19,7 +19,8 @@ a 16-row M padding and per-token address work. Here every register is placed by 
 Same inputs and partial outputs as the Triton split kernel (the reduce kernel is shared).
 Scope (:func:`check_supported`): a :class:`~tkv.kernels.TkvLoader` with 4-bit K and V and a
 byte-table lookup, head_dim 64 / 128 / 256, at most 8 query heads per KV head, block_size a
-multiple of 16, bf16 or fp16 queries, no sink offsets, a CUDA device of compute capability ≥ 8.0.
+multiple of 16, bf16 or fp16 queries, sink offsets or not, a CUDA device of compute capability
+≥ 8.0.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from tkv.codec.errors import TkvError
 
 from . import _nvrtc
 from ._util import UnsupportedKernelError, choice_from_env, interpreting, read_at_import
-from .loaders import _IMMEDIATE_TABLES, _PRMT_FAMILY, TkvLoader, _antisymmetric_table
+from .loaders import _IMMEDIATE_TABLES, _PRMT_FAMILY, TkvLoader, _antisymmetric_table, sink_shift
 
 __all__ = [
     "DECODE_KERNEL",
@@ -66,8 +67,6 @@ def check_supported(loader, device, head_dim: int, group: int, dot_dtype) -> Non
         why = f"needs head_dim 64, 128 or 256, got {head_dim}"
     elif group > 8:
         why = f"needs at most 8 query heads per KV head, got {group}"
-    elif loader.k_sink_shift is not None or loader.v_sink_shift is not None:
-        why = "does not implement sink offsets"
     elif loader.block_size % 16:
         why = f"needs a block_size that is a multiple of 16, got {loader.block_size}"
     elif dot_dtype not in (torch.bfloat16, torch.float16):
@@ -148,6 +147,8 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
                 K_SYM=int(_antisymmetric(loader, "k", dot_dtype)),
                 V_SYM=int(_antisymmetric(loader, "v", dot_dtype)),
                 EPILOGUE=epilogue, OUT_KIND=_Q_KIND[out_dtype],
+                K_SINK=int(loader.k_sink_shift is not None),
+                V_SINK=int(loader.v_sink_shift is not None),
                 MIN_CTAS=min_ctas or (4 if head_dim <= 128 else 2))
 
 
@@ -183,6 +184,7 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
                       q.device)
     ktab, vtab = loader._prmt["k", dot_dtype][0], loader._prmt["v", dot_dtype][0]
     dummy = part_lse
+    k_shift, v_shift = sink_shift(loader, "k", dummy)[0], sink_shift(loader, "v", dummy)[0]
     k(grid=(q.shape[0], loader.num_kv_heads, splits), block=(WARPS * 32, 1, 1),
       args=[q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
             block_table.shape[1], num_blocks, cache, lay.page_bytes,
@@ -191,4 +193,4 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
             ktab, vtab, part_o, part_lse, float(scale_log2), int(window), splits,
             dummy if q_w is None else q_w, out if epilogue else dummy,
             out.stride(0) if epilogue else 0, out.stride(1) if epilogue else 0,
-            dummy if o_w is None else o_w])
+            dummy if o_w is None else o_w, k_shift, v_shift])

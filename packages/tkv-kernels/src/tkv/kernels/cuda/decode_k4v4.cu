@@ -30,7 +30,10 @@
 // here as H (q_w ⊙ q)), DOT_BF16 (1: bf16 tensor-core operands and tables, 0: fp16), K_SYM /
 // V_SYM (1: the antisymmetric-table lookup), EPILOGUE (0: the split's partial row and LSE for
 // the reduce kernel; 1: one split, the normalized row written to `out`; 2: the same unrotated
-// as o_w ⊙ H o), OUT_KIND (0 float32, 1 bfloat16, 2 float16 `out`), MIN_CTAS
+// as o_w ⊙ H o), OUT_KIND (0 float32, 1 bfloat16, 2 float16 `out`), K_SINK / V_SINK (1: sink
+// offsets — a token whose bf16 norm has its sign bit set is flagged: a flagged key scores
+// |n|·<q, k^> + <q, c_k>, a flagged value adds c_v times its softmax weight; c_k / c_v float32
+// (num_kv_heads, HEAD_DIM) rotated-space shifts, as the Triton kernel), MIN_CTAS
 // (__launch_bounds__ minimum CTAs per SM).
 
 typedef unsigned int u32;
@@ -54,7 +57,7 @@ typedef unsigned char u8;
 #define V_STAGE (4 * VB * 32)
 #define STAGE_BYTES (K_STAGE + V_STAGE + 64)
 #define RING_BYTES (WARPS * NST * STAGE_BYTES)
-#define MERGE_BYTES ((WARPS * (GROUP * D + 16) + GROUP * D) * 4)
+#define MERGE_BYTES ((WARPS * (GROUP * D + 24) + GROUP * D) * 4)
 #define SMEM_BYTES (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES)
 #define NEG_INF (__int_as_float(0xff800000))
 
@@ -209,7 +212,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     float* __restrict__ part_o, float* __restrict__ part_lse,
     double scale_log2_d, int window, int num_splits,
     const float* __restrict__ q_w, void* __restrict__ out, int so_s, int so_h,
-    const float* __restrict__ o_w) {
+    const float* __restrict__ o_w, const float* __restrict__ k_shift,
+    const float* __restrict__ v_shift) {
   __shared__ __align__(16) u8 smem[SMEM_BYTES];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -239,15 +243,39 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   // register r (0: k = 2t, 2t+1; 1: k = 2t+8, 2t+9), element e is rotated-space coordinate
   // 2·(t·KB + 4·(c/2) + 2r + e) + (c % 2)
   u32 qb[NCH][2];
+  float qd0 = 0.f, qd1 = 0.f;   // K_SINK: scale_log2 · <q, c_k> of heads 2t, 2t+1
   {
     const long long qrow = (long long)seq * sq_s + (long long)(kvh * GROUP) * sq_h;
-#if QROT
-    // model-space query rows rotated here: H (q_w ⊙ q), through shared memory
+#if QROT || K_SINK
+    // the query rows in shared memory (float32): model-space rows rotated here as
+    // H (q_w ⊙ q) (QROT), and the flagged keys' score term from them (K_SINK)
     float* qs = (float*)smem;
-    for (int i = threadIdx.x; i < GROUP * D; i += WARPS * 32)
-      qs[i] = load_q(q, qrow + (long long)(i / D) * sq_h + i % D) * q_w[i % D];
+    for (int i = threadIdx.x; i < GROUP * D; i += WARPS * 32) {
+      float x = load_q(q, qrow + (long long)(i / D) * sq_h + i % D);
+#if QROT
+      x *= q_w[i % D];
+#endif
+      qs[i] = x;
+    }
     __syncthreads();
+#if QROT
     fwht_rows(qs);
+#endif
+#if K_SINK
+    float* qd = qs + GROUP * D;
+    if (warp == 0) {
+      for (int h = 0; h < GROUP; ++h) {
+        float a = 0.f;
+        for (int d = lane; d < D; d += 32) a += qs[h * D + d] * k_shift[(long long)kvh * D + d];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        if (lane == 0) qd[h] = a * scale_log2;
+      }
+    }
+    __syncthreads();
+    if (2 * t < GROUP) qd0 = qd[2 * t];
+    if (2 * t + 1 < GROUP) qd1 = qd[2 * t + 1];
+#endif
 #endif
 #pragma unroll
     for (int c = 0; c < NCH; ++c)
@@ -256,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
         float e0 = 0.f, e1 = 0.f;
         if (g < GROUP) {
           const int base = 2 * (t * KB + 4 * (c >> 1) + 2 * r) + (c & 1);
-#if QROT
+#if QROT || K_SINK
           e0 = qs[g * D + base];
           e1 = qs[g * D + base + 2];
 #else
@@ -266,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
         }
         qb[c][r] = pack2(e0, e1);
       }
-#if QROT
+#if QROT || K_SINK
     __syncthreads();   // the ring below reuses the rows' shared memory
 #endif
   }
@@ -314,6 +342,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #pragma unroll
   for (int i = 0; i < NCH; ++i) O[i][0] = O[i][1] = O[i][2] = O[i][3] = 0.f;
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;   // heads 2t, 2t+1
+  float f0 = 0.f, f1 = 0.f;   // V_SINK: the flagged values' softmax mass (rescaled like l)
   u32 okbits = 0;
   int nblk = block_of(0);
   // the ring: NST = SUB·(NPF + 1) stages; an iteration consumes SUB steps (one commit
@@ -342,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     __syncwarp();   // the norm words copied by lanes 0..15 are visible to all lanes
 
     float x[SUB][4], fv[SUB][2];
-    bool vm[SUB][2];
+    bool vm[SUB][2], vf[SUB][2];
     float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
     for (int k = 0; k < SUB; ++k) {
@@ -379,13 +408,31 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
       asm volatile("ld.shared.u16 %0, [%1];" : "=h"(n1) : "r"(pn + 2 * (g + 8)));
       asm volatile("ld.shared.u16 %0, [%1];" : "=h"(n2) : "r"(pn + 32 + 2 * g));
       asm volatile("ld.shared.u16 %0, [%1];" : "=h"(n3) : "r"(pn + 32 + 2 * (g + 8)));
+#if K_SINK   // the sign bit flags a sink-coded key: |n| scales it, <q, c_k> is added
+      const float sg = bf16_to_float(n0 & 0x7fffu) * scale_log2;
+      const float sg8 = bf16_to_float(n1 & 0x7fffu) * scale_log2;
+      const bool fk = n0 >> 15, fk8 = n1 >> 15;
+      x[k][0] = vm[k][0] ? (sa[0] + sb[0]) * sg + (fk ? qd0 : 0.f) : NEG_INF;
+      x[k][1] = vm[k][0] ? (sa[1] + sb[1]) * sg + (fk ? qd1 : 0.f) : NEG_INF;
+      x[k][2] = vm[k][1] ? (sa[2] + sb[2]) * sg8 + (fk8 ? qd0 : 0.f) : NEG_INF;
+      x[k][3] = vm[k][1] ? (sa[3] + sb[3]) * sg8 + (fk8 ? qd1 : 0.f) : NEG_INF;
+#else
       const float sg = bf16_to_float(n0) * scale_log2, sg8 = bf16_to_float(n1) * scale_log2;
-      fv[k][0] = bf16_to_float(n2);
-      fv[k][1] = bf16_to_float(n3);
       x[k][0] = vm[k][0] ? (sa[0] + sb[0]) * sg : NEG_INF;
       x[k][1] = vm[k][0] ? (sa[1] + sb[1]) * sg : NEG_INF;
       x[k][2] = vm[k][1] ? (sa[2] + sb[2]) * sg8 : NEG_INF;
       x[k][3] = vm[k][1] ? (sa[3] + sb[3]) * sg8 : NEG_INF;
+#endif
+#if V_SINK
+      fv[k][0] = bf16_to_float(n2 & 0x7fffu);
+      fv[k][1] = bf16_to_float(n3 & 0x7fffu);
+      vf[k][0] = n2 >> 15;
+      vf[k][1] = n3 >> 15;
+#else
+      fv[k][0] = bf16_to_float(n2);
+      fv[k][1] = bf16_to_float(n3);
+      vf[k][0] = vf[k][1] = false;
+#endif
       mx0 = fmaxf(mx0, fmaxf(x[k][0], x[k][2]));
       mx1 = fmaxf(mx1, fmaxf(x[k][1], x[k][3]));
     }
@@ -399,6 +446,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     const float al0 = exp2f(m0 - ms0), al1 = exp2f(m1 - ms1);
     m0 = mn0; m1 = mn1;
     l0 *= al0; l1 *= al1;
+#if V_SINK
+    f0 *= al0; f1 *= al1;
+#endif
     u32 pb[SUB][2];
 #pragma unroll
     for (int k = 0; k < SUB; ++k) {
@@ -406,6 +456,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
       const float p2 = exp2f(x[k][2] - ms0), p3 = exp2f(x[k][3] - ms1);
       l0 += p0 + p2;
       l1 += p1 + p3;
+#if V_SINK
+      f0 += (vf[k][0] ? p0 : 0.f) + (vf[k][1] ? p2 : 0.f);
+      f1 += (vf[k][0] ? p1 : 0.f) + (vf[k][1] ? p3 : 0.f);
+#endif
       // P^T (tokens × heads, V norms applied) → the B operand: one transpose per 8 tokens
       pb[k][0] = trans8x8(pack2(vm[k][0] ? p0 * fv[k][0] : 0.f, vm[k][0] ? p1 * fv[k][0] : 0.f));
       pb[k][1] = trans8x8(pack2(vm[k][1] ? p2 * fv[k][1] : 0.f, vm[k][1] ? p3 * fv[k][1] : 0.f));
@@ -456,14 +510,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   for (int o = 4; o < 32; o <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, o);
     l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+#if V_SINK
+    f0 += __shfl_xor_sync(0xffffffffu, f0, o);
+    f1 += __shfl_xor_sync(0xffffffffu, f1, o);
+#endif
   }
   __syncthreads();
   float* mo = (float*)smem;                       // [WARPS][GROUP][D]
-  float* ml = mo + WARPS * GROUP * D;             // [WARPS][8] m, then [WARPS][8] l
-  float* fin = ml + WARPS * 16;                   // [GROUP][D] the merged rows (EPILOGUE 2)
+  float* ml = mo + WARPS * GROUP * D;   // [WARPS][8] m, then [WARPS][8] l, [WARPS][8] f
+  float* fin = ml + WARPS * 24;         // [GROUP][D] the merged rows (EPILOGUE 2)
   if (g == 0) {
     ml[warp * 8 + 2 * t] = m0; ml[warp * 8 + 2 * t + 1] = m1;
     ml[WARPS * 8 + warp * 8 + 2 * t] = l0; ml[WARPS * 8 + warp * 8 + 2 * t + 1] = l1;
+    ml[WARPS * 16 + warp * 8 + 2 * t] = f0; ml[WARPS * 16 + warp * 8 + 2 * t + 1] = f1;
   }
 #pragma unroll
   for (int mt = 0; mt < NCH; ++mt)
@@ -482,13 +541,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) M = fmaxf(M, ml[w * 8 + h]);
     const float Ms = M == NEG_INF ? 0.f : M;
-    float Lsum = 0.f, acc = 0.f;
+    float Lsum = 0.f, acc = 0.f, F = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
       const float f = exp2f(ml[w * 8 + h] - Ms);
       Lsum += ml[WARPS * 8 + w * 8 + h] * f;
+      F += ml[WARPS * 16 + w * 8 + h] * f;
       acc += mo[(w * GROUP + h) * D + d] * f;
     }
+#if V_SINK
+    acc += F * v_shift[(long long)kvh * D + d];   // c_v times the flagged softmax mass
+#endif
     float inv = 1.f / (Lsum > 0.f ? Lsum : 1.f);
     if (cap < L) inv = __int_as_float(0x7fc00000);   // a length past the block table: NaN rows
 #if EPILOGUE == 0
