@@ -409,8 +409,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             has one (TkvLoader with ``lookup="prmt1"``), else False. Same result.
         kernel: the split kernel. ``"cuda"``: the hand-written CUDA kernel
             (:mod:`tkv.kernels.cuda_decode`; K4V4 with the byte-table lookups, head_dim 64 /
-            128 / 256, ≤ 8 query heads per KV head, block_size a multiple of 16, no sink
-            offsets; its own split rule, :meth:`Workspace.cuda_splits_for`; 1.5-1.8× the
+            128 / 256, ≤ 8 query heads per KV head, block_size a multiple of 16, sink offsets
+            or not; its own split rule, :meth:`Workspace.cuda_splits_for`; 1.5-1.8× the
             Triton kernel at B=32, L=8K on an H100). ``"triton"``: the Triton kernel (every
             loader and width). ``"auto"``: the CUDA kernel where it can serve the call and
             none of the Triton-only options (``block_n``, ``num_warps``, ``num_stages``,
