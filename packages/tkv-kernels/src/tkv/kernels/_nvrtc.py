@@ -17,7 +17,7 @@ import torch
 
 from tkv.codec.errors import TkvError
 
-__all__ = ["CudaCompileError", "compile_cubin", "kernel", "source"]
+__all__ = ["CudaCompileError", "available", "compile_cubin", "kernel", "source"]
 
 
 class CudaCompileError(TkvError, RuntimeError):
@@ -29,6 +29,15 @@ class CudaCompileError(TkvError, RuntimeError):
 def source(name: str) -> str:
     """The text of ``tkv/kernels/cuda/<name>``."""
     return (resources.files("tkv.kernels") / "cuda" / name).read_text()
+
+
+def available() -> bool:
+    """Whether this PyTorch exposes the NVRTC compile and module-load bindings used here."""
+    try:
+        from torch.cuda import _utils
+    except ImportError:   # pragma: no cover - PyTorch without CUDA support compiled in
+        return False
+    return hasattr(_utils, "_nvrtc_compile") and hasattr(_utils, "_cuda_load_module")
 
 
 def _options(defines: tuple[tuple[str, int], ...]) -> list[str]:

@@ -83,12 +83,14 @@ def check_supported(loader, device, head_dim: int, group: int, dot_dtype) -> Non
 
 
 def supported(loader, device, head_dim: int, group: int, dot_dtype) -> bool:
-    """Whether :func:`check_supported` accepts the call (``decode(kernel="auto")``'s test)."""
+    """Whether :func:`check_supported` accepts the call and this PyTorch has the NVRTC bindings
+    the kernel is built with (``decode(kernel="auto")``'s test: without them ``auto`` runs the
+    Triton kernel, while an explicit ``kernel="cuda"`` raises CudaCompileError)."""
     try:
         check_supported(loader, device, head_dim, group, dot_dtype)
     except UnsupportedKernelError:
         return False
-    return True
+    return _nvrtc.available()
 
 
 ENV_DECODE_KERNEL = "TKV_DECODE_KERNEL"
