@@ -373,7 +373,9 @@ def decode_rows(cfgs, widths, copy_gbs, tune):
                         for bn in (64, 128, 256) for nw in (4, 8) for lk in lds
                         if lk != "gather"]
             for o in opts:
-                o = dict(o)
+                # the lookup rows time the Triton kernel (since session 33 decode's default
+                # runs the CUDA kernel for K4V4: the --cuda rows)
+                o = {"kernel": "triton", **o}
                 lk = o.pop("lookup", next(iter(lds)))
                 ld = lds[lk] if lk in lds else TkvLoader(codec, hkv, block, lookup=lk)
                 try:
@@ -1263,7 +1265,9 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
     checks kernel variants in an engine-like sequence of launches before they become
     defaults."""
     arms = [("GEMMs only (no attention)", "none"), ("bf16 store + bypass decode", "bf16"),
-            ("tkv K4V4 prmt", {"lookup": "prmt"}), ("tkv K4V4 prmti (default)", {}),
+            ("tkv K4V4 default (kernel='auto': the CUDA kernel since session 33)", {}),
+            ("tkv K4V4 prmt", {"lookup": "prmt"}),
+            ("tkv K4V4 prmti (the default until session 32)", {"lookup": "prmti"}),
             ("tkv K4V4 prmti, maxnreg 128", {"lookup": "prmti", "maxnreg": 128}),
             ("tkv K4V4 prmti, store by the rotation matrix", {"store_rotation": "split"}),
             ("tkv K4V4 prmts (antisymmetric tables)", {"lookup": "prmts"}),
@@ -1278,6 +1282,9 @@ def model_step_rows(copy_gbs, shapes=((64, 640), (256, 640)), layers=36):
             # session 33: the hand-written CUDA split kernel (tkv.kernels.cuda_decode)
             ("tkv K4V4 cuda kernel", {"kernel": "cuda"}),
             ("tkv K4V4 cuda kernel, 1 split", {"kernel": "cuda", "num_splits": 1})]
+    # the lookup / register / store arms time the Triton kernel
+    arms = [(lb, at if not isinstance(at, dict) or not at or "kernel" in at
+             else {"kernel": "triton", **at}) for lb, at in arms]
     if MODEL_STEP_ARMS:   # a short hold: bf16 (the baseline) and the arms asked for
         arms = [(lb, at) for lb, at in arms
                 if at == "bf16" or any(k in lb for k in MODEL_STEP_ARMS)]
