@@ -209,56 +209,19 @@ def test_workspace_cuda_split_rule():
     assert ws.cuda_splits_for(64, 8) == 1       # 512 CTAs
     assert ws.cuda_splits_for(256, 8) == 1
     assert ws.cuda_splits_for(1, 8) == 32       # 264 / 8 = 33 → 64, capped at max_splits
+    off = Workspace(256, 32, 128, "cpu", target_programs=528, single_split_ctas=0)
     for n in range(1, 257):
         for hkv in (1, 3, 8):
             assert 1 <= ws.cuda_splits_for(n, hkv) <= ws.splits_for(n, hkv)
+            # one split switched off (TKV_DECODE_SINGLE_SPLIT=0): at least min_splits
+            assert off.min_splits <= off.cuda_splits_for(n, hkv) <= off.splits_for(n, hkv)
 
 
-def test_auto_routes_to_the_cuda_kernel_unless_a_triton_option_is_given(monkeypatch):
-    """``decode(kernel=None)`` reads ``TKV_DECODE_KERNEL`` (default ``auto``): ``auto`` takes
-    the CUDA kernel wherever it is supported and no Triton-only option is given (with its own
-    split rule), else the Triton kernel; ``triton`` always the Triton kernel. Checked on the
-    CPU with the CUDA kernel's support test and launch replaced by a recorder."""
-    import importlib
-    dmod = importlib.import_module("tkv.kernels.decode")   # the module (decode is shadowed)
-    ld = TkvLoader(TurboKVCodec(64, k_bits=4, v_bits=4), 2, 16)
-    batch = make_paged_batch([40, 7], 16, "cpu")
-    cache = make_cache(ld, batch.num_blocks, "cpu")
-    for i, n in enumerate((40, 7)):
-        kv = torch.randn(2, n, 2, 64, dtype=torch.bfloat16)
-        fill_cache(ld, cache, kv[0], kv[1], batch.slots(i))
-    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
-    ws = Workspace(2, 4, 64, "cpu", target_programs=8)
-    calls = []
-    monkeypatch.setattr(cuda_decode, "supported", lambda *a: True)
-    monkeypatch.setattr(cuda_decode, "check_supported", lambda *a: None)
-    monkeypatch.setattr(cuda_decode, "launch_split",
-                        lambda *a, splits, **kw: calls.append(("cuda", splits)))
-    real = dmod._decode_split_kernel
-
-    class Recorder:   # the Triton split kernel, recorded, then run as usual
-        def __getitem__(self, grid):
-            calls.append(("triton", grid[2]))
-            return real[grid]
-
-    monkeypatch.setattr(dmod, "_decode_split_kernel", Recorder())
-    monkeypatch.setattr(cuda_decode, "DECODE_KERNEL", "auto")
-
-    def run(**kw):
-        decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, **kw)
-
-    run(num_splits=1)
-    assert calls[-1] == ("cuda", 1)
-    run()
-    assert calls[-1] == ("cuda", ws.cuda_splits_for(2, 2))
-    for opt in ({"block_n": 32}, {"num_warps": 8}, {"maxnreg": 128}, {"prefetch": True},
-                {"min_split_tiles": 2}, {"kernel": "triton"}):
-        run(**opt)
-        assert calls[-1][0] == "triton", opt
-    monkeypatch.setattr(cuda_decode, "DECODE_KERNEL", "triton")
-    run()
-    assert calls[-1] == ("triton", ws.splits_for(2, 2))
-    monkeypatch.setattr(cuda_decode, "DECODE_KERNEL", "auto")
-    monkeypatch.setattr(cuda_decode, "supported", lambda *a: False)
-    run()
-    assert calls[-1][0] == "triton"
+def test_tuning_keywords_are_validated():
+    """A tuning keyword the kernel's ring cannot hold is a named error, not a bad launch."""
+    from tkv.codec.errors import ShapeError
+    ld = TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4), 2, 16)
+    for bad in ({"sub": 2, "stages": 1}, {"sub": 3}, {"sub": 2, "stages": 5},
+                {"stages": 16}, {"min_ctas": 9}):
+        with pytest.raises(ShapeError, match="tuning"):
+            cuda_decode.defines(ld, 128, 4, torch.float32, torch.bfloat16, **bad)

@@ -2266,3 +2266,77 @@ def test_torch_varlen_attention_maps_the_dense_contract(monkeypatch):
     monkeypatch.setattr(varlen_mod, "varlen_attn", varlen_2_10)
     with pytest.raises(ImportError, match="window_size"):
         TorchVarlenAttention()
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="the Triton kernel on CPU tensors: the interpreter")
+def test_auto_routes_to_the_cuda_kernel_unless_a_triton_option_is_given(monkeypatch):
+    """``decode(kernel=None)`` reads ``TKV_DECODE_KERNEL`` (default ``auto``): ``auto`` takes
+    the CUDA kernel wherever it is supported and no Triton-only option is given (with its own
+    split rule), else the Triton kernel; ``triton`` always the Triton kernel. Checked on the
+    CPU with the CUDA kernel's support test and launch replaced by a recorder. (Here, not in
+    test_cuda_decode.py: an interpreted kernel leaves the Triton interpreter's patches of
+    ``triton.language`` behind, and test_jit_log's real compile, collected between the two
+    files, needs the unpatched module.)"""
+    import importlib
+    dmod = importlib.import_module("tkv.kernels.decode")   # the module (decode is shadowed)
+    from tkv.kernels import _nvrtc, cuda_decode
+    ld = TkvLoader(TurboKVCodec(64, k_bits=4, v_bits=4), 2, 16)
+    batch = make_paged_batch([40, 7], 16, "cpu")
+    cache = make_cache(ld, batch.num_blocks, "cpu")
+    for i, n in enumerate((40, 7)):
+        kv = torch.randn(2, n, 2, 64, dtype=torch.bfloat16)
+        fill_cache(ld, cache, kv[0], kv[1], batch.slots(i))
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+    ws = Workspace(2, 4, 64, "cpu", target_programs=8)
+    calls = []
+    monkeypatch.setattr(cuda_decode, "supported", lambda *a: True)
+    monkeypatch.setattr(cuda_decode, "check_supported", lambda *a: None)
+
+    def fake_launch(q, bt, sl, nb, cache, loader, part_o, part_lse, *a, splits, **kw):
+        # finite partials for the reduce pass (an interpreted kernel that raises on garbage
+        # would leave the interpreter's patches behind for later tests)
+        part_o.zero_()
+        part_lse.zero_()
+        calls.append(("cuda", splits))
+
+    monkeypatch.setattr(cuda_decode, "launch_split", fake_launch)
+    real = dmod._decode_split_kernel
+
+    class Recorder:   # the Triton split kernel, recorded, then run as usual
+        def __getitem__(self, grid):
+            calls.append(("triton", grid[2]))
+            return real[grid]
+
+    monkeypatch.setattr(dmod, "_decode_split_kernel", Recorder())
+    monkeypatch.setattr(cuda_decode, "DECODE_KERNEL", "auto")
+
+    def run(**kw):
+        decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, **kw)
+
+    run(num_splits=1)
+    assert calls[-1] == ("cuda", 1)
+    run()
+    assert calls[-1] == ("cuda", ws.cuda_splits_for(2, 2))
+    for opt in ({"block_n": 32}, {"num_warps": 8}, {"maxnreg": 128}, {"prefetch": True},
+                {"min_split_tiles": 2}, {"kernel": "triton"}):
+        run(**opt)
+        assert calls[-1][0] == "triton", opt
+    monkeypatch.setattr(cuda_decode, "DECODE_KERNEL", "triton")
+    run()
+    assert calls[-1] == ("triton", ws.splits_for(2, 2))
+    monkeypatch.setattr(cuda_decode, "DECODE_KERNEL", "auto")
+    # the CUDA kernel cannot be built: auto warns once and decodes with Triton (same splits);
+    # an explicit kernel="cuda" raises
+    def broken(*a, **kw):
+        raise _nvrtc.CudaCompileError("no NVRTC here")
+
+    monkeypatch.setattr(cuda_decode, "launch_split", broken)
+    monkeypatch.setattr(dmod, "_CUDA_FALLBACK_WARNED", [])
+    with pytest.warns(RuntimeWarning, match="Triton kernel"):
+        run()
+    assert calls[-1] == ("triton", ws.cuda_splits_for(2, 2))
+    with pytest.raises(_nvrtc.CudaCompileError):
+        run(kernel="cuda")
+    monkeypatch.setattr(cuda_decode, "supported", lambda *a: False)
+    run()
+    assert calls[-1][0] == "triton"

@@ -60,7 +60,7 @@ def compile_cubin(name: str, entry: str, defines: dict[str, int], arch: str) -> 
     try:
         cubin, _ = compile_(source(name), entry, arch,
                             nvcc_options=_options(tuple(sorted(defines.items()))))
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:   # NVRTC's error, or no NVRTC library to load
         raise CudaCompileError(f"{name} with {defines}: {e}") from e
     return cubin
 

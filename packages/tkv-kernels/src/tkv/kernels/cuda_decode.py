@@ -29,11 +29,11 @@ import weakref
 
 import torch
 
-from tkv.codec.errors import TkvError
+from tkv.codec.errors import ShapeError, TkvError
 
 from . import _nvrtc
 from ._util import UnsupportedKernelError, choice_from_env, interpreting, read_at_import
-from .loaders import _IMMEDIATE_TABLES, _PRMT_FAMILY, TkvLoader, _antisymmetric_table, sink_shift
+from .loaders import _PRMT_FAMILY, TkvLoader, sink_shift
 
 __all__ = [
     "DECODE_KERNEL",
@@ -49,12 +49,15 @@ __all__ = [
 SOURCE = "decode_k4v4.cu"
 ENTRY = "tkv_decode_k4v4"
 WARPS = 4
+_INT32_MAX = 2**31 - 1   # a window past it attends to everything, as no window does
 SUB = 2   # 16-token steps per loop iteration at head_dim ≤ 128 (one softmax update for both)
 # defaults for :func:`defines`' tuning keywords (sub, stages, min_ctas) when a launch passes
 # none; benchmarks override them to time variants
 TUNING: dict[str, int] = {}
 _Q_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_SYM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # loader -> {(side, half): bool}
+# loader -> {(side, half): bool}: overrides of the loader's antisymmetry (tests force the
+# general lookup with it)
+_SYM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_supported(loader, device, head_dim: int, group: int, dot_dtype) -> None:
@@ -80,6 +83,11 @@ def check_supported(loader, device, head_dim: int, group: int, dot_dtype) -> Non
         why = "needs compute capability 8.0 or newer (mma.m16n8k16, cp.async)"
     if why:
         raise UnsupportedKernelError(f"decode(kernel='cuda') {why}")
+
+
+def cache_aligned(cache) -> bool:
+    """Whether the cache's base address is 16-byte aligned (the kernel's 16-byte copies)."""
+    return isinstance(cache, torch.Tensor) and cache.data_ptr() % 16 == 0
 
 
 def supported(loader, device, head_dim: int, group: int, dot_dtype) -> bool:
@@ -119,18 +127,13 @@ DECODE_KERNEL = read_at_import(decode_kernel_from_env)
 
 
 def _antisymmetric(loader: TkvLoader, side: str, half: torch.dtype) -> bool:
-    """Whether the side's byte tables hold an antisymmetric codebook (the cheaper lookup);
-    read once per loader (one small device-to-host copy when the words are not on the host)."""
-    memo = _SYM.setdefault(loader, {})
-    if (side, half) not in memo:
-        words, code = loader._prmt[side, half]
-        if code in _IMMEDIATE_TABLES and (side, code) in loader._prmt_words:
-            packed = loader._prmt_words[side, code]
-            host = [(packed >> (32 * i)) & 0xFFFFFFFF for i in range(8)]
-        else:
-            host = [int(w) & 0xFFFFFFFF for w in words.tolist()]
-        memo[side, half] = _antisymmetric_table(host)
-    return memo[side, half]
+    """Whether the side's byte tables hold an antisymmetric codebook (the cheaper lookup), as
+    the loader found from its host-side words when it was built (no device sync here, so a
+    first call inside CUDA-graph capture is fine); ``_SYM`` overrides it (tests)."""
+    memo = _SYM.get(loader)
+    if memo is not None and (side, half) in memo:
+        return memo[side, half]
+    return loader._prmt_antisymmetric[side, half]
 
 
 def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
@@ -143,6 +146,9 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
     128); ``min_ctas``: the register budget as CTAs per SM (default 4, 2 at head_dim 256)."""
     sub = sub or (SUB if head_dim <= 128 else 1)
     nst = stages or (2 * sub if sub > 1 or head_dim > 128 else 3)
+    if sub not in (1, 2) or nst % sub or not 2 * sub <= nst <= 8 or not 1 <= (min_ctas or 1) <= 8:
+        raise ShapeError(f"cuda decode tuning: sub={sub} (1 or 2), stages={nst} (a multiple of "
+                         f"sub in [2·sub, 8]), min_ctas={min_ctas} (1..8)")
     return dict(HEAD_DIM=head_dim, GROUP=group, WARPS=WARPS, SUB=sub, NST=nst,
                 BLOCK_SIZE=loader.block_size, Q_KIND=_Q_KIND[q_dtype], QROT=int(qrot),
                 DOT_BF16=int(dot_dtype == torch.bfloat16),
@@ -187,12 +193,14 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
     ktab, vtab = loader._prmt["k", dot_dtype][0], loader._prmt["v", dot_dtype][0]
     dummy = part_lse
     k_shift, v_shift = sink_shift(loader, "k", dummy)[0], sink_shift(loader, "v", dummy)[0]
-    k(grid=(q.shape[0], loader.num_kv_heads, splits), block=(WARPS * 32, 1, 1),
-      args=[q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
+    args = [q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
             block_table.shape[1], num_blocks, cache, lay.page_bytes,
             lay.k_codes_offset, st["k_head"], lay.k_norms_offset,
             lay.v_codes_offset, st["v_head"], lay.v_norms_offset, st["norm_head"],
-            ktab, vtab, part_o, part_lse, float(scale_log2), int(window), splits,
-            dummy if q_w is None else q_w, out if epilogue else dummy,
+            ktab, vtab, part_o, part_lse, float(scale_log2),
+            min(int(window), _INT32_MAX),   # C int: a larger window is the same as none
+            splits, dummy if q_w is None else q_w, out if epilogue else dummy,
             out.stride(0) if epilogue else 0, out.stride(1) if epilogue else 0,
-            dummy if o_w is None else o_w, k_shift, v_shift])
+            dummy if o_w is None else o_w, k_shift, v_shift]
+    with torch.cuda.device(q.device):   # PyTorch's launcher takes the current device's stream
+        k(grid=(q.shape[0], loader.num_kv_heads, splits), block=(WARPS * 32, 1, 1), args=args)

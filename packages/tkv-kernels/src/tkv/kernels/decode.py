@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -9,6 +11,7 @@ import triton.language as tl
 from tkv.codec.errors import DeviceMismatchError, ShapeError
 
 from . import cuda_decode, gluon_decode
+from ._nvrtc import CudaCompileError
 from ._planes import (
     accumulate,
     add_shift,
@@ -341,6 +344,17 @@ def _split_unroll(splits: int, d_pad: int) -> int:
     return min(splits, 8 if d_pad <= 128 else 4)
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_CUDA_FALLBACK_WARNED: list[str] = []
+
+
+def _warn_cuda_fallback(err: Exception) -> None:
+    """``kernel="auto"`` chose the CUDA kernel but it could not be built: warn (once per
+    process) and decode with the Triton kernel instead."""
+    if not _CUDA_FALLBACK_WARNED:
+        _CUDA_FALLBACK_WARNED.append(str(err))
+        warnings.warn(f"tkv decode: the CUDA split kernel could not be built, decoding with the "
+                      f"Triton kernel (TKV_DECODE_KERNEL=triton silences this): {err}",
+                      RuntimeWarning, stacklevel=3)
 
 
 def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -360,8 +374,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     of the tensor-core dots, so each cache byte is read once per KV head. Scores use the
     per-token ``row_scale`` (tkv: the norm) once per token; so does P (for V).
     CUDA-graph safe: no host sync; grid = ``(num_seqs, num_kv_heads, splits)`` where splits
-    depends only on ``num_seqs`` and ``num_kv_heads`` (:meth:`Workspace.splits_for`); scratch
-    from ``workspace``.
+    depends only on ``num_seqs`` and ``num_kv_heads`` (:meth:`Workspace.splits_for`; the CUDA
+    kernel's :meth:`Workspace.cuda_splits_for`); scratch from ``workspace``.
 
     Args:
         query: ``(num_seqs, num_q_heads, head_dim)`` float16/bfloat16 in model space (or, with
@@ -500,8 +514,11 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         triton_only = (block_n is not None or num_warps != 4 or num_stages is not None
                        or prefetch or swap_qk is not None or maxnreg is not None
                        or bool(min_split_tiles) or bool(workspace.min_split_tiles))
-        kernel = "cuda" if not triton_only and cuda_decode.supported(
-            loader, dev, d, hq // hkv, dot_dtype) else "triton"
+        kernel = "cuda" if not triton_only and cuda_decode.cache_aligned(cache) and \
+            cuda_decode.supported(loader, dev, d, hq // hkv, dot_dtype) else "triton"
+        auto_cuda = kernel == "cuda"
+    else:
+        auto_cuda = False
     if kernel == "gluon":
         gluon_decode.check_supported(loader, dev, d, hq // hkv, dot_dtype)
     elif kernel == "cuda":
@@ -580,17 +597,23 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         single_split_epilogue and kernel in ("triton", "cuda"),
         min_split_tiles if kernel == "triton" else 0)
     if kernel == "cuda":
-        cuda_decode.launch_split(
-            q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,
-            scale * _LOG2E, window, group=g, splits=splits, dot_dtype=dot_dtype,
-            q_w=q_w if qrot_log2 else None, epilogue=epilogue if splits == 1 else 0,
-            out=out, o_w=o_w)
-    elif kernel == "gluon":
+        try:
+            cuda_decode.launch_split(
+                q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,
+                scale * _LOG2E, window, group=g, splits=splits, dot_dtype=dot_dtype,
+                q_w=q_w if qrot_log2 else None, epilogue=epilogue if splits == 1 else 0,
+                out=out, o_w=o_w)
+        except CudaCompileError as e:
+            if not auto_cuda:
+                raise
+            _warn_cuda_fallback(e)   # auto: the Triton kernel, same splits and epilogue
+            kernel = "triton"
+    if kernel == "gluon":
         gluon_decode.launch_split(
             q, block_table, seq_lens, num_blocks, kargs, vargs, part_o, part_lse,
             scale * _LOG2E, window, num_kv_heads=hkv, group=g, head_dim=d,
             block_size=loader.block_size, splits=splits, block_n=block_n)
-    else:
+    elif kernel == "triton":
         _decode_split_kernel[(ns, hkv, splits)](
             q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
             block_table.shape[1], num_blocks, *kargs[:6], *vargs[:6], part_o, part_lse,

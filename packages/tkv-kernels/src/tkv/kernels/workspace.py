@@ -200,9 +200,13 @@ class Workspace:
         measured on an H100 (K4V4, Hkv=8, session 33): 2 splits best at 32 sequences (256
         CTAs: 0.153 ms against 0.159 with 1 and 0.168 with 4), 1 split at 64 sequences (a
         36-layer step 8.72 ms against 9.43 with 2). Never more than :meth:`splits_for`, so
-        the partial rows fit. Static under CUDA graphs (batch shape only)."""
+        the partial rows fit; at least ``min_splits`` when one split is switched off
+        (``single_split_ctas=0``, e.g. ``TKV_DECODE_SINGLE_SPLIT=0``). Static under CUDA graphs
+        (batch shape only)."""
         want = -(-(self.target_programs // 2) // max(1, num_seqs * num_kv_heads))
-        return min(self.splits_for(num_seqs, num_kv_heads), self.max_splits, next_pow2(want))
+        lo = 1 if self.single_split_ctas else self.min_splits
+        return max(lo, min(self.splits_for(num_seqs, num_kv_heads), self.max_splits,
+                           next_pow2(want)))
 
     def partials(self, num_seqs: int, num_q_heads: int, splits: int, d_pad: int):
         """Views ``(o float32 (num_seqs, num_q_heads, splits, d_pad), lse float32 (num_seqs,
