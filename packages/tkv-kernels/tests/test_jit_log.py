@@ -59,35 +59,57 @@ def test_runtime_jit_hooks_stay_unset(tmp_path, hooks):
     assert knobs.compilation.listener is not None
 
 
-def test_a_real_compile_and_disk_load_of_a_kernel_with_a_function_constexpr(tmp_path, hooks,
-                                                                            monkeypatch):
+_PROBE = """
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+def _plus_one(x):
+    return x + 1
+
+
+def _jit_log_probe(x_ptr, F: tl.constexpr, SALT: tl.constexpr):
+    tl.store(x_ptr, F(tl.load(x_ptr)) + SALT)
+
+
+# JITFunction directly: under TRITON_INTERPRET=1 @triton.jit gives an interpreted function
+plus_one, probe = JITFunction(_plus_one), JITFunction(_jit_log_probe)
+"""
+
+_COMPILE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from triton import knobs
+knobs.cache.dir = sys.argv[2]
+from tkv.kernels import jit_log
+jit_log.install(sys.argv[3])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import jit_log_probe as p
+src = ASTSource(p.probe, {"x_ptr": "*fp32", "F": "constexpr", "SALT": "constexpr"},
+                constexprs={"F": p.plus_one, "SALT": 3})
+for _ in range(2):
+    triton.compile(src, target=GPUTarget("cuda", 90, 32))
+"""
+
+
+def test_a_real_compile_and_disk_load_of_a_kernel_with_a_function_constexpr(tmp_path):
     """``triton.compile`` for sm_90 runs on the CPU (no launch): the real listener path logs
     the compile, then the disk-cache load of the same kernel, a kernel that takes a
-    ``@triton.jit`` function as a constexpr as tkv's attention kernels do."""
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+    ``@triton.jit`` function as a constexpr as tkv's attention kernels do. In a fresh
+    process: a kernel run by the Triton interpreter earlier in this one (any interpreted test
+    collected before this file) leaves its patches of ``triton.language`` behind, and code
+    generation cannot run on the patched module."""
+    import subprocess
+    import sys
 
-    # JITFunction directly: under TRITON_INTERPRET=1 @triton.jit gives an interpreted function
-    def _plus_one(x):
-        return x + 1
-
-    def _jit_log_probe(x_ptr, F: tl.constexpr, SALT: tl.constexpr):
-        tl.store(x_ptr, F(tl.load(x_ptr)) + SALT)
-
-    _plus_one, _jit_log_probe = JITFunction(_plus_one), JITFunction(_jit_log_probe)
-
-    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path / "triton-cache"))
-    jit_log.install(tmp_path / "jit.tsv")
-    src = ASTSource(_jit_log_probe, {"x_ptr": "*fp32", "F": "constexpr", "SALT": "constexpr"},
-                    constexprs={"F": _plus_one, "SALT": 3})
-    for _ in range(2):
-        triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    ev = jit_log.read_events(tmp_path / "jit.tsv")
-    assert [e.kernel.rsplit(".", 1)[-1] for e in ev] == ["_jit_log_probe"] * 2
-    assert ev[0].kernel.startswith(f"{__name__}:")
+    (tmp_path / "jit_log_probe.py").write_text(_PROBE)
+    log = tmp_path / "jit.tsv"
+    subprocess.run([sys.executable, "-c", _COMPILE, str(tmp_path), str(tmp_path / "cache"),
+                    str(log)], check=True, timeout=300)
+    ev = jit_log.read_events(log)
+    assert [e.kernel for e in ev] == ["jit_log_probe:_jit_log_probe"] * 2
     assert [e.source for e in ev] == ["compile", "disk"]
     assert ev[0].seconds > 0 and ev[0].start <= ev[1].start
 

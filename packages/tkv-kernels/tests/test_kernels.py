@@ -2273,10 +2273,7 @@ def test_auto_routes_to_the_cuda_kernel_unless_a_triton_option_is_given(monkeypa
     """``decode(kernel=None)`` reads ``TKV_DECODE_KERNEL`` (default ``auto``): ``auto`` takes
     the CUDA kernel wherever it is supported and no Triton-only option is given (with its own
     split rule), else the Triton kernel; ``triton`` always the Triton kernel. Checked on the
-    CPU with the CUDA kernel's support test and launch replaced by a recorder. (Here, not in
-    test_cuda_decode.py: an interpreted kernel leaves the Triton interpreter's patches of
-    ``triton.language`` behind, and test_jit_log's real compile, collected between the two
-    files, needs the unpatched module.)"""
+    CPU with the CUDA kernel's support test and launch replaced by a recorder."""
     import importlib
     dmod = importlib.import_module("tkv.kernels.decode")   # the module (decode is shadowed)
     from tkv.kernels import _nvrtc, cuda_decode
