@@ -123,8 +123,8 @@ def model_step_rows(shapes, layers=36):
 def table(copy_gbs) -> str:
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}. Copy bandwidth "
              f"measured in this run: **{copy_gbs:.0f} GB/s**. Baseline: the Triton split kernel "
-             "(decode's default until session 32) on the same cache; x_triton > 1 = the CUDA kernel is "
-             "faster.",
+             "(decode's default until session 32) on the same cache; x_triton > 1 = the CUDA "
+             "kernel is faster.",
              "", "| shape | impl | ms | % copy BW | x_triton | rel. err. vs Triton |",
              "|---|---|---:|---:|---:|---:|"]
     for r in ROWS:

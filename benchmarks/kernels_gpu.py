@@ -377,7 +377,9 @@ def decode_rows(cfgs, widths, copy_gbs, tune):
                 # runs the CUDA kernel for K4V4: the --cuda rows)
                 o = {"kernel": "triton", **o}
                 lk = o.pop("lookup", next(iter(lds)))
-                ld = lds[lk] if lk in lds else TkvLoader(codec, hkv, block, lookup=lk)
+                if lk not in lds:   # e.g. the --cuda rows' "auto": built once per width pair
+                    lds[lk] = TkvLoader(codec, hkv, block, lookup=lk)
+                ld = lds[lk]
                 try:
                     ms = bench(lambda o=o: decode(q, cache, bt, sl, ld, ws, **o))
                 except Exception as e:

@@ -1,4 +1,5 @@
-"""tkv.kernels — Triton and CUDA kernels reading the tkv packed paged KV cache with inline dequant.
+"""tkv.kernels — Triton and CUDA kernels reading the tkv packed paged KV cache with inline
+dequant.
 
 Public API: :class:`TkvLoader` (per-layer tkv format), :class:`BypassLoader`,
 :class:`Fp8Loader`, the :class:`Loader` protocol, :class:`Workspace` (shared scratch),

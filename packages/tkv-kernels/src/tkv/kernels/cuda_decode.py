@@ -25,8 +25,6 @@ multiple of 16, bf16 or fp16 queries, sink offsets or not, a CUDA device of comp
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from tkv.codec.errors import ShapeError, TkvError
@@ -55,9 +53,6 @@ SUB = 2   # 16-token steps per loop iteration at head_dim ≤ 128 (one softmax u
 # none; benchmarks override them to time variants
 TUNING: dict[str, int] = {}
 _Q_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# loader -> {(side, half): bool}: overrides of the loader's antisymmetry (tests force the
-# general lookup with it)
-_SYM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_supported(loader, device, head_dim: int, group: int, dot_dtype) -> None:
@@ -129,10 +124,7 @@ DECODE_KERNEL = read_at_import(decode_kernel_from_env)
 def _antisymmetric(loader: TkvLoader, side: str, half: torch.dtype) -> bool:
     """Whether the side's byte tables hold an antisymmetric codebook (the cheaper lookup), as
     the loader found from its host-side words when it was built (no device sync here, so a
-    first call inside CUDA-graph capture is fine); ``_SYM`` overrides it (tests)."""
-    memo = _SYM.get(loader)
-    if memo is not None and (side, half) in memo:
-        return memo[side, half]
+    first call inside CUDA-graph capture is fine)."""
     return loader._prmt_antisymmetric[side, half]
 
 
@@ -181,7 +173,7 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
     lay = loader.layout
     st = lay.strides()
     d = loader.head_dim
-    if cache.data_ptr() % 16:
+    if not cache_aligned(cache):
         raise UnsupportedKernelError("decode(kernel='cuda') needs a 16-byte aligned cache")
     if st["k_token"] != d // 2 or st["v_token"] != d // 2:   # 4-bit sides: d/2 code bytes
         raise UnsupportedKernelError(f"decode(kernel='cuda'): token strides {st}")

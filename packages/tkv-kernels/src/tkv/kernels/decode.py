@@ -521,7 +521,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         auto_cuda = False
     if kernel == "gluon":
         gluon_decode.check_supported(loader, dev, d, hq // hkv, dot_dtype)
-    elif kernel == "cuda":
+    elif kernel == "cuda" and not auto_cuda:   # auto already tested it (supported())
         cuda_decode.check_supported(loader, dev, d, hq // hkv, dot_dtype)
     kargs = loader.side_args(cache, "k", dot_dtype)
     vargs = loader.side_args(cache, "v", dot_dtype)

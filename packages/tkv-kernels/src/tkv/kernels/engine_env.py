@@ -53,8 +53,8 @@ class EngineKernelSettings(NamedTuple):
 def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> EngineKernelSettings:
     """Parse every engine-facing kernel setting from ``environ`` (None: ``os.environ``; then
     the returned ``TKV_PRMTI_MAXNREG`` / ``TKV_DECODE_PIPELINE`` / ``TKV_DECODE_SINGLE_SPLIT``
-    / ``TKV_DECODE_MIN_SPLIT_TILES`` / ``TKV_STORE_ROTATION`` / ``TKV_DECODE_KERNEL`` are the values this process read
-    at import, the ones its kernels use — the current values are still validated).
+    / ``TKV_DECODE_MIN_SPLIT_TILES`` / ``TKV_STORE_ROTATION`` / ``TKV_DECODE_KERNEL`` are the
+    values this process read at import, the ones its kernels use — the current values are still validated).
 
     Args:
         environ: a mapping of environment variables, or None for the process environment.
