@@ -14,6 +14,7 @@ float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
 from . import _interpreter_compat
 from ._util import UnsupportedKernelError, shares_memory
 from .cuda_decode import ENV_DECODE_KERNEL, DecodeKernelConfigError, decode_kernel_from_env
+from .cuda_store import ENV_STORE_KERNEL, StoreKernelConfigError, store_kernel_from_env
 from .decode import decode
 from .dense_attention import (
     ENV_PREFILL_ATTENTION,
@@ -97,6 +98,7 @@ __all__ = [
     "ENV_LOOKUP",
     "ENV_PREFILL_ATTENTION",
     "ENV_SMALL_HEAD_GROUPS",
+    "ENV_STORE_KERNEL",
     "ENV_STORE_ROTATION",
     "MAX_PACKED_SPLITS",
     "MAX_PREFILL_RUNS",
@@ -121,6 +123,7 @@ __all__ = [
     "SdpaDenseAttention",
     "SingleSplitConfigError",
     "SmallHeadGroupsConfigError",
+    "StoreKernelConfigError",
     "StoreRotationConfigError",
     "TkvLoader",
     "TorchVarlenAttention",
@@ -147,6 +150,7 @@ __all__ = [
     "serves_head_dim",
     "shares_memory",
     "small_head_groups_from_env",
+    "store_kernel_from_env",
     "store_rotation_from_env",
     "varlen_prefix_bytes",
     "varlen_prefix_rows",

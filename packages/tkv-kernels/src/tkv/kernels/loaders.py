@@ -59,6 +59,7 @@ from tkv.codec.errors import DtypeError, ShapeError, TkvError
 from tkv.codec.layout import SlotLayout
 from tkv.codec.packing import code_group
 
+from . import _quant_grid
 from ._lut_asm import byte_table_words, lut_asm, lut_constraints
 from ._planes import merge_planes, to_planar_columns
 from ._util import (
@@ -860,6 +861,10 @@ class TkvLoader:
             matrix; ``w`` = the rotation's signs, ``1/s`` and ``1/√d``) where the rotation is
             a pure power-of-two Hadamard (as :attr:`q_hadamard`), else None:
             ``compress_store(rotation="wht")`` rotates by butterflies with it.
+        k_store_quant, v_store_quant: uint8 tables of the CUDA store's search-free Lloyd-Max
+            quantization (:mod:`tkv.kernels._quant_grid`), with ``k_store_ncell`` /
+            ``v_store_ncell`` their cell counts (0: binary search), where the store
+            Hadamards exist, else None.
         q_in: ``(d_pad, d_pad)`` with ``rotate_query(q) = q @ q_in``.
         q_hadamard: float32 ``(head_dim,)`` ``w`` with ``q @ q_in = (w ⊙ q) @ H`` (``H`` the
             unnormalized Sylvester Walsh–Hadamard matrix) where the rotation is a pure
@@ -1014,6 +1019,14 @@ class TkvLoader:
         # compress_store(rotation="wht"): x @ A = (w ⊙ x) @ H by butterflies, no matrix
         self.k_store_hadamard = _hadamard_weights(a_k, dp, dev)
         self.v_store_hadamard = _hadamard_weights(a_v, dp, dev)
+        # the CUDA store's search-free quantization tables (built here, not inside a capture)
+        self.k_store_quant = self.v_store_quant = None
+        self.k_store_ncell = self.v_store_ncell = 0
+        if self.k_store_hadamard is not None and self.v_store_hadamard is not None:
+            for side, sc in (("k", codec.k), ("v", codec.v)):
+                table, ncell = _quant_grid.build(sc.boundaries, sc.scaled_centroids, sc.bits)
+                setattr(self, f"{side}_store_quant", table.to(dev))
+                setattr(self, f"{side}_store_ncell", ncell)
         mu = codec.k.channel_offset
         self.k_mu = self.k_mu_rot = None
         if mu is not None:             # compress_store: x − μ, or x @ A_k − μ @ A_k

@@ -4,6 +4,7 @@ tkv cache in one launch (no intermediate tensor through HBM)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import triton
@@ -12,6 +13,8 @@ import triton.language as tl
 from tkv.codec.errors import ShapeError, TkvError
 from tkv.codec.packing import code_group
 
+from . import cuda_store
+from ._nvrtc import CudaCompileError
 from ._planes import hadamard_stage
 from ._util import (
     check_dtype,
@@ -496,10 +499,43 @@ def _compress_store_kernel(
                     V_SINK, V_SPLIT, V_NPL, LOG2D)
 
 
+_CUDA_FALLBACK_WARNED: list[str] = []
+
+
+def _warn_cuda_fallback(err: Exception) -> None:
+    """``kernel="auto"`` chose the CUDA store but it could not be built: warn (once per
+    process) and store with the Triton kernel instead."""
+    if not _CUDA_FALLBACK_WARNED:
+        _CUDA_FALLBACK_WARNED.append(str(err))
+        warnings.warn(f"tkv compress_store: the CUDA store could not be built, storing with the "
+                      f"Triton kernel (TKV_STORE_KERNEL=triton silences this): {err}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _store_kernel(kernel, loader, key, value, cache, rotation: str, *, triton_only: bool) -> str:
+    """``"cuda"``, ``"auto-cuda"`` (auto chose CUDA: a compile failure falls back) or
+    ``"triton"`` for ``compress_store(kernel=...)``.
+
+    Raises:
+        ValueError: an unknown ``kernel``. UnsupportedKernelError: ``"cuda"`` for a call the
+        CUDA store cannot serve."""
+    if kernel is None:
+        kernel = cuda_store.STORE_KERNEL
+    if kernel not in ("auto", "triton", "cuda"):
+        raise ValueError(f"kernel must be 'auto', 'triton' or 'cuda', got {kernel!r}")
+    if kernel == "auto":
+        ok = not triton_only and cuda_store.supported(loader, key, value, cache, rotation)
+        return "auto-cuda" if ok else "triton"
+    if kernel == "cuda":
+        cuda_store.check_supported(loader, key, value, cache, rotation)
+    return kernel
+
+
 def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                    slot_mapping: torch.Tensor, loader: TkvLoader, *,
                    block_t: int | None = None, num_warps: int | None = None,
-                   chunk: int | None = None, rotation: str = "auto") -> None:
+                   chunk: int | None = None, rotation: str = "auto",
+                   kernel: str | None = None) -> None:
     """Compress new tokens' K and V and scatter them into their slots, in one launch.
 
     Per token and KV head h: ``y = R ((x − μ_h) / s)`` (key centering when the codec has a
@@ -554,6 +590,13 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             Hadamard, else ``"split"`` for bfloat16 / float16 sides and ``"tf32x3"`` for
             float32; the operator's ``TKV_STORE_ROTATION=matrix``
             (:func:`store_rotation_from_env`) keeps the matrix paths.
+        kernel: ``"triton"``, ``"cuda"`` (the hand-written store of
+            :mod:`tkv.kernels.cuda_store`: the ``"wht"`` computation, head_dim 64/128/256,
+            16-byte aligned K/V rows; refused calls raise UnsupportedKernelError) or
+            ``"auto"`` (the CUDA store wherever it applies and none of ``block_t``,
+            ``num_warps``, ``chunk`` is given; Triton otherwise, and with one RuntimeWarning
+            if the CUDA store cannot be compiled). None (default): ``TKV_STORE_KERNEL``
+            (:func:`~tkv.kernels.cuda_store.store_kernel_from_env`, default ``auto``).
 
     Values are not checked for NaN / ±inf (that would read them back to the host, a device
     sync inside every layer of a CUDA graph): a non-finite K/V element stores a non-finite
@@ -566,7 +609,9 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
 
     Raises:
         DtypeError, ShapeError, DeviceMismatchError on malformed inputs (checked on the host,
-        no device sync). ValueError: unknown ``rotation``, ``"split"`` with a float32 side, or
+        no device sync). UnsupportedKernelError: ``kernel="cuda"`` outside the CUDA store's
+        scope. CudaCompileError: ``kernel="cuda"`` and the CUDA store did not compile.
+        ValueError: unknown ``kernel`` or ``rotation``, ``"split"`` with a float32 side, or
         ``"wht"`` where the rotation is not a pure power-of-two Hadamard. A ``TKV_*``
         setting refused at import (its named error, e.g. StoreRotationConfigError).
     """
@@ -593,6 +638,20 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     n = key.shape[0]
     st = lay.strides()
     rotation = store_rotation_for(rotation, loader)
+    kernel = _store_kernel(kernel, loader, key, value, cache, rotation,
+                           triton_only=block_t is not None or num_warps is not None
+                           or chunk is not None)
+    if kernel != "triton":
+        if n:
+            try:
+                cuda_store.launch(key, value, cache, slot_mapping, num_blocks, loader)
+                return
+            except CudaCompileError as err:
+                if kernel == "cuda":
+                    raise
+                _warn_cuda_fallback(err)   # auto: the Triton store below
+        else:
+            return
     if block_t is None:
         if rotation == "wht":   # H100 sweep, session 28: 8 to 256 tokens, then 16 (32 at d 256)
             block_t = 8 if n <= 256 else 32 if loader.d_pad >= 256 else 16

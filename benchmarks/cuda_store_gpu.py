@@ -1,0 +1,209 @@
+# ruff: noqa: B023, F821  (lambdas are timed immediately; the caches are deleted after timing)
+"""compress_store(kernel="cuda") (the hand-written CUDA store, session 34) against the Triton
+store (the default until session 34: Walsh–Hadamard butterflies) on one GPU: one table, ratios
+to the Triton store in the same run, the copy bandwidth measured in the same run.
+
+* kernel rows: bf16 K/V into a random-slot paged cache at prefill-sized (16K, 2K tokens) and
+  decode-sized (256, 64 tokens) batches; Qwen3-8B-like heads (8 × 128), SmolLM2 (3 × 64) and
+  head_dim 256; K4V4 plain, K4V4 with key centering + sink offsets (the shipped bundle's
+  codec), other widths (K3V2, K5V4, K8V8: the binary-search fallback). GB/s over bytes read +
+  written (kernels_gpu.store_bytes). Each CUDA variant (``cuda_store.TUNING``: coordinates per
+  lane ``elems``, CTAs per SM ``ctas_per_sm``) also reports its agreement with the Triton
+  store: the fraction of equal codes and the largest norm difference in bf16 ulps.
+* ``--model-step``: kernels_gpu's 36-layer engine-like step with the store on Triton vs CUDA
+  (decode on its default either way), and bf16.
+
+Usage: python benchmarks/cuda_store_gpu.py --out DIR [--tag T] [--quick] [--model-step]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kernels_gpu as kg
+
+from tkv.codec import TurboKVCodec
+from tkv.kernels import TkvLoader, compress_store, cuda_store
+
+ROWS: list[dict] = []
+
+
+def log(row):
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+@contextlib.contextmanager
+def tuning(**kw):
+    old = dict(cuda_store.TUNING)
+    cuda_store.TUNING.update(kw)
+    try:
+        yield
+    finally:
+        cuda_store.TUNING.clear()
+        cuda_store.TUNING.update(old)
+
+
+VARIANTS = [("cuda (default tuning)", {}), ("cuda elems=8", {"elems": 8}),
+            ("cuda ctas_per_sm=4", {"ctas_per_sm": 4}),
+            ("cuda ctas_per_sm=16", {"ctas_per_sm": 16}),
+            ("cuda ctas_per_sm=32", {"ctas_per_sm": 32})]
+
+
+def _agreement(ld, cache_a, cache_b, slots):
+    """(fraction of equal codes, largest |norm difference| in bf16 ulps of the larger) over
+    the written slots of two caches."""
+    va, vb = ld.layout.views(cache_a), ld.layout.views(cache_b)
+    bs = ld.block_size
+    b, o = slots // bs, slots % bs
+    eq, n = 0, 0
+    for name in ("k_codes", "v_codes"):
+        a, c = va[name][b, :, o], vb[name][b, :, o]
+        bits = ld.k_bits if name[0] == "k" else ld.v_bits
+        if bits == 4:   # compare nibbles
+            a = torch.stack([a & 15, a >> 4], -1)
+            c = torch.stack([c & 15, c >> 4], -1)
+        eq += (a == c).sum().item()
+        n += a.numel()
+    worst = 0.0
+    for name in ("k_norms", "v_norms"):
+        a, c = va[name][b, :, o].float(), vb[name][b, :, o].float()
+        ulp = torch.maximum(a.abs(), c.abs()).clamp_min(1e-30) * 2.0 ** -7
+        worst = max(worst, ((a - c).abs() / ulp).max().item())
+    return eq / n, worst
+
+
+def codec_for(d, hkv, kb, vb, sink, g):
+    kw = {}
+    if sink:
+        kw = dict(k_channel_offset=torch.randn(hkv, d, generator=g),
+                  k_sink_offset=torch.randn(hkv, d, generator=g) * 4,
+                  v_sink_offset=torch.randn(hkv, d, generator=g) * 4)
+    return TurboKVCodec(d, k_bits=kb, v_bits=vb, device=kg.DEV, **kw)
+
+
+def kernel_rows(cases, copy_gbs, variants):
+    g = torch.Generator().manual_seed(1)
+    for T, hkv, d, kb, vb, sink in cases:
+        ld = TkvLoader(codec_for(d, hkv, kb, vb, sink, g), hkv, 16)
+        k = torch.randn(T, hkv, d, device=kg.DEV, dtype=torch.bfloat16) * 2
+        v = torch.randn_like(k)
+        nblk = T // 16 + 1
+        cache_t = ld.layout.allocate(nblk, kg.DEV)
+        cache_c = ld.layout.allocate(nblk, kg.DEV)
+        slots = torch.randperm(nblk * 16, device=kg.DEV)[:T]
+        moved = kg.store_bytes(T, hkv, d, ld)
+        base = dict(kernel="store", T=T, Hkv=hkv, D=d, widths=f"K{kb}V{vb}",
+                    sink=bool(sink))
+        compress_store(k, v, cache_t, slots, ld, kernel="triton")
+        tri = kg.timed_row(base, "triton (butterflies; the default until session 34)",
+                           lambda: compress_store(k, v, cache_t, slots, ld, kernel="triton"),
+                           moved=moved, copy_gbs=copy_gbs)
+        for label, tune in variants:
+            try:
+                with tuning(**tune):
+                    compress_store(k, v, cache_c, slots, ld, kernel="cuda")
+                    torch.cuda.synchronize()
+                    agree, ulps = _agreement(ld, cache_t, cache_c, slots)
+                    kg.timed_row({**base, "codes_equal": round(agree, 6), "norm_ulps": ulps},
+                                 label,
+                                 lambda: compress_store(k, v, cache_c, slots, ld, kernel="cuda"),
+                                 moved=moved, copy_gbs=copy_gbs, ref_ms=tri)
+            except Exception as e:
+                log({**base, "impl": label, "error": str(e)[:200]})
+        del cache_t, cache_c, k, v
+        torch.cuda.empty_cache()
+
+
+def model_step_rows(shapes, layers=36):
+    arms = [("bf16 store + bypass decode", "bf16", "auto"),
+            ("tkv K4V4, Triton store", {}, "triton"),
+            ("tkv K4V4, CUDA store (default: TKV_STORE_KERNEL=auto)", {}, "auto")]
+    for B, L in shapes:
+        ref = None
+        for label, attn, store_kernel in arms:
+            old = cuda_store.STORE_KERNEL
+            cuda_store.STORE_KERNEL = store_kernel
+            try:
+                step = kg.make_model_step(B, L, attn, layers=layers)
+                ms = kg.bench(step)
+            except Exception as e:
+                log({"kernel": "model_step", "B": B, "L": L, "impl": label, "error": str(e)[:200]})
+                continue
+            finally:
+                cuda_store.STORE_KERNEL = old
+            ref = ms if attn == "bf16" else ref
+            log({"kernel": "model_step", "B": B, "L": L, "layers": layers, "impl": label,
+                 "ms": ms, "x_bf16": round(ref / ms, 3) if ref else None})
+            del step
+            torch.cuda.empty_cache()
+
+
+def table(copy_gbs) -> str:
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}. Copy bandwidth "
+             f"measured in this run: **{copy_gbs:.0f} GB/s**. Baseline: the Triton store "
+             "(compress_store's default until session 34) into a second cache with the same "
+             "slots; x_default > 1 = the CUDA store is faster. codes equal / norm ulps: "
+             "agreement with the Triton store's cache.",
+             "", "| shape | impl | ms | GB/s | % copy BW | x_triton | codes equal | norm ulps |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in ROWS:
+        if r.get("kernel") != "store":
+            continue
+        shape = f"T={r['T']}, Hkv={r['Hkv']}, D={r['D']}, {r['widths']}"
+        if r.get("sink"):
+            shape += " + centering + sink"
+        if "error" in r:
+            lines.append(f"| {shape} | {r['impl']} | error: {r['error'][:80]} | | | | | |")
+            continue
+        lines.append(f"| {shape} | {r['impl']} | {r['ms']:.4f} | {r['GBps']:.0f} | "
+                     f"{100 * r['frac_copy']:.0f}% | {r.get('x_default', '')} | "
+                     f"{r.get('codes_equal', '')} | {r.get('norm_ulps', '')} |")
+    steps = [r for r in ROWS if r.get("kernel") == "model_step"]
+    if steps:
+        lines += ["", "36-layer engine-like step (kernels_gpu.make_model_step); x_bf16 > 1 = "
+                  "faster than bf16:", "", "| B × L | impl | ms | x_bf16 |", "|---|---|---:|---:|"]
+        for r in steps:
+            lines.append(f"| {r['B']} × {r['L']} | {r['impl']} | "
+                         + (f"error: {r['error'][:80]} | |" if "error" in r
+                            else f"{r['ms']:.3f} | {r['x_bf16']} |"))
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--quick", action="store_true", help="K4V4 at 16K tokens and 64 tokens only")
+    ap.add_argument("--model-step", action="store_true")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    copy_gbs = kg.copy_bandwidth()
+    log({"kernel": "copy", "GBps": copy_gbs})
+    cases = [(16384, 8, 128, 4, 4, False), (16384, 8, 128, 4, 4, True),
+             (2048, 8, 128, 4, 4, False), (256, 8, 128, 4, 4, False), (64, 8, 128, 4, 4, False),
+             (256, 8, 128, 4, 4, True), (8192, 3, 64, 4, 4, False), (8192, 3, 64, 4, 4, True),
+             (16384, 8, 256, 4, 4, False), (16384, 8, 128, 3, 2, False),
+             (16384, 8, 128, 5, 4, False), (16384, 8, 128, 8, 8, False)]
+    if a.quick:
+        cases = [cases[0], cases[1], cases[4]]
+    kernel_rows(cases, copy_gbs, VARIANTS)
+    if a.model_step:
+        model_step_rows(((64, 640), (256, 640)))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"_{a.tag}" if a.tag else ""
+    (out / f"cuda_store_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    (out / f"cuda_store_gpu{tag}.md").write_text(table(copy_gbs))
+    print(table(copy_gbs))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
