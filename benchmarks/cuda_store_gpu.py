@@ -80,6 +80,17 @@ def _agreement(ld, cache_a, cache_b, slots):
     return eq / n, worst
 
 
+def timed(base, impl, fn, moved, copy_gbs, ref_ms=None):
+    """Time ``fn`` (kernels_gpu.bench: CUDA graph, L2 flushed) and log its row."""
+    ms = kg.bench(fn)
+    row = {**base, "impl": impl, "ms": ms, "GBps": moved / ms / 1e6,
+           "frac_copy": moved / ms / 1e6 / copy_gbs}
+    if ref_ms is not None:
+        row["x_default"] = round(ref_ms / ms, 3)
+    log(row)
+    return ms
+
+
 def codec_for(d, hkv, kb, vb, sink, g):
     kw = {}
     if sink:
@@ -103,19 +114,18 @@ def kernel_rows(cases, copy_gbs, variants):
         base = dict(kernel="store", T=T, Hkv=hkv, D=d, widths=f"K{kb}V{vb}",
                     sink=bool(sink))
         compress_store(k, v, cache_t, slots, ld, kernel="triton")
-        tri = kg.timed_row(base, "triton (butterflies; the default until session 34)",
-                           lambda: compress_store(k, v, cache_t, slots, ld, kernel="triton"),
-                           moved=moved, copy_gbs=copy_gbs)
+        tri = timed(base, "triton (butterflies; the default until session 34)",
+                    lambda: compress_store(k, v, cache_t, slots, ld, kernel="triton"), moved,
+                    copy_gbs)
         for label, tune in variants:
             try:
                 with tuning(**tune):
                     compress_store(k, v, cache_c, slots, ld, kernel="cuda")
                     torch.cuda.synchronize()
                     agree, ulps = _agreement(ld, cache_t, cache_c, slots)
-                    kg.timed_row({**base, "codes_equal": round(agree, 6), "norm_ulps": ulps},
-                                 label,
-                                 lambda: compress_store(k, v, cache_c, slots, ld, kernel="cuda"),
-                                 moved=moved, copy_gbs=copy_gbs, ref_ms=tri)
+                    timed({**base, "codes_equal": round(agree, 6), "norm_ulps": ulps}, label,
+                          lambda: compress_store(k, v, cache_c, slots, ld, kernel="cuda"),
+                          moved, copy_gbs, tri)
             except Exception as e:
                 log({**base, "impl": label, "error": str(e)[:200]})
         del cache_t, cache_c, k, v

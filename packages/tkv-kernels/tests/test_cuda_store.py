@@ -112,7 +112,8 @@ class _FakeCache:
     (256, 7, 6, torch.bfloat16, {"sink": True}, None)])
 def test_compiles_offline(d, kb, vb, dtype, extras, elems, tmp_path):
     """NVRTC compiles every side variant for sm_90 on any machine; at head_dim 128 K4V4 fits
-    128 registers without local memory."""
+    128 registers (168 with sink offsets: two candidates in registers) without local
+    memory."""
     kw = {}
     if extras.get("center"):
         kw["k_channel_offset"] = torch.randn(d)
@@ -131,7 +132,8 @@ def test_compiles_offline(d, kb, vb, dtype, extras, elems, tmp_path):
     (tmp_path / "k.cubin").write_bytes(cubin)
     res = subprocess.run([str(tool), "-res-usage", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True, check=True).stdout
-    assert int(re.search(r"REG:(\d+)", res).group(1)) <= 128 and "LOCAL:0" in res, res
+    budget = 192 if extras.get("sink") else 128
+    assert int(re.search(r"REG:(\d+)", res).group(1)) <= budget and "LOCAL:0" in res, res
 
 
 def test_alignment_comes_from_the_layout():

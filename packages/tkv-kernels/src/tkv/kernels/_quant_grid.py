@@ -24,8 +24,10 @@ The table is one ``uint8`` tensor, the kernel's shared-memory image::
     [0:4] A (float32)  [4:8] B (float32)  [8:12] ncell (int32)  [12:16] zero
     [16 : 16 + 4·2**bits]            boundaries u_j (grid) or b_j (search), float32, the
                                      last one +inf
-    [.. : .. + 4·2**bits]            scaled centroids c / sqrt(head_dim), float32 (the
+    [.. : .. + 4·2**bits]            scaled centroids t_c = c / sqrt(head_dim), float32 (the
                                      loader's ``k_table``: norm correction, sink errors)
+    [.. : .. + 4·2**bits]            t_{c+1} (the last one repeated): with t_c, the cell's two
+                                     candidates at the same offset 4·c
     [.. : .. + ncell]                cells: 4·c (the byte offset of boundary c), uint8
     zero padding to a multiple of 16 bytes
 """
@@ -125,14 +127,16 @@ def build(boundaries: torch.Tensor, centroids: torch.Tensor, bits: int) -> tuple
     else:
         a, b, ub, cells = found
     ncell = len(cells)
-    size = HEADER_BYTES + 8 * nb + ncell
+    size = HEADER_BYTES + 12 * nb + ncell
     out = torch.zeros((size + 15) // 16 * 16, dtype=torch.uint8)
     out[:HEADER_BYTES] = torch.frombuffer(bytearray(struct.pack("<ffii", a, b, ncell, 0)),
                                           dtype=torch.uint8)
     bounds = torch.tensor([*ub, math.inf], dtype=torch.float32)
     out[HEADER_BYTES:HEADER_BYTES + 4 * nb] = bounds.view(torch.uint8)
     out[HEADER_BYTES + 4 * nb:HEADER_BYTES + 8 * nb] = cen.contiguous().view(torch.uint8)
-    out[HEADER_BYTES + 8 * nb:size] = torch.tensor([4 * c for c in cells], dtype=torch.uint8)
+    above = torch.cat([cen[1:], cen[-1:]]).contiguous()   # centroid c + 1 (the last repeated)
+    out[HEADER_BYTES + 8 * nb:HEADER_BYTES + 12 * nb] = above.view(torch.uint8)
+    out[HEADER_BYTES + 12 * nb:size] = torch.tensor([4 * c for c in cells], dtype=torch.uint8)
     return out, ncell
 
 
@@ -148,7 +152,7 @@ def emulate(z: torch.Tensor, table: torch.Tensor, bits: int) -> torch.Tensor:
     nan = z32 != z32
     if ncell == 0:
         return torch.searchsorted(bounds[:-1], z32, right=False).masked_fill(nan, 0)
-    cells = table[HEADER_BYTES + 8 * nb:HEADER_BYTES + 8 * nb + ncell].long()
+    cells = table[HEADER_BYTES + 12 * nb:HEADER_BYTES + 12 * nb + ncell].long()
     u = (z32.double() * a + b).float().clamp(0.0, 1.0)   # fma: exact in float64, one rounding
     u = torch.where(nan, torch.zeros_like(u), u)
     cell = torch.round(u.double() * (ncell - 1)).long()   # RNE, as the magic-number FMA

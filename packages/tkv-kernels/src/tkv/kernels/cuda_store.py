@@ -190,7 +190,8 @@ def launch(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             lay.v_codes_offset, st["v_head"], st["v_token"], lay.v_norms_offset,
             st["norm_head"], loader.k_store_hadamard, loader.v_store_hadamard, opt(loader.k_mu),
             0 if loader.k_mu is None or loader.k_mu.shape[0] == 1 else loader.d_pad,
-            opt(loader.k_sink_shift), opt(loader.v_sink_shift), loader.k_store_quant,
-            loader.v_store_quant]
+            opt(loader.k_sink_shift), opt(loader.v_sink_shift), opt(loader.k_sink_delta),
+            opt(loader.v_sink_delta), loader.k_inv_scale, loader.v_inv_scale,
+            loader.k_store_quant, loader.v_store_quant]
     with torch.cuda.device(cache.device):   # PyTorch's launcher takes the current device's stream
         k(grid=(gx, lay.num_kv_heads, 2), block=(WARPS * 32, 1, 1), args=args)

@@ -15,8 +15,9 @@
 // them. A CTA of WARPS warps serves one (KV head, side) and a grid-stride range of tokens:
 // warp w of CTA b takes token groups (VPW = 32/LPV tokens each) b·WARPS + w, then
 // + gridDim.x·WARPS, ...; the next group's loads are issued before the current one is
-// computed. The per-coordinate constants (w, μ ⊙ w, the sink shift) stay in registers; the
-// norms come from the rotated vector (‖y‖ = ‖(x − μ)/s‖: H Hᵀ = d·I, w carries 1/√d).
+// computed. The per-coordinate constants (w, μ, the sink shift and delta, 1/s) stay in
+// registers; the norm comes from the rotated vector (‖y‖ = ‖(x − μ)/s‖: H Hᵀ = d·I and w
+// carries 1/√d), the sink candidate's from before the rotation (exactly 0 at the offset).
 //
 // Quantization without a search (tkv.kernels._quant_grid builds the side's table): the
 // interval around the boundaries is cut into NCELL cells, no two boundaries in one cell
@@ -41,7 +42,7 @@ typedef unsigned long long u64;
 #define LPV (D / E)            // lanes per vector
 #define VPW (32 / LPV)         // vectors (tokens) per warp and group
 #define QT_HEADER 16           // table bytes before the boundaries (A, B, NCELL, pad)
-#define QT_MAX (QT_HEADER + 8 * 256 + 256)
+#define QT_MAX (QT_HEADER + 12 * 256 + 256)
 
 __device__ __forceinline__ float fma_sat(float a, float b, float c) {
   float d;
@@ -100,20 +101,20 @@ __device__ __forceinline__ float lds_f32(u32 a) {
   return d;
 }
 
-// One coordinate y of a vector whose scale is ia = A·sqrt(d)/n: its code as (c4, m) with
-// code = c4/4 − m (c4 = 4·c, c the boundaries below the cell; m all ones where the one
-// boundary of the cell lies below: code = c + 1). Grid mode works in u = sat(y·ia + B), where
-// the table's boundaries are A·b_j + B (tkv.kernels._quant_grid); NCELL = 0: a binary search
-// on z = y·ia (ia = sqrt(d)/n then) over the standardized boundaries, m = 0. `qt`: the
-// table's shared-memory address.
+// One coordinate y of a vector whose scale is ia = A·sqrt(d)/n: its code as (c4, p) with
+// code = c4/4 + p (c4 = 4·c, c the boundaries below the cell; p: the cell's one boundary
+// lies below y). Grid mode works in u = sat(y·ia + B), where the table's boundaries are
+// A·b_j + B (tkv.kernels._quant_grid); NCELL = 0: a binary search on z = y·ia (ia =
+// sqrt(d)/n then) over the standardized boundaries, p = false. `qt`: the table's
+// shared-memory address.
 template <int BITS, int NCELL>
-__device__ __forceinline__ void quantize(float y, float ia, float B, u32 qt, u32& c4, u32& m) {
+__device__ __forceinline__ void quantize(float y, float ia, float B, u32 qt, u32& c4, bool& p) {
   const u32 bounds = qt + QT_HEADER;
   if (NCELL > 0) {
     const float u = fma_sat(y, ia, B);
     const float v = __fmaf_rn(u, (float)(NCELL - 1), 12582912.0f);   // 1.5·2^23 + rint(u·(N−1))
-    c4 = lds_u8(qt + (QT_HEADER + 8 * (1 << BITS) - 0x4B400000u) + __float_as_uint(v));
-    m = lds_f32(bounds + c4) < u ? 0xFFFFFFFFu : 0u;
+    c4 = lds_u8(qt + (QT_HEADER + 12 * (1 << BITS) - 0x4B400000u) + __float_as_uint(v));
+    p = lds_f32(bounds + c4) < u;
   } else {
     const float z = y * ia;
     u32 c = 0;
@@ -121,7 +122,7 @@ __device__ __forceinline__ void quantize(float y, float ia, float B, u32 qt, u32
     for (int s = BITS - 1; s >= 0; --s)
       if (lds_f32(bounds + 4 * (c + (1u << s) - 1)) < z) c += 1u << s;
     c4 = 4 * c;
-    m = 0;
+    p = false;
   }
 }
 
@@ -133,18 +134,19 @@ struct Packed {
   u32 w[WORDS];
 };
 
-// add code i = c4/4 − m to the packed words (zero-initialized); widths dividing 32 never
-// cross a word: two IMADs (c4·2^(sh−2), then −m·2^sh), the first code of a word a shift
+// add code i = c4/4 + p to the packed words (zero-initialized); widths dividing 32 never
+// cross a word: c4·2^(sh−2) and a predicated add of 2^sh, the first code of a word a shift
 template <int BITS>
-__device__ __forceinline__ void pack_code(Packed<BITS>& p, int i, u32 c4, u32 m) {
+__device__ __forceinline__ void pack_code(Packed<BITS>& pk, int i, u32 c4, bool p) {
   const int bp = i * BITS, wi = bp >> 5, sh = bp & 31;
   if (32 % BITS == 0) {
-    if (sh == 0) p.w[wi] = (c4 >> 2) - m;
-    else p.w[wi] += c4 * (1u << (sh - 2)) + m * (0u - (1u << sh));
+    if (sh == 0) pk.w[wi] = c4 >> 2;
+    else pk.w[wi] += c4 << (sh - 2);
+    if (p) pk.w[wi] += 1u << sh;
   } else {
-    const u32 code = (c4 >> 2) - m;
-    p.w[wi] |= code << sh;
-    if (sh + BITS > 32) p.w[wi + 1] |= code >> (32 - sh);
+    const u32 code = (c4 >> 2) + (p ? 1u : 0u);
+    pk.w[wi] |= code << sh;
+    if (sh + BITS > 32) pk.w[wi + 1] |= code >> (32 - sh);
   }
 }
 
@@ -176,7 +178,8 @@ __device__ __forceinline__ void store_codes(u8* dst, const Packed<BITS>& p) {
 struct Args {
   const void* x; int sxt, sxh;
   int codes_off, head_stride, tok_stride, norms_off;
-  const float* w; const float* mu; int mu_sh; const float* shift; const u8* qt;
+  const float* w; const float* mu; int mu_sh; const float* shift; const float* delta;
+  const float* inv_s; const u8* qt;
 };
 
 // fast norms: n = ss·rsqrt(ss) and the vector's scale k·rsqrt(ss) (0 where ss is 0, inf or
@@ -194,13 +197,14 @@ __device__ __forceinline__ void store_side(const Args& a, const long long* slots
                                            int num_slots, u8* cache, int page_bytes,
                                            int norm_head_stride, u8* qt_smem) {
   // the side's quantization table into shared memory (16-byte words; its size is a multiple)
-  constexpr int QT_BYTES = (QT_HEADER + 8 * (1 << BITS) + NCELL + 15) / 16 * 16;
+  constexpr int QT_BYTES = (QT_HEADER + 12 * (1 << BITS) + NCELL + 15) / 16 * 16;
   for (int i = threadIdx.x; i < QT_BYTES / 16; i += WARPS * 32)
     ((uint4*)qt_smem)[i] = __ldg((const uint4*)a.qt + i);
   __syncthreads();
   const u32 qt = (u32)__cvta_generic_to_shared(qt_smem);
   const float A = ((const float*)qt_smem)[0], B = ((const float*)qt_smem)[1];
-  const u32 cent = qt + QT_HEADER + 4 * (1 << BITS);
+  // the code's scaled centroid t: t_c or t_{c+1}, both at offset c4 (no address select)
+  const u32 cent = qt + QT_HEADER + 4 * (1 << BITS), cent_up = cent + 4 * (1 << BITS);
   // grid mode folds A into the vector's scale: ia = A·sqrt(d)/n
   const float k_scale = sqrtf((float)D) * (NCELL > 0 ? A : 1.f);
 
@@ -208,13 +212,17 @@ __device__ __forceinline__ void store_side(const Args& a, const long long* slots
   const int lv = lane % LPV, vi = lane / LPV;
   const int head = blockIdx.y;
   const int c0 = lv * E;
-  // y = (x − μ) ⊙ w = fma(x, w, −μ ⊙ w); the sink candidate is y − c_h
-  float w[E], mw[E], shift[E];
+  // y = (x − μ) ⊙ w (store.py's order: a vector equal to μ gives exactly 0); the sink
+  // candidate is y − c_h, its norm ‖(x − μ − δ)/s‖ taken before the rotation (δ = σ − μ: a
+  // vector equal to σ gives exactly 0, as store.py)
+  float w[E], mu[E], shift[E], delta[E], inv_s[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) {
     w[e] = __ldg(a.w + c0 + e);
-    mw[e] = MU ? -__ldg(a.mu + head * a.mu_sh + c0 + e) * w[e] : 0.f;
+    mu[e] = MU ? __ldg(a.mu + head * a.mu_sh + c0 + e) : 0.f;
     shift[e] = SINK ? __ldg(a.shift + head * D + c0 + e) : 0.f;
+    delta[e] = SINK ? __ldg(a.delta + head * D + c0 + e) : 0.f;
+    inv_s[e] = SINK ? __ldg(a.inv_s + c0 + e) : 0.f;
   }
   // this lane's bytes of head `head` in page 0; a token adds blk·page_bytes + off·tok_stride
   u8* const codes0 = cache + a.codes_off + (long long)head * a.head_stride + lv * Packed<BITS>::BYTES;
@@ -245,10 +253,16 @@ __device__ __forceinline__ void store_side(const Args& a, const long long* slots
     const long long slot = nslot;
     fetch(g + gstep);
 
-    float y[E];
+    float y[E], ssb = 0.f;
 #pragma unroll
-    for (int e = 0; e < E; ++e) y[e] = MU ? __fmaf_rn(raw_elem<KIND>(cur, e), w[e], mw[e])
-                                          : raw_elem<KIND>(cur, e) * w[e];
+    for (int e = 0; e < E; ++e) {
+      const float xf = MU ? raw_elem<KIND>(cur, e) - mu[e] : raw_elem<KIND>(cur, e);
+      y[e] = xf * w[e];
+      if (SINK) {
+        const float xb = (xf - delta[e]) * inv_s[e];
+        ssb = __fmaf_rn(xb, xb, ssb);
+      }
+    }
 #pragma unroll
     for (int h = 1; h < E; h <<= 1)
 #pragma unroll
@@ -276,11 +290,12 @@ __device__ __forceinline__ void store_side(const Args& a, const long long* slots
     float ua = 0.f, ca = 0.f;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      u32 c4, m;
-      quantize<BITS, NCELL>(y[e], ia, B, qt, c4, m);
-      pack_code<BITS>(pa, e, c4, m);
+      u32 c4;
+      bool p;
+      quantize<BITS, NCELL>(y[e], ia, B, qt, c4, p);
+      pack_code<BITS>(pa, e, c4, p);
       if (NC || SINK) {
-        const float t = lds_f32(cent + c4 - 4 * m);
+        const float t = p ? lds_f32(cent_up + c4) : lds_f32(cent + c4);
         ua = __fmaf_rn(t, t, ua);
         if (SINK) ca = __fmaf_rn(t, y[e], ca);
       }
@@ -288,22 +303,20 @@ __device__ __forceinline__ void store_side(const Args& a, const long long* slots
     u32 norm_bits;
     if (SINK) {
       Packed<BITS> pb = {};
-      float yb[E], ssb = 0.f;
+      float yb[E];
 #pragma unroll
-      for (int e = 0; e < E; ++e) {
-        yb[e] = y[e] - shift[e];
-        ssb = __fmaf_rn(yb[e], yb[e], ssb);
-      }
+      for (int e = 0; e < E; ++e) yb[e] = y[e] - shift[e];
       ssb = lane_sum(ssb);
       float nb, iab;
       norm_scale(ssb, k_scale, nb, iab);
       float ub = 0.f, cb = 0.f;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        u32 c4, m;
-        quantize<BITS, NCELL>(yb[e], iab, B, qt, c4, m);
-        pack_code<BITS>(pb, e, c4, m);
-        const float t = lds_f32(cent + c4 - 4 * m);
+        u32 c4;
+        bool p;
+        quantize<BITS, NCELL>(yb[e], iab, B, qt, c4, p);
+        pack_code<BITS>(pb, e, c4, p);
+        const float t = p ? lds_f32(cent_up + c4) : lds_f32(cent + c4);
         ub = __fmaf_rn(t, t, ub);
         cb = __fmaf_rn(t, yb[e], cb);
       }
@@ -338,16 +351,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tkv_store_wht(
     int k_codes_off, int k_head_stride, int k_tok_stride, int k_norms_off,
     int v_codes_off, int v_head_stride, int v_tok_stride, int v_norms_off, int norm_head_stride,
     const float* kw, const float* vw, const float* kmu, int kmu_sh, const float* kshift,
-    const float* vshift, const u8* kqt, const u8* vqt) {
+    const float* vshift, const float* kdelta, const float* vdelta, const float* kinv_s,
+    const float* vinv_s, const u8* kqt, const u8* vqt) {
   __shared__ __align__(16) u8 qt_smem[QT_MAX];
   if (blockIdx.z == 0) {
     const Args a = {K, skt, skh, k_codes_off, k_head_stride, k_tok_stride, k_norms_off,
-                    kw, kmu, kmu_sh, kshift, kqt};
+                    kw, kmu, kmu_sh, kshift, kdelta, kinv_s, kqt};
     store_side<K_BITS, K_KIND, K_MU, K_NC, K_SINK, K_NCELL, K_ALIGN>(
         a, slots, num_tokens, num_slots, cache, page_bytes, norm_head_stride, qt_smem);
   } else {
     const Args a = {V, svt, svh, v_codes_off, v_head_stride, v_tok_stride, v_norms_off,
-                    vw, kmu, 0, vshift, vqt};
+                    vw, kmu, 0, vshift, vdelta, vinv_s, vqt};
     store_side<V_BITS, V_KIND, 0, V_NC, V_SINK, V_NCELL, V_ALIGN>(
         a, slots, num_tokens, num_slots, cache, page_bytes, norm_head_stride, qt_smem);
   }
