@@ -176,8 +176,8 @@ def test_refuses_what_it_cannot_serve():
 
 
 def test_auto_routing(monkeypatch):
-    """kernel='auto' runs the CUDA store only where it applies and no Triton tiling option is
-    given; 'cuda' outside the scope raises; TKV_STORE_KERNEL picks the default."""
+    """TKV_STORE_KERNEL picks the default (triton: the CUDA store is opt-in); 'auto' runs the
+    CUDA store only where it applies and no Triton tiling option is given."""
     calls = []
     monkeypatch.setattr(cuda_store, "supported", lambda *a: True)
     monkeypatch.setattr(cuda_store, "launch", lambda *a, **kw: calls.append("cuda"))
@@ -185,6 +185,10 @@ def test_auto_routing(monkeypatch):
     k = torch.randn(3, 2, 64, device=DEV, dtype=torch.bfloat16)
     cache = ld.layout.allocate(1, DEV)
     slots = torch.arange(3, device=DEV)
+    if cuda_store.STORE_KERNEL == "triton":   # the default: the CUDA store is opt-in
+        compress_store(k, k, cache, slots, ld)
+        assert calls == []
+    monkeypatch.setattr(cuda_store, "STORE_KERNEL", "auto")
     compress_store(k, k, cache, slots, ld)
     assert calls == ["cuda"]
     compress_store(k, k, cache, slots, ld, block_t=8)       # a Triton tiling option: Triton
@@ -208,6 +212,7 @@ def test_compile_failure_under_auto_falls_back_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(cuda_store, "supported", lambda *a: True)
     monkeypatch.setattr(cuda_store, "launch", broken)
+    monkeypatch.setattr(cuda_store, "STORE_KERNEL", "auto")
     monkeypatch.setattr(store, "_CUDA_FALLBACK_WARNED", [])
     ld = TkvLoader(TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV), 2, 16)
     k = torch.randn(3, 2, 64, device=DEV, dtype=torch.bfloat16)
@@ -222,7 +227,7 @@ def test_compile_failure_under_auto_falls_back_with_one_warning(monkeypatch):
         compress_store(k, k, cache, slots, ld, kernel="cuda")
 
 
-@pytest.mark.parametrize("raw,want", [(None, "auto"), (" CUDA ", "cuda"), ("triton", "triton")])
+@pytest.mark.parametrize("raw,want", [(None, "triton"), (" CUDA ", "cuda"), ("Auto", "auto")])
 def test_store_kernel_env(raw, want):
     env = {} if raw is None else {"TKV_STORE_KERNEL": raw}
     assert cuda_store.store_kernel_from_env(env) == want

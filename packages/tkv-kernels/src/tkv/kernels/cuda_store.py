@@ -58,17 +58,19 @@ class StoreKernelConfigError(TkvError, ValueError):
 
 
 def store_kernel_from_env(environ=None) -> str:
-    """``compress_store``'s kernel when the caller names none (``TKV_STORE_KERNEL``): ``auto``
-    (default: the CUDA kernel where :func:`check_supported` accepts the call and no
-    Triton-only option — ``block_t``, ``num_warps``, ``chunk``, a matrix ``rotation`` — is
-    given, else Triton), ``triton`` or ``cuda`` (refused calls raise UnsupportedKernelError).
-    Read once at import into :data:`STORE_KERNEL`.
+    """``compress_store``'s kernel when the caller names none (``TKV_STORE_KERNEL``): ``triton``
+    (default: the Triton store), ``auto`` (the CUDA store where :func:`check_supported`
+    accepts the call and no Triton-only option — ``block_t``, ``num_warps``, ``chunk``, a
+    matrix ``rotation`` — is given, else Triton) or ``cuda`` (refused calls raise
+    UnsupportedKernelError). The CUDA store stays opt-in until its GPU tests and timings have
+    run (docs/kernels.md, session 34). Read once at import into :data:`STORE_KERNEL`.
 
     Raises:
         StoreKernelConfigError: any other value."""
-    return choice_from_env(environ, ENV_STORE_KERNEL, _KERNELS, "auto", StoreKernelConfigError,
-                           "expected auto (the CUDA store where it applies, else Triton),"
-                           " triton or cuda")
+    return choice_from_env(environ, ENV_STORE_KERNEL, _KERNELS, "triton",
+                           StoreKernelConfigError,
+                           "expected triton (default), auto (the CUDA store where it applies, "
+                           "else Triton) or cuda")
 
 
 STORE_KERNEL = read_at_import(store_kernel_from_env)
