@@ -16,38 +16,18 @@ Usage: python benchmarks/cuda_decode_gpu.py --out DIR [--tag T] [--quick] [--mod
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import cuda_bench
 import kernels_gpu as kg
+from cuda_bench import ROWS, log, model_step_lines, tuning, write_results
 
 from tkv.codec import TurboKVCodec
 from tkv.kernels import TkvLoader, Workspace, cuda_decode, decode
-
-ROWS: list[dict] = []
-
-
-def log(row):
-    ROWS.append(row)
-    print(json.dumps(row), flush=True)
-
-
-@contextlib.contextmanager
-def tuning(**kw):
-    old = dict(cuda_decode.TUNING)
-    cuda_decode.TUNING.update(kw)
-    try:
-        yield
-    finally:
-        cuda_decode.TUNING.clear()
-        cuda_decode.TUNING.update(old)
-
 
 VARIANTS = [("cuda (decode's default, kernel='auto')", {}, {"kernel": None}),
             ("cuda 1 split", {}, {"num_splits": 1}), ("cuda 2 splits", {}, {"num_splits": 2}),
@@ -86,7 +66,7 @@ def kernel_rows(shapes, copy_gbs, variants, sink=False):
         for label, tune, opts in variants:
             try:
                 opts = {"kernel": "cuda", **opts}
-                with tuning(**tune):
+                with tuning(cuda_decode, **tune):
                     out = decode(q, cache, bt, sl, ld, ws, **opts).float()
                     err = ((out - ref).norm() / ref.norm()).item()
                     ms = kg.bench(lambda: decode(q, cache, bt, sl, ld, ws, **opts))
@@ -100,24 +80,11 @@ def kernel_rows(shapes, copy_gbs, variants, sink=False):
 
 
 def model_step_rows(shapes, layers=36):
-    arms = [("bf16 store + bypass decode", "bf16"),
-            ("tkv K4V4 triton (the default until session 32)", {"kernel": "triton"}),
-            ("tkv K4V4 default (kernel='auto': cuda)", {}),
-            ("tkv K4V4 cuda, 2 splits", {"kernel": "cuda", "num_splits": 2})]
-    for B, L in shapes:
-        ref = None
-        for label, attn in arms:
-            try:
-                step = kg.make_model_step(B, L, attn, layers=layers)
-                ms = kg.bench(step)
-            except Exception as e:
-                log({"kernel": "model_step", "B": B, "L": L, "impl": label, "error": str(e)[:200]})
-                continue
-            ref = ms if attn == "bf16" else ref
-            log({"kernel": "model_step", "B": B, "L": L, "layers": layers, "impl": label,
-                 "ms": ms, "x_bf16": round(ref / ms, 3) if ref else None})
-            del step
-            torch.cuda.empty_cache()
+    arms = [("bf16 store + bypass decode", "bf16", None),
+            ("tkv K4V4 triton (the default until session 32)", {"kernel": "triton"}, None),
+            ("tkv K4V4 default (kernel='auto': cuda)", {}, None),
+            ("tkv K4V4 cuda, 2 splits", {"kernel": "cuda", "num_splits": 2}, None)]
+    cuda_bench.model_step_rows(shapes, arms, layers)
 
 
 def table(copy_gbs) -> str:
@@ -138,29 +105,16 @@ def table(copy_gbs) -> str:
             continue
         lines.append(f"| {shape} | {r['impl']} | {r['ms']:.4f} | {100 * r['frac_copy']:.0f}% | "
                      f"{r.get('x_triton', '')} | {r.get('rel_err_vs_triton', '')} |")
-    steps = [r for r in ROWS if r.get("kernel") == "model_step"]
-    if steps:
-        lines += ["", "36-layer engine-like step (kernels_gpu.make_model_step); x_bf16 > 1 = "
-                  "faster than bf16:", "", "| B × L | impl | ms | x_bf16 |", "|---|---|---:|---:|"]
-        for r in steps:
-            lines.append(f"| {r['B']} × {r['L']} | {r['impl']} | "
-                         + (f"error: {r['error'][:80]} | |" if "error" in r
-                            else f"{r['ms']:.3f} | {r['x_bf16']} |"))
+    lines += model_step_lines()
     return "\n".join(lines) + "\n"
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--quick", action="store_true", help="B=32 L=8K and B=1 L=32K only")
-    ap.add_argument("--model-step", action="store_true")
+    ap = cuda_bench.parser("B=32 L=8K and B=1 L=32K only")
     ap.add_argument("--sink", action="store_true",
                     help="only K4V4 with key centering and sink offsets (B=32 L=8K, 256 × 640)")
     a = ap.parse_args()
-    torch.manual_seed(0)
-    copy_gbs = kg.copy_bandwidth()
-    log({"kernel": "copy", "GBps": copy_gbs})
+    copy_gbs = cuda_bench.start()
     shapes = [(b, l, 32, 8, 128) for b in (1, 8, 32, 128) for l in (1024, 8192, 32768)]
     shapes += [(1, 131072, 32, 8, 128), (32, 8192, 32, 8, 64), (32, 8192, 32, 8, 256),
                (256, 640, 9, 3, 64), (64, 640, 32, 8, 128), (256, 640, 32, 8, 128)]
@@ -173,12 +127,7 @@ def main():
         kernel_rows(shapes, copy_gbs, VARIANTS if a.quick else VARIANTS[:3])
     if a.model_step:
         model_step_rows(((64, 640), (256, 640)))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = f"_{a.tag}" if a.tag else ""
-    (out / f"cuda_decode_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
-    (out / f"cuda_decode_gpu{tag}.md").write_text(table(copy_gbs))
-    print(table(copy_gbs))
+    write_results(a.out, "cuda_decode_gpu", a.tag, table(copy_gbs))
 
 
 if __name__ == "__main__":

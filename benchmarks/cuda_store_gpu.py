@@ -18,38 +18,19 @@ Usage: python benchmarks/cuda_store_gpu.py --out DIR [--tag T] [--quick] [--mode
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import cuda_bench
 import kernels_gpu as kg
+from cuda_bench import ROWS, log, model_step_lines, tuning, write_results
 
 from tkv.codec import TurboKVCodec
 from tkv.kernels import TkvLoader, compress_store, cuda_store
-
-ROWS: list[dict] = []
-
-
-def log(row):
-    ROWS.append(row)
-    print(json.dumps(row), flush=True)
-
-
-@contextlib.contextmanager
-def tuning(**kw):
-    old = dict(cuda_store.TUNING)
-    cuda_store.TUNING.update(kw)
-    try:
-        yield
-    finally:
-        cuda_store.TUNING.clear()
-        cuda_store.TUNING.update(old)
-
 
 VARIANTS = [("cuda (default tuning)", {}), ("cuda elems=8", {"elems": 8}),
             ("cuda ctas_per_sm=4", {"ctas_per_sm": 4}),
@@ -119,7 +100,7 @@ def kernel_rows(cases, copy_gbs, variants):
                     copy_gbs)
         for label, tune in variants:
             try:
-                with tuning(**tune):
+                with tuning(cuda_store, **tune):
                     compress_store(k, v, cache_c, slots, ld, kernel="cuda")
                     torch.cuda.synchronize()
                     agree, ulps = _agreement(ld, cache_t, cache_c, slots)
@@ -132,28 +113,23 @@ def kernel_rows(cases, copy_gbs, variants):
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def store_kernel(name):
+    """compress_store's default kernel (``TKV_STORE_KERNEL`` as read at import) set to
+    ``name`` while the step is built and timed."""
+    old = cuda_store.STORE_KERNEL
+    cuda_store.STORE_KERNEL = name
+    try:
+        yield
+    finally:
+        cuda_store.STORE_KERNEL = old
+
+
 def model_step_rows(shapes, layers=36):
-    arms = [("bf16 store + bypass decode", "bf16", "auto"),
-            ("tkv K4V4, Triton store", {}, "triton"),
-            ("tkv K4V4, CUDA store (default: TKV_STORE_KERNEL=auto)", {}, "auto")]
-    for B, L in shapes:
-        ref = None
-        for label, attn, store_kernel in arms:
-            old = cuda_store.STORE_KERNEL
-            cuda_store.STORE_KERNEL = store_kernel
-            try:
-                step = kg.make_model_step(B, L, attn, layers=layers)
-                ms = kg.bench(step)
-            except Exception as e:
-                log({"kernel": "model_step", "B": B, "L": L, "impl": label, "error": str(e)[:200]})
-                continue
-            finally:
-                cuda_store.STORE_KERNEL = old
-            ref = ms if attn == "bf16" else ref
-            log({"kernel": "model_step", "B": B, "L": L, "layers": layers, "impl": label,
-                 "ms": ms, "x_bf16": round(ref / ms, 3) if ref else None})
-            del step
-            torch.cuda.empty_cache()
+    arms = [("bf16 store + bypass decode", "bf16", None),
+            ("tkv K4V4, Triton store (the default)", {}, lambda: store_kernel("triton")),
+            ("tkv K4V4, CUDA store (TKV_STORE_KERNEL=auto)", {}, lambda: store_kernel("auto"))]
+    cuda_bench.model_step_rows(shapes, arms, layers)
 
 
 def table(copy_gbs) -> str:
@@ -176,27 +152,14 @@ def table(copy_gbs) -> str:
         lines.append(f"| {shape} | {r['impl']} | {r['ms']:.4f} | {r['GBps']:.0f} | "
                      f"{100 * r['frac_copy']:.0f}% | {r.get('x_default', '')} | "
                      f"{r.get('codes_equal', '')} | {r.get('norm_ulps', '')} |")
-    steps = [r for r in ROWS if r.get("kernel") == "model_step"]
-    if steps:
-        lines += ["", "36-layer engine-like step (kernels_gpu.make_model_step); x_bf16 > 1 = "
-                  "faster than bf16:", "", "| B × L | impl | ms | x_bf16 |", "|---|---|---:|---:|"]
-        for r in steps:
-            lines.append(f"| {r['B']} × {r['L']} | {r['impl']} | "
-                         + (f"error: {r['error'][:80]} | |" if "error" in r
-                            else f"{r['ms']:.3f} | {r['x_bf16']} |"))
+    lines += model_step_lines()
     return "\n".join(lines) + "\n"
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--quick", action="store_true", help="K4V4 at 16K tokens and 64 tokens only")
-    ap.add_argument("--model-step", action="store_true")
+    ap = cuda_bench.parser("K4V4 at 16K tokens and 64 tokens only")
     a = ap.parse_args()
-    torch.manual_seed(0)
-    copy_gbs = kg.copy_bandwidth()
-    log({"kernel": "copy", "GBps": copy_gbs})
+    copy_gbs = cuda_bench.start()
     cases = [(16384, 8, 128, 4, 4, False), (16384, 8, 128, 4, 4, True),
              (2048, 8, 128, 4, 4, False), (256, 8, 128, 4, 4, False), (64, 8, 128, 4, 4, False),
              (256, 8, 128, 4, 4, True), (8192, 3, 64, 4, 4, False), (8192, 3, 64, 4, 4, True),
@@ -207,12 +170,7 @@ def main():
     kernel_rows(cases, copy_gbs, VARIANTS)
     if a.model_step:
         model_step_rows(((64, 640), (256, 640)))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = f"_{a.tag}" if a.tag else ""
-    (out / f"cuda_store_gpu{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
-    (out / f"cuda_store_gpu{tag}.md").write_text(table(copy_gbs))
-    print(table(copy_gbs))
+    write_results(a.out, "cuda_store_gpu", a.tag, table(copy_gbs))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tkv.codec import TurboKVCodec, unpack_codes
-from tkv.kernels import TkvLoader, _nvrtc, _quant_grid, compress_store, cuda_store, store
+from tkv.kernels import TkvLoader, _nvrtc, _quant_grid, compress_store, cuda_store
 from tkv.kernels._util import UnsupportedKernelError, interpreting
 
 GPU = torch.cuda.is_available() and not interpreting()
@@ -213,7 +213,7 @@ def test_compile_failure_under_auto_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(cuda_store, "supported", lambda *a: True)
     monkeypatch.setattr(cuda_store, "launch", broken)
     monkeypatch.setattr(cuda_store, "STORE_KERNEL", "auto")
-    monkeypatch.setattr(store, "_CUDA_FALLBACK_WARNED", [])
+    monkeypatch.setattr(_nvrtc, "FALLBACK_WARNED", set())
     ld = TkvLoader(TurboKVCodec(64, k_bits=4, v_bits=4, device=DEV), 2, 16)
     k = torch.randn(3, 2, 64, device=DEV, dtype=torch.bfloat16)
     cache = ld.layout.allocate(1, DEV)

@@ -2328,7 +2328,7 @@ def test_auto_routes_to_the_cuda_kernel_unless_a_triton_option_is_given(monkeypa
         raise _nvrtc.CudaCompileError("no NVRTC here")
 
     monkeypatch.setattr(cuda_decode, "launch_split", broken)
-    monkeypatch.setattr(dmod, "_CUDA_FALLBACK_WARNED", [])
+    monkeypatch.setattr(_nvrtc, "FALLBACK_WARNED", set())
     with pytest.warns(RuntimeWarning, match="Triton kernel"):
         run()
     assert calls[-1] == ("triton", ws.cuda_splits_for(2, 2))

@@ -11,13 +11,15 @@ current stream, so launches are captured by CUDA graphs like any other kernel.
 from __future__ import annotations
 
 import functools
+import warnings
 from importlib import resources
 
 import torch
 
 from tkv.codec.errors import TkvError
 
-__all__ = ["CudaCompileError", "available", "compile_cubin", "kernel", "source"]
+__all__ = ["CudaCompileError", "available", "compile_cubin", "kernel", "source",
+           "warn_fallback"]
 
 
 class CudaCompileError(TkvError, RuntimeError):
@@ -87,3 +89,18 @@ def kernel(name: str, entry: str, defines: dict[str, int], device: torch.device)
         CudaCompileError: the source did not compile or load."""
     return _load(name, entry, tuple(sorted(defines.items())), torch.device(device).index
                  if torch.device(device).index is not None else torch.cuda.current_device())
+
+
+# the CUDA kernels whose auto fallback has warned in this process (one warning each)
+FALLBACK_WARNED: set[str] = set()
+
+
+def warn_fallback(what: str, env: str, err: Exception) -> None:
+    """``kernel="auto"`` chose the CUDA ``what`` (e.g. ``"decode split kernel"``) but it could
+    not be built: warn once per process and kernel (``env=triton`` silences it); the caller
+    then runs its Triton kernel."""
+    if what not in FALLBACK_WARNED:
+        FALLBACK_WARNED.add(what)
+        warnings.warn(f"tkv: the CUDA {what} could not be built, running the Triton kernel "
+                      f"instead ({env}=triton silences this): {err}", RuntimeWarning,
+                      stacklevel=3)

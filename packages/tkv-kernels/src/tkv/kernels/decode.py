@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import triton
 import triton.language as tl
 
 from tkv.codec.errors import DeviceMismatchError, ShapeError
 
-from . import cuda_decode, gluon_decode
+from . import _nvrtc, cuda_decode, gluon_decode
 from ._nvrtc import CudaCompileError
 from ._planes import (
     accumulate,
@@ -344,17 +342,6 @@ def _split_unroll(splits: int, d_pad: int) -> int:
     return min(splits, 8 if d_pad <= 128 else 4)
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-_CUDA_FALLBACK_WARNED: list[str] = []
-
-
-def _warn_cuda_fallback(err: Exception) -> None:
-    """``kernel="auto"`` chose the CUDA kernel but it could not be built: warn (once per
-    process) and decode with the Triton kernel instead."""
-    if not _CUDA_FALLBACK_WARNED:
-        _CUDA_FALLBACK_WARNED.append(str(err))
-        warnings.warn(f"tkv decode: the CUDA split kernel could not be built, decoding with the "
-                      f"Triton kernel (TKV_DECODE_KERNEL=triton silences this): {err}",
-                      RuntimeWarning, stacklevel=3)
 
 
 def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -606,7 +593,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         except CudaCompileError as e:
             if not auto_cuda:
                 raise
-            _warn_cuda_fallback(e)   # auto: the Triton kernel, same splits and epilogue
+            # auto: the Triton kernel, same splits and epilogue
+            _nvrtc.warn_fallback("decode split kernel", "TKV_DECODE_KERNEL", e)
             kernel = "triton"
     if kernel == "gluon":
         gluon_decode.launch_split(

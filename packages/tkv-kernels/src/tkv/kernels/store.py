@@ -4,7 +4,6 @@ tkv cache in one launch (no intermediate tensor through HBM)."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import triton
@@ -13,7 +12,7 @@ import triton.language as tl
 from tkv.codec.errors import ShapeError, TkvError
 from tkv.codec.packing import code_group
 
-from . import cuda_store
+from . import _nvrtc, cuda_store
 from ._nvrtc import CudaCompileError
 from ._planes import hadamard_stage
 from ._util import (
@@ -499,19 +498,6 @@ def _compress_store_kernel(
                     V_SINK, V_SPLIT, V_NPL, LOG2D)
 
 
-_CUDA_FALLBACK_WARNED: list[str] = []
-
-
-def _warn_cuda_fallback(err: Exception) -> None:
-    """``kernel="auto"`` chose the CUDA store but it could not be built: warn (once per
-    process) and store with the Triton kernel instead."""
-    if not _CUDA_FALLBACK_WARNED:
-        _CUDA_FALLBACK_WARNED.append(str(err))
-        warnings.warn(f"tkv compress_store: the CUDA store could not be built, storing with the "
-                      f"Triton kernel (TKV_STORE_KERNEL=triton silences this): {err}",
-                      RuntimeWarning, stacklevel=3)
-
-
 def _store_kernel(kernel, loader, key, value, cache, rotation: str, *, triton_only: bool) -> str:
     """``"cuda"``, ``"auto-cuda"`` (auto chose CUDA: a compile failure falls back) or
     ``"triton"`` for ``compress_store(kernel=...)``.
@@ -650,7 +636,7 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             except CudaCompileError as err:
                 if kernel == "cuda":
                     raise
-                _warn_cuda_fallback(err)   # auto: the Triton store below
+                _nvrtc.warn_fallback("store", "TKV_STORE_KERNEL", err)   # auto: Triton below
         else:
             return
     if block_t is None:

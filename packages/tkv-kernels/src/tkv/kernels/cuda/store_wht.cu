@@ -150,6 +150,26 @@ __device__ __forceinline__ void pack_code(Packed<BITS>& pk, int i, u32 c4, bool 
   }
 }
 
+// a lane's E coordinates y (vector scale ia) coded and packed into pk; with T2 the sum of
+// the codes' squared scaled centroids t into u, with TY also Σ t·y into c. t is t_c or
+// t_{c+1}, both at offset c4 of the table's two centroid rows (no address select).
+template <int BITS, int NCELL, bool T2, bool TY>
+__device__ __forceinline__ void code_vector(const float* y, float ia, float B, u32 qt, u32 cent,
+                                            Packed<BITS>& pk, float& u, float& c) {
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    u32 c4;
+    bool p;
+    quantize<BITS, NCELL>(y[e], ia, B, qt, c4, p);
+    pack_code<BITS>(pk, e, c4, p);
+    if (T2) {
+      const float t = p ? lds_f32(cent + 4 * (1 << BITS) + c4) : lds_f32(cent + c4);
+      u = __fmaf_rn(t, t, u);
+      if (TY) c = __fmaf_rn(t, y[e], c);
+    }
+  }
+}
+
 // store the packed bytes at `dst` in units of U bytes (U divides BYTES and dst's alignment)
 template <int BITS, int ALIGN>
 __device__ __forceinline__ void store_codes(u8* dst, const Packed<BITS>& p) {
@@ -203,8 +223,7 @@ __device__ __forceinline__ void store_side(const Args& a, const long long* slots
   __syncthreads();
   const u32 qt = (u32)__cvta_generic_to_shared(qt_smem);
   const float A = ((const float*)qt_smem)[0], B = ((const float*)qt_smem)[1];
-  // the code's scaled centroid t: t_c or t_{c+1}, both at offset c4 (no address select)
-  const u32 cent = qt + QT_HEADER + 4 * (1 << BITS), cent_up = cent + 4 * (1 << BITS);
+  const u32 cent = qt + QT_HEADER + 4 * (1 << BITS);   // t_c; t_{c+1} follows (code_vector)
   // grid mode folds A into the vector's scale: ia = A·sqrt(d)/n
   const float k_scale = sqrtf((float)D) * (NCELL > 0 ? A : 1.f);
 
@@ -288,18 +307,7 @@ __device__ __forceinline__ void store_side(const Args& a, const long long* slots
 
     Packed<BITS> pa = {};
     float ua = 0.f, ca = 0.f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      u32 c4;
-      bool p;
-      quantize<BITS, NCELL>(y[e], ia, B, qt, c4, p);
-      pack_code<BITS>(pa, e, c4, p);
-      if (NC || SINK) {
-        const float t = p ? lds_f32(cent_up + c4) : lds_f32(cent + c4);
-        ua = __fmaf_rn(t, t, ua);
-        if (SINK) ca = __fmaf_rn(t, y[e], ca);
-      }
-    }
+    code_vector<BITS, NCELL, NC || SINK, SINK>(y, ia, B, qt, cent, pa, ua, ca);
     u32 norm_bits;
     if (SINK) {
       Packed<BITS> pb = {};
@@ -310,16 +318,7 @@ __device__ __forceinline__ void store_side(const Args& a, const long long* slots
       float nb, iab;
       norm_scale(ssb, k_scale, nb, iab);
       float ub = 0.f, cb = 0.f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        u32 c4;
-        bool p;
-        quantize<BITS, NCELL>(yb[e], iab, B, qt, c4, p);
-        pack_code<BITS>(pb, e, c4, p);
-        const float t = p ? lds_f32(cent_up + c4) : lds_f32(cent + c4);
-        ub = __fmaf_rn(t, t, ub);
-        cb = __fmaf_rn(t, yb[e], cb);
-      }
+      code_vector<BITS, NCELL, true, true>(yb, iab, B, qt, cent, pb, ub, cb);
       ua = lane_sum(ua); ca = lane_sum(ca); ub = lane_sum(ub); cb = lane_sum(cb);
       if (NC) {   // ‖x̂‖ = ‖x‖: n / ‖t‖
         n *= rsqrtf(fmaxf(ua, 1e-24f));
