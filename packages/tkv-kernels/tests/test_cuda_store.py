@@ -367,3 +367,17 @@ def test_graph_replay_equals_eager():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(cache, eager)
+
+
+def test_cuda_device_refusal_names_the_reason(monkeypatch):
+    """The CUDA kernels' device refusal says which of its three reasons holds."""
+    from tkv.kernels import _util
+
+    assert _util.cuda_device_refusal("cpu") == "needs a CUDA device, got cpu"
+    monkeypatch.setattr(_util, "interpreting", lambda: True)
+    assert "TRITON_INTERPRET=1" in _util.cuda_device_refusal("cuda")
+    monkeypatch.setattr(_util, "interpreting", lambda: False)
+    monkeypatch.setattr(_util.torch.version, "cuda", None)
+    assert "built with CUDA" in _util.cuda_device_refusal("cuda")
+    monkeypatch.setattr(_util.torch.version, "cuda", "13.0")
+    assert _util.cuda_device_refusal("cuda:0") is None

@@ -257,3 +257,17 @@ def check_import_settings() -> None:
     error, e.g. ``MaxnregConfigError``), if any."""
     if _IMPORT_SETTING_ERRORS:
         raise _IMPORT_SETTING_ERRORS[0]
+
+
+def cuda_device_refusal(device) -> str | None:
+    """Why a hand-written CUDA kernel cannot run on ``device`` here — not a CUDA device (named),
+    the Triton interpreter is on (``TRITON_INTERPRET=1``), or PyTorch was built without CUDA —
+    or None when it can."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return f"needs a CUDA device, got {dev.type}"
+    if interpreting():
+        return "does not run under the Triton interpreter (TRITON_INTERPRET=1)"
+    if torch.version.cuda is None:
+        return "needs a PyTorch built with CUDA"
+    return None

@@ -30,7 +30,12 @@ import torch
 from tkv.codec.errors import ShapeError, TkvError
 
 from . import _nvrtc
-from ._util import UnsupportedKernelError, choice_from_env, interpreting, read_at_import
+from ._util import (
+    UnsupportedKernelError,
+    choice_from_env,
+    cuda_device_refusal,
+    read_at_import,
+)
 from .loaders import _PRMT_FAMILY, TkvLoader, sink_shift
 
 __all__ = [
@@ -72,8 +77,8 @@ def check_supported(loader, device, head_dim: int, group: int, dot_dtype) -> Non
     elif loader.lookup not in ("auto", *_PRMT_FAMILY) or any(
             (s, dot_dtype) not in loader._prmt for s in ("k", "v")):
         why = "needs the loader's byte tables (lookup 'auto' or a prmt lookup)"
-    elif torch.device(device).type != "cuda" or interpreting() or torch.version.cuda is None:
-        why = "needs a CUDA device (not the Triton interpreter)"
+    elif cuda_device_refusal(device):
+        why = cuda_device_refusal(device)
     elif torch.cuda.get_device_capability(device) < (8, 0):
         why = "needs compute capability 8.0 or newer (mma.m16n8k16, cp.async)"
     if why:

@@ -25,7 +25,12 @@ import torch
 from tkv.codec.errors import ShapeError, TkvError
 
 from . import _nvrtc
-from ._util import UnsupportedKernelError, choice_from_env, interpreting, read_at_import
+from ._util import (
+    UnsupportedKernelError,
+    choice_from_env,
+    cuda_device_refusal,
+    read_at_import,
+)
 from .loaders import TkvLoader
 
 __all__ = [
@@ -100,8 +105,8 @@ def check_supported(loader, key: torch.Tensor, value: torch.Tensor, cache: torch
     elif not (_vector_ok(key) and _vector_ok(value)):
         why = ("needs key and value with 16-byte aligned base addresses and token / head "
                "strides that are multiples of 16 bytes")
-    elif torch.device(cache.device).type != "cuda" or interpreting() or torch.version.cuda is None:
-        why = "needs a CUDA device (not the Triton interpreter)"
+    elif cuda_device_refusal(cache.device):
+        why = cuda_device_refusal(cache.device)
     elif torch.cuda.get_device_capability(cache.device) < (8, 0):
         why = "needs compute capability 8.0 or newer"
     if why:
