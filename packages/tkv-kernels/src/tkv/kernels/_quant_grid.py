@@ -34,6 +34,7 @@ The table is one ``uint8`` tensor, the kernel's shared-memory image::
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import struct
@@ -78,13 +79,15 @@ def _cells(bounds: list[float], ncell: int):
     # cell k holds the float32 u with u·(ncell − 1) ∈ [k − ½, k + ½] exactly (the kernel's FMA
     # rounds u·(ncell − 1) + 1.5·2^23 once): at most one boundary per closed cell, and the
     # boundaries strictly inside (0, 1), so the saturation never changes a comparison
+    # (ub is sorted — fma(b_j, A, B) with A > 0 is monotone — so counts are bisections)
     eps = 1e-9 / (ncell - 1)
     cells = []
     for k in range(ncell):
         lo_k, hi_k = (k - 0.5) / (ncell - 1) - eps, (k + 0.5) / (ncell - 1) + eps
-        if sum(lo_k <= x <= hi_k for x in ub) > 1:
+        below = bisect.bisect_left(ub, lo_k)              # #{u_j < lo_k}
+        if bisect.bisect_right(ub, hi_k) - below > 1:     # #{lo_k ≤ u_j ≤ hi_k}
             return None
-        cells.append(sum(x < lo_k for x in ub))
+        cells.append(below)
     return a, b, ub, cells
 
 

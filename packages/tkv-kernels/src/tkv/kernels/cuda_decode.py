@@ -77,8 +77,8 @@ def check_supported(loader, device, head_dim: int, group: int, dot_dtype) -> Non
     elif loader.lookup not in ("auto", *_PRMT_FAMILY) or any(
             (s, dot_dtype) not in loader._prmt for s in ("k", "v")):
         why = "needs the loader's byte tables (lookup 'auto' or a prmt lookup)"
-    elif cuda_device_refusal(device):
-        why = cuda_device_refusal(device)
+    elif (refusal := cuda_device_refusal(device)) is not None:
+        why = refusal
     elif torch.cuda.get_device_capability(device) < (8, 0):
         why = "needs compute capability 8.0 or newer (mma.m16n8k16, cp.async)"
     if why:

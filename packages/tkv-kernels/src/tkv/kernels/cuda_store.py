@@ -105,8 +105,8 @@ def check_supported(loader, key: torch.Tensor, value: torch.Tensor, cache: torch
     elif not (_vector_ok(key) and _vector_ok(value)):
         why = ("needs key and value with 16-byte aligned base addresses and token / head "
                "strides that are multiples of 16 bytes")
-    elif cuda_device_refusal(cache.device):
-        why = cuda_device_refusal(cache.device)
+    elif (refusal := cuda_device_refusal(cache.device)) is not None:
+        why = refusal
     elif torch.cuda.get_device_capability(cache.device) < (8, 0):
         why = "needs compute capability 8.0 or newer"
     if why:
@@ -123,12 +123,10 @@ def supported(loader, key, value, cache, rotation: str) -> bool:
     return _nvrtc.available()
 
 
-def _store_align(cache: torch.Tensor, loader: TkvLoader, side: str, lane_bytes: int) -> int:
+def _store_align(cache: torch.Tensor, lay, st: dict, side: str, lane_bytes: int) -> int:
     """The alignment (bytes, ≤ 16) every lane's code store has: the gcd of the cache's base
-    address, the page size, the side's code offset, head and token strides and the lane's
-    byte offset (one source: the loader's SlotLayout)."""
-    lay = loader.layout
-    st = lay.strides()
+    address, the page size, the side's code offset, head and token strides (``st`` =
+    ``lay.strides()``) and the lane's byte offset (one source: the loader's SlotLayout)."""
     off = lay.k_codes_offset if side == "k" else lay.v_codes_offset
     g = 16
     for v in (cache.data_ptr(), lay.page_bytes, off, st[f"{side}_head"], st[f"{side}_token"],
@@ -150,6 +148,8 @@ def defines(loader: TkvLoader, key: torch.Tensor, value: torch.Tensor, cache: to
         raise ShapeError(f"cuda store tuning: elems={e} (8 or 16)")
     out = dict(HEAD_DIM=d, E=e, WARPS=WARPS, BLOCK_SIZE=loader.block_size,
                K_MU=int(loader.k_mu is not None))
+    lay = loader.layout
+    st = lay.strides()
     for s, x in (("k", key), ("v", value)):
         bits = loader.k_bits if s == "k" else loader.v_bits
         S = s.upper()
@@ -157,7 +157,7 @@ def defines(loader: TkvLoader, key: torch.Tensor, value: torch.Tensor, cache: to
                     f"{S}_NC": int(getattr(loader, f"{s}_norm_correction")),
                     f"{S}_SINK": int(getattr(loader, f"{s}_sink_shift") is not None),
                     f"{S}_NCELL": getattr(loader, f"{s}_store_ncell"),
-                    f"{S}_ALIGN": _store_align(cache, loader, s, e * bits // 8)})
+                    f"{S}_ALIGN": _store_align(cache, lay, st, s, e * bits // 8)})
     return out
 
 

@@ -56,8 +56,8 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
     """Parse every engine-facing kernel setting from ``environ`` (None: ``os.environ``; then
     the returned ``TKV_PRMTI_MAXNREG`` / ``TKV_DECODE_PIPELINE`` / ``TKV_DECODE_SINGLE_SPLIT``
     / ``TKV_DECODE_MIN_SPLIT_TILES`` / ``TKV_STORE_ROTATION`` / ``TKV_DECODE_KERNEL`` /
-    ``TKV_STORE_KERNEL`` are the
-    values this process read at import, the ones its kernels use — the current values are still validated).
+    ``TKV_STORE_KERNEL`` are the values this process read at import, the ones its kernels
+    use — the current values are still validated).
 
     Args:
         environ: a mapping of environment variables, or None for the process environment.
@@ -68,8 +68,8 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
         LookupConfigError, SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
         PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError,
         SingleSplitConfigError, MinSplitTilesConfigError, StoreRotationConfigError,
-        DecodeKernelConfigError, StoreKernelConfigError: the first setting with a value its parser refuses (the
-        message names the variable).
+        DecodeKernelConfigError, StoreKernelConfigError: the first setting with a value its
+        parser refuses (the message names the variable).
     """
     from . import cuda_decode, cuda_store, loaders, store, workspace
     from ._util import check_import_settings
