@@ -1,7 +1,7 @@
 # one H100 80GB HBM3 hold, session 34 (2026-12-06 ~15:47 UTC), tree at the commit that adds this file's
 # kernel code (cuda/store_wht.cu as of "review: one CUDA-fallback warning helper ...")
 export PYTHONPATH=$PWD/packages/tkv-codec/src:$PWD/packages/tkv-kernels/src
-python3 diag_store.py            # scratch agreement script (14 configurations; not committed)
+python3 diag_store.py            # = benchmarks/cuda_store_agreement_gpu.py (committed after the run) -> cuda_store_agreement_gpu_2026-12-06_s34_h100.txt
 python3 -m pytest packages/tkv-kernels/tests/test_cuda_store.py -q -p no:cacheprovider
 timeout 120 python3 benchmarks/cuda_store_gpu.py --quick --out $OUT --tag s34_v2
 # second call: the 36-layer model step
