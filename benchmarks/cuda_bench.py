@@ -12,6 +12,8 @@ from pathlib import Path
 import kernels_gpu as kg
 import torch
 
+from tkv.kernels.testing import tuning  # noqa: F401  (the scripts import it from here)
+
 ROWS: list[dict] = []
 
 
@@ -19,18 +21,6 @@ def log(row: dict) -> None:
     """Keep ``row`` for the table and print it as one JSON line."""
     ROWS.append(row)
     print(json.dumps(row), flush=True)
-
-
-@contextlib.contextmanager
-def tuning(module, **kw):
-    """Run with ``module.TUNING`` (a kernel module's launch defaults) updated by ``kw``."""
-    old = dict(module.TUNING)
-    module.TUNING.update(kw)
-    try:
-        yield
-    finally:
-        module.TUNING.clear()
-        module.TUNING.update(old)
 
 
 def model_step_rows(shapes, arms, layers: int = 36) -> None:

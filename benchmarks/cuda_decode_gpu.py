@@ -35,7 +35,14 @@ VARIANTS = [("cuda (decode's default, kernel='auto')", {}, {"kernel": None}),
             ("cuda sub=1 stages=3", {"sub": 1, "stages": 3}, {}),
             ("cuda sub=1 stages=3 min_ctas=5", {"sub": 1, "stages": 3, "min_ctas": 5}, {}),
             ("cuda sub=1 stages=3 min_ctas=5, 4 splits", {"sub": 1, "stages": 3, "min_ctas": 5},
-             {"num_splits": 4})]
+             {"num_splits": 4}),
+            # session 35: the codes dequantized through a shared 256-entry pair table
+            ("cuda lut=1 (shared pair tables)", {"lut": 1}, {}),
+            ("cuda lut=1 sub=1 stages=3", {"lut": 1, "sub": 1, "stages": 3}, {}),
+            ("cuda lut=1 warps=8", {"lut": 1, "warps": 8}, {}),
+            ("cuda lut=1 warps=8 sub=1 stages=3", {"lut": 1, "warps": 8, "sub": 1, "stages": 3},
+             {}),
+            ("cuda lut=1 warps=8, 2 splits", {"lut": 1, "warps": 8}, {"num_splits": 2})]
 
 
 def kernel_rows(shapes, copy_gbs, variants, sink=False):
@@ -83,7 +90,9 @@ def model_step_rows(shapes, layers=36):
     arms = [("bf16 store + bypass decode", "bf16", None),
             ("tkv K4V4 triton (the default until session 32)", {"kernel": "triton"}, None),
             ("tkv K4V4 default (kernel='auto': cuda)", {}, None),
-            ("tkv K4V4 cuda, 2 splits", {"kernel": "cuda", "num_splits": 2}, None)]
+            ("tkv K4V4 cuda, 2 splits", {"kernel": "cuda", "num_splits": 2}, None),
+            ("tkv K4V4 cuda lut=1 (shared pair tables)", {}, lambda: tuning(cuda_decode, lut=1)),
+            ("tkv K4V4 cuda lut=1 warps=8", {}, lambda: tuning(cuda_decode, lut=1, warps=8))]
     cuda_bench.model_step_rows(shapes, arms, layers)
 
 

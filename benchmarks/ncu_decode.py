@@ -8,7 +8,7 @@ Run under ncu on the GPU (hardware counters; leave the clocks alone), e.g.::
         python benchmarks/ncu_decode.py
 
 ``--kernel cuda`` profiles the hand-written CUDA split kernel instead (``--kernel-name
-regex:tkv_decode_k4v4``).
+regex:tkv_decode_k4v4``); ``--lut 1`` its shared-pair-table lookup.
 
 Configs (Qwen3-8B-like attention: Hq=32, Hkv=8, head_dim 128, block_size 16), in order:
 K4V4 (CUDA default lookup) and bf16 BypassLoader at B=256, L=640 (the e2e throughput runs'
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tkv.codec import TurboKVCodec
-from tkv.kernels import BypassLoader, TkvLoader, Workspace, decode
+from tkv.kernels import BypassLoader, TkvLoader, Workspace, cuda_decode, decode
 
 
 def main() -> None:
@@ -28,7 +28,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", default="triton", choices=("triton", "cuda"),
                     help="decode's split kernel for the tkv configs (cuda: tkv_decode_k4v4)")
-    kernel = ap.parse_args().kernel
+    ap.add_argument("--lut", type=int, default=0, choices=(0, 1),
+                    help="with --kernel cuda: cuda_decode's lookup (1: the shared pair tables)")
+    a = ap.parse_args()
+    kernel = a.kernel
+    cuda_decode.TUNING["lut"] = a.lut
     dev = "cuda"
     torch.manual_seed(0)
     hq, hkv, d, block = 32, 8, 128, 16

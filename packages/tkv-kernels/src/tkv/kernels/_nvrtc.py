@@ -18,8 +18,8 @@ import torch
 
 from tkv.codec.errors import TkvError
 
-__all__ = ["CudaCompileError", "available", "compile_cubin", "kernel", "source",
-           "warn_fallback"]
+__all__ = ["CudaCompileError", "available", "compile_cubin", "kernel", "reserve_dynamic_smem",
+           "source", "warn_fallback"]
 
 
 class CudaCompileError(TkvError, RuntimeError):
@@ -89,6 +89,27 @@ def kernel(name: str, entry: str, defines: dict[str, int], device: torch.device)
         CudaCompileError: the source did not compile or load."""
     return _load(name, entry, tuple(sorted(defines.items())), torch.device(device).index
                  if torch.device(device).index is not None else torch.cuda.current_device())
+
+
+def reserve_dynamic_smem(k, nbytes: int) -> None:
+    """Allow kernel ``k`` (from :func:`kernel`) ``nbytes`` of dynamic shared memory per CTA
+    (``cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)``, once per kernel and size; the
+    driver's default allows only 48 KB minus the kernel's static shared memory). Launch with
+    ``shared_mem=nbytes``.
+
+    Raises:
+        CudaCompileError: the driver refused the size (static + dynamic past the device's
+            opt-in maximum per CTA)."""
+    if getattr(k, "_tkv_dynamic_smem", 0) >= nbytes:
+        return
+    from torch.cuda import _utils
+    try:
+        _utils._check_cuda(_utils._get_gpu_runtime_library().cuFuncSetAttribute(
+            k.func, 8, int(nbytes)))   # 8: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    except RuntimeError as e:
+        raise CudaCompileError(f"{nbytes} bytes of dynamic shared memory refused: {e}") from e
+    k._tkv_dynamic_smem = nbytes
+    k._max_shared_mem_bytes = max(k._max_shared_mem_bytes, nbytes)   # PyTorch's launch check
 
 
 # the CUDA kernels whose auto fallback has warned in this process (one warning each)

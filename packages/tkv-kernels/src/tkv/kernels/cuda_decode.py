@@ -54,7 +54,8 @@ ENTRY = "tkv_decode_k4v4"
 WARPS = 4
 _INT32_MAX = 2**31 - 1   # a window past it attends to everything, as no window does
 SUB = 2   # 16-token steps per loop iteration at head_dim ≤ 128 (one softmax update for both)
-# defaults for :func:`defines`' tuning keywords (sub, stages, min_ctas) when a launch passes
+TABLE_BYTES = 32768   # one shared pair table (lut=1): 256 entries × 32 replicas × 4 bytes
+# defaults for :func:`defines`' tuning keywords (sub, stages, min_ctas, lut) when a launch passes
 # none; benchmarks override them to time variants
 TUNING: dict[str, int] = {}
 _Q_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -136,17 +137,34 @@ def _antisymmetric(loader: TkvLoader, side: str, half: torch.dtype) -> bool:
 def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
             dot_dtype: torch.dtype, *, qrot: bool = False, epilogue: int = 0,
             out_dtype: torch.dtype = torch.float32, sub: int | None = None,
-            stages: int | None = None, min_ctas: int | None = None) -> dict[str, int]:
+            stages: int | None = None, min_ctas: int | None = None,
+            lut: int | None = None, warps: int | None = None) -> dict[str, int]:
     """The ``-D`` defines of one kernel configuration (the compile key; see the source's
     header). ``sub``: 16-token steps per loop iteration (default 2 at head_dim ≤ 128, else
     1); ``stages``: ring stages per warp (default ``2·sub``, 3 for one step at head_dim ≤
-    128); ``min_ctas``: the register budget as CTAs per SM (default 4, 2 at head_dim 256)."""
+    128); ``min_ctas``: the register budget as CTAs per SM (default 4, 2 at head_dim 256;
+    with ``lut=1`` what the shared memory allows: 3 with one table, 2 with two);
+    ``lut``: 0 (default) the byte-permute lookups in registers, 1 the shared pair tables
+    (``TABLE_BYTES`` per distinct codebook, one for both sides when K's and V's byte tables
+    are equal; all of the kernel's shared memory is then dynamic, ``DYN_BYTES``);
+    ``warps``: warps per CTA (4 or 8; 8 needs ``lut=1``, whose dynamic shared memory has no
+    48 KB static limit)."""
     sub = sub or (SUB if head_dim <= 128 else 1)
     nst = stages or (2 * sub if sub > 1 or head_dim > 128 else 3)
-    if sub not in (1, 2) or nst % sub or not 2 * sub <= nst <= 8 or not 1 <= (min_ctas or 1) <= 8:
+    lut, warps = lut or 0, warps or WARPS
+    if (sub not in (1, 2) or nst % sub or not 2 * sub <= nst <= 8
+            or not 1 <= (min_ctas or 1) <= 8 or lut not in (0, 1)
+            or warps not in ((4, 8) if lut else (4,))):
         raise ShapeError(f"cuda decode tuning: sub={sub} (1 or 2), stages={nst} (a multiple of "
-                         f"sub in [2·sub, 8]), min_ctas={min_ctas} (1..8)")
-    return dict(HEAD_DIM=head_dim, GROUP=group, WARPS=WARPS, SUB=sub, NST=nst,
+                         f"sub in [2·sub, 8]), min_ctas={min_ctas} (1..8), lut={lut} (0 or 1),"
+                         f" warps={warps} (4, or 8 with lut=1)")
+    same = loader._prmt_host["k", dot_dtype] == loader._prmt_host["v", dot_dtype]
+    tab = lut * TABLE_BYTES * (1 if same else 2)
+    # the kernel's SMEM_BYTES (its static_assert checks this bound): the per-warp cp.async
+    # ring, or the warps' merge rows, whichever is larger
+    stage = (2 * head_dim // 8 + 4 * head_dim // 16) * 32 + 64
+    area = max(warps * nst * stage, (warps * (group * head_dim + 24) + group * head_dim) * 4)
+    return dict(HEAD_DIM=head_dim, GROUP=group, WARPS=warps, SUB=sub, NST=nst,
                 BLOCK_SIZE=loader.block_size, Q_KIND=_Q_KIND[q_dtype], QROT=int(qrot),
                 DOT_BF16=int(dot_dtype == torch.bfloat16),
                 K_SYM=int(_antisymmetric(loader, "k", dot_dtype)),
@@ -154,7 +172,9 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
                 EPILOGUE=epilogue, OUT_KIND=_Q_KIND[out_dtype],
                 K_SINK=int(loader.k_sink_shift is not None),
                 V_SINK=int(loader.v_sink_shift is not None),
-                MIN_CTAS=min_ctas or (4 if head_dim <= 128 else 2))
+                MIN_CTAS=min_ctas or (2 if head_dim > 128 or (lut and not same) or warps > 4
+                                      else 3 if lut else 4),
+                LUT=lut, TAB_SAME=int(same), TAB_BYTES=tab, DYN_BYTES=tab + area if lut else 0)
 
 
 def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLoader,
@@ -183,10 +203,10 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
     if st["k_token"] != d // 2 or st["v_token"] != d // 2:   # 4-bit sides: d/2 code bytes
         raise UnsupportedKernelError(f"decode(kernel='cuda'): token strides {st}")
     out_dtype = out.dtype if epilogue else torch.float32
-    k = _nvrtc.kernel(SOURCE, ENTRY, defines(loader, d, group, q.dtype, dot_dtype,
-                                             qrot=q_w is not None, epilogue=epilogue,
-                                             out_dtype=out_dtype, **{**TUNING, **config}),
-                      q.device)
+    defs = defines(loader, d, group, q.dtype, dot_dtype, qrot=q_w is not None,
+                   epilogue=epilogue, out_dtype=out_dtype, **{**TUNING, **config})
+    k = _nvrtc.kernel(SOURCE, ENTRY, defs, q.device)
+    smem = defs["DYN_BYTES"]
     ktab, vtab = loader._prmt["k", dot_dtype][0], loader._prmt["v", dot_dtype][0]
     dummy = part_lse
     k_shift, v_shift = sink_shift(loader, "k", dummy)[0], sink_shift(loader, "v", dummy)[0]
@@ -200,4 +220,8 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
             out.stride(0) if epilogue else 0, out.stride(1) if epilogue else 0,
             dummy if o_w is None else o_w, k_shift, v_shift]
     with torch.cuda.device(q.device):   # PyTorch's launcher takes the current device's stream
-        k(grid=(q.shape[0], loader.num_kv_heads, splits), block=(WARPS * 32, 1, 1), args=args)
+        if smem:
+            _nvrtc.reserve_dynamic_smem(k, smem)
+        k(grid=(q.shape[0], loader.num_kv_heads, splits), block=(defs["WARPS"] * 32, 1, 1),
+          args=args,
+          shared_mem=smem)

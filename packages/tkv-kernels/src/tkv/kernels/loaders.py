@@ -951,6 +951,7 @@ class TkvLoader:
         self.v_table = codec.v.scaled_centroids.to(dev, torch.float32).contiguous()
         self._pairs, self._prmt, self._prmt_words = {}, {}, {}
         self._prmt_antisymmetric = {}   # (side, half) -> the byte tables are antisymmetric
+        self._prmt_host = {}   # (side, half) -> the 4-bit byte-table words as host ints
         for side, bits, table in (("k", self.k_bits, self.k_table), ("v", self.v_bits,
                                                                       self.v_table)):
             if bits in (2, 3, 4) and lookup in ("auto", "pair", *_PRMT_FAMILY):
@@ -974,8 +975,10 @@ class TkvLoader:
                              eff, (LOOKUP_PRMT_F16, LOOKUP_PRMT_BF16))
                 for half, code in zip((torch.float16, torch.bfloat16), codes, strict=True):
                     words = _prmt_table(table, half)
-                    antisym = _antisymmetric_table(words.tolist())   # host words: no sync
+                    host = words.tolist()
+                    antisym = _antisymmetric_table(host)   # host words: no sync
                     self._prmt_antisymmetric[side, half] = antisym
+                    self._prmt_host[side, half] = tuple(host)
                     if code in _PRMTS_FALLBACK and not antisym:
                         code = _PRMTS_FALLBACK[code]   # prmti: any codebook
                     self._prmt[side, half] = (words.to(dev), code)

@@ -15,7 +15,7 @@ from .store import compress_store
 
 __all__ = ["PagedBatch", "check_register_installs_jit_log", "fill_cache", "jit_hooks_isolated",
            "make_cache", "make_paged_batch", "no_stream_sync", "reference_flash_varlen",
-           "relative_error", "tolerance"]
+           "relative_error", "tolerance", "tuning"]
 
 
 class PagedBatch:
@@ -83,6 +83,19 @@ def fill_cache(loader, cache, key: torch.Tensor, value: torch.Tensor, slots: tor
     else:
         cache[0][b, o] = (key.float() / loader.k_scale).to(torch.float8_e4m3fn)
         cache[1][b, o] = (value.float() / loader.v_scale).to(torch.float8_e4m3fn)
+
+
+@contextlib.contextmanager
+def tuning(module, **kw):
+    """Run with ``module.TUNING`` (a CUDA kernel module's launch defaults, e.g.
+    :data:`tkv.kernels.cuda_decode.TUNING`) updated by ``kw``; restored on exit."""
+    old = dict(module.TUNING)
+    module.TUNING.update(kw)
+    try:
+        yield
+    finally:
+        module.TUNING.clear()
+        module.TUNING.update(old)
 
 
 def tolerance(dtype: torch.dtype) -> float:

@@ -34,7 +34,20 @@
 // offsets — a token whose bf16 norm has its sign bit set is flagged: a flagged key scores
 // |n|·<q, k^> + <q, c_k>, a flagged value adds c_v times its softmax weight; c_k / c_v float32
 // (num_kv_heads, HEAD_DIM) rotated-space shifts, as the Triton kernel), MIN_CTAS
-// (__launch_bounds__ minimum CTAs per SM).
+// (__launch_bounds__ minimum CTAs per SM), LUT (0: the byte-permute lookups above; 1: a
+// 256-entry pair table in shared memory, see "Shared pair tables" below), TAB_BYTES (the tables'
+// share: 32768 per table, 0 with LUT 0), TAB_SAME (K and V share one table), DYN_BYTES (LUT
+// 1: the dynamic shared memory of a launch, tables then the ring — checked at compile time).
+//
+// Shared pair tables (LUT 1). Entry e (a whole code byte) holds the two 16-bit centroids of
+// its low and high nibble, so one 32-bit shared load dequantizes two codes; the table is
+// replicated 32 times in rows of 128 bytes, replica l in bank l, so a warp's 32 loads never
+// conflict. A load's address is one byte permute (the byte, zero-extended) and one IMAD
+// (FMA pipe) instead of ~4.3 integer-pipe instructions per byte. Operand layout with pair tables: K's byte j of a lane
+// gives the pair (k = 2t, 2t+1) of chunk j/2 (register j % 2), i.e. the dot's k index is
+// rotated-space coordinate 2·(t·D/8 + 2c + r) + e; V's two tokens of a register are merged
+// nibble-wise into one index byte (two LOP3 per 4 bytes), tile mt's rows g and g+8 are the
+// coordinates 2·(g·D/16 + mt) and 2·(g·D/16 + mt) + 1.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -60,12 +73,55 @@ typedef unsigned char u8;
 #define MERGE_BYTES ((WARPS * (GROUP * D + 24) + GROUP * D) * 4)
 #define SMEM_BYTES (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES)
 #define NEG_INF (__int_as_float(0xff800000))
+#ifndef LUT
+#define LUT 0
+#define TAB_BYTES 0
+#define TAB_SAME 0
+#define DYN_BYTES 0
+#endif
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
   u32 d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
   return d;
 }
+
+#if LUT
+extern __shared__ __align__(16) u8 tab_smem[];
+
+// the shared-memory address of byte K of code word w's entry for the lane whose replica
+// address (the side's table, its row 0, the lane's bank) is lb: one byte permute (the entry,
+// zero-extended) and one IMAD (rows of 128 bytes)
+template <int K>
+__device__ __forceinline__ u32 tab_addr(u32 w, u32 lb) {
+  return prmt(w, 0u, 0x4440u | K) * 128u + lb;
+}
+
+__device__ __forceinline__ u32 tab_ld(u32 a) {
+  u32 r;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(a));
+  return r;
+}
+
+// the 16-bit centroid i of a side from its byte tables (low bytes t[0..3], high t[4..7])
+__device__ __forceinline__ u32 centroid16(const u32* __restrict__ t, int i) {
+  const u8* b = (const u8*)t;
+  return (u32)b[i] | ((u32)b[16 + i] << 8);
+}
+
+// fill the pair tables (K's, then V's unless TAB_SAME): entry e = (centroid of e & 15) |
+// (centroid of e >> 4) << 16 in 32 replicas (a 128-byte row); the whole CTA, 16-byte stores
+__device__ __forceinline__ void fill_tables(const u32* __restrict__ k_tab,
+                                            const u32* __restrict__ v_tab) {
+  for (int i = threadIdx.x; i < TAB_BYTES / 16; i += WARPS * 32) {
+    const int side = i / 2048, e = (i / 8) % 256;
+    const u32* tb = side ? v_tab : k_tab;
+    const u32 val = centroid16(tb, e & 15) | (centroid16(tb, e >> 4) << 16);
+    *(uint4*)(tab_smem + i * 16) = make_uint4(val, val, val, val);
+  }
+  __syncthreads();
+}
+#endif
 
 // 4 code bytes (8 codes) -> 4 registers of two 16-bit centroids: o[0] = low-nibble codes of
 // bytes 0, 1; o[1] = low nibbles of bytes 2, 3; o[2], o[3] = the high nibbles (element 0 in
@@ -214,7 +270,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     const float* __restrict__ q_w, void* __restrict__ out, int so_s, int so_h,
     const float* __restrict__ o_w, const float* __restrict__ k_shift,
     const float* __restrict__ v_shift) {
+#if LUT   // all dynamic: the tables, then the ring / merge area
+  static_assert(DYN_BYTES >= TAB_BYTES + SMEM_BYTES, "DYN_BYTES too small for tables + ring");
+  u8* const smem = tab_smem + TAB_BYTES;
+#else
   __shared__ __align__(16) u8 smem[SMEM_BYTES];
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
@@ -235,9 +296,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   const int* bt_row = block_table + (long long)seq * s_bt;
 
   // the byte tables, resident in regular registers
+#if LUT
+  fill_tables(k_tab, v_tab);
+  const u32 lbk = (u32)__cvta_generic_to_shared(tab_smem) + lane * 4;
+  const u32 lbv = lbk + (TAB_SAME ? 0 : 32768);
+#else
   u32 kt[8], vt[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) { kt[i] = k_tab[i]; vt[i] = v_tab[i]; }
+#endif
 
   // the query as the B operand of S^T = K · q^T, in the relabelled k order: chunk c,
   // register r (0: k = 2t, 2t+1; 1: k = 2t+8, 2t+9), element e is rotated-space coordinate
@@ -283,13 +350,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
       for (int r = 0; r < 2; ++r) {
         float e0 = 0.f, e1 = 0.f;
         if (g < GROUP) {
-          const int base = 2 * (t * KB + 4 * (c >> 1) + 2 * r) + (c & 1);
+#if LUT   // element e: coordinate 2·(t·KB + 2c + r) + e
+          const int base = 2 * (t * KB + 2 * c + r), step = 1;
+#else
+          const int base = 2 * (t * KB + 4 * (c >> 1) + 2 * r) + (c & 1), step = 2;
+#endif
 #if QROT || K_SINK
           e0 = qs[g * D + base];
-          e1 = qs[g * D + base + 2];
+          e1 = qs[g * D + base + step];
 #else
           e0 = load_q(q, qrow + (long long)g * sq_h + base);
-          e1 = load_q(q, qrow + (long long)g * sq_h + base + 2);
+          e1 = load_q(q, qrow + (long long)g * sq_h + base + step);
 #endif
         }
         qb[c][r] = pack2(e0, e1);
@@ -390,15 +461,24 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
         lds<KU>(st + ((NKU + u) * 32 + lane) * KU, kb);
 #pragma unroll
         for (int w = 0; w < KU / 4; ++w) {
+          const int c = 2 * (u * (KU / 4) + w);
+#if LUT   // byte k of the word: chunk c + k/2, register k % 2
+          const u32 a0 = tab_ld(tab_addr<0>(ka[w], lbk)), b0 = tab_ld(tab_addr<0>(kb[w], lbk));
+          const u32 a1 = tab_ld(tab_addr<1>(ka[w], lbk)), b1 = tab_ld(tab_addr<1>(kb[w], lbk));
+          const u32 a2 = tab_ld(tab_addr<2>(ka[w], lbk)), b2 = tab_ld(tab_addr<2>(kb[w], lbk));
+          const u32 a3 = tab_ld(tab_addr<3>(ka[w], lbk)), b3 = tab_ld(tab_addr<3>(kb[w], lbk));
+          mma(sa, a0, b0, a1, b1, qb[c][0], qb[c][1]);
+          mma(sb, a2, b2, a3, b3, qb[c + 1][0], qb[c + 1][1]);
+#else
           u32 oa[4], ob[4];
 #if K_SYM
           sym16(ka[w], kt, oa); sym16(kb[w], kt, ob);
 #else
           lut16(ka[w], kt, oa); lut16(kb[w], kt, ob);
 #endif
-          const int c = 2 * (u * (KU / 4) + w);
           mma(sa, oa[0], ob[0], oa[1], ob[1], qb[c][0], qb[c][1]);
           mma(sb, oa[2], ob[2], oa[3], ob[3], qb[c + 1][0], qb[c + 1][1]);
+#endif
         }
       }
       // norms: K then V, tokens g and g+8
@@ -483,6 +563,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #pragma unroll
         for (int w = 0; w < VU / 4; ++w) {
           const int v = u * (VU / 4) + w;   // the lane's word index within its VB bytes
+#if LUT   // index bytes: (low nibbles | high nibbles) of tokens (2t, 2t+1), (2t+8, 2t+9)
+          const u32 lo01 = (vv[0][w] & 0x0f0f0f0fu) | ((vv[1][w] << 4) & 0xf0f0f0f0u);
+          const u32 hi01 = (__umulhi(vv[0][w], 1u << 28) & 0x0f0f0f0fu) | (vv[1][w] & 0xf0f0f0f0u);
+          const u32 lo23 = (vv[2][w] & 0x0f0f0f0fu) | ((vv[3][w] << 4) & 0xf0f0f0f0u);
+          const u32 hi23 = (__umulhi(vv[2][w], 1u << 28) & 0x0f0f0f0fu) | (vv[3][w] & 0xf0f0f0f0u);
+#define TKV_VTILE(K)                                                                  \
+          mma(O[4 * v + K], tab_ld(tab_addr<K>(lo01, lbv)), tab_ld(tab_addr<K>(hi01, lbv)), \
+              tab_ld(tab_addr<K>(lo23, lbv)), tab_ld(tab_addr<K>(hi23, lbv)), pb[k][0], pb[k][1]);
+          TKV_VTILE(0) TKV_VTILE(1) TKV_VTILE(2) TKV_VTILE(3)
+#undef TKV_VTILE
+#else
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const u32 sel = h ? 0x7362u : 0x5140u;
@@ -499,6 +590,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
               mma(O[4 * v + 2 * h + kk], o01[2 * kk], o01[2 * kk + 1], o23[2 * kk],
                   o23[2 * kk + 1], pb[k][0], pb[k][1]);
           }
+#endif
         }
       }
     }
@@ -530,7 +622,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     for (int r = 0; r < 2; ++r) {
       // row g (r = 0) / g+8 (r = 1) of tile mt is coordinate
       // 2·(g·VB + 4·(mt/4) + 2·((mt/2) % 2) + r) + mt % 2
+#if LUT
+      const int coord = 2 * (g * VB + mt) + r;
+#else
       const int coord = 2 * (g * VB + 4 * (mt >> 2) + 2 * ((mt >> 1) & 1) + r) + (mt & 1);
+#endif
       if (2 * t < GROUP) mo[(warp * GROUP + 2 * t) * D + coord] = O[mt][2 * r];
       if (2 * t + 1 < GROUP) mo[(warp * GROUP + 2 * t + 1) * D + coord] = O[mt][2 * r + 1];
     }
