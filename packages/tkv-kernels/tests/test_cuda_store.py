@@ -176,8 +176,8 @@ def test_refuses_what_it_cannot_serve():
 
 
 def test_auto_routing(monkeypatch):
-    """TKV_STORE_KERNEL picks the default (triton: the CUDA store is opt-in); 'auto' runs the
-    CUDA store only where it applies and no Triton tiling option is given."""
+    """TKV_STORE_KERNEL picks the default (auto since session 35); 'auto' runs the CUDA store
+    only where it applies and no Triton tiling option is given."""
     calls = []
     monkeypatch.setattr(cuda_store, "supported", lambda *a: True)
     monkeypatch.setattr(cuda_store, "launch", lambda *a, **kw: calls.append("cuda"))
@@ -185,9 +185,7 @@ def test_auto_routing(monkeypatch):
     k = torch.randn(3, 2, 64, device=DEV, dtype=torch.bfloat16)
     cache = ld.layout.allocate(1, DEV)
     slots = torch.arange(3, device=DEV)
-    if cuda_store.STORE_KERNEL == "triton":   # the default: the CUDA store is opt-in
-        compress_store(k, k, cache, slots, ld)
-        assert calls == []
+    assert cuda_store.store_kernel_from_env({}) == "auto"
     monkeypatch.setattr(cuda_store, "STORE_KERNEL", "auto")
     compress_store(k, k, cache, slots, ld)
     assert calls == ["cuda"]
@@ -227,7 +225,7 @@ def test_compile_failure_under_auto_falls_back_with_one_warning(monkeypatch):
         compress_store(k, k, cache, slots, ld, kernel="cuda")
 
 
-@pytest.mark.parametrize("raw,want", [(None, "triton"), (" CUDA ", "cuda"), ("Auto", "auto")])
+@pytest.mark.parametrize("raw,want", [(None, "auto"), (" CUDA ", "cuda"), ("Triton", "triton")])
 def test_store_kernel_env(raw, want):
     env = {} if raw is None else {"TKV_STORE_KERNEL": raw}
     assert cuda_store.store_kernel_from_env(env) == want

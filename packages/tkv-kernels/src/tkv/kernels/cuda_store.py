@@ -63,20 +63,21 @@ class StoreKernelConfigError(TkvError, ValueError):
 
 
 def store_kernel_from_env(environ=None) -> str:
-    """``compress_store``'s kernel when the caller names none (``TKV_STORE_KERNEL``): ``triton``
-    (default: the Triton store), ``auto`` (the CUDA store where :func:`check_supported`
-    accepts the call and no Triton-only option — ``block_t``, ``num_warps``, ``chunk``, a
-    matrix ``rotation`` — is given, else Triton) or ``cuda`` (refused calls raise
-    UnsupportedKernelError). The CUDA store is 2.2-2.7× the Triton store at 16K tokens but
-    did not win the 36-layer engine-like step at 64 sequences (docs/kernels.md, session 34),
-    so it is opt-in. Read once at import into :data:`STORE_KERNEL`.
+    """``compress_store``'s kernel when the caller names none (``TKV_STORE_KERNEL``): ``auto``
+    (default: the CUDA store where :func:`check_supported` accepts the call and no
+    Triton-only option — ``block_t``, ``num_warps``, ``chunk``, a matrix ``rotation`` — is
+    given, else the Triton store), ``triton`` or ``cuda`` (refused calls raise
+    UnsupportedKernelError). The CUDA store is 2.2-2.8× the Triton store at 16K tokens and
+    1.2× at 64 to 256; the 36-layer engine-like step is 0.2-0.3 % faster with it at 64 and
+    256 sequences (docs/kernels.md, sessions 34-35), hence the default since session 35.
+    Read once at import into :data:`STORE_KERNEL`.
 
     Raises:
         StoreKernelConfigError: any other value."""
-    return choice_from_env(environ, ENV_STORE_KERNEL, _KERNELS, "triton",
+    return choice_from_env(environ, ENV_STORE_KERNEL, _KERNELS, "auto",
                            StoreKernelConfigError,
-                           "expected triton (default), auto (the CUDA store where it applies, "
-                           "else Triton) or cuda")
+                           "expected auto (default: the CUDA store where it applies, else "
+                           "Triton), triton or cuda")
 
 
 STORE_KERNEL = read_at_import(store_kernel_from_env)

@@ -582,9 +582,9 @@ def compress_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             ``"auto"`` (the CUDA store wherever it applies and none of ``block_t``,
             ``num_warps``, ``chunk`` is given; Triton otherwise, and with one RuntimeWarning
             if the CUDA store cannot be compiled). None (default): ``TKV_STORE_KERNEL``
-            (:func:`~tkv.kernels.cuda_store.store_kernel_from_env`, default ``triton``; the
-            CUDA store, 2.2-2.7× faster at 16K tokens on an H100, did not win the 36-layer
-            step at 64 sequences: opt-in, session 34).
+            (:func:`~tkv.kernels.cuda_store.store_kernel_from_env`, default ``auto`` since
+            session 35: the CUDA store is 2.2-2.8× faster at 16K tokens on an H100 and won
+            the 36-layer engine-like step at 64 and 256 sequences).
 
     Values are not checked for NaN / ±inf (that would read them back to the host, a device
     sync inside every layer of a CUDA graph): a non-finite K/V element stores a non-finite
