@@ -137,7 +137,9 @@ def test_matches_oracle_and_triton(d, hkv, group, block, window, dtype, tune, co
     lens = [1, 37, 300, 1024, 77, 16, 17, 15]
     kw = {"k_codebook": codebook} if codebook else {}
     ld, batch, cache = _case(d, hkv, block, lens, dtype=dtype, **kw)
-    assert cuda_decode.defines(ld, d, group, dtype, dtype, **tune)["TAB_SAME"] == (not kw)
+    defs = cuda_decode.defines(ld, d, group, dtype, dtype, **tune)
+    assert defs["TAB_SAME"] == int(bool(tune) and not kw)   # one table for both sides
+    assert defs["TAB_BYTES"] == (0 if not tune else 32768 if not kw else 65536)
     q = torch.randn(len(lens), hkv * group, d, device="cuda", dtype=dtype)
     ws = Workspace(8, 64, 256, "cuda")
     args = (q, cache, batch.block_table, batch.seq_lens, ld, ws)

@@ -14,7 +14,9 @@ a 16-row M padding and per-token address work. Here every register is placed by 
 * P goes from the S^T accumulator to the B operand by one ``movmatrix.trans`` per 8 tokens;
 * the warps of a CTA split the tokens (16-token steps) and merge once, at the end;
 * copies go through a per-warp ``cp.async`` ring of ``NST`` stages;
-* the byte tables are per-thread loads, so they stay in regular registers.
+* the byte tables are per-thread loads, so they stay in regular registers (``lut=1``, a
+  tuning keyword of :func:`defines`: a 256-entry table of centroid pairs in shared memory
+  instead, one shared load per code byte; docs/kernels.md, session 35).
 
 Same inputs and partial outputs as the Triton split kernel (the reduce kernel is shared).
 Scope (:func:`check_supported`): a :class:`~tkv.kernels.TkvLoader` with 4-bit K and V and a
@@ -55,8 +57,8 @@ WARPS = 4
 _INT32_MAX = 2**31 - 1   # a window past it attends to everything, as no window does
 SUB = 2   # 16-token steps per loop iteration at head_dim ≤ 128 (one softmax update for both)
 TABLE_BYTES = 32768   # one shared pair table (lut=1): 256 entries × 32 replicas × 4 bytes
-# defaults for :func:`defines`' tuning keywords (sub, stages, min_ctas, lut) when a launch passes
-# none; benchmarks override them to time variants
+# defaults for :func:`defines`' tuning keywords (sub, stages, min_ctas, lut, warps) when a launch
+# passes none; benchmarks override them to time variants
 TUNING: dict[str, int] = {}
 _Q_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -174,7 +176,8 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
                 V_SINK=int(loader.v_sink_shift is not None),
                 MIN_CTAS=min_ctas or (2 if head_dim > 128 or (lut and not same) or warps > 4
                                       else 3 if lut else 4),
-                LUT=lut, TAB_SAME=int(same), TAB_BYTES=tab, DYN_BYTES=tab + area if lut else 0)
+                LUT=lut, TAB_SAME=int(same and lut), TAB_BYTES=tab,
+                DYN_BYTES=tab + area if lut else 0)
 
 
 def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLoader,
