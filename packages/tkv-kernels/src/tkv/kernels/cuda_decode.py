@@ -136,6 +136,19 @@ def _antisymmetric(loader: TkvLoader, side: str, half: torch.dtype) -> bool:
     return loader._prmt_antisymmetric[side, half]
 
 
+def _min_ctas(head_dim: int, lut: int, same: bool, warps: int) -> int:
+    """The default register budget as CTAs per SM: 4 (128 registers) for the register
+    lookups, 2 at head_dim 256; with the pair tables what their shared memory allows: 4 warps
+    3 CTAs with one table, else 2; 8 warps 2 CTAs with one table at head_dim ≤ 128, else 1
+    (at head_dim 256, 128 registers would spill the operands)."""
+    small = head_dim <= 128
+    if not lut:
+        return 4 if small else 2
+    if warps > 4:
+        return 2 if small and same else 1
+    return 3 if small and same else 2
+
+
 def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
             dot_dtype: torch.dtype, *, qrot: bool = False, epilogue: int = 0,
             out_dtype: torch.dtype = torch.float32, sub: int | None = None,
@@ -144,8 +157,8 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
     """The ``-D`` defines of one kernel configuration (the compile key; see the source's
     header). ``sub``: 16-token steps per loop iteration (default 2 at head_dim ≤ 128, else
     1); ``stages``: ring stages per warp (default ``2·sub``, 3 for one step at head_dim ≤
-    128); ``min_ctas``: the register budget as CTAs per SM (default 4, 2 at head_dim 256;
-    with ``lut=1`` what the shared memory allows: 3 with one table, 2 with two);
+    128); ``min_ctas``: the register budget as CTAs per SM (default :func:`_min_ctas`: 4, 2
+    at head_dim 256; with ``lut=1`` what the shared memory allows);
     ``lut``: 0 (default) the byte-permute lookups in registers, 1 the shared pair tables
     (``TABLE_BYTES`` per distinct codebook, one for both sides when K's and V's byte tables
     are equal; all of the kernel's shared memory is then dynamic, ``DYN_BYTES``);
@@ -174,8 +187,7 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
                 EPILOGUE=epilogue, OUT_KIND=_Q_KIND[out_dtype],
                 K_SINK=int(loader.k_sink_shift is not None),
                 V_SINK=int(loader.v_sink_shift is not None),
-                MIN_CTAS=min_ctas or (2 if head_dim > 128 or (lut and not same) or warps > 4
-                                      else 3 if lut else 4),
+                MIN_CTAS=min_ctas or _min_ctas(head_dim, lut, same, warps),
                 LUT=lut, TAB_SAME=int(same and lut), TAB_BYTES=tab,
                 DYN_BYTES=tab + area if lut else 0)
 
