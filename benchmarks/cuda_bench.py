@@ -1,6 +1,6 @@
 """Helpers the two CUDA-kernel benchmarks share (``cuda_decode_gpu.py``, ``cuda_store_gpu.py``):
-their row log, a tuning context for a kernel module's ``TUNING`` defaults, the 36-layer
-model-step table and the result files. Not a script."""
+their row log, the 36-layer model-step table and the result files (the tuning context is
+``tkv.kernels.testing.tuning``). Not a script."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from pathlib import Path
 
 import kernels_gpu as kg
 import torch
-
-from tkv.kernels.testing import tuning  # noqa: F401  (the scripts import it from here)
 
 ROWS: list[dict] = []
 

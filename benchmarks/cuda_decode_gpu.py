@@ -24,10 +24,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import cuda_bench
 import kernels_gpu as kg
-from cuda_bench import ROWS, log, model_step_lines, tuning, write_results
+from cuda_bench import ROWS, log, model_step_lines, write_results
 
 from tkv.codec import TurboKVCodec
 from tkv.kernels import TkvLoader, Workspace, cuda_decode, decode
+from tkv.kernels.testing import tuning
 
 VARIANTS = [("cuda (decode's default, kernel='auto')", {}, {"kernel": None}),
             ("cuda 1 split", {}, {"num_splits": 1}), ("cuda 2 splits", {}, {"num_splits": 2}),

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from tkv.codec import TurboKVCodec, unpack_codes
+from tkv.codec import unpack_codes
 from tkv.kernels import TkvLoader, compress_store
+from tkv.kernels.testing import offset_codec
 
 CONFIGS = [("base", {}), ("center", dict(center=True)), ("scales", dict(scales=True)),
            ("sink", dict(sink=True)), ("fp16", dict(dtype=torch.float16)),
@@ -26,16 +27,7 @@ CONFIGS = [("base", {}), ("center", dict(center=True)), ("scales", dict(scales=T
 def run(name, d=128, kb=4, vb=4, dtype=torch.bfloat16, center=False, scales=False, sink=False,
         hkv=3, n=101):
     g = torch.Generator().manual_seed(7)
-    kw = {}
-    if center:
-        kw["k_channel_offset"] = torch.randn(hkv, d, generator=g)
-    if scales:
-        kw["k_channel_scales"] = torch.rand(d, generator=g) + 0.5
-        kw["v_channel_scales"] = torch.rand(d, generator=g) + 0.5
-    if sink:
-        kw.update(k_sink_offset=torch.randn(hkv, d, generator=g) * 4,
-                  v_sink_offset=torch.randn(hkv, d, generator=g) * 4)
-    codec = TurboKVCodec(d, k_bits=kb, v_bits=vb, device="cuda", seed=5, **kw)
+    codec = offset_codec(d, kb, vb, hkv, g, center=center, scales=scales, sink=sink, seed=5)
     ld = TkvLoader(codec, hkv, 16)
     nblk = max(9, n // 16 + 2)
     k = (torch.randn(n, hkv, d, generator=g) * 3).to("cuda", dtype)

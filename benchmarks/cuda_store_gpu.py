@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import cuda_bench
 import kernels_gpu as kg
-from cuda_bench import ROWS, log, model_step_lines, tuning, write_results
+from cuda_bench import ROWS, log, model_step_lines, write_results
 
-from tkv.codec import TurboKVCodec
 from tkv.kernels import TkvLoader, compress_store, cuda_store
+from tkv.kernels.testing import offset_codec, tuning
 
 VARIANTS = [("cuda (default tuning)", {}), ("cuda elems=8", {"elems": 8}),
             ("cuda ctas_per_sm=4", {"ctas_per_sm": 4}),
@@ -72,19 +72,12 @@ def timed(base, impl, fn, moved, copy_gbs, ref_ms=None):
     return ms
 
 
-def codec_for(d, hkv, kb, vb, sink, g):
-    kw = {}
-    if sink:
-        kw = dict(k_channel_offset=torch.randn(hkv, d, generator=g),
-                  k_sink_offset=torch.randn(hkv, d, generator=g) * 4,
-                  v_sink_offset=torch.randn(hkv, d, generator=g) * 4)
-    return TurboKVCodec(d, k_bits=kb, v_bits=vb, device=kg.DEV, **kw)
-
-
 def kernel_rows(cases, copy_gbs, variants):
     g = torch.Generator().manual_seed(1)
     for T, hkv, d, kb, vb, sink in cases:
-        ld = TkvLoader(codec_for(d, hkv, kb, vb, sink, g), hkv, 16)
+        # the shipped bundle's codec kind: key centering + sink offsets
+        codec = offset_codec(d, kb, vb, hkv, g, center=sink, sink=sink, device=kg.DEV)
+        ld = TkvLoader(codec, hkv, 16)
         k = torch.randn(T, hkv, d, device=kg.DEV, dtype=torch.bfloat16) * 2
         v = torch.randn_like(k)
         nblk = T // 16 + 1

@@ -20,6 +20,7 @@ import torch
 from tkv.codec import TurboKVCodec, unpack_codes
 from tkv.kernels import TkvLoader, _nvrtc, _quant_grid, compress_store, cuda_store
 from tkv.kernels._util import UnsupportedKernelError, interpreting
+from tkv.kernels.testing import offset_codec
 
 GPU = torch.cuda.is_available() and not interpreting()
 gpu_only = pytest.mark.skipif(not GPU, reason="needs CUDA")
@@ -241,19 +242,6 @@ def _codes(views, name, b, o, bits, d):
     return unpack_codes(views[name][b, :, o], bits, d)
 
 
-def _codec(d, kb, vb, center, scales, sink, hkv, g):
-    kw = {}
-    if center:
-        kw["k_channel_offset"] = torch.randn(hkv, d, generator=g)
-    if scales:
-        kw["k_channel_scales"] = torch.rand(d, generator=g) + 0.5
-        kw["v_channel_scales"] = torch.rand(d, generator=g) + 0.5
-    if sink:
-        kw.update(k_sink_offset=torch.randn(hkv, d, generator=g) * 4,
-                  v_sink_offset=torch.randn(hkv, d, generator=g) * 4)
-    return TurboKVCodec(d, k_bits=kb, v_bits=vb, device="cuda", seed=5, **kw)
-
-
 @gpu_only
 @pytest.mark.parametrize("d,kb,vb,dtype,center,scales,sink", [
     (128, 4, 4, torch.bfloat16, False, False, False),
@@ -270,7 +258,7 @@ def test_matches_the_codec_and_the_triton_store(d, kb, vb, dtype, center, scales
     their bytes."""
     g = torch.Generator().manual_seed(d + kb)
     hkv = 3
-    codec = _codec(d, kb, vb, center, scales, sink, hkv, g)
+    codec = offset_codec(d, kb, vb, hkv, g, center=center, scales=scales, sink=sink, seed=5)
     ld = TkvLoader(codec, hkv, 16)
     nblk, n = 9, 101
     cache = torch.randint(0, 256, (nblk, ld.layout.page_bytes), dtype=torch.uint8,

@@ -10,12 +10,25 @@ from pathlib import Path
 
 import torch
 
+from tkv.codec import TurboKVCodec
+
 from .loaders import BypassLoader, Fp8Loader, TkvLoader
 from .store import compress_store
 
-__all__ = ["PagedBatch", "check_register_installs_jit_log", "fill_cache", "jit_hooks_isolated",
-           "make_cache", "make_paged_batch", "no_stream_sync", "reference_flash_varlen",
-           "relative_error", "tolerance", "tuning"]
+__all__ = [
+    "PagedBatch",
+    "check_register_installs_jit_log",
+    "fill_cache",
+    "jit_hooks_isolated",
+    "make_cache",
+    "make_paged_batch",
+    "no_stream_sync",
+    "offset_codec",
+    "reference_flash_varlen",
+    "relative_error",
+    "tolerance",
+    "tuning",
+]
 
 
 class PagedBatch:
@@ -83,6 +96,25 @@ def fill_cache(loader, cache, key: torch.Tensor, value: torch.Tensor, slots: tor
     else:
         cache[0][b, o] = (key.float() / loader.k_scale).to(torch.float8_e4m3fn)
         cache[1][b, o] = (value.float() / loader.v_scale).to(torch.float8_e4m3fn)
+
+
+def offset_codec(head_dim: int, k_bits: int, v_bits: int, num_kv_heads: int,
+                 generator: torch.Generator, *, center: bool = False, scales: bool = False,
+                 sink: bool = False, device="cuda", seed: int = 0) -> TurboKVCodec:
+    """A :class:`~tkv.codec.TurboKVCodec` with random per-head calibration terms drawn from
+    ``generator`` (CPU), in this order: key centering ``k_channel_offset`` (``center``), K and V
+    channel scales in [0.5, 1.5) (``scales``), K and V sink offsets of scale 4 (``sink``; all
+    ``(num_kv_heads, head_dim)`` float32). ``seed``: the codec's rotation seed."""
+    kw = {}
+    if center:
+        kw["k_channel_offset"] = torch.randn(num_kv_heads, head_dim, generator=generator)
+    if scales:
+        kw["k_channel_scales"] = torch.rand(head_dim, generator=generator) + 0.5
+        kw["v_channel_scales"] = torch.rand(head_dim, generator=generator) + 0.5
+    if sink:
+        kw.update(k_sink_offset=torch.randn(num_kv_heads, head_dim, generator=generator) * 4,
+                  v_sink_offset=torch.randn(num_kv_heads, head_dim, generator=generator) * 4)
+    return TurboKVCodec(head_dim, k_bits=k_bits, v_bits=v_bits, device=device, seed=seed, **kw)
 
 
 @contextlib.contextmanager
