@@ -87,6 +87,9 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
 }
 
 #if LUT
+// one pair table: 256 entries × 32 replicas × 4 bytes (cuda_decode.TABLE_BYTES, checked)
+#define ONE_TABLE (256 * 32 * 4)
+static_assert(TAB_BYTES == ONE_TABLE * (TAB_SAME ? 1 : 2), "TAB_BYTES != the tables' size");
 extern __shared__ __align__(16) u8 tab_smem[];
 
 // the shared-memory address of byte K of code word w's entry for the lane whose replica
@@ -114,7 +117,7 @@ __device__ __forceinline__ u32 centroid16(const u32* __restrict__ t, int i) {
 __device__ __forceinline__ void fill_tables(const u32* __restrict__ k_tab,
                                             const u32* __restrict__ v_tab) {
   for (int i = threadIdx.x; i < TAB_BYTES / 16; i += WARPS * 32) {
-    const int side = i / 2048, e = (i / 8) % 256;
+    const int side = i / (ONE_TABLE / 16), e = (i / 8) % 256;
     const u32* tb = side ? v_tab : k_tab;
     const u32 val = centroid16(tb, e & 15) | (centroid16(tb, e >> 4) << 16);
     *(uint4*)(tab_smem + i * 16) = make_uint4(val, val, val, val);
@@ -299,7 +302,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #if LUT
   fill_tables(k_tab, v_tab);
   const u32 lbk = (u32)__cvta_generic_to_shared(tab_smem) + lane * 4;
-  const u32 lbv = lbk + (TAB_SAME ? 0 : 32768);
+  const u32 lbv = lbk + (TAB_SAME ? 0 : ONE_TABLE);
 #else
   u32 kt[8], vt[8];
 #pragma unroll
