@@ -34,16 +34,22 @@ VARIANTS = [("cuda (decode's default, kernel='auto')", {}, {"kernel": None}),
             ("cuda 1 split", {}, {"num_splits": 1}), ("cuda 2 splits", {}, {"num_splits": 2}),
             ("cuda 4 splits", {}, {"num_splits": 4}),
             ("cuda sub=1 stages=3", {"sub": 1, "stages": 3}, {}),
-            ("cuda sub=1 stages=3 min_ctas=5", {"sub": 1, "stages": 3, "min_ctas": 5}, {}),
-            ("cuda sub=1 stages=3 min_ctas=5, 4 splits", {"sub": 1, "stages": 3, "min_ctas": 5},
-             {"num_splits": 4}),
-            # session 35: the codes dequantized through a shared 256-entry pair table
+            # session 35: the codes dequantized through a shared 256-entry pair table; session
+            # 36: its split counts (the tables' shared memory leaves 3 CTAs per SM at 4 warps,
+            # 2 at 8, so the default split count's 512 CTAs at B=32 leave a partial wave)
             ("cuda lut=1 (shared pair tables)", {"lut": 1}, {}),
+            ("cuda lut=1, 1 split", {"lut": 1}, {"num_splits": 1}),
+            ("cuda lut=1, 4 splits", {"lut": 1}, {"num_splits": 4}),
             ("cuda lut=1 sub=1 stages=3", {"lut": 1, "sub": 1, "stages": 3}, {}),
             ("cuda lut=1 warps=8", {"lut": 1, "warps": 8}, {}),
+            ("cuda lut=1 warps=8, 1 split", {"lut": 1, "warps": 8}, {"num_splits": 1}),
+            ("cuda lut=1 warps=8, 4 splits", {"lut": 1, "warps": 8}, {"num_splits": 4}),
             ("cuda lut=1 warps=8 sub=1 stages=3", {"lut": 1, "warps": 8, "sub": 1, "stages": 3},
              {}),
-            ("cuda lut=1 warps=8, 2 splits", {"lut": 1, "warps": 8}, {"num_splits": 2})]
+            # session 36: the balanced (stream-K) schedule, one wave of resident CTAs
+            ("cuda balanced", {}, {"schedule": "balanced"}),
+            ("cuda lut=1 balanced", {"lut": 1}, {"schedule": "balanced"}),
+            ("cuda lut=1 warps=8 balanced", {"lut": 1, "warps": 8}, {"schedule": "balanced"})]
 
 
 def kernel_rows(shapes, copy_gbs, variants, sink=False):
@@ -78,11 +84,22 @@ def kernel_rows(shapes, copy_gbs, variants, sink=False):
                     out = decode(q, cache, bt, sl, ld, ws, **opts).float()
                     err = ((out - ref).norm() / ref.norm()).item()
                     ms = kg.bench(lambda: decode(q, cache, bt, sl, ld, ws, **opts))
+                    bal = opts.get("schedule") == "balanced"
+                    defs = cuda_decode.defines(ld, d, hq // hkv, q.dtype, torch.bfloat16,
+                                               qrot=True, epilogue=2 if bal else 0,
+                                               balanced=bal, **cuda_decode.TUNING)
+                    occ = cuda_decode.ctas_per_sm(defs, q.device)
             except Exception as e:
                 log({**base, "impl": label, "error": str(e)[:200]})
                 continue
+            splits = opts.get("num_splits") or ws.cuda_splits_for(B, hkv)
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            if opts.get("schedule") == "balanced":   # one CTA per resident slot
+                splits = occ * sms / (B * hkv)
             log({**base, "impl": label, "ms": ms, "frac_copy": nbytes / ms / 1e6 / copy_gbs,
-                 "x_triton": round(tri / ms, 3), "rel_err_vs_triton": float(f"{err:.2e}")})
+                 "x_triton": round(tri / ms, 3), "rel_err_vs_triton": float(f"{err:.2e}"),
+                 "ctas_per_sm": occ, "ctas": round(B * hkv * splits),
+                 "waves": round(B * hkv * splits / (occ * sms), 2)})
         del cache
         torch.cuda.empty_cache()
 
@@ -93,7 +110,10 @@ def model_step_rows(shapes, layers=36):
             ("tkv K4V4 default (kernel='auto': cuda)", {}, None),
             ("tkv K4V4 cuda, 2 splits", {"kernel": "cuda", "num_splits": 2}, None),
             ("tkv K4V4 cuda lut=1 (shared pair tables)", {}, lambda: tuning(cuda_decode, lut=1)),
-            ("tkv K4V4 cuda lut=1 warps=8", {}, lambda: tuning(cuda_decode, lut=1, warps=8))]
+            ("tkv K4V4 cuda lut=1 warps=8", {}, lambda: tuning(cuda_decode, lut=1, warps=8)),
+            ("tkv K4V4 cuda balanced", {"schedule": "balanced"}, None),
+            ("tkv K4V4 cuda lut=1 balanced", {"schedule": "balanced"},
+             lambda: tuning(cuda_decode, lut=1))]
     cuda_bench.model_step_rows(shapes, arms, layers)
 
 
@@ -102,8 +122,8 @@ def table(copy_gbs) -> str:
              f"measured in this run: **{copy_gbs:.0f} GB/s**. Baseline: the Triton split kernel "
              "(decode's default until session 32) on the same cache; x_triton > 1 = the CUDA "
              "kernel is faster.",
-             "", "| shape | impl | ms | % copy BW | x_triton | rel. err. vs Triton |",
-             "|---|---|---:|---:|---:|---:|"]
+             "", "| shape | impl | ms | % copy BW | x_triton | rel. err. vs Triton | CTAs/SM | "
+             "waves |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in ROWS:
         if r.get("kernel") in ("model_step", "copy"):
             continue
@@ -111,10 +131,11 @@ def table(copy_gbs) -> str:
         if r.get("sink"):
             shape += ", sink offsets"
         if "error" in r:
-            lines.append(f"| {shape} | {r['impl']} | error: {r['error'][:80]} | | | |")
+            lines.append(f"| {shape} | {r['impl']} | error: {r['error'][:80]} | | | | | |")
             continue
         lines.append(f"| {shape} | {r['impl']} | {r['ms']:.4f} | {100 * r['frac_copy']:.0f}% | "
-                     f"{r.get('x_triton', '')} | {r.get('rel_err_vs_triton', '')} |")
+                     f"{r.get('x_triton', '')} | {r.get('rel_err_vs_triton', '')} | "
+                     f"{r.get('ctas_per_sm', '')} | {r.get('waves', '')} |")
     lines += model_step_lines()
     return "\n".join(lines) + "\n"
 

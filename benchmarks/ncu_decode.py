@@ -8,7 +8,8 @@ Run under ncu on the GPU (hardware counters; leave the clocks alone), e.g.::
         python benchmarks/ncu_decode.py
 
 ``--kernel cuda`` profiles the hand-written CUDA split kernel instead (``--kernel-name
-regex:tkv_decode_k4v4``); ``--lut 1`` its shared-pair-table lookup.
+regex:tkv_decode_k4v4``); ``--lut 1`` its shared-pair-table lookup, ``--warps 8`` 8 warps per
+CTA (with ``--lut 1``), ``--splits N`` a split count other than the workspace's.
 
 Configs (Qwen3-8B-like attention: Hq=32, Hkv=8, head_dim 128, block_size 16), in order:
 K4V4 (CUDA default lookup) and bf16 BypassLoader at B=256, L=640 (the e2e throughput runs'
@@ -30,9 +31,13 @@ def main() -> None:
                     help="decode's split kernel for the tkv configs (cuda: tkv_decode_k4v4)")
     ap.add_argument("--lut", type=int, default=0, choices=(0, 1),
                     help="with --kernel cuda: cuda_decode's lookup (1: the shared pair tables)")
+    ap.add_argument("--warps", type=int, default=4, choices=(4, 8),
+                    help="with --kernel cuda: warps per CTA (8 needs --lut 1)")
+    ap.add_argument("--splits", type=int, default=None,
+                    help="split-K count of the tkv launches (default: the workspace's)")
     a = ap.parse_args()
     kernel = a.kernel
-    cuda_decode.TUNING["lut"] = a.lut
+    cuda_decode.TUNING.update(lut=a.lut, warps=a.warps)
     dev = "cuda"
     torch.manual_seed(0)
     hq, hkv, d, block = 32, 8, 128, 16
@@ -57,7 +62,8 @@ def main() -> None:
             print(f"B={B} L={L} bf16 bypass", flush=True)
         # the served default: for tkv, the query rotated inside the split kernel since session
         # 16 (profiles before it show a separate rotate_rows launch)
-        decode(q, cache, bt, sl, ld, ws, **({"kernel": kernel} if kind == "tkv" else {}))
+        decode(q, cache, bt, sl, ld, ws,
+               **({"kernel": kernel, "num_splits": a.splits} if kind == "tkv" else {}))
         torch.cuda.synchronize()
 
 

@@ -41,7 +41,12 @@ def _cuobjdump() -> Path | None:
     (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"lut": 1}),
     (64, 8, torch.float32, torch.float16, False, 0, {"lut": 1, "sink": True}),
     (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"lut": 1, "warps": 8}),
-    (256, 4, torch.bfloat16, torch.bfloat16, True, 0, {"lut": 1, "warps": 8})])
+    (256, 4, torch.bfloat16, torch.bfloat16, True, 0, {"lut": 1, "warps": 8}),
+    # the balanced (stream-K) schedule
+    (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"balanced": True}),
+    (128, 8, torch.float16, torch.float16, True, 1, {"balanced": True, "sink": True}),
+    (64, 3, torch.bfloat16, torch.bfloat16, True, 2, {"balanced": True, "lut": 1}),
+    (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"balanced": True, "lut": 1, "warps": 8})])
 def test_compiles_offline_within_its_register_budget(d, group, q_dtype, dot, qrot, epilogue,
                                                      tune, tmp_path):
     """NVRTC compiles the kernel for sm_90 on any machine (no GPU needed), with the query
@@ -245,3 +250,88 @@ def test_tuning_keywords_are_validated():
                 {"stages": 16}, {"min_ctas": 9}, {"lut": 2}, {"warps": 8}, {"lut": 1, "warps": 6}):
         with pytest.raises(ShapeError, match="tuning"):
             cuda_decode.defines(ld, 128, 4, torch.float32, torch.bfloat16, **bad)
+
+
+@gpu_only
+@pytest.mark.parametrize("tune", [{}, {"lut": 1}, {"lut": 1, "warps": 8}])
+def test_ctas_per_sm_is_the_occupancy_the_budgets_allow(tune):
+    """``cuda_decode.ctas_per_sm`` (the driver's occupancy calculator): at least the register
+    budget (``MIN_CTAS``) where the shared memory allows that many, never more than the
+    shared memory allows."""
+    ld = TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4, device="cuda"), 8, 16)
+    defs = cuda_decode.defines(ld, 128, 4, torch.bfloat16, torch.bfloat16, **tune)
+    n = cuda_decode.ctas_per_sm(defs, torch.device("cuda"))
+    props = torch.cuda.get_device_properties(0)
+    per_cta = defs["DYN_BYTES"] + 1024   # + the driver's reserved shared memory per CTA
+    smem_bound = props.shared_memory_per_multiprocessor // per_cta if defs["DYN_BYTES"] else 8
+    assert 1 <= n <= smem_bound
+    assert n >= min(defs["MIN_CTAS"], smem_bound)
+
+
+_SKEWED = [5000, 1, 37, 0, 300, 16, 17, 15, 1024, 77]   # one long sequence, lengths 0 and 1
+
+
+@gpu_only
+@pytest.mark.parametrize("d,hkv,group,block,window,tune,min_steps", [
+    (128, 8, 4, 16, 0, {}, None), (128, 8, 4, 16, 0, {}, 1), (64, 3, 3, 16, 100, {}, None),
+    (128, 2, 8, 32, 0, {"lut": 1}, 1), (128, 4, 4, 16, 33, {"lut": 1, "warps": 8}, None),
+    (256, 2, 7, 128, 0, {}, 2), (64, 4, 1, 64, 0, {"lut": 1}, 1)])
+def test_balanced_schedule_matches_oracle_and_split(d, hkv, group, block, window, tune,
+                                                    min_steps, monkeypatch):
+    """The balanced (stream-K) schedule on a skewed batch — one long sequence among short
+    ones, lengths 0 and 1, tails, random pages, windows, GQA 1-8 — against the float64 oracle
+    and the split schedule (one split), unrotated and left rotated; ``min_steps`` 1 / 2 cuts
+    the pairs into many parts (every merge path: first / middle / last parts, CTAs inside one
+    pair, CTAs spanning several)."""
+    if min_steps is not None:
+        monkeypatch.setattr(cuda_decode, "MIN_STEPS", min_steps)
+    ld, batch, cache = _case(d, hkv, block, _SKEWED)
+    q = torch.randn(len(_SKEWED), hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    ws = Workspace(16, 64, 256, "cuda")
+    args = (q, cache, batch.block_table, batch.seq_lens, ld, ws)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld, window=window)
+    for opts in ({}, {"output_rotated": True}):
+        with tuning(cuda_decode, **tune):
+            out = decode(*args, window=window, kernel="cuda", schedule="balanced", **opts)
+            split = decode(*args, window=window, kernel="cuda", num_splits=1, **opts)
+        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+        assert _rel_rows(out, split.double()) < 1e-2, opts
+        if not opts:
+            assert _rel_rows(out, ref) < 2.5e-2
+        assert not out[3].any()   # length 0: zero rows
+    assert not ws._counters.any()   # every merging CTA reset its pair's counter
+
+
+@gpu_only
+def test_balanced_schedule_graph_replay_follows_new_lengths():
+    """Captured once, replayed with other lengths (so another partition of the run and other
+    merges), the balanced schedule equals eager on the same lengths; a length past the block
+    table gives NaN rows there only."""
+    lens = [3000, 7, 500, 64]
+    ld, batch, cache = _case(128, 8, 16, lens)
+    q = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+    ws = Workspace(4, 32, 128, "cuda")
+    out = torch.empty_like(q)
+    run = lambda: decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out,
+                         kernel="cuda", schedule="balanced")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for new in ([3000, 7, 500, 64], [100, 2900, 1, 500], [1, 1, 1, 3000]):
+        batch.seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
+        run()
+        eager = out.clone()
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), new
+    batch.seq_lens[1] = 10**6
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2, 3]]).all()
+    assert not ws._counters.any()

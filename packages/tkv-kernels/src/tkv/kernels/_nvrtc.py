@@ -18,8 +18,8 @@ import torch
 
 from tkv.codec.errors import TkvError
 
-__all__ = ["CudaCompileError", "available", "compile_cubin", "kernel", "reserve_dynamic_smem",
-           "source", "warn_fallback"]
+__all__ = ["CudaCompileError", "available", "compile_cubin", "ctas_per_sm", "kernel",
+           "reserve_dynamic_smem", "source", "warn_fallback"]
 
 
 class CudaCompileError(TkvError, RuntimeError):
@@ -110,6 +110,32 @@ def reserve_dynamic_smem(k, nbytes: int) -> None:
         raise CudaCompileError(f"{nbytes} bytes of dynamic shared memory refused: {e}") from e
     k._tkv_dynamic_smem = nbytes
     k._max_shared_mem_bytes = max(k._max_shared_mem_bytes, nbytes)   # PyTorch's launch check
+
+
+def ctas_per_sm(k, threads: int, dynamic_smem: int = 0) -> int:
+    """How many CTAs of kernel ``k`` (from :func:`kernel`) of ``threads`` threads with
+    ``dynamic_smem`` bytes of dynamic shared memory one SM holds at once (the driver's
+    ``cuOccupancyMaxActiveBlocksPerMultiprocessor``: registers, shared memory, warps); cached on
+    the kernel per (threads, bytes). Reserve the dynamic shared memory first
+    (:func:`reserve_dynamic_smem`).
+
+    Raises:
+        CudaCompileError: the driver call failed."""
+    import ctypes
+    cache = k.__dict__.setdefault("_tkv_ctas_per_sm", {})
+    key = (int(threads), int(dynamic_smem))
+    if key not in cache:
+        from torch.cuda import _utils
+        n = ctypes.c_int(0)
+        try:
+            _utils._check_cuda(_utils._get_gpu_runtime_library()
+                               .cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                                   ctypes.byref(n), k.func, ctypes.c_int(key[0]),
+                                   ctypes.c_size_t(key[1])))
+        except RuntimeError as e:
+            raise CudaCompileError(f"occupancy query failed: {e}") from e
+        cache[key] = n.value
+    return cache[key]
 
 
 # the CUDA kernels whose auto fallback has warned in this process (one warning each)

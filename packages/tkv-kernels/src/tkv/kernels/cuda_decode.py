@@ -45,8 +45,10 @@ __all__ = [
     "ENV_DECODE_KERNEL",
     "DecodeKernelConfigError",
     "check_supported",
+    "ctas_per_sm",
     "decode_kernel_from_env",
     "defines",
+    "launch_balanced",
     "launch_split",
     "supported",
 ]
@@ -56,6 +58,9 @@ ENTRY = "tkv_decode_k4v4"
 WARPS = 4
 _INT32_MAX = 2**31 - 1   # a window past it attends to everything, as no window does
 SUB = 2   # 16-token steps per loop iteration at head_dim ≤ 128 (one softmax update for both)
+# decode(schedule=None)'s CUDA schedule ("split" or "balanced", see decode's docstring)
+DECODE_SCHEDULE = "split"
+MIN_STEPS = 32   # the balanced schedule's least 16-token steps per CTA (8 per warp)
 TABLE_BYTES = 32768   # one shared pair table (lut=1): 256 entries × 32 replicas × 4 bytes
 # defaults for :func:`defines`' tuning keywords (sub, stages, min_ctas, lut, warps) when a launch
 # passes none; benchmarks override them to time variants
@@ -153,7 +158,8 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
             dot_dtype: torch.dtype, *, qrot: bool = False, epilogue: int = 0,
             out_dtype: torch.dtype = torch.float32, sub: int | None = None,
             stages: int | None = None, min_ctas: int | None = None,
-            lut: int | None = None, warps: int | None = None) -> dict[str, int]:
+            lut: int | None = None, warps: int | None = None,
+            balanced: bool = False) -> dict[str, int]:
     """The ``-D`` defines of one kernel configuration (the compile key; see the source's
     header). ``sub``: 16-token steps per loop iteration (default 2 at head_dim ≤ 128, else
     1); ``stages``: ring stages per warp (default ``2·sub``, 3 for one step at head_dim ≤
@@ -163,7 +169,11 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
     (``TABLE_BYTES`` per distinct codebook, one for both sides when K's and V's byte tables
     are equal; all of the kernel's shared memory is then dynamic, ``DYN_BYTES``);
     ``warps``: warps per CTA (4 or 8; 8 needs ``lut=1``, whose dynamic shared memory has no
-    48 KB static limit)."""
+    48 KB static limit); ``balanced``: the balanced (stream-K) schedule of
+    :func:`launch_balanced` (needs ``epilogue`` 1 or 2)."""
+    if balanced and not epilogue:
+        raise ShapeError("cuda decode: the balanced schedule writes the output itself "
+                         "(epilogue 1 or 2)")
     sub = sub or (SUB if head_dim <= 128 else 1)
     nst = stages or (2 * sub if sub > 1 or head_dim > 128 else 3)
     lut, warps = lut or 0, warps or WARPS
@@ -189,7 +199,20 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
                 V_SINK=int(loader.v_sink_shift is not None),
                 MIN_CTAS=min_ctas or _min_ctas(head_dim, lut, same, warps),
                 LUT=lut, TAB_SAME=int(same and lut), TAB_BYTES=tab,
-                DYN_BYTES=tab + area if lut else 0)
+                DYN_BYTES=tab + area if lut else 0, BALANCED=int(bool(balanced)))
+
+
+def ctas_per_sm(defs: dict[str, int], device) -> int:
+    """How many CTAs of the configuration ``defs`` (from :func:`defines`) one SM of ``device``
+    holds at once (registers, shared memory; the driver's occupancy calculator) — the slots a
+    split count's grid fills. Compiles the configuration if this process has not.
+
+    Raises:
+        CudaCompileError: the kernel did not compile or the driver query failed."""
+    k = _nvrtc.kernel(SOURCE, ENTRY, defs, device)
+    if defs["DYN_BYTES"]:
+        _nvrtc.reserve_dynamic_smem(k, defs["DYN_BYTES"])
+    return _nvrtc.ctas_per_sm(k, defs["WARPS"] * 32, defs["DYN_BYTES"])
 
 
 def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLoader,
@@ -210,6 +233,46 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
     Raises:
         UnsupportedKernelError: the cache's base is not 16-byte aligned.
         CudaCompileError: the kernel did not compile."""
+    defs = _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config)
+    _launch(defs, (q.shape[0], loader.num_kv_heads, splits), q, block_table, seq_lens,
+            num_blocks, cache, loader, part_o, part_lse, scale_log2, window, splits, dot_dtype,
+            q_w, out if epilogue else None, o_w, part_lse, 0)
+
+
+def launch_balanced(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLoader,
+                    workspace, scale_log2: float, window: int, *, group: int,
+                    dot_dtype: torch.dtype, out: torch.Tensor, epilogue: int,
+                    q_w: torch.Tensor | None = None, o_w: torch.Tensor | None = None,
+                    min_steps: int | None = None, **config) -> None:
+    """Launch the CUDA kernel with the balanced (stream-K) schedule: one grid of as many CTAs
+    as the GPU holds at once (SMs × :func:`ctas_per_sm`), the batch's (sequence, KV head)
+    pairs laid end to end as one run of 16-token steps and cut into equal shares, one per CTA
+    (at least ``min_steps`` steps each, default :data:`MIN_STEPS`, so short batches use fewer
+    CTAs). A pair cut across
+    CTAs is merged by the CTA that finishes its part last (counters in ``workspace``, reset
+    by the merging CTA, so CUDA-graph replays start from zero); no reduce launch. The work
+    per CTA is the same whatever the sequence lengths (a long sequence among short ones is
+    spread over many CTAs), and the grid never leaves a partial wave.
+
+    Arguments as :func:`launch_split`; ``out`` (``(num_seqs, num_q_heads, head_dim)``) gets
+    the normalized rows, unrotated as ``o_w ⊙ H o`` with ``epilogue=2``, as they are with 1.
+
+    Raises:
+        UnsupportedKernelError: the cache's base is not 16-byte aligned.
+        WorkspaceTooSmallError: the workspace's partial rows or counters are too few.
+        CudaCompileError: the kernel did not compile."""
+    defs = _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out,
+                        {**config, "balanced": True})
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    ctas = min(sms * ctas_per_sm(defs, q.device), workspace.balanced_ctas)
+    part_o, part_lse, counters = workspace.balanced_scratch(
+        ctas, group, loader.head_dim, q.shape[0] * loader.num_kv_heads)
+    _launch(defs, (ctas, 1, 1), q, block_table, seq_lens, num_blocks, cache, loader, part_o,
+            part_lse, scale_log2, window, 1, dot_dtype, q_w, out, o_w, counters,
+            MIN_STEPS if min_steps is None else min_steps)
+
+
+def _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config):
     lay = loader.layout
     st = lay.strides()
     d = loader.head_dim
@@ -218,8 +281,14 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
     if st["k_token"] != d // 2 or st["v_token"] != d // 2:   # 4-bit sides: d/2 code bytes
         raise UnsupportedKernelError(f"decode(kernel='cuda'): token strides {st}")
     out_dtype = out.dtype if epilogue else torch.float32
-    defs = defines(loader, d, group, q.dtype, dot_dtype, qrot=q_w is not None,
+    return defines(loader, d, group, q.dtype, dot_dtype, qrot=q_w is not None,
                    epilogue=epilogue, out_dtype=out_dtype, **{**TUNING, **config})
+
+
+def _launch(defs, grid, q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,
+            scale_log2, window, splits, dot_dtype, q_w, out, o_w, counters, min_steps):
+    lay = loader.layout
+    st = lay.strides()
     k = _nvrtc.kernel(SOURCE, ENTRY, defs, q.device)
     smem = defs["DYN_BYTES"]
     ktab, vtab = loader._prmt["k", dot_dtype][0], loader._prmt["v", dot_dtype][0]
@@ -231,12 +300,11 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
             lay.v_codes_offset, st["v_head"], lay.v_norms_offset, st["norm_head"],
             ktab, vtab, part_o, part_lse, float(scale_log2),
             min(int(window), _INT32_MAX),   # C int: a larger window is the same as none
-            splits, dummy if q_w is None else q_w, out if epilogue else dummy,
-            out.stride(0) if epilogue else 0, out.stride(1) if epilogue else 0,
-            dummy if o_w is None else o_w, k_shift, v_shift]
+            splits, dummy if q_w is None else q_w, dummy if out is None else out,
+            0 if out is None else out.stride(0), 0 if out is None else out.stride(1),
+            dummy if o_w is None else o_w, k_shift, v_shift, q.shape[0], loader.num_kv_heads,
+            counters, int(min_steps)]
     with torch.cuda.device(q.device):   # PyTorch's launcher takes the current device's stream
         if smem:
             _nvrtc.reserve_dynamic_smem(k, smem)
-        k(grid=(q.shape[0], loader.num_kv_heads, splits), block=(defs["WARPS"] * 32, 1, 1),
-          args=args,
-          shared_mem=smem)
+        k(grid=grid, block=(defs["WARPS"] * 32, 1, 1), args=args, shared_mem=smem)

@@ -353,7 +353,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
            maxnreg: int | None = None, kernel: str | None = None,
            fused_query_rotation: bool | None = None,
            single_split_epilogue: bool = True,
-           min_split_tiles: int | None = None) -> torch.Tensor:
+           min_split_tiles: int | None = None, schedule: str | None = None) -> torch.Tensor:
     """Paged decode attention, one query token per sequence, reading the cache through
     ``loader`` with inline dequant (split-K over the sequence, LSE merge of the splits).
 
@@ -449,6 +449,14 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             ``⌈tiles / splits⌉`` tiles (the default). None (default):
             ``workspace.min_split_tiles`` (the engines: ``TKV_DECODE_MIN_SPLIT_TILES``,
             default 0). Triton kernel only.
+        schedule: the CUDA kernel's work schedule. ``"split"``: grid (sequences, KV heads,
+            splits), each sequence cut into ``num_splits`` equal splits (a long sequence among
+            short ones keeps its CTAs busy after the rest are done); ``"balanced"``: one grid
+            of as many CTAs as the GPU holds, the batch's (sequence, KV head) pairs laid end to
+            end and cut into equal shares of 16-token steps, the pairs cut across CTAs merged
+            in the kernel (stream-K; no reduce launch; :func:`cuda_decode.launch_balanced`) —
+            used where the kernel writes the output itself (``single_split_epilogue``) and no
+            ``num_splits`` is given. None (default): :data:`cuda_decode.DECODE_SCHEDULE`.
 
     Returns:
         ``out``. Raises DtypeError / ShapeError / DeviceMismatchError /
@@ -584,7 +592,20 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         single_split_epilogue and kernel in ("triton", "cuda"),
         min_split_tiles if kernel == "triton" else 0)
     if kernel == "cuda":
+        if schedule is None:
+            schedule = cuda_decode.DECODE_SCHEDULE
+        if schedule not in ("split", "balanced"):
+            raise ValueError(f"schedule must be 'split' or 'balanced', got {schedule!r}")
+        bal_epilogue, bal_o_w, _ = _single_split_epilogue(
+            loader, 1, unrotate, d, d_pad, dev,
+            single_split_epilogue and schedule == "balanced" and num_splits is None)
         try:
+            if bal_epilogue:
+                cuda_decode.launch_balanced(
+                    q, block_table, seq_lens, num_blocks, cache, loader, workspace,
+                    scale * _LOG2E, window, group=g, dot_dtype=dot_dtype, out=out,
+                    epilogue=bal_epilogue, q_w=q_w if qrot_log2 else None, o_w=bal_o_w)
+                return out
             cuda_decode.launch_split(
                 q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,
                 scale * _LOG2E, window, group=g, splits=splits, dot_dtype=dot_dtype,

@@ -22,6 +22,9 @@ __all__ = ["DECODE_MIN_SPLIT_TILES", "DECODE_SINGLE_SPLIT", "ENV_DECODE_MIN_SPLI
            "decode_single_split_from_env"]
 
 ENV_DECODE_SINGLE_SPLIT = "TKV_DECODE_SINGLE_SPLIT"
+# the most CTAs per SM a balanced-schedule launch of the CUDA kernel uses (the workspace's
+# partial rows are sized for it; the kernel's configurations hold 2-4)
+BALANCED_CTAS_PER_SM = 8
 # full grids run one split from num_seqs · num_kv_heads ≥ SINGLE_SPLIT_TARGETS · target_programs
 SINGLE_SPLIT_TARGETS = 2
 
@@ -175,9 +178,18 @@ class Workspace:
         self.min_split_tiles = check_min_split_tiles(
             DECODE_MIN_SPLIT_TILES if min_split_tiles is None else min_split_tiles)
         rows = max(n * max_num_q_heads * self.splits_for(n, 1) for n in range(1, max_num_seqs + 1))
+        self.balanced_ctas = 0   # the most CTAs a balanced-schedule launch may use (CUDA kernel)
+        if self.device.type == "cuda":
+            self.balanced_ctas = BALANCED_CTAS_PER_SM * torch.cuda.get_device_properties(
+                self.device).multi_processor_count
+            rows = max(rows, self.balanced_ctas * 2 * min(8, max_num_q_heads))
         self.rows = rows
         self._part_o = torch.empty(rows * self.d_pad, dtype=torch.float32, device=self.device)
         self._part_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
+        # the balanced schedule's per-(sequence, KV head) part counters: zero between launches
+        # (the merging CTA resets its pair's)
+        self._counters = torch.zeros(max_num_seqs * max_num_q_heads, dtype=torch.int32,
+                                     device=self.device)
         self._q_rot = torch.empty(max_num_seqs * max_num_q_heads * self.d_pad,
                                   dtype=torch.float32, device=self.device)
 
@@ -221,6 +233,26 @@ class Workspace:
         o = self._part_o[: rows * d_pad].view(num_seqs, num_q_heads, splits, d_pad)
         lse = self._part_lse[:rows].view(num_seqs, num_q_heads, splits)
         return o, lse
+
+    def balanced_scratch(self, ctas: int, group: int, head_dim: int, pairs: int):
+        """Scratch of a balanced-schedule launch of the CUDA kernel
+        (:func:`tkv.kernels.cuda_decode.launch_balanced`): ``(o float32 (ctas, 2, group,
+        head_dim), lse float32 (ctas, 2, group), counters int32 (pairs,))`` — two part rows per
+        CTA and query head (its first and last pair), one counter per (sequence, KV head) pair.
+
+        Raises:
+            WorkspaceTooSmallError: they do not fit (more CTAs than :attr:`balanced_ctas`, a
+                wider head than ``max_head_dim`` or more pairs than the workspace counts)."""
+        rows = ctas * 2 * group
+        if (ctas > self.balanced_ctas or rows > self.rows or head_dim > self.d_pad
+                or pairs > self._counters.numel()):
+            raise WorkspaceTooSmallError(
+                f"workspace built for {self.balanced_ctas} balanced CTAs, {self.rows} partial "
+                f"rows of ≤{self.d_pad} floats, {self._counters.numel()} pairs; the launch needs "
+                f"{ctas} CTAs × 2 × {group} rows of {head_dim} and {pairs} pairs")
+        o = self._part_o[: rows * head_dim].view(ctas, 2, group, head_dim)
+        lse = self._part_lse[:rows].view(ctas, 2, group)
+        return o, lse, self._counters[:pairs]
 
     def rotated_queries(self, num_seqs: int, num_q_heads: int, head_dim: int) -> torch.Tensor:
         """View ``float32 (num_seqs, num_q_heads, head_dim)`` for rotated queries."""

@@ -37,7 +37,10 @@
 // (__launch_bounds__ minimum CTAs per SM), LUT (0: the byte-permute lookups above; 1: a
 // 256-entry pair table in shared memory, see "Shared pair tables" below), TAB_BYTES (the tables'
 // share: 32768 per table, 0 with LUT 0), TAB_SAME (K and V share one table), DYN_BYTES (LUT
-// 1: the dynamic shared memory of a launch, tables then the ring — checked at compile time).
+// 1: the dynamic shared memory of a launch, tables then the ring — checked at compile time),
+// BALANCED (0: grid (sequences, KV heads, splits), one segment per CTA; 1: the balanced
+// (stream-K) schedule — a 1-D grid of resident CTAs sharing the batch's steps equally, parts of
+// a pair merged by the CTA that finishes last; EPILOGUE 1 or 2; see the comment at its code).
 //
 // Shared pair tables (LUT 1). Entry e (a whole code byte) holds the two 16-bit centroids of
 // its low and high nibble, so one 32-bit shared load dequantizes two codes; the table is
@@ -260,6 +263,59 @@ __device__ __forceinline__ void store_out(void* out, long long i, float v) {
 #endif
 }
 
+// element idx (head idx / D, coordinate idx % D) of a finished row set, value v: EPILOGUE 1
+// writes it to out[o], EPILOGUE 2 keeps it in fin (shared) for the unrotation
+__device__ __forceinline__ void final_row(void* out, float* fin, int idx, long long o, float v) {
+#if EPILOGUE == 2
+  fin[idx] = v;
+#else
+  store_out(out, o, v);
+#endif
+}
+
+#ifndef BALANCED
+#define BALANCED 0
+#endif
+static_assert(!BALANCED || EPILOGUE != 0, "the balanced schedule writes the output itself");
+
+#if BALANCED
+// the 16-token steps of sequence i (its window and the block table's capacity applied)
+__device__ __forceinline__ int steps_of(const int* __restrict__ seq_lens, int i, int window,
+                                        long long cap) {
+  const int L = seq_lens[i];
+  const int start = window > 0 ? max(L - window, 0) : 0;
+  const int lim = (int)min((long long)L, cap);
+  return max((lim + 15) / 16 - start / 16, 0);
+}
+
+// the CTA's inclusive prefix sum of v over its threads (WARPS warps); red: WARPS + 1 longs of
+// shared memory, the block total left in red[WARPS]
+__device__ __forceinline__ long long block_scan(long long v, long long* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const long long u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  if (lane == 31) red[warp] = v;
+  __syncthreads();
+  long long before = 0, total = 0;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    before += w < warp ? red[w] : 0;
+    total += red[w];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) red[WARPS] = total;
+  return v + before;
+}
+
+// the CTA whose step range holds step x (CTA c owns [c·T / C, (c + 1)·T / C))
+__device__ __forceinline__ int cta_of(long long x, long long T, int C) {
+  return (int)(((x + 1) * C - 1) / T);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4v4(
     const void* __restrict__ q, int sq_s, int sq_h,
     const int* __restrict__ block_table, int s_bt, const int* __restrict__ seq_lens,
@@ -272,7 +328,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     double scale_log2_d, int window, int num_splits,
     const float* __restrict__ q_w, void* __restrict__ out, int so_s, int so_h,
     const float* __restrict__ o_w, const float* __restrict__ k_shift,
-    const float* __restrict__ v_shift) {
+    const float* __restrict__ v_shift, int num_seqs, int hkv, int* __restrict__ counters,
+    int min_steps) {
 #if LUT   // all dynamic: the tables, then the ring / merge area
   static_assert(DYN_BYTES >= TAB_BYTES + SMEM_BYTES, "DYN_BYTES too small for tables + ring");
   u8* const smem = tab_smem + TAB_BYTES;
@@ -281,22 +338,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
-  const int hkv = gridDim.y;
   const float scale_log2 = (float)scale_log2_d;
-
-  const int L = seq_lens[seq];
-  const int start = window > 0 ? max(L - window, 0) : 0;
   const long long cap = (long long)max_blocks * BLOCK_SIZE;
-  const int lim = (int)min((long long)L, cap);
-  const int s0 = start / 16, s1 = (lim + 15) / 16;
-  const int nsteps = max(s1 - s0, 0);
-  const int per = (nsteps + num_splits - 1) / num_splits;
-  const int my0 = s0 + split * per;
-  const int my1 = min(my0 + per, s1);
-  // this warp's 16-token steps: my0 + warp + WARPS·j, j < n_i
-  const int n_i = my1 > my0 + warp ? (my1 - my0 - warp + WARPS - 1) / WARPS : 0;
-  const int* bt_row = block_table + (long long)seq * s_bt;
 
   // the byte tables, resident in regular registers
 #if LUT
@@ -308,6 +351,77 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #pragma unroll
   for (int i = 0; i < 8; ++i) { kt[i] = k_tab[i]; vt[i] = v_tab[i]; }
 #endif
+
+#if BALANCED
+  // Balanced (stream-K) schedule: the batch's (sequence, KV head) pairs laid end to end as
+  // one run of T 16-token steps, pair p = (i, h) at [hkv·S_i + h·n_i, + n_i) with n_i the
+  // sequence's steps and S_i = n_0 + … + n_(i-1); CTA c takes steps [c·T / C, (c + 1)·T / C)
+  // of the run, C = min(gridDim.x, ⌈T / min_steps⌉) — a segment of each pair it touches. A
+  // pair inside one CTA is written by it; a pair cut across CTAs c0..c1 leaves each part's
+  // normalized row and LSE in part_o / part_lse (slot 2c + (pair starts at or before the
+  // CTA's first step ? 0 : 1)), and the CTA that finishes its part last (counters[p], reset
+  // by it) merges them and writes the output.
+  __shared__ long long red[WARPS + 3];
+  long long T = 0;
+  for (int i0 = 0; i0 < num_seqs; i0 += WARPS * 32) {
+    const int i = i0 + threadIdx.x;
+    block_scan(i < num_seqs ? steps_of(seq_lens, i, window, cap) : 0, red);
+    __syncthreads();
+    T += red[WARPS] * hkv;
+    __syncthreads();
+  }
+  const int C = T > 0 ? (int)min((long long)gridDim.x, (T + min_steps - 1) / max(min_steps, 1))
+                      : 0;
+  const int me = blockIdx.x;
+  const long long a = me < C ? me * T / C : 0, b = me < C ? (me + 1) * T / C : 0;
+  // the sequence holding step a: seq, its steps n and its first pair's first step P0
+  int seq = 0, n = 0;
+  long long P0 = 0;
+  if (a < b) {
+    long long S = 0;   // hkv · (the steps of the sequences before chunk i0)
+    for (int i0 = 0; i0 < num_seqs; i0 += WARPS * 32) {
+      const int i = i0 + threadIdx.x;
+      const int ni = i < num_seqs ? steps_of(seq_lens, i, window, cap) : 0;
+      const long long incl = S + hkv * block_scan(ni, red);
+      if (ni > 0 && incl - (long long)hkv * ni <= a && a < incl) {
+        red[WARPS + 1] = i;
+        red[WARPS + 2] = incl - (long long)hkv * ni;
+      }
+      __syncthreads();
+      const long long chunk = red[WARPS] * hkv;
+      __syncthreads();
+      if (a < S + chunk) break;
+      S += chunk;
+    }
+    seq = (int)red[WARPS + 1];
+    P0 = red[WARPS + 2];
+    n = steps_of(seq_lens, seq, window, cap);
+  }
+  int kvh = n > 0 ? (int)((a - P0) / n) : 0;
+  long long P = P0 + (long long)kvh * n;   // the current pair's first step
+  long long x = a;
+  while (x < b) {
+    const long long seg_end = min(b, P + n);
+#else
+  const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  {
+#endif
+  const int L = seq_lens[seq];
+  const int start = window > 0 ? max(L - window, 0) : 0;
+  const int lim = (int)min((long long)L, cap);
+  const int s0 = start / 16, s1 = (lim + 15) / 16;
+#if BALANCED
+  const int my0 = s0 + (int)(x - P);
+  const int my1 = s0 + (int)(seg_end - P);
+#else
+  const int nsteps = max(s1 - s0, 0);
+  const int per = (nsteps + num_splits - 1) / num_splits;
+  const int my0 = s0 + split * per;
+  const int my1 = min(my0 + per, s1);
+#endif
+  // this warp's 16-token steps: my0 + warp + WARPS·j, j < n_i
+  const int n_i = my1 > my0 + warp ? (my1 - my0 - warp + WARPS - 1) / WARPS : 0;
+  const int* bt_row = block_table + (long long)seq * s_bt;
 
   // the query as the B operand of S^T = K · q^T, in the relabelled k order: chunk c,
   // register r (0: k = 2t, 2t+1; 1: k = 2t+8, 2t+9), element e is rotated-space coordinate
@@ -634,6 +748,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
       if (2 * t + 1 < GROUP) mo[(warp * GROUP + 2 * t + 1) * D + coord] = O[mt][2 * r + 1];
     }
   __syncthreads();
+#if BALANCED
+  // this CTA's part of pair p: the whole pair (written here), or one of parts c0..c1
+  const int c0 = cta_of(P, T, C), c1 = cta_of(P + n - 1, T, C);
+  const bool whole = c0 == c1;
+  const int slot = 2 * me + (P <= a ? 0 : 1);
+#endif
   for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32) {
     const int h = idx / D, d = idx % D;
     float M = NEG_INF;
@@ -657,18 +777,90 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     const long long row = ((long long)seq * (GROUP * hkv) + kvh * GROUP + h) * num_splits + split;
     part_o[row * D + d] = acc * inv;
     if (d == 0) part_lse[row] = Lsum > 0.f ? Ms + log2f(Lsum) : NEG_INF;
-#elif EPILOGUE == 1
-    store_out(out, (long long)seq * so_s + (long long)(kvh * GROUP + h) * so_h + d, acc * inv);
 #else
-    fin[idx] = acc * inv;
+#if BALANCED
+    if (!whole) {   // this part's normalized row and LSE
+      part_o[(slot * GROUP + h) * D + d] = acc * inv;
+      if (d == 0) part_lse[slot * GROUP + h] = Lsum > 0.f ? Ms + log2f(Lsum) : NEG_INF;
+      continue;
+    }
+#endif
+    final_row(out, fin, idx, (long long)seq * so_s + (long long)(kvh * GROUP + h) * so_h + d,
+              acc * inv);
 #endif
   }
+#if BALANCED
+  if (!whole) {   // the last part to finish merges the parts (their LSEs) and writes the row
+    __threadfence();
+    __syncthreads();
+    const int p = seq * hkv + kvh;
+    if (threadIdx.x == 0) red[WARPS + 1] = atomicAdd(&counters[p], 1) == c1 - c0;
+    __syncthreads();
+    if (red[WARPS + 1]) {
+      __threadfence();
+      const int first = 2 * c0 + (P <= c0 * T / C ? 0 : 1);
+      for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32) {
+        const int h = idx / D, d = idx % D;
+        float M = NEG_INF;
+#pragma unroll 8
+        for (int c = c0; c <= c1; ++c)
+          M = fmaxf(M, __ldcg(part_lse + (c == c0 ? first : 2 * c) * GROUP + h));
+        const float Ms = M == NEG_INF ? 0.f : M;
+        float num = 0.f, den = 0.f;
+#pragma unroll 8
+        for (int c = c0; c <= c1; ++c) {
+          const int sl = c == c0 ? first : 2 * c;
+          const float w = exp2f(__ldcg(part_lse + sl * GROUP + h) - Ms);
+          num += w * __ldcg(part_o + (sl * GROUP + h) * D + d);
+          den += w;
+        }
+        float v = num / (den > 0.f ? den : 1.f);
+        if (cap < L) v = __int_as_float(0x7fc00000);
+        final_row(out, fin, idx, (long long)seq * so_s + (long long)(kvh * GROUP + h) * so_h + d,
+                  v);
+      }
+      if (threadIdx.x == 0) counters[p] = 0;   // ready for the next launch (CUDA graphs)
+    }
+  }
+  const bool wrote = whole || red[WARPS + 1];
+#else
+  constexpr bool wrote = true;
+#endif
 #if EPILOGUE == 2
-  // one split: the normalized rows back to model space, o_w ⊙ H o, written as the output
-  __syncthreads();
-  fwht_rows(fin);
-  for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32)
-    store_out(out, (long long)seq * so_s + (long long)(kvh * GROUP + idx / D) * so_h + idx % D,
-              fin[idx] * o_w[idx % D]);
+  // the normalized rows back to model space, o_w ⊙ H o, written as the output
+  if (wrote) {
+    __syncthreads();
+    fwht_rows(fin);
+    for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32)
+      store_out(out, (long long)seq * so_s + (long long)(kvh * GROUP + idx / D) * so_h + idx % D,
+                fin[idx] * o_w[idx % D]);
+  }
+#endif
+#if BALANCED
+  __syncthreads();   // the next segment reuses the shared memory
+  x = seg_end;
+  if (x >= P + n) {   // the next pair: the next KV head, or the next sequence with steps
+    P += n;
+    if (++kvh == hkv) {
+      kvh = 0;
+      do {
+        ++seq;
+        n = seq < num_seqs ? steps_of(seq_lens, seq, window, cap) : 0;
+      } while (seq < num_seqs && n == 0);
+    }
+  }
+  }   // segments
+  // pairs without steps (length 0, or a window past the block table): zero rows (NaN rows
+  // for a length past the block table), the pairs spread over the whole grid
+  for (int p = blockIdx.x; p < num_seqs * hkv; p += gridDim.x) {
+    const int s = p / hkv;
+    if (steps_of(seq_lens, s, window, cap) > 0) continue;
+    const float v = cap < seq_lens[s] ? __int_as_float(0x7fc00000) : 0.f;
+    for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32)
+      store_out(out, (long long)s * so_s + (long long)((p % hkv) * GROUP + idx / D) * so_h +
+                     idx % D, v);
+  }
+#else
+  }
 #endif
 }
