@@ -6,7 +6,10 @@ measured in the same run.
 * kernel rows: K4V4, Qwen3-8B-like attention (Hq=32, Hkv=8, head_dim 128, block_size 16) at
   the issue's decode shapes, plus head_dim 64 / 256 and SmolLM2's geometry; each CUDA variant
   (``cuda_decode.TUNING``: 16-token steps per iteration ``sub``, ring ``stages``, register
-  budget ``min_ctas``; split count) next to the Triton default on the same cache and query.
+  budget ``min_ctas``; split count; ``lut`` / ``warps``; the balanced schedule) next to the
+  Triton default on the same cache and query, with the configuration's CTAs per SM (the
+  driver's occupancy) and the grid's waves. Skewed batches (``L=(long, short)``): one long
+  sequence among short ones.
   Timed calls are whole ``decode`` calls (query rotation and, with several splits, the reduce
   pass included), from CUDA graphs with the L2 flushed (kernels_gpu.bench).
 * ``--model-step``: kernels_gpu's 36-layer engine-like step, bf16 vs Triton default vs CUDA.
@@ -59,7 +62,11 @@ def kernel_rows(shapes, copy_gbs, variants, sink=False):
     for (B, L, hq, hkv, d) in shapes:
         block = 16
         ws = Workspace(max(B, 1), hq, d, kg.DEV)
-        bt, sl, nblk = kg.paged(B, L, block)
+        skew = isinstance(L, tuple)   # (long, short): one long sequence, the rest short
+        bt, sl, nblk = kg.paged(B, L[0] if skew else L, block)
+        if skew:
+            sl.fill_(L[1])
+            sl[B // 2] = L[0]
         q = torch.randn(B, hq, d, device=kg.DEV, dtype=torch.bfloat16)
         offsets = {"k_channel_offset": torch.randn(d), "k_sink_offset": 4 * torch.randn(d),
                    "v_sink_offset": 4 * torch.randn(d)} if sink else {}
@@ -69,7 +76,7 @@ def kernel_rows(shapes, copy_gbs, variants, sink=False):
             for name in ("k_norms", "v_norms"):
                 nv = ld.layout.views(cache)[name]
                 nv[..., ::2] = -nv[..., ::2]
-        nbytes = B * L * ld.layout.bytes_per_token
+        nbytes = int(sl.sum()) * ld.layout.bytes_per_token
         base = dict(B=B, L=L, Hq=hq, Hkv=hkv, D=d)
         if sink:
             base["sink"] = True
@@ -127,7 +134,8 @@ def table(copy_gbs) -> str:
     for r in ROWS:
         if r.get("kernel") in ("model_step", "copy"):
             continue
-        shape = f"B={r['B']}, L={r['L']}, Hq={r['Hq']}, Hkv={r['Hkv']}, D={r['D']}"
+        L = r["L"] if not isinstance(r["L"], list) else f"1×{r['L'][0]} + {r['B'] - 1}×{r['L'][1]}"
+        shape = f"B={r['B']}, L={L}, Hq={r['Hq']}, Hkv={r['Hkv']}, D={r['D']}"
         if r.get("sink"):
             shape += ", sink offsets"
         if "error" in r:
@@ -148,9 +156,11 @@ def main():
     copy_gbs = cuda_bench.start()
     shapes = [(b, l, 32, 8, 128) for b in (1, 8, 32, 128) for l in (1024, 8192, 32768)]
     shapes += [(1, 131072, 32, 8, 128), (32, 8192, 32, 8, 64), (32, 8192, 32, 8, 256),
-               (256, 640, 9, 3, 64), (64, 640, 32, 8, 128), (256, 640, 32, 8, 128)]
+               (256, 640, 9, 3, 64), (64, 640, 32, 8, 128), (256, 640, 32, 8, 128),
+               (64, (32768, 1024), 32, 8, 128), (128, (32768, 640), 32, 8, 128)]
     if a.quick:
-        shapes = [(32, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (256, 640, 32, 8, 128)]
+        shapes = [(32, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (256, 640, 32, 8, 128),
+                  (64, (32768, 1024), 32, 8, 128)]
     if a.sink:
         kernel_rows([(32, 8192, 32, 8, 128), (256, 640, 32, 8, 128)], copy_gbs, VARIANTS[:1],
                     sink=True)
