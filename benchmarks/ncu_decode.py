@@ -9,7 +9,8 @@ Run under ncu on the GPU (hardware counters; leave the clocks alone), e.g.::
 
 ``--kernel cuda`` profiles the hand-written CUDA split kernel instead (``--kernel-name
 regex:tkv_decode_k4v4``); ``--lut 1`` its shared-pair-table lookup, ``--warps 8`` 8 warps per
-CTA (with ``--lut 1``), ``--splits N`` a split count other than the workspace's.
+CTA (with ``--lut 1``), ``--splits N`` a split count other than the workspace's,
+``--schedule balanced`` the balanced (stream-K) schedule.
 
 Configs (Qwen3-8B-like attention: Hq=32, Hkv=8, head_dim 128, block_size 16), in order:
 K4V4 (CUDA default lookup) and bf16 BypassLoader at B=256, L=640 (the e2e throughput runs'
@@ -35,6 +36,8 @@ def main() -> None:
                     help="with --kernel cuda: warps per CTA (8 needs --lut 1)")
     ap.add_argument("--splits", type=int, default=None,
                     help="split-K count of the tkv launches (default: the workspace's)")
+    ap.add_argument("--schedule", default=None, choices=("split", "balanced"),
+                    help="with --kernel cuda: the work schedule (default: decode's)")
     a = ap.parse_args()
     kernel = a.kernel
     cuda_decode.TUNING.update(lut=a.lut, warps=a.warps)
@@ -63,7 +66,8 @@ def main() -> None:
         # the served default: for tkv, the query rotated inside the split kernel since session
         # 16 (profiles before it show a separate rotate_rows launch)
         decode(q, cache, bt, sl, ld, ws,
-               **({"kernel": kernel, "num_splits": a.splits} if kind == "tkv" else {}))
+               **({"kernel": kernel, "num_splits": a.splits, "schedule": a.schedule}
+                  if kind == "tkv" else {}))
         torch.cuda.synchronize()
 
 
