@@ -242,6 +242,19 @@ def test_workspace_cuda_split_rule():
             assert off.min_splits <= off.cuda_splits_for(n, hkv) <= off.splits_for(n, hkv)
 
 
+@pytest.mark.parametrize("raw,want", [(None, "split"), ("", "split"), (" Balanced ", "balanced"),
+                                      ("split", "split"), ("stream-k", None), ("1", None)])
+def test_decode_schedule_env(raw, want):
+    """TKV_DECODE_SCHEDULE: split (default) or balanced, any case; anything else a named
+    error."""
+    env = {} if raw is None else {"TKV_DECODE_SCHEDULE": raw}
+    if want is None:
+        with pytest.raises(cuda_decode.DecodeScheduleConfigError, match="TKV_DECODE_SCHEDULE"):
+            cuda_decode.decode_schedule_from_env(env)
+    else:
+        assert cuda_decode.decode_schedule_from_env(env) == want
+
+
 def test_tuning_keywords_are_validated():
     """A tuning keyword the kernel's ring cannot hold is a named error, not a bad launch."""
     from tkv.codec.errors import ShapeError
@@ -250,6 +263,8 @@ def test_tuning_keywords_are_validated():
                 {"stages": 16}, {"min_ctas": 9}, {"lut": 2}, {"warps": 8}, {"lut": 1, "warps": 6}):
         with pytest.raises(ShapeError, match="tuning"):
             cuda_decode.defines(ld, 128, 4, torch.float32, torch.bfloat16, **bad)
+    with pytest.raises(ShapeError, match="balanced"):   # it writes the output: epilogue 1 / 2
+        cuda_decode.defines(ld, 128, 4, torch.float32, torch.bfloat16, balanced=True)
 
 
 @gpu_only

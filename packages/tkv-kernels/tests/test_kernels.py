@@ -2322,6 +2322,27 @@ def test_auto_routes_to_the_cuda_kernel_unless_a_triton_option_is_given(monkeypa
     run()
     assert calls[-1] == ("triton", ws.splits_for(2, 2))
     monkeypatch.setattr(cuda_decode, "DECODE_KERNEL", "auto")
+    # the balanced schedule (TKV_DECODE_SCHEDULE / schedule=): where the kernel writes the
+    # output itself and no split count is given; otherwise the split schedule
+    def fake_balanced(q, bt, sl, nb, cache, loader, workspace, *a, epilogue, **kw):
+        calls.append(("balanced", epilogue))
+
+    monkeypatch.setattr(cuda_decode, "launch_balanced", fake_balanced)
+    run(schedule="balanced")
+    assert calls[-1] == ("balanced", 2)   # unrotated in the kernel
+    run(schedule="balanced", output_rotated=True)
+    assert calls[-1] == ("balanced", 1)
+    for opt in ({"num_splits": 2}, {"single_split_epilogue": False}, {"kernel": "triton"}):
+        run(schedule="balanced", **opt)
+        assert calls[-1][0] in ("cuda", "triton"), opt
+    monkeypatch.setattr(cuda_decode, "DECODE_SCHEDULE", "balanced")
+    run()
+    assert calls[-1] == ("balanced", 2)
+    monkeypatch.setattr(cuda_decode, "DECODE_SCHEDULE", "split")
+    run()
+    assert calls[-1] == ("cuda", ws.cuda_splits_for(2, 2))
+    with pytest.raises(ValueError, match="schedule"):
+        run(schedule="stream-k")
     # the CUDA kernel cannot be built: auto warns once and decodes with Triton (same splits);
     # an explicit kernel="cuda" raises
     def broken(*a, **kw):

@@ -13,7 +13,14 @@ float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
 
 from . import _interpreter_compat
 from ._util import UnsupportedKernelError, shares_memory
-from .cuda_decode import ENV_DECODE_KERNEL, DecodeKernelConfigError, decode_kernel_from_env
+from .cuda_decode import (
+    ENV_DECODE_KERNEL,
+    ENV_DECODE_SCHEDULE,
+    DecodeKernelConfigError,
+    DecodeScheduleConfigError,
+    decode_kernel_from_env,
+    decode_schedule_from_env,
+)
 from .cuda_store import ENV_STORE_KERNEL, StoreKernelConfigError, store_kernel_from_env
 from .decode import decode
 from .dense_attention import (
@@ -93,6 +100,7 @@ __all__ = [
     "ENV_DECODE_KERNEL",
     "ENV_DECODE_MIN_SPLIT_TILES",
     "ENV_DECODE_PIPELINE",
+    "ENV_DECODE_SCHEDULE",
     "ENV_DECODE_SINGLE_SPLIT",
     "ENV_FUSED_QUERY_ROTATION",
     "ENV_LOOKUP",
@@ -105,6 +113,7 @@ __all__ = [
     "SERVED_HEAD_DIMS",
     "BypassLoader",
     "DecodeKernelConfigError",
+    "DecodeScheduleConfigError",
     "DenseAttention",
     "EngineKernelSettings",
     "FlashDevice",
@@ -136,6 +145,7 @@ __all__ = [
     "decode_kernel_from_env",
     "decode_min_split_tiles_from_env",
     "decode_pipeline_from_env",
+    "decode_schedule_from_env",
     "decode_single_split_from_env",
     "dense_prefix_bytes",
     "engine_kernel_settings",

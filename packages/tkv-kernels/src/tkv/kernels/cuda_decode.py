@@ -42,11 +42,15 @@ from .loaders import _PRMT_FAMILY, TkvLoader, sink_shift
 
 __all__ = [
     "DECODE_KERNEL",
+    "DECODE_SCHEDULE",
     "ENV_DECODE_KERNEL",
+    "ENV_DECODE_SCHEDULE",
     "DecodeKernelConfigError",
+    "DecodeScheduleConfigError",
     "check_supported",
     "ctas_per_sm",
     "decode_kernel_from_env",
+    "decode_schedule_from_env",
     "defines",
     "launch_balanced",
     "launch_split",
@@ -58,8 +62,6 @@ ENTRY = "tkv_decode_k4v4"
 WARPS = 4
 _INT32_MAX = 2**31 - 1   # a window past it attends to everything, as no window does
 SUB = 2   # 16-token steps per loop iteration at head_dim ≤ 128 (one softmax update for both)
-# decode(schedule=None)'s CUDA schedule ("split" or "balanced", see decode's docstring)
-DECODE_SCHEDULE = "split"
 MIN_STEPS = 32   # the balanced schedule's least 16-token steps per CTA (8 per warp)
 TABLE_BYTES = 32768   # one shared pair table (lut=1): 256 entries × 32 replicas × 4 bytes
 # defaults for :func:`defines`' tuning keywords (sub, stages, min_ctas, lut, warps) when a launch
@@ -132,6 +134,31 @@ def decode_kernel_from_env(environ=None) -> str:
 
 
 DECODE_KERNEL = read_at_import(decode_kernel_from_env)
+
+ENV_DECODE_SCHEDULE = "TKV_DECODE_SCHEDULE"
+_SCHEDULES = ("split", "balanced")
+
+
+class DecodeScheduleConfigError(TkvError, ValueError):
+    """``TKV_DECODE_SCHEDULE`` names no schedule of the CUDA decode kernel."""
+
+
+def decode_schedule_from_env(environ=None) -> str:
+    """The CUDA decode kernel's work schedule when the caller names none
+    (``TKV_DECODE_SCHEDULE``, ``decode(schedule=None)``): ``split`` (default: grid (sequences,
+    KV heads, splits)) or ``balanced`` (stream-K: :func:`launch_balanced`). Read once at import
+    into :data:`DECODE_SCHEDULE`; a bad value is raised by the engines' startup validation or
+    the first kernel call.
+
+    Raises:
+        DecodeScheduleConfigError: any other value."""
+    return choice_from_env(environ, ENV_DECODE_SCHEDULE, _SCHEDULES, "split",
+                           DecodeScheduleConfigError,
+                           "expected split (each sequence cut into equal splits) or balanced "
+                           "(the batch's steps shared equally by one wave of CTAs)")
+
+
+DECODE_SCHEDULE = read_at_import(decode_schedule_from_env)
 
 
 def _antisymmetric(loader: TkvLoader, side: str, half: torch.dtype) -> bool:
