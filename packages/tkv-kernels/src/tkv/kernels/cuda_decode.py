@@ -290,13 +290,19 @@ def launch_balanced(q, block_table, seq_lens, num_blocks: int, cache, loader: Tk
         CudaCompileError: the kernel did not compile."""
     defs = _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out,
                         {**config, "balanced": True})
+    min_steps = MIN_STEPS if min_steps is None else min_steps
+    if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
+        raise ShapeError(f"min_steps must be an int ≥ 1, got {min_steps!r}")
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    ctas = min(sms * ctas_per_sm(defs, q.device), workspace.balanced_ctas)
+    with torch.cuda.device(q.device):
+        ctas = min(sms * ctas_per_sm(defs, q.device), workspace.balanced_ctas)
+    if ctas < 1:
+        raise _nvrtc.CudaCompileError(f"the balanced schedule's kernel fits no CTA on an SM "
+                                      f"({defs})")
     part_o, part_lse, counters = workspace.balanced_scratch(
         ctas, group, loader.head_dim, q.shape[0] * loader.num_kv_heads)
     _launch(defs, (ctas, 1, 1), q, block_table, seq_lens, num_blocks, cache, loader, part_o,
-            part_lse, scale_log2, window, 1, dot_dtype, q_w, out, o_w, counters,
-            MIN_STEPS if min_steps is None else min_steps)
+            part_lse, scale_log2, window, 1, dot_dtype, q_w, out, o_w, counters, min_steps)
 
 
 def _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config):

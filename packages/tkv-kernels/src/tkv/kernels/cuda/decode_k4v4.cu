@@ -370,8 +370,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     T += red[WARPS] * hkv;
     __syncthreads();
   }
-  const int C = T > 0 ? (int)min((long long)gridDim.x, (T + min_steps - 1) / max(min_steps, 1))
-                      : 0;
+  const int ms = max(min_steps, 1);
+  const int C = T > 0 ? (int)min((long long)gridDim.x, (T + ms - 1) / ms) : 0;
   const int me = blockIdx.x;
   const long long a = me < C ? me * T / C : 0, b = me < C ? (me + 1) * T / C : 0;
   // the sequence holding step a: seq, its steps n and its first pair's first step P0
