@@ -73,8 +73,9 @@ def test_compiles_offline_within_its_register_budget(d, group, q_dtype, dot, qro
     assert "LOCAL:0" in res, res
     stack = int(re.search(r"STACK:(\d+)", res).group(1))
     # 8 warps at 128 registers keep the loop's trip count on the stack (one L1-resident load
-    # per 32 tokens); nothing else may spill
-    assert stack <= (8 if defs["WARPS"] == 8 else 0), res
+    # per 32 tokens), with the balanced schedule also its segment state across the loop
+    # (spilled at segment boundaries only); nothing else may spill
+    assert stack <= (0 if defs["WARPS"] == 4 else 16 if defs["BALANCED"] else 8), res
 
 
 def test_compile_error_is_named():

@@ -263,6 +263,25 @@ __device__ __forceinline__ void store_out(void* out, long long i, float v) {
 #endif
 }
 
+// the warps' online-softmax states (merge area: mo [WARPS][GROUP][D] rows, ml [WARPS][8] maxima,
+// then [WARPS][8] weights, [WARPS][8] flagged-value masses) merged for head h, coordinate d:
+// the row acc and the weight Lsum relative to the common maximum Ms (0 when none is finite)
+__device__ __forceinline__ void combine(const float* mo, const float* ml, int h, int d,
+                                        float& acc, float& Lsum, float& F, float& Ms) {
+  float M = NEG_INF;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) M = fmaxf(M, ml[w * 8 + h]);
+  Ms = M == NEG_INF ? 0.f : M;
+  Lsum = acc = F = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    const float f = exp2f(ml[w * 8 + h] - Ms);
+    Lsum += ml[WARPS * 8 + w * 8 + h] * f;
+    F += ml[WARPS * 16 + w * 8 + h] * f;
+    acc += mo[(w * GROUP + h) * D + d] * f;
+  }
+}
+
 // element idx (head idx / D, coordinate idx % D) of a finished row set, value v: EPILOGUE 1
 // writes it to out[o], EPILOGUE 2 keeps it in fin (shared) for the unrotation
 __device__ __forceinline__ void final_row(void* out, float* fin, int idx, long long o, float v) {
@@ -756,18 +775,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #endif
   for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32) {
     const int h = idx / D, d = idx % D;
-    float M = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, ml[w * 8 + h]);
-    const float Ms = M == NEG_INF ? 0.f : M;
-    float Lsum = 0.f, acc = 0.f, F = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float f = exp2f(ml[w * 8 + h] - Ms);
-      Lsum += ml[WARPS * 8 + w * 8 + h] * f;
-      F += ml[WARPS * 16 + w * 8 + h] * f;
-      acc += mo[(w * GROUP + h) * D + d] * f;
-    }
+    float acc, Lsum, F, Ms;
+    combine(mo, ml, h, d, acc, Lsum, F, Ms);
 #if V_SINK
     acc += F * v_shift[(long long)kvh * D + d];   // c_v times the flagged softmax mass
 #endif
@@ -799,25 +808,54 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     if (red[WARPS + 1]) {
       __threadfence();
       const int first = 2 * c0 + (P <= c0 * T / C ? 0 : 1);
-      for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32) {
-        const int h = idx / D, d = idx % D;
-        float M = NEG_INF;
-#pragma unroll 8
-        for (int c = c0; c <= c1; ++c)
-          M = fmaxf(M, __ldcg(part_lse + (c == c0 ? first : 2 * c) * GROUP + h));
-        const float Ms = M == NEG_INF ? 0.f : M;
-        float num = 0.f, den = 0.f;
-#pragma unroll 8
-        for (int c = c0; c <= c1; ++c) {
+      // warp w folds parts c0 + w, c0 + w + WARPS, … into an online-softmax state per element
+      // (lane + 32 j: its head's running max and weight, the weighted row), 8 elements at a
+      // time; the warps' states then merge through the merge area as a segment's do
+#pragma unroll 1
+      for (int j0 = 0; j0 < GROUP * D / 32; j0 += 8) {
+        float mx[8], den[8], num[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) { mx[j] = NEG_INF; den[j] = num[j] = 0.f; }
+#pragma unroll 2
+        for (int c = c0 + warp; c <= c1; c += WARPS) {
           const int sl = c == c0 ? first : 2 * c;
-          const float w = exp2f(__ldcg(part_lse + sl * GROUP + h) - Ms);
-          num += w * __ldcg(part_o + (sl * GROUP + h) * D + d);
-          den += w;
+          float ls[8], o[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int idx = lane + 32 * (j0 + j);
+            ls[j] = idx < GROUP * D ? __ldcg(part_lse + sl * GROUP + idx / D) : NEG_INF;
+            o[j] = idx < GROUP * D ? __ldcg(part_o + (long long)sl * GROUP * D + idx) : 0.f;
+          }
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float mn = fmaxf(mx[j], ls[j]);
+            const float ms = mn == NEG_INF ? 0.f : mn;
+            const float sc = exp2f(mx[j] - ms), w = exp2f(ls[j] - ms);
+            den[j] = den[j] * sc + w;
+            num[j] = num[j] * sc + o[j] * w;
+            mx[j] = mn;
+          }
         }
-        float v = num / (den > 0.f ? den : 1.f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int idx = lane + 32 * (j0 + j);
+          if (idx >= GROUP * D) continue;
+          mo[warp * GROUP * D + idx] = num[j];
+          if (idx % D == 0) {   // the head's first element: its max and weight
+            ml[warp * 8 + idx / D] = mx[j];
+            ml[WARPS * 8 + warp * 8 + idx / D] = den[j];
+            ml[WARPS * 16 + warp * 8 + idx / D] = 0.f;
+          }
+        }
+      }
+      __syncthreads();
+      for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32) {
+        float acc, Lsum, F, Ms;
+        combine(mo, ml, idx / D, idx % D, acc, Lsum, F, Ms);
+        float v = acc / (Lsum > 0.f ? Lsum : 1.f);
         if (cap < L) v = __int_as_float(0x7fc00000);
-        final_row(out, fin, idx, (long long)seq * so_s + (long long)(kvh * GROUP + h) * so_h + d,
-                  v);
+        final_row(out, fin, idx,
+                  (long long)seq * so_s + (long long)(kvh * GROUP + idx / D) * so_h + idx % D, v);
       }
       if (threadIdx.x == 0) counters[p] = 0;   // ready for the next launch (CUDA graphs)
     }
