@@ -35,24 +35,30 @@ from tkv.kernels.testing import tuning
 
 VARIANTS = [("cuda (decode's default, kernel='auto')", {}, {"kernel": None}),
             ("cuda 1 split", {}, {"num_splits": 1}), ("cuda 2 splits", {}, {"num_splits": 2}),
-            ("cuda 4 splits", {}, {"num_splits": 4}),
-            ("cuda sub=1 stages=3", {"sub": 1, "stages": 3}, {}),
             # session 35: the codes dequantized through a shared 256-entry pair table; session
             # 36: its split counts (the tables' shared memory leaves 3 CTAs per SM at 4 warps,
             # 2 at 8, so the default split count's 512 CTAs at B=32 leave a partial wave)
             ("cuda lut=1 (shared pair tables)", {"lut": 1}, {}),
             ("cuda lut=1, 1 split", {"lut": 1}, {"num_splits": 1}),
             ("cuda lut=1, 4 splits", {"lut": 1}, {"num_splits": 4}),
-            ("cuda lut=1 sub=1 stages=3", {"lut": 1, "sub": 1, "stages": 3}, {}),
             ("cuda lut=1 warps=8", {"lut": 1, "warps": 8}, {}),
             ("cuda lut=1 warps=8, 1 split", {"lut": 1, "warps": 8}, {"num_splits": 1}),
-            ("cuda lut=1 warps=8, 4 splits", {"lut": 1, "warps": 8}, {"num_splits": 4}),
-            ("cuda lut=1 warps=8 sub=1 stages=3", {"lut": 1, "warps": 8, "sub": 1, "stages": 3},
-             {}),
             # session 36: the balanced (stream-K) schedule, one wave of resident CTAs
             ("cuda balanced", {}, {"schedule": "balanced"}),
             ("cuda lut=1 balanced", {"lut": 1}, {"schedule": "balanced"}),
-            ("cuda lut=1 warps=8 balanced", {"lut": 1, "warps": 8}, {"schedule": "balanced"})]
+            ("cuda lut=1 warps=8 balanced", {"lut": 1, "warps": 8}, {"schedule": "balanced"}),
+            # earlier sessions' tuning rows (--quick --all-variants)
+            ("cuda 4 splits", {}, {"num_splits": 4}),
+            ("cuda sub=1 stages=3", {"sub": 1, "stages": 3}, {}),
+            ("cuda lut=1 sub=1 stages=3", {"lut": 1, "sub": 1, "stages": 3}, {}),
+            ("cuda lut=1 warps=8, 4 splits", {"lut": 1, "warps": 8}, {"num_splits": 4}),
+            ("cuda lut=1 warps=8 sub=1 stages=3", {"lut": 1, "warps": 8, "sub": 1, "stages": 3},
+             {})]
+N_MAIN = 11   # --quick runs VARIANTS[:N_MAIN] unless --all-variants
+# the full grid: the default, its split neighbours and the balanced schedule
+FULL = [v for v in VARIANTS if v[0] in ("cuda (decode's default, kernel='auto')", "cuda 1 split",
+                                        "cuda 2 splits", "cuda balanced",
+                                        "cuda lut=1 balanced")]
 
 
 def kernel_rows(shapes, copy_gbs, variants, sink=False):
@@ -115,7 +121,6 @@ def model_step_rows(shapes, layers=36):
     arms = [("bf16 store + bypass decode", "bf16", None),
             ("tkv K4V4 triton (the default until session 32)", {"kernel": "triton"}, None),
             ("tkv K4V4 default (kernel='auto': cuda)", {}, None),
-            ("tkv K4V4 cuda, 2 splits", {"kernel": "cuda", "num_splits": 2}, None),
             ("tkv K4V4 cuda lut=1 (shared pair tables)", {}, lambda: tuning(cuda_decode, lut=1)),
             ("tkv K4V4 cuda lut=1 warps=8", {}, lambda: tuning(cuda_decode, lut=1, warps=8)),
             ("tkv K4V4 cuda balanced", {"schedule": "balanced"}, None),
@@ -152,6 +157,8 @@ def main():
     ap = cuda_bench.parser("B=32 L=8K and B=1 L=32K only")
     ap.add_argument("--sink", action="store_true",
                     help="only K4V4 with key centering and sink offsets (B=32 L=8K, 256 × 640)")
+    ap.add_argument("--all-variants", action="store_true",
+                    help="with --quick: every tuning row, not only the first N_MAIN")
     a = ap.parse_args()
     copy_gbs = cuda_bench.start()
     shapes = [(b, l, 32, 8, 128) for b in (1, 8, 32, 128) for l in (1024, 8192, 32768)]
@@ -164,8 +171,9 @@ def main():
     if a.sink:
         kernel_rows([(32, 8192, 32, 8, 128), (256, 640, 32, 8, 128)], copy_gbs, VARIANTS[:1],
                     sink=True)
-    else:   # the full grid: the default and its split neighbours; --quick: tuning variants too
-        kernel_rows(shapes, copy_gbs, VARIANTS if a.quick else VARIANTS[:3])
+    else:   # the full grid: FULL; --quick: tuning variants too
+        variants = FULL if not a.quick else VARIANTS if a.all_variants else VARIANTS[:N_MAIN]
+        kernel_rows(shapes, copy_gbs, variants)
     if a.model_step:
         model_step_rows(((64, 640), (256, 640)))
     write_results(a.out, "cuda_decode_gpu", a.tag, table(copy_gbs))
