@@ -228,19 +228,49 @@ def test_rotation_options_match_triton(splits):
 
 
 def test_workspace_cuda_split_rule():
-    """``Workspace.cuda_splits_for``: 2 CTAs per SM (``target_programs / 2``), one split
-    allowed, never more than the Triton rule (whose partial rows the workspace holds)."""
+    """``Workspace.cuda_splits_for``: the largest power of two whose grid fits one wave of the
+    configuration's resident CTAs (``target_programs / 4`` SMs × ``ctas_per_sm``), one split
+    when even that overflows, never more than the Triton rule (whose partial rows the
+    workspace holds); the measured bests of session 36 (H100, 132 SMs)."""
     ws = Workspace(256, 32, 128, "cpu", target_programs=528)   # 132 SMs × 4
-    assert ws.cuda_splits_for(32, 8) == 2       # 256 CTAs → 2 splits = 512 ≥ 264
+    # the register lookups: 4 CTAs per SM
+    assert ws.cuda_splits_for(32, 8) == 2       # 512 CTAs ≤ 528
+    assert ws.cuda_splits_for(8, 8) == 8
     assert ws.cuda_splits_for(64, 8) == 1       # 512 CTAs
     assert ws.cuda_splits_for(256, 8) == 1
-    assert ws.cuda_splits_for(1, 8) == 32       # 264 / 8 = 33 → 64, capped at max_splits
+    assert ws.cuda_splits_for(1, 8) == 32       # 528 / 8 = 66 → 64, capped at max_splits
+    # the pair tables (3 per SM) and their 8-warp build (2 per SM)
+    assert ws.cuda_splits_for(32, 8, 3) == 1    # 256 ≤ 396 < 512
+    assert ws.cuda_splits_for(32, 8, 2) == 1
+    assert ws.cuda_splits_for(8, 8, 2) == 4     # 256 ≤ 264
+    assert ws.cuda_splits_for(128, 8, 2) == 1
     off = Workspace(256, 32, 128, "cpu", target_programs=528, single_split_ctas=0)
     for n in range(1, 257):
         for hkv in (1, 3, 8):
-            assert 1 <= ws.cuda_splits_for(n, hkv) <= ws.splits_for(n, hkv)
-            # one split switched off (TKV_DECODE_SINGLE_SPLIT=0): at least min_splits
-            assert off.min_splits <= off.cuda_splits_for(n, hkv) <= off.splits_for(n, hkv)
+            for occ in (1, 2, 3, 4):
+                got = ws.cuda_splits_for(n, hkv, occ)
+                assert 1 <= got <= ws.splits_for(n, hkv)
+                assert got == 1 or n * hkv * got <= 132 * occ   # one wave at most
+                # one split switched off (TKV_DECODE_SINGLE_SPLIT=0): at least min_splits
+                assert off.min_splits <= off.cuda_splits_for(n, hkv, occ) <= \
+                    off.splits_for(n, hkv)
+
+
+def test_context_profile_sets_the_tuning_and_its_occupancy():
+    """TKV_DECODE_CONTEXT: ``short`` (default) keeps the register lookups (4 CTAs per SM),
+    ``long`` builds the pair tables with 8 warps (2 per SM; 4 warps at head_dim 256);
+    :func:`cuda_decode.resident_ctas` is the register budget off a GPU."""
+    assert cuda_decode.decode_context_from_env({}) == "short"
+    assert cuda_decode.decode_context_from_env({"TKV_DECODE_CONTEXT": " Long"}) == "long"
+    with pytest.raises(cuda_decode.DecodeContextConfigError, match="TKV_DECODE_CONTEXT"):
+        cuda_decode.decode_context_from_env({"TKV_DECODE_CONTEXT": "32k"})
+    assert cuda_decode.context_tuning(128, "short") == {}
+    assert cuda_decode.context_tuning(128, "long") == {"lut": 1, "warps": 8}
+    assert cuda_decode.context_tuning(256, "long") == {"lut": 1, "warps": 4}
+    ld = TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4), 8, 16)
+    assert cuda_decode.resident_ctas(ld, 128, 4, torch.bfloat16, "cpu") == 4
+    with tuning(cuda_decode, lut=1, warps=8):
+        assert cuda_decode.resident_ctas(ld, 128, 4, torch.bfloat16, "cpu") == 2
 
 
 @pytest.mark.parametrize("raw,want", [(None, "split"), ("", "split"), (" Balanced ", "balanced"),
@@ -282,6 +312,8 @@ def test_ctas_per_sm_is_the_occupancy_the_budgets_allow(tune):
     smem_bound = props.shared_memory_per_multiprocessor // per_cta if defs["DYN_BYTES"] else 8
     assert 1 <= n <= smem_bound
     assert n >= min(defs["MIN_CTAS"], smem_bound)
+    with tuning(cuda_decode, **tune):   # the host-side estimate the split rule uses agrees
+        assert cuda_decode.resident_ctas(ld, 128, 4, torch.bfloat16, torch.device("cuda")) == n
 
 
 _SKEWED = [5000, 1, 37, 0, 300, 16, 17, 15, 1024, 77]   # one long sequence, lengths 0 and 1

@@ -464,28 +464,31 @@ def test_engine_flags_from_env(parse, name, error, default):
 
 
 def test_engine_kernel_settings_parses_and_names_every_variable():
-    """engine_kernel_settings: the twelve TKV_* kernel settings in one call (the launch-time
+    """engine_kernel_settings: the thirteen TKV_* kernel settings in one call (the launch-time
     check of both engine adapters), the adapter's prefill default applied, a one-line
     description, and each bad value raising its own named error."""
     import tkv.kernels as K
     from tkv.kernels.loaders import MaxnregConfigError
 
     got = K.engine_kernel_settings({}, prefill_default="auto")
-    assert got == ("auto", True, True, "auto", 0, True, True, 0, "auto", "auto", "auto", "split")
+    assert got == ("auto", True, True, "auto", 0, True, True, 0, "auto", "auto", "auto", "split",
+                   "short")
     assert got.describe() == ("TKV_LOOKUP=auto TKV_SMALL_HEAD_GROUPS=1 "
                               "TKV_FUSED_QUERY_ROTATION=1 TKV_PREFILL_ATTENTION=auto "
                               "TKV_PRMTI_MAXNREG=0 TKV_DECODE_PIPELINE=1 "
                               "TKV_DECODE_SINGLE_SPLIT=1 TKV_DECODE_MIN_SPLIT_TILES=0 "
                               "TKV_STORE_ROTATION=auto TKV_DECODE_KERNEL=auto "
-                              "TKV_STORE_KERNEL=auto TKV_DECODE_SCHEDULE=split")
+                              "TKV_STORE_KERNEL=auto TKV_DECODE_SCHEDULE=split "
+                              "TKV_DECODE_CONTEXT=short")
     env = {"TKV_LOOKUP": "prmt", "TKV_SMALL_HEAD_GROUPS": "0", "TKV_FUSED_QUERY_ROTATION": "0",
            "TKV_PREFILL_ATTENTION": "continuation", "TKV_PRMTI_MAXNREG": "128",
            "TKV_DECODE_PIPELINE": "0", "TKV_DECODE_SINGLE_SPLIT": "0",
            "TKV_DECODE_MIN_SPLIT_TILES": " 8 ", "TKV_STORE_ROTATION": " Matrix ",
            "TKV_DECODE_KERNEL": " Triton", "TKV_STORE_KERNEL": "CUDA",
-           "TKV_DECODE_SCHEDULE": "Balanced "}
+           "TKV_DECODE_SCHEDULE": "Balanced ", "TKV_DECODE_CONTEXT": "LONG"}
     assert K.engine_kernel_settings(env) == ("prmt", False, False, "continuation", 128, False,
-                                             False, 8, "matrix", "triton", "cuda", "balanced")
+                                             False, 8, "matrix", "triton", "cuda", "balanced",
+                                             "long")
     for name, bad, err in (("TKV_LOOKUP", "prmt9", K.LookupConfigError),
                            ("TKV_SMALL_HEAD_GROUPS", "on", K.SmallHeadGroupsConfigError),
                            ("TKV_FUSED_QUERY_ROTATION", "2", K.FusedQueryRotationConfigError),
@@ -497,7 +500,8 @@ def test_engine_kernel_settings_parses_and_names_every_variable():
                            ("TKV_STORE_ROTATION", "butterfly", K.StoreRotationConfigError),
                            ("TKV_DECODE_KERNEL", "gluon", K.DecodeKernelConfigError),
                            ("TKV_STORE_KERNEL", "gluon", K.StoreKernelConfigError),
-                           ("TKV_DECODE_SCHEDULE", "stream-k", K.DecodeScheduleConfigError)):
+                           ("TKV_DECODE_SCHEDULE", "stream-k", K.DecodeScheduleConfigError),
+                           ("TKV_DECODE_CONTEXT", "8k", K.DecodeContextConfigError)):
         with pytest.raises(err, match=name):
             K.engine_kernel_settings({**env, name: bad})
 

@@ -14,10 +14,13 @@ float64 oracle. See docs/kernels.md and docs/writing_a_loader.md.
 from . import _interpreter_compat
 from ._util import UnsupportedKernelError, shares_memory
 from .cuda_decode import (
+    ENV_DECODE_CONTEXT,
     ENV_DECODE_KERNEL,
     ENV_DECODE_SCHEDULE,
+    DecodeContextConfigError,
     DecodeKernelConfigError,
     DecodeScheduleConfigError,
+    decode_context_from_env,
     decode_kernel_from_env,
     decode_schedule_from_env,
 )
@@ -97,6 +100,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DENSE_PREFIX_CAP",
+    "ENV_DECODE_CONTEXT",
     "ENV_DECODE_KERNEL",
     "ENV_DECODE_MIN_SPLIT_TILES",
     "ENV_DECODE_PIPELINE",
@@ -112,6 +116,7 @@ __all__ = [
     "MAX_PREFILL_RUNS",
     "SERVED_HEAD_DIMS",
     "BypassLoader",
+    "DecodeContextConfigError",
     "DecodeKernelConfigError",
     "DecodeScheduleConfigError",
     "DenseAttention",
@@ -142,6 +147,7 @@ __all__ = [
     "check_metadata",
     "compress_store",
     "decode",
+    "decode_context_from_env",
     "decode_kernel_from_env",
     "decode_min_split_tiles_from_env",
     "decode_pipeline_from_env",

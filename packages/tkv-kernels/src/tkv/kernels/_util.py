@@ -238,7 +238,7 @@ def read_at_import(parse):
     """``parse()`` of the process environment, for a setting read once when its kernel module
     is imported (``TKV_PRMTI_MAXNREG``, ``TKV_DECODE_PIPELINE``, ``TKV_DECODE_SINGLE_SPLIT``,
     ``TKV_DECODE_MIN_SPLIT_TILES``, ``TKV_STORE_ROTATION``, ``TKV_DECODE_KERNEL``,
-    ``TKV_STORE_KERNEL``, ``TKV_DECODE_SCHEDULE``). A value ``parse`` refuses is not raised
+    ``TKV_STORE_KERNEL``, ``TKV_DECODE_SCHEDULE``, ``TKV_DECODE_CONTEXT``). A value ``parse`` refuses is not raised
     here: the engines import
     tkv's kernels while registering their plugins, where a raise breaks every run of that
     engine, tkv or not (vLLM's ``load_general_plugins``), or is buried under a usage dump

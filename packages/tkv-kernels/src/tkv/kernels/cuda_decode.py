@@ -41,19 +41,25 @@ from ._util import (
 from .loaders import _PRMT_FAMILY, TkvLoader, sink_shift
 
 __all__ = [
+    "DECODE_CONTEXT",
     "DECODE_KERNEL",
     "DECODE_SCHEDULE",
+    "ENV_DECODE_CONTEXT",
     "ENV_DECODE_KERNEL",
     "ENV_DECODE_SCHEDULE",
+    "DecodeContextConfigError",
     "DecodeKernelConfigError",
     "DecodeScheduleConfigError",
     "check_supported",
+    "context_tuning",
     "ctas_per_sm",
+    "decode_context_from_env",
     "decode_kernel_from_env",
     "decode_schedule_from_env",
     "defines",
     "launch_balanced",
     "launch_split",
+    "resident_ctas",
     "supported",
 ]
 
@@ -135,6 +141,45 @@ def decode_kernel_from_env(environ=None) -> str:
 
 DECODE_KERNEL = read_at_import(decode_kernel_from_env)
 
+ENV_DECODE_CONTEXT = "TKV_DECODE_CONTEXT"
+_CONTEXTS = ("short", "long")
+
+
+class DecodeContextConfigError(TkvError, ValueError):
+    """``TKV_DECODE_CONTEXT`` names no tuning of the CUDA decode kernel."""
+
+
+def decode_context_from_env(environ=None) -> str:
+    """Which contexts the CUDA decode kernel is built for (``TKV_DECODE_CONTEXT``): ``short``
+    (default: the byte-permute lookups in registers, 4 warps — the best at a few hundred to
+    ~2K cached tokens per sequence) or ``long`` (the shared pair tables, ``lut=1``, with 8
+    warps per CTA at head_dim ≤ 128 — 72-83 % of copy bandwidth at 8K-32K tokens on an H100
+    against 60-72 %, but 3.7 % slower 36-layer steps at 640 tokens; session 36). The kernel
+    configuration is fixed per launch shape (CUDA graphs), so the lengths cannot choose it.
+    Read once at import into :data:`DECODE_CONTEXT`; a bad value is raised by the engines'
+    startup validation or the first kernel call.
+
+    Raises:
+        DecodeContextConfigError: any other value."""
+    return choice_from_env(environ, ENV_DECODE_CONTEXT, _CONTEXTS, "short",
+                           DecodeContextConfigError,
+                           "expected short (register lookups, 4 warps) or long (shared pair "
+                           "tables, 8 warps)")
+
+
+DECODE_CONTEXT = read_at_import(decode_context_from_env)
+
+
+def context_tuning(head_dim: int, context: str | None = None) -> dict[str, int]:
+    """The tuning keywords of :func:`defines` a context profile (``context``, default
+    :data:`DECODE_CONTEXT`) sets: none for ``short``; for ``long`` the pair tables with 8 warps
+    (4 at head_dim 256, where 8 warps leave one CTA per SM: 0.386 against 0.347 ms at B=32,
+    L=8K, H100)."""
+    if (context or DECODE_CONTEXT) != "long":
+        return {}
+    return {"lut": 1, "warps": 8 if head_dim <= 128 else 4}
+
+
 ENV_DECODE_SCHEDULE = "TKV_DECODE_SCHEDULE"
 _SCHEDULES = ("split", "balanced")
 
@@ -214,8 +259,7 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
     tab = lut * TABLE_BYTES * (1 if same else 2)
     # the kernel's SMEM_BYTES (its static_assert checks this bound): the per-warp cp.async
     # ring, or the warps' merge rows, whichever is larger
-    stage = (2 * head_dim // 8 + 4 * head_dim // 16) * 32 + 64
-    area = max(warps * nst * stage, (warps * (group * head_dim + 24) + group * head_dim) * 4)
+    area = _smem_area(head_dim, group, warps, nst)
     return dict(HEAD_DIM=head_dim, GROUP=group, WARPS=warps, SUB=sub, NST=nst,
                 BLOCK_SIZE=loader.block_size, Q_KIND=_Q_KIND[q_dtype], QROT=int(qrot),
                 DOT_BF16=int(dot_dtype == torch.bfloat16),
@@ -240,6 +284,34 @@ def ctas_per_sm(defs: dict[str, int], device) -> int:
     if defs["DYN_BYTES"]:
         _nvrtc.reserve_dynamic_smem(k, defs["DYN_BYTES"])
     return _nvrtc.ctas_per_sm(k, defs["WARPS"] * 32, defs["DYN_BYTES"])
+
+
+def _smem_area(head_dim: int, group: int, warps: int, nst: int) -> int:
+    """The kernel's SMEM_BYTES (its static_assert checks this bound): the per-warp cp.async
+    ring, or the warps' merge rows, whichever is larger (bytes)."""
+    stage = (2 * head_dim // 8 + 4 * head_dim // 16) * 32 + 64
+    return max(warps * nst * stage, (warps * (group * head_dim + 24) + group * head_dim) * 4)
+
+
+def resident_ctas(loader: TkvLoader, head_dim: int, group: int, dot_dtype: torch.dtype,
+                  device) -> int:
+    """CTAs per SM of the configuration a launch would build (the context profile and
+    :data:`TUNING` applied): its register budget (``MIN_CTAS``, the kernel's
+    ``__launch_bounds__``) limited by the SM's shared memory (1 KB reserved per CTA) and 64
+    warps — what :meth:`Workspace.cuda_splits_for` fills one wave of. Host-side arithmetic (no
+    compile; :func:`ctas_per_sm` asks the driver and agrees on sm_90: 4 / 3 / 2 for the register
+    lookups / pair tables / 8-warp pair tables at head_dim 128, session 36). Off a CUDA device
+    (tests) the register budget alone."""
+    if any((s, dot_dtype) not in loader._prmt_host for s in "kv"):
+        return 4   # no byte tables for this dtype: check_supported refuses the launch anyway
+    d = defines(loader, head_dim, group, torch.float32, dot_dtype,
+                **{**context_tuning(head_dim), **TUNING})
+    n = min(d["MIN_CTAS"], 64 // d["WARPS"])
+    if torch.device(device).type != "cuda":
+        return n
+    per_sm = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
+    smem = d["DYN_BYTES"] or _smem_area(head_dim, group, d["WARPS"], d["NST"])
+    return max(1, min(n, per_sm // (smem + 1024)))
 
 
 def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLoader,
@@ -315,7 +387,8 @@ def _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config)
         raise UnsupportedKernelError(f"decode(kernel='cuda'): token strides {st}")
     out_dtype = out.dtype if epilogue else torch.float32
     return defines(loader, d, group, q.dtype, dot_dtype, qrot=q_w is not None,
-                   epilogue=epilogue, out_dtype=out_dtype, **{**TUNING, **config})
+                   epilogue=epilogue, out_dtype=out_dtype,
+                   **{**context_tuning(d), **TUNING, **config})
 
 
 def _launch(defs, grid, q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,

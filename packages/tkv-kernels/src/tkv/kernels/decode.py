@@ -546,7 +546,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
     if num_splits is not None:
         splits = check_pow2(num_splits, "num_splits", 1, workspace.max_splits)
     elif kernel == "cuda":
-        splits = workspace.cuda_splits_for(ns, hkv)
+        splits = workspace.cuda_splits_for(
+            ns, hkv, cuda_decode.resident_ctas(loader, d, hq // hkv, dot_dtype, dev))
     else:
         splits = workspace.splits_for(ns, hkv)
     part_o, part_lse = workspace.partials(ns, hq, splits, d_pad)

@@ -14,7 +14,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ._util import choice_from_env, interpreting
-from .cuda_decode import decode_kernel_from_env, decode_schedule_from_env
+from .cuda_decode import (
+    decode_context_from_env,
+    decode_kernel_from_env,
+    decode_schedule_from_env,
+)
 from .cuda_store import store_kernel_from_env
 from .dense_attention import prefill_attention_from_env
 from .loaders import (
@@ -45,6 +49,7 @@ class EngineKernelSettings(NamedTuple):
     decode_kernel: str            # TKV_DECODE_KERNEL
     store_kernel: str             # TKV_STORE_KERNEL
     decode_schedule: str          # TKV_DECODE_SCHEDULE
+    decode_context: str           # TKV_DECODE_CONTEXT
 
     def describe(self) -> str:
         """One log line, e.g. ``TKV_LOOKUP=auto TKV_SMALL_HEAD_GROUPS=1 ...``."""
@@ -57,7 +62,7 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
     """Parse every engine-facing kernel setting from ``environ`` (None: ``os.environ``; then
     the returned ``TKV_PRMTI_MAXNREG`` / ``TKV_DECODE_PIPELINE`` / ``TKV_DECODE_SINGLE_SPLIT``
     / ``TKV_DECODE_MIN_SPLIT_TILES`` / ``TKV_STORE_ROTATION`` / ``TKV_DECODE_KERNEL`` /
-    ``TKV_STORE_KERNEL`` / ``TKV_DECODE_SCHEDULE`` are the values this process read at import, the ones its kernels
+    ``TKV_STORE_KERNEL`` / ``TKV_DECODE_SCHEDULE`` / ``TKV_DECODE_CONTEXT`` are the values this process read at import, the ones its kernels
     use — the current values are still validated).
 
     Args:
@@ -69,7 +74,8 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
         LookupConfigError, SmallHeadGroupsConfigError, FusedQueryRotationConfigError,
         PrefillAttentionConfigError, MaxnregConfigError, PipelineConfigError,
         SingleSplitConfigError, MinSplitTilesConfigError, StoreRotationConfigError,
-        DecodeKernelConfigError, StoreKernelConfigError, DecodeScheduleConfigError: the first setting with a value its
+        DecodeKernelConfigError, StoreKernelConfigError, DecodeScheduleConfigError,
+        DecodeContextConfigError: the first setting with a value its
         parser refuses (the message names the variable).
     """
     from . import cuda_decode, cuda_store, loaders, store, workspace
@@ -86,6 +92,7 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
     kernel = decode_kernel_from_env(environ)
     store_kernel = store_kernel_from_env(environ)
     schedule = decode_schedule_from_env(environ)
+    context = decode_context_from_env(environ)
     if environ is None:
         maxnreg, pipeline = loaders.PRMTI_MAXNREG, loaders.DECODE_PIPELINE
         single, tiles = workspace.DECODE_SINGLE_SPLIT, workspace.DECODE_MIN_SPLIT_TILES
@@ -93,8 +100,9 @@ def engine_kernel_settings(environ=None, prefill_default: str = "tkv") -> Engine
         kernel = cuda_decode.DECODE_KERNEL
         store_kernel = cuda_store.STORE_KERNEL
         schedule = cuda_decode.DECODE_SCHEDULE
+        context = cuda_decode.DECODE_CONTEXT
     return EngineKernelSettings(
         lookup_from_env(environ), small_head_groups_from_env(environ),
         fused_query_rotation_from_env(environ),
         prefill_attention_from_env(environ, prefill_default), maxnreg, pipeline, single, tiles,
-        rotation, kernel, store_kernel, schedule)
+        rotation, kernel, store_kernel, schedule, context)

@@ -204,21 +204,25 @@ class Workspace:
         want = -(-self.target_programs // max(1, ctas))
         return max(self.min_splits, min(self.max_splits, next_pow2(want)))
 
-    def cuda_splits_for(self, num_seqs: int, num_kv_heads: int) -> int:
-        """Split-K count of the CUDA split kernel (``decode(kernel="cuda")``): the smallest
-        power of two ≤ ``max_splits`` giving ``target_programs / 2`` CTAs (2 per SM), one
-        split allowed. Its 4 warps share a split's tokens and keep two 16-token steps of
-        copies in flight each, so it fills an SM with fewer CTAs than the Triton kernel;
-        measured on an H100 (K4V4, Hkv=8, session 33): 2 splits best at 32 sequences (256
-        CTAs: 0.153 ms against 0.159 with 1 and 0.168 with 4), 1 split at 64 sequences (a
-        36-layer step 8.72 ms against 9.43 with 2). Never more than :meth:`splits_for`, so
-        the partial rows fit; at least ``min_splits`` when one split is switched off
-        (``single_split_ctas=0``, e.g. ``TKV_DECODE_SINGLE_SPLIT=0``). Static under CUDA graphs
-        (batch shape only)."""
-        want = -(-(self.target_programs // 2) // max(1, num_seqs * num_kv_heads))
+    def cuda_splits_for(self, num_seqs: int, num_kv_heads: int, ctas_per_sm: int = 4) -> int:
+        """Split-K count of the CUDA split kernel (``decode(kernel="cuda")``) for a
+        configuration holding ``ctas_per_sm`` CTAs per SM: the largest power of two ≤
+        ``max_splits`` whose grid ``num_seqs · num_kv_heads · splits`` still fits one wave of
+        ``target_programs / 4 · ctas_per_sm`` CTAs (``target_programs / 4`` is the SM count by
+        default), one split when even that overflows. Every CTA then starts at once: no
+        partial second wave, whose CTAs would run while most SMs idle. Measured on an H100
+        (K4V4, Hkv=8): the register lookups (4 CTAs per SM) at 32 sequences 2 splits (512 CTAs)
+        0.152 ms against 0.159 with 1; the shared pair tables (3 CTAs per SM) 1 split (256)
+        0.134 against 0.164 with 2 (1.29 waves); their 8-warp build (2 per SM) 0.127 with 1
+        split, and at 8 sequences 4 splits (256 CTAs) 0.130 ms at L=32K against 0.145 with 2
+        (sessions 33, 36). Never more than :meth:`splits_for`, so the partial rows fit; at
+        least ``min_splits`` when one split is switched off (``single_split_ctas=0``, e.g.
+        ``TKV_DECODE_SINGLE_SPLIT=0``). Static under CUDA graphs (batch shape only)."""
+        slots = max(1, self.target_programs * ctas_per_sm // 4)
+        pairs = max(1, num_seqs * num_kv_heads)
+        fit = 1 << max(0, (slots // pairs).bit_length() - 1) if pairs <= slots else 1
         lo = 1 if self.single_split_ctas else self.min_splits
-        return max(lo, min(self.splits_for(num_seqs, num_kv_heads), self.max_splits,
-                           next_pow2(want)))
+        return max(lo, min(self.splits_for(num_seqs, num_kv_heads), self.max_splits, fit))
 
     def partials(self, num_seqs: int, num_q_heads: int, splits: int, d_pad: int):
         """Views ``(o float32 (num_seqs, num_q_heads, splits, d_pad), lse float32 (num_seqs,
