@@ -93,19 +93,24 @@ def kernel_rows(shapes, copy_gbs, variants, sink=False):
         for label, tune, opts in variants:
             try:
                 opts = {"kernel": "cuda", **opts}
-                with tuning(cuda_decode, **tune):
+                ctx = opts.pop("_context", cuda_decode.DECODE_CONTEXT)
+                with tuning(cuda_decode, **tune), context(ctx):
                     out = decode(q, cache, bt, sl, ld, ws, **opts).float()
                     err = ((out - ref).norm() / ref.norm()).item()
                     ms = kg.bench(lambda: decode(q, cache, bt, sl, ld, ws, **opts))
                     bal = opts.get("schedule") == "balanced"
                     defs = cuda_decode.defines(ld, d, hq // hkv, q.dtype, torch.bfloat16,
                                                qrot=True, epilogue=2 if bal else 0,
-                                               balanced=bal, **cuda_decode.TUNING)
+                                               balanced=bal,
+                                               **{**cuda_decode.context_tuning(d),
+                                                  **cuda_decode.TUNING})
                     occ = cuda_decode.ctas_per_sm(defs, q.device)
             except Exception as e:
                 log({**base, "impl": label, "error": str(e)[:200]})
                 continue
-            splits = opts.get("num_splits") or ws.cuda_splits_for(B, hkv)
+            with tuning(cuda_decode, **tune), context(ctx):
+                splits = opts.get("num_splits") or ws.cuda_splits_for(
+                    B, hkv, cuda_decode.resident_ctas(ld, d, hq // hkv, torch.bfloat16, q.device))
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             if opts.get("schedule") == "balanced":   # one CTA per resident slot
                 splits = occ * sms / (B * hkv)
@@ -127,6 +132,30 @@ def model_step_rows(shapes, layers=36):
             ("tkv K4V4 cuda lut=1 balanced", {"schedule": "balanced"},
              lambda: tuning(cuda_decode, lut=1))]
     cuda_bench.model_step_rows(shapes, arms, layers)
+
+
+def context(name: str):
+    """``TKV_DECODE_CONTEXT=name`` for the block (cuda_decode.DECODE_CONTEXT patched)."""
+    from unittest import mock
+    return mock.patch.object(cuda_decode, "DECODE_CONTEXT", name)
+
+
+def context_rows(copy_gbs) -> None:
+    """``--context``: decode's default (kernel, tuning, split count all chosen by decode) under
+    ``TKV_DECODE_CONTEXT=short`` and ``long`` side by side at the issue's long shapes, short
+    ones, head_dim 64 / 256 and a skewed batch, then the 36-layer step at 8K / 2K / 640
+    tokens."""
+    shapes = [(8, 8192, 32, 8, 128), (8, 32768, 32, 8, 128), (32, 8192, 32, 8, 128),
+              (32, 32768, 32, 8, 128), (128, 8192, 32, 8, 128), (1, 32768, 32, 8, 128),
+              (1, 131072, 32, 8, 128), (32, 8192, 32, 8, 64), (32, 8192, 32, 8, 256),
+              (256, 640, 32, 8, 128), (64, (32768, 1024), 32, 8, 128)]
+    variants = [(f"default, TKV_DECODE_CONTEXT={c}", {}, {"kernel": None, "_context": c})
+                for c in ("short", "long")]
+    kernel_rows(shapes, copy_gbs, variants)
+    arms = [("bf16 store + bypass decode", "bf16", None)]
+    arms += [(f"tkv K4V4 default, TKV_DECODE_CONTEXT={c}", {}, lambda c=c: context(c))
+             for c in ("short", "long")]
+    cuda_bench.model_step_rows(((32, 8192), (64, 2048), (64, 640), (256, 640)), arms)
 
 
 def table(copy_gbs) -> str:
@@ -157,6 +186,9 @@ def main():
     ap = cuda_bench.parser("B=32 L=8K and B=1 L=32K only")
     ap.add_argument("--sink", action="store_true",
                     help="only K4V4 with key centering and sink offsets (B=32 L=8K, 256 × 640)")
+    ap.add_argument("--context", action="store_true",
+                    help="only decode's default under TKV_DECODE_CONTEXT=short and long, with "
+                         "36-layer steps")
     ap.add_argument("--all-variants", action="store_true",
                     help="with --quick: every tuning row, not only the first N_MAIN")
     a = ap.parse_args()
@@ -168,7 +200,9 @@ def main():
     if a.quick:
         shapes = [(32, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (256, 640, 32, 8, 128),
                   (64, (32768, 1024), 32, 8, 128)]
-    if a.sink:
+    if a.context:
+        context_rows(copy_gbs)
+    elif a.sink:
         kernel_rows([(32, 8192, 32, 8, 128), (256, 640, 32, 8, 128)], copy_gbs, VARIANTS[:1],
                     sink=True)
     else:   # the full grid: FULL; --quick: tuning variants too
