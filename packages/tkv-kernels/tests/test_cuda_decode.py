@@ -121,6 +121,19 @@ def _case(d, hkv, block, lens, seed=0, dtype=torch.bfloat16, **codec_kw):
     return ld, batch, cache
 
 
+def _capture(run):
+    """``run`` warmed up on a side stream, then captured: the CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    return g
+
+
 def _rel_rows(out, ref):
     """Largest per-(sequence, head) relative error."""
     err = (out.double() - ref).flatten(0, 1).norm(dim=-1)
@@ -187,14 +200,7 @@ def test_graph_replay_equals_eager_and_broken_lengths_are_nan():
                          kernel="cuda")
     run()
     eager = out.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
+    g = _capture(run)
     out.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
@@ -362,14 +368,7 @@ def test_balanced_schedule_graph_replay_follows_new_lengths():
     out = torch.empty_like(q)
     run = lambda: decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out,
                          kernel="cuda", schedule="balanced")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
+    g = _capture(run)
     for new in ([3000, 7, 500, 64], [100, 2900, 1, 500], [1, 1, 1, 3000]):
         batch.seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
         run()
