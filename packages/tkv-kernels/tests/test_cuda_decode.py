@@ -318,7 +318,7 @@ def test_ctas_per_sm_is_the_occupancy_the_budgets_allow(tune):
     smem_bound = props.shared_memory_per_multiprocessor // per_cta if defs["DYN_BYTES"] else 8
     assert 1 <= n <= smem_bound
     assert n >= min(defs["MIN_CTAS"], smem_bound)
-    with tuning(cuda_decode, **tune):   # the host-side estimate the split rule uses agrees
+    with tuning(cuda_decode, **tune):   # the host-side count the split rule uses agrees
         assert cuda_decode.resident_ctas(ld, 128, 4, torch.bfloat16, torch.device("cuda")) == n
 
 

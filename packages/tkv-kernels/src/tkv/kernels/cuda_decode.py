@@ -298,10 +298,13 @@ def resident_ctas(loader: TkvLoader, head_dim: int, group: int, dot_dtype: torch
     """CTAs per SM of the configuration a launch would build (the context profile and
     :data:`TUNING` applied): its register budget (``MIN_CTAS``, the kernel's
     ``__launch_bounds__``) limited by the SM's shared memory (1 KB reserved per CTA) and 64
-    warps — what :meth:`Workspace.cuda_splits_for` fills one wave of. Host-side arithmetic (no
-    compile; :func:`ctas_per_sm` asks the driver and agrees on sm_90: 4 / 3 / 2 for the register
-    lookups / pair tables / 8-warp pair tables at head_dim 128, session 36). Off a CUDA device
-    (tests) the register budget alone."""
+    warps — what :meth:`Workspace.cuda_splits_for` fills one wave of. Host-side arithmetic, no
+    compile, so the split count never depends on what this process compiled first. A lower
+    bound of the driver's count (:func:`ctas_per_sm`), equal to it for every configuration the
+    context profiles build (sm_90, session 36: 4 / 3 / 2 for the register lookups / pair
+    tables / 8-warp pair tables at head_dim 128, 4 / 2 at 64, 2 / 2 / 1 at 256); the 4-warp
+    pair tables at head_dim 64 fit 4 where the budget promises 3. Off a CUDA device (tests)
+    the register budget alone."""
     if any((s, dot_dtype) not in loader._prmt_host for s in "kv"):
         return 4   # no byte tables for this dtype: check_supported refuses the launch anyway
     d = defines(loader, head_dim, group, torch.float32, dot_dtype,
