@@ -16,7 +16,13 @@ a 16-row M padding and per-token address work. Here every register is placed by 
 * copies go through a per-warp ``cp.async`` ring of ``NST`` stages;
 * the byte tables are per-thread loads, so they stay in regular registers (``lut=1``, a
   tuning keyword of :func:`defines`: a 256-entry table of centroid pairs in shared memory
-  instead, one shared load per code byte; docs/kernels.md, session 35).
+  instead, one shared load per code byte; docs/kernels.md, session 35) — with 8 warps per CTA
+  the build of ``TKV_DECODE_CONTEXT=long`` (:func:`context_tuning`; session 36);
+* the split count fills one wave of the configuration's resident CTAs
+  (:func:`resident_ctas`, :meth:`Workspace.cuda_splits_for`);
+* ``schedule="balanced"`` (:func:`launch_balanced`, ``TKV_DECODE_SCHEDULE``): one grid of
+  resident CTAs sharing the batch's 16-token steps equally (stream-K), for batches mixing
+  long and short sequences.
 
 Same inputs and partial outputs as the Triton split kernel (the reduce kernel is shared).
 Scope (:func:`check_supported`): a :class:`~tkv.kernels.TkvLoader` with 4-bit K and V and a
