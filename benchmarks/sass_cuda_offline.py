@@ -39,7 +39,11 @@ VARIANTS = [("default (register byte permutes)", {}),
             ("sub=1 stages=3", {"sub": 1, "stages": 3}),
             ("lut=1 (shared pair tables)", {"lut": 1}),
             ("lut=1 warps=8", {"lut": 1, "warps": 8}),
-            ("lut=1 warps=8 sub=1 stages=3", {"lut": 1, "warps": 8, "sub": 1, "stages": 3})]
+            ("lut=1 warps=8 sub=1 stages=3", {"lut": 1, "warps": 8, "sub": 1, "stages": 3}),
+            # session 36: the balanced (stream-K) schedule's builds
+            ("balanced", {"balanced": True}),
+            ("lut=1 balanced", {"lut": 1, "balanced": True}),
+            ("lut=1 warps=8 balanced", {"lut": 1, "warps": 8, "balanced": True})]
 
 
 def disassemble(defs: dict[str, int]) -> tuple[str, str]:
