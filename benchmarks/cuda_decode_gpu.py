@@ -101,9 +101,7 @@ def kernel_rows(shapes, copy_gbs, variants, sink=False):
                     bal = opts.get("schedule") == "balanced"
                     defs = cuda_decode.defines(ld, d, hq // hkv, q.dtype, torch.bfloat16,
                                                qrot=True, epilogue=2 if bal else 0,
-                                               balanced=bal,
-                                               **{**cuda_decode.context_tuning(d),
-                                                  **cuda_decode.TUNING})
+                                               balanced=bal, **cuda_decode.launch_tuning(d))
                     occ = cuda_decode.ctas_per_sm(defs, q.device)
             except Exception as e:
                 log({**base, "impl": label, "error": str(e)[:200]})

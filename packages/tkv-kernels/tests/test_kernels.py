@@ -2341,8 +2341,9 @@ def test_auto_routes_to_the_cuda_kernel_unless_a_triton_option_is_given(monkeypa
     monkeypatch.setattr(cuda_decode, "DECODE_SCHEDULE", "split")
     run()
     assert calls[-1] == ("cuda", ws.cuda_splits_for(2, 2))
-    with pytest.raises(ValueError, match="schedule"):
-        run(schedule="stream-k")
+    for kern in ("cuda", "triton"):   # refused whichever kernel runs
+        with pytest.raises(ValueError, match="schedule"):
+            run(schedule="stream-k", kernel=kern)
     # the CUDA kernel cannot be built: auto warns once and decodes with Triton (same splits);
     # an explicit kernel="cuda" raises
     def broken(*a, **kw):

@@ -53,6 +53,7 @@ __all__ = [
     "ENV_DECODE_CONTEXT",
     "ENV_DECODE_KERNEL",
     "ENV_DECODE_SCHEDULE",
+    "SCHEDULES",
     "DecodeContextConfigError",
     "DecodeKernelConfigError",
     "DecodeScheduleConfigError",
@@ -65,6 +66,7 @@ __all__ = [
     "defines",
     "launch_balanced",
     "launch_split",
+    "launch_tuning",
     "resident_ctas",
     "supported",
 ]
@@ -186,8 +188,15 @@ def context_tuning(head_dim: int, context: str | None = None) -> dict[str, int]:
     return {"lut": 1, "warps": 8 if head_dim <= 128 else 4}
 
 
+def launch_tuning(head_dim: int) -> dict[str, int]:
+    """The tuning keywords a launch builds with when it passes none of its own: the context
+    profile's (:func:`context_tuning`) overridden by :data:`TUNING` — one merge for the launch
+    and for the occupancy its split count is sized by (:func:`resident_ctas`)."""
+    return {**context_tuning(head_dim), **TUNING}
+
+
 ENV_DECODE_SCHEDULE = "TKV_DECODE_SCHEDULE"
-_SCHEDULES = ("split", "balanced")
+SCHEDULES = ("split", "balanced")
 
 
 class DecodeScheduleConfigError(TkvError, ValueError):
@@ -203,7 +212,7 @@ def decode_schedule_from_env(environ=None) -> str:
 
     Raises:
         DecodeScheduleConfigError: any other value."""
-    return choice_from_env(environ, ENV_DECODE_SCHEDULE, _SCHEDULES, "split",
+    return choice_from_env(environ, ENV_DECODE_SCHEDULE, SCHEDULES, "split",
                            DecodeScheduleConfigError,
                            "expected split (each sequence cut into equal splits) or balanced "
                            "(the batch's steps shared equally by one wave of CTAs)")
@@ -314,7 +323,7 @@ def resident_ctas(loader: TkvLoader, head_dim: int, group: int, dot_dtype: torch
     if any((s, dot_dtype) not in loader._prmt_host for s in "kv"):
         return 4   # no byte tables for this dtype: check_supported refuses the launch anyway
     d = defines(loader, head_dim, group, torch.float32, dot_dtype,
-                **{**context_tuning(head_dim), **TUNING})
+                **launch_tuning(head_dim))
     n = min(d["MIN_CTAS"], 64 // d["WARPS"])
     if torch.device(device).type != "cuda":
         return n
@@ -397,7 +406,7 @@ def _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config)
     out_dtype = out.dtype if epilogue else torch.float32
     return defines(loader, d, group, q.dtype, dot_dtype, qrot=q_w is not None,
                    epilogue=epilogue, out_dtype=out_dtype,
-                   **{**context_tuning(d), **TUNING, **config})
+                   **{**launch_tuning(d), **config})
 
 
 def _launch(defs, grid, q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,

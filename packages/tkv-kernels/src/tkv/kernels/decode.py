@@ -465,7 +465,7 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         ≤ 16), ``num_stages`` or ``min_split_tiles`` out of range; DtypeError for a bool
         option that is not a bool), NonFiniteError for a NaN / inf ``sm_scale``, TypeError
         for a ``loader`` / ``workspace`` of the wrong type, ValueError for an unknown
-        ``kernel``. A ``TKV_*`` setting refused at import (its named error, e.g.
+        ``kernel`` or ``schedule``. A ``TKV_*`` setting refused at import (its named error, e.g.
         MaxnregConfigError).
     """
     check_import_settings()
@@ -505,6 +505,10 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         kernel = cuda_decode.DECODE_KERNEL
     if kernel not in ("auto", "triton", "gluon", "cuda"):
         raise ValueError(f"kernel must be 'auto', 'triton', 'gluon' or 'cuda', got {kernel!r}")
+    if schedule is None:
+        schedule = cuda_decode.DECODE_SCHEDULE
+    if schedule not in cuda_decode.SCHEDULES:
+        raise ValueError(f"schedule must be one of {cuda_decode.SCHEDULES}, got {schedule!r}")
     if kernel == "auto":   # the CUDA kernel unless it cannot serve the call or a Triton option
         triton_only = (block_n is not None or num_warps != 4 or num_stages is not None
                        or prefetch or swap_qk is not None or maxnreg is not None
@@ -593,10 +597,6 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         single_split_epilogue and kernel in ("triton", "cuda"),
         min_split_tiles if kernel == "triton" else 0)
     if kernel == "cuda":
-        if schedule is None:
-            schedule = cuda_decode.DECODE_SCHEDULE
-        if schedule not in ("split", "balanced"):
-            raise ValueError(f"schedule must be 'split' or 'balanced', got {schedule!r}")
         bal_epilogue, bal_o_w, _ = _single_split_epilogue(
             loader, 1, unrotate, d, d_pad, dev,
             single_split_epilogue and schedule == "balanced" and num_splits is None)
