@@ -156,6 +156,35 @@ def context_rows(copy_gbs) -> None:
     cuda_bench.model_step_rows(((32, 8192), (64, 2048), (64, 640), (256, 640)), arms)
 
 
+def early_rows(copy_gbs) -> None:
+    """``--early``: decode's default under ``TKV_DECODE_CONTEXT=short`` and ``long``, each with
+    the prologue order of ``early=0`` (the query loaded, rotated and packed, the pair tables
+    filled, then the first pages copied) and ``early=1`` (the first pages' copies issued
+    first), at long and short shapes and a length sweep at B=32; then 36-layer steps."""
+    shapes = [(32, 8192, 32, 8, 128), (32, 32768, 32, 8, 128), (128, 8192, 32, 8, 128),
+              (8, 32768, 32, 8, 128), (256, 640, 32, 8, 128), (64, 640, 32, 8, 128),
+              (32, 2048, 32, 8, 128), (32, 4096, 32, 8, 128), (32, 16384, 32, 8, 128),
+              (32, 8192, 32, 8, 64), (32, 8192, 32, 8, 256), (256, 640, 9, 3, 64)]
+    variants = [(f"default, TKV_DECODE_CONTEXT={c}, early={e}", {"early": e} if e else {},
+                 {"kernel": None, "_context": c}) for c in ("short", "long") for e in (0, 1)]
+    kernel_rows(shapes, copy_gbs, variants)
+    arms = [("bf16 store + bypass decode", "bf16", None)]
+    for c in ("short", "long"):
+        arms.append((f"tkv K4V4 default, TKV_DECODE_CONTEXT={c}", {}, lambda c=c: context(c)))
+        arms.append((f"tkv K4V4 default, TKV_DECODE_CONTEXT={c}, early=1", {},
+                     lambda c=c: _both(context(c), tuning(cuda_decode, early=1))))
+    cuda_bench.model_step_rows(((32, 8192), (64, 640), (256, 640)), arms)
+
+
+def _both(a, b):
+    """Both context managers ``a`` and ``b`` as one."""
+    from contextlib import ExitStack
+    stack = ExitStack()
+    stack.enter_context(a)
+    stack.enter_context(b)
+    return stack
+
+
 def table(copy_gbs) -> str:
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}. Copy bandwidth "
              f"measured in this run: **{copy_gbs:.0f} GB/s**. Baseline: the Triton split kernel "
@@ -187,6 +216,9 @@ def main():
     ap.add_argument("--context", action="store_true",
                     help="only decode's default under TKV_DECODE_CONTEXT=short and long, with "
                          "36-layer steps")
+    ap.add_argument("--early", action="store_true",
+                    help="only decode's default, short and long, with early=0 and 1 (the "
+                         "prologue order), with 36-layer steps")
     ap.add_argument("--all-variants", action="store_true",
                     help="with --quick: every tuning row, not only the first N_MAIN")
     a = ap.parse_args()
@@ -200,6 +232,8 @@ def main():
                   (64, (32768, 1024), 32, 8, 128)]
     if a.context:
         context_rows(copy_gbs)
+    elif a.early:
+        early_rows(copy_gbs)
     elif a.sink:
         kernel_rows([(32, 8192, 32, 8, 128), (256, 640, 32, 8, 128)], copy_gbs, VARIANTS[:1],
                     sink=True)

@@ -46,7 +46,13 @@ def _cuobjdump() -> Path | None:
     (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"balanced": True}),
     (128, 8, torch.float16, torch.float16, True, 1, {"balanced": True, "sink": True}),
     (64, 3, torch.bfloat16, torch.bfloat16, True, 2, {"balanced": True, "lut": 1}),
-    (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"balanced": True, "lut": 1, "warps": 8})])
+    (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"balanced": True, "lut": 1, "warps": 8}),
+    # the first ring groups issued before the query prologue (its rows in their own area)
+    (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"early": 1}),
+    (64, 8, torch.float32, torch.float16, False, 0, {"early": 1, "sink": True}),
+    (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"early": 1, "lut": 1, "warps": 8}),
+    (256, 7, torch.bfloat16, torch.bfloat16, True, 1, {"early": 1, "lut": 1}),
+    (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"early": 1, "balanced": True})])
 def test_compiles_offline_within_its_register_budget(d, group, q_dtype, dot, qrot, epilogue,
                                                      tune, tmp_path):
     """NVRTC compiles the kernel for sm_90 on any machine (no GPU needed), with the query
@@ -146,19 +152,22 @@ def _rel_rows(out, ref):
     (64, 3, 3, 16, 100, torch.bfloat16), (64, 4, 1, 64, 0, torch.float16),
     (256, 2, 7, 128, 0, torch.bfloat16), (128, 1, 4, 16, 33, torch.float16)])
 @pytest.mark.parametrize("tune,codebook", [({}, None), ({"lut": 1}, None), ({"lut": 1}, "beta"),
-                                           ({"lut": 1, "warps": 8}, None)])
+                                           ({"lut": 1, "warps": 8}, None), ({"early": 1}, None),
+                                           ({"lut": 1, "warps": 8, "early": 1}, "beta")])
 def test_matches_oracle_and_triton(d, hkv, group, block, window, dtype, tune, codebook):
     """Against the float64 oracle (per row, within bf16/fp16 rounding) and the Triton split
     kernel (same inputs), at the workspace's split count and at 1 and 8 splits: lengths 1, 15,
     16, 17, tails, random pages, GQA 1-8, windows, fp16; with the register lookups (the
     default) and the shared pair tables (``lut=1``: one table, or K's and V's own when the
-    codebooks differ; 4 or 8 warps per CTA)."""
+    codebooks differ; 4 or 8 warps per CTA); with the first pages issued before the query
+    prologue (``early=1``)."""
     lens = [1, 37, 300, 1024, 77, 16, 17, 15]
     kw = {"k_codebook": codebook} if codebook else {}
     ld, batch, cache = _case(d, hkv, block, lens, dtype=dtype, **kw)
     defs = cuda_decode.defines(ld, d, group, dtype, dtype, **tune)
-    assert defs["TAB_SAME"] == int(bool(tune) and not kw)   # one table for both sides
-    assert defs["TAB_BYTES"] == (0 if not tune else 32768 if not kw else 65536)
+    lut = tune.get("lut", 0)
+    assert defs["TAB_SAME"] == int(lut and not kw)   # one table for both sides
+    assert defs["TAB_BYTES"] == (0 if not lut else 32768 if not kw else 65536)
     q = torch.randn(len(lens), hkv * group, d, device="cuda", dtype=dtype)
     ws = Workspace(8, 64, 256, "cuda")
     args = (q, cache, batch.block_table, batch.seq_lens, ld, ws)
@@ -329,7 +338,8 @@ _SKEWED = [5000, 1, 37, 0, 300, 16, 17, 15, 1024, 77]   # one long sequence, len
 @pytest.mark.parametrize("d,hkv,group,block,window,tune,min_steps", [
     (128, 8, 4, 16, 0, {}, None), (128, 8, 4, 16, 0, {}, 1), (64, 3, 3, 16, 100, {}, None),
     (128, 2, 8, 32, 0, {"lut": 1}, 1), (128, 4, 4, 16, 33, {"lut": 1, "warps": 8}, None),
-    (256, 2, 7, 128, 0, {}, 2), (64, 4, 1, 64, 0, {"lut": 1}, 1)])
+    (256, 2, 7, 128, 0, {}, 2), (64, 4, 1, 64, 0, {"lut": 1}, 1),
+    (128, 8, 4, 16, 0, {"early": 1}, 1), (64, 3, 3, 16, 100, {"lut": 1, "early": 1}, 2)])
 def test_balanced_schedule_matches_oracle_and_split(d, hkv, group, block, window, tune,
                                                     min_steps, monkeypatch):
     """The balanced (stream-K) schedule on a skewed batch — one long sequence among short

@@ -18,7 +18,15 @@ import torch
 from tkv.codec import TurboKVCodec
 from tkv.codec.errors import ShapeError
 from tkv.codec.packing import unpack_codes
-from tkv.kernels import SdpaDenseAttention, TkvLoader, Workspace, compress_store, decode, prefill
+from tkv.kernels import (
+    SdpaDenseAttention,
+    TkvLoader,
+    Workspace,
+    compress_store,
+    cuda_decode,
+    decode,
+    prefill,
+)
 from tkv.kernels._util import interpreting
 from tkv.kernels.reference import decode_reference, prefill_reference
 from tkv.kernels.testing import (
@@ -27,6 +35,7 @@ from tkv.kernels.testing import (
     make_paged_batch,
     relative_error,
     tolerance,
+    tuning,
 )
 
 DEV = "cpu" if interpreting() or not torch.cuda.is_available() else "cuda"
@@ -340,7 +349,8 @@ def test_cuda_decode_with_sink_offsets_matches_reference(head_dim, group, heads,
     """The CUDA split kernel (``decode(kernel="cuda")``, K4V4) adds ``⟨q, c_k⟩`` to flagged keys'
     scores and ``c_v`` × the flagged softmax mass to the output: it agrees with the float64
     oracle and with the Triton kernel at 1 split (the single-split epilogue) and 4 (the reduce
-    pass), shared and per-head offsets, key centering, channel scales, windows."""
+    pass), shared and per-head offsets, key centering, channel scales, windows; with the
+    first pages issued before the query prologue (``early=1``) too."""
     g = torch.Generator().manual_seed(head_dim + group)
     codec = _sink_codec(head_dim, 4, 4, g, k_sink=k_sink, v_sink=v_sink, heads=heads,
                         scales=scales, seed=3)
@@ -351,8 +361,9 @@ def test_cuda_decode_with_sink_offsets_matches_reference(head_dim, group, heads,
     ws = Workspace(8, 32, 256, DEV)
     args = (q, cache, batch.block_table, batch.seq_lens, ld, ws)
     ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld, window=window)
-    for splits in (1, 4):
-        out = decode(*args, num_splits=splits, window=window, kernel="cuda")
+    for splits, early in ((1, 0), (4, 0), (1, 1), (4, 1)):
+        with tuning(cuda_decode, early=early):
+            out = decode(*args, num_splits=splits, window=window, kernel="cuda")
         tri = decode(*args, num_splits=splits, window=window, kernel="triton")
-        assert relative_error(out.float(), ref) < tolerance(torch.bfloat16), splits
-        assert relative_error(out.float(), tri.double()) < 1e-2, splits
+        assert relative_error(out.float(), ref) < tolerance(torch.bfloat16), (splits, early)
+        assert relative_error(out.float(), tri.double()) < 1e-2, (splits, early)

@@ -245,7 +245,7 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
             dot_dtype: torch.dtype, *, qrot: bool = False, epilogue: int = 0,
             out_dtype: torch.dtype = torch.float32, sub: int | None = None,
             stages: int | None = None, min_ctas: int | None = None,
-            lut: int | None = None, warps: int | None = None,
+            lut: int | None = None, warps: int | None = None, early: int | None = None,
             balanced: bool = False) -> dict[str, int]:
     """The ``-D`` defines of one kernel configuration (the compile key; see the source's
     header). ``sub``: 16-token steps per loop iteration (default 2 at head_dim ≤ 128, else
@@ -256,36 +256,41 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
     (``TABLE_BYTES`` per distinct codebook, one for both sides when K's and V's byte tables
     are equal; all of the kernel's shared memory is then dynamic, ``DYN_BYTES``);
     ``warps``: warps per CTA (4 or 8; 8 needs ``lut=1``, whose dynamic shared memory has no
-    48 KB static limit); ``balanced``: the balanced (stream-K) schedule of
-    :func:`launch_balanced` (needs ``epilogue`` 1 or 2)."""
+    48 KB static limit); ``early``: 0 (default) or 1, the first ring groups issued before the
+    query prologue (rotation, packing) and, with ``lut=1`` on the split schedule, before the
+    pair tables are filled — the query rows then get their own shared area
+    (:func:`_query_area`) instead of sharing the ring's; ``balanced``: the balanced (stream-K)
+    schedule of :func:`launch_balanced` (needs ``epilogue`` 1 or 2)."""
     if balanced and not epilogue:
         raise ShapeError("cuda decode: the balanced schedule writes the output itself "
                          "(epilogue 1 or 2)")
     sub = sub or (SUB if head_dim <= 128 else 1)
     nst = stages or (2 * sub if sub > 1 or head_dim > 128 else 3)
-    lut, warps = lut or 0, warps or WARPS
+    lut, warps, early = lut or 0, warps or WARPS, early or 0
     if (sub not in (1, 2) or nst % sub or not 2 * sub <= nst <= 8
             or not 1 <= (min_ctas or 1) <= 8 or lut not in (0, 1)
-            or warps not in ((4, 8) if lut else (4,))):
+            or warps not in ((4, 8) if lut else (4,)) or early not in (0, 1)):
         raise ShapeError(f"cuda decode tuning: sub={sub} (1 or 2), stages={nst} (a multiple of "
                          f"sub in [2·sub, 8]), min_ctas={min_ctas} (1..8), lut={lut} (0 or 1),"
-                         f" warps={warps} (4, or 8 with lut=1)")
+                         f" warps={warps} (4, or 8 with lut=1), early={early} (0 or 1)")
     same = loader._prmt_host["k", dot_dtype] == loader._prmt_host["v", dot_dtype]
     tab = lut * TABLE_BYTES * (1 if same else 2)
     # the kernel's SMEM_BYTES (its static_assert checks this bound): the per-warp cp.async
     # ring, or the warps' merge rows, whichever is larger
-    area = _smem_area(head_dim, group, warps, nst)
+    k_sink = loader.k_sink_shift is not None
+    area = _smem_area(head_dim, group, warps, nst) + _query_area(head_dim, group, early,
+                                                                 qrot or k_sink)
     return dict(HEAD_DIM=head_dim, GROUP=group, WARPS=warps, SUB=sub, NST=nst,
                 BLOCK_SIZE=loader.block_size, Q_KIND=_Q_KIND[q_dtype], QROT=int(qrot),
                 DOT_BF16=int(dot_dtype == torch.bfloat16),
                 K_SYM=int(_antisymmetric(loader, "k", dot_dtype)),
                 V_SYM=int(_antisymmetric(loader, "v", dot_dtype)),
                 EPILOGUE=epilogue, OUT_KIND=_Q_KIND[out_dtype],
-                K_SINK=int(loader.k_sink_shift is not None),
+                K_SINK=int(k_sink),
                 V_SINK=int(loader.v_sink_shift is not None),
                 MIN_CTAS=min_ctas or _min_ctas(head_dim, lut, same, warps),
                 LUT=lut, TAB_SAME=int(same and lut), TAB_BYTES=tab,
-                DYN_BYTES=tab + area if lut else 0, BALANCED=int(bool(balanced)))
+                DYN_BYTES=tab + area if lut else 0, BALANCED=int(bool(balanced)), EARLY=early)
 
 
 def ctas_per_sm(defs: dict[str, int], device) -> int:
@@ -308,6 +313,13 @@ def _smem_area(head_dim: int, group: int, warps: int, nst: int) -> int:
     return max(warps * nst * stage, (warps * (group * head_dim + 24) + group * head_dim) * 4)
 
 
+def _query_area(head_dim: int, group: int, early: int, rows: bool) -> int:
+    """The kernel's Q_AREA: with ``early`` and query rows in shared memory (``rows``: a
+    rotation in the kernel or sink offsets), their own area after the ring / merge rows —
+    ``group`` float32 rows of ``head_dim`` and 8 score words (bytes); else 0."""
+    return (group * head_dim + 8) * 4 if early and rows else 0
+
+
 def resident_ctas(loader: TkvLoader, head_dim: int, group: int, dot_dtype: torch.dtype,
                   device) -> int:
     """CTAs per SM of the configuration a launch would build (the context profile and
@@ -318,17 +330,19 @@ def resident_ctas(loader: TkvLoader, head_dim: int, group: int, dot_dtype: torch
     bound of the driver's count (:func:`ctas_per_sm`), equal to it for every configuration the
     context profiles build (sm_90, session 36: 4 / 3 / 2 for the register lookups / pair
     tables / 8-warp pair tables at head_dim 128, 4 / 2 at 64, 2 / 2 / 1 at 256); the 4-warp
-    pair tables at head_dim 64 fit 4 where the budget promises 3. Off a CUDA device (tests)
-    the register budget alone."""
+    pair tables at head_dim 64 fit 4 where the budget promises 3. With ``early=1`` the query
+    rows' own area is counted as if the query were rotated in the kernel (the larger of the
+    two). Off a CUDA device (tests) the register budget alone."""
     if any((s, dot_dtype) not in loader._prmt_host for s in "kv"):
         return 4   # no byte tables for this dtype: check_supported refuses the launch anyway
-    d = defines(loader, head_dim, group, torch.float32, dot_dtype,
+    d = defines(loader, head_dim, group, torch.float32, dot_dtype, qrot=True,
                 **launch_tuning(head_dim))
     n = min(d["MIN_CTAS"], 64 // d["WARPS"])
     if torch.device(device).type != "cuda":
         return n
     per_sm = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
-    smem = d["DYN_BYTES"] or _smem_area(head_dim, group, d["WARPS"], d["NST"])
+    smem = d["DYN_BYTES"] or (_smem_area(head_dim, group, d["WARPS"], d["NST"])
+                              + _query_area(head_dim, group, d["EARLY"], True))
     return max(1, min(n, per_sm // (smem + 1024)))
 
 

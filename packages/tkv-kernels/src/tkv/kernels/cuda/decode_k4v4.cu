@@ -40,7 +40,10 @@
 // 1: the dynamic shared memory of a launch, tables then the ring — checked at compile time),
 // BALANCED (0: grid (sequences, KV heads, splits), one segment per CTA; 1: the balanced
 // (stream-K) schedule — a 1-D grid of resident CTAs sharing the batch's steps equally, parts of
-// a pair merged by the CTA that finishes last; EPILOGUE 1 or 2; see the comment at its code).
+// a pair merged by the CTA that finishes last; EPILOGUE 1 or 2; see the comment at its code),
+// EARLY (optional, default 0; 1: the first ring groups are issued before the query is loaded,
+// rotated and packed and, with LUT 1 and the split schedule, before the pair tables are
+// filled, so the first pages' DRAM latency overlaps that prologue instead of following it).
 //
 // Shared pair tables (LUT 1). Entry e (a whole code byte) holds the two 16-bit centroids of
 // its low and high nibble, so one 32-bit shared load dequantizes two codes; the table is
@@ -74,7 +77,13 @@ typedef unsigned char u8;
 #define STAGE_BYTES (K_STAGE + V_STAGE + 64)
 #define RING_BYTES (WARPS * NST * STAGE_BYTES)
 #define MERGE_BYTES ((WARPS * (GROUP * D + 24) + GROUP * D) * 4)
-#define SMEM_BYTES (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES)
+#ifndef EARLY
+#define EARLY 0
+#endif
+// EARLY 1: the query's float32 rows (QROT or K_SINK: GROUP·D, then GROUP scores) get their own
+// area after the ring, so a CTA issues its first ring groups before the query prologue
+#define Q_AREA ((QROT || K_SINK) && EARLY ? (GROUP * D + 8) * 4 : 0)
+#define SMEM_BYTES ((RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) + Q_AREA)
 #define NEG_INF (__int_as_float(0xff800000))
 #ifndef LUT
 #define LUT 0
@@ -362,7 +371,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 
   // the byte tables, resident in regular registers
 #if LUT
+#if BALANCED || !EARLY
   fill_tables(k_tab, v_tab);
+#endif
   const u32 lbk = (u32)__cvta_generic_to_shared(tab_smem) + lane * 4;
   const u32 lbv = lbk + (TAB_SAME ? 0 : ONE_TABLE);
 #else
@@ -447,12 +458,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   // 2·(t·KB + 4·(c/2) + 2r + e) + (c % 2)
   u32 qb[NCH][2];
   float qd0 = 0.f, qd1 = 0.f;   // K_SINK: scale_log2 · <q, c_k> of heads 2t, 2t+1
-  {
+  auto load_query = [&]() {
     const long long qrow = (long long)seq * sq_s + (long long)(kvh * GROUP) * sq_h;
 #if QROT || K_SINK
     // the query rows in shared memory (float32): model-space rows rotated here as
     // H (q_w ⊙ q) (QROT), and the flagged keys' score term from them (K_SINK)
-    float* qs = (float*)smem;
+    float* qs = (float*)(smem + (EARLY ? SMEM_BYTES - Q_AREA : 0));   // EARLY: after the ring
     for (int i = threadIdx.x; i < GROUP * D; i += WARPS * 32) {
       float x = load_q(q, qrow + (long long)(i / D) * sq_h + i % D);
 #if QROT
@@ -501,10 +512,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
         }
         qb[c][r] = pack2(e0, e1);
       }
-#if QROT || K_SINK
+#if (QROT || K_SINK) && !EARLY
     __syncthreads();   // the ring below reuses the rows' shared memory
 #endif
-  }
+  };
+#if !EARLY
+  load_query();
+#endif
 
   const u32 ring = (u32)__cvta_generic_to_shared(smem) + warp * NST * STAGE_BYTES;
   const u8* kv_head_k = cache + k_codes_off + (long long)kvh * k_head_stride;
@@ -569,6 +583,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   };
 #pragma unroll
   for (int p = 0; p < NPF; ++p) issue_group(p * SUB);
+#if EARLY   // the prologue while the first groups are in flight
+#if LUT && !BALANCED
+  fill_tables(k_tab, v_tab);
+#endif
+  load_query();
+#endif
 
   const int n_it = (n_i + SUB - 1) / SUB;
   for (int it = 0; it < n_it; ++it) {
