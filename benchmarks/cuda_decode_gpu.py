@@ -156,24 +156,32 @@ def context_rows(copy_gbs) -> None:
     cuda_bench.model_step_rows(((32, 8192), (64, 2048), (64, 640), (256, 640)), arms)
 
 
-def early_rows(copy_gbs) -> None:
-    """``--early``: decode's default under ``TKV_DECODE_CONTEXT=short`` and ``long``, each with
-    the prologue order of ``early=0`` (the query loaded, rotated and packed, the pair tables
-    filled, then the first pages copied) and ``early=1`` (the first pages' copies issued
-    first), at long and short shapes and a length sweep at B=32; then 36-layer steps."""
+def teams_rows(copy_gbs) -> None:
+    """``--teams``: decode's default under ``TKV_DECODE_CONTEXT=short`` and ``long``, with the
+    prologue orders ``early=0`` (the query loaded, rotated and packed, the pair tables filled,
+    then the first pages copied) and ``early=1`` (the first pages' copies issued first), and
+    the long build with two teams of 4 warps for short splits (``team_steps``), at long and
+    short shapes and a length sweep at B=32; then 36-layer steps."""
     shapes = [(32, 8192, 32, 8, 128), (32, 32768, 32, 8, 128), (128, 8192, 32, 8, 128),
               (8, 32768, 32, 8, 128), (256, 640, 32, 8, 128), (64, 640, 32, 8, 128),
-              (32, 2048, 32, 8, 128), (32, 4096, 32, 8, 128), (32, 16384, 32, 8, 128),
-              (32, 8192, 32, 8, 64), (32, 8192, 32, 8, 256), (256, 640, 9, 3, 64)]
+              (64, 2048, 32, 8, 128), (128, 2048, 32, 8, 128), (32, 2048, 32, 8, 128),
+              (32, 4096, 32, 8, 128), (32, 16384, 32, 8, 128), (32, 8192, 32, 8, 64),
+              (256, 640, 9, 3, 64), (128, (32768, 640), 32, 8, 128)]
     variants = [(f"default, TKV_DECODE_CONTEXT={c}, early={e}", {"early": e} if e else {},
                  {"kernel": None, "_context": c}) for c in ("short", "long") for e in (0, 1)]
+    variants += [(f"long, early={e}, team_steps={t}", {"early": e, "team_steps": t},
+                  {"kernel": None, "_context": "long"}) for e in (0, 1) for t in (32, 64, 128)]
     kernel_rows(shapes, copy_gbs, variants)
     arms = [("bf16 store + bypass decode", "bf16", None)]
     for c in ("short", "long"):
         arms.append((f"tkv K4V4 default, TKV_DECODE_CONTEXT={c}", {}, lambda c=c: context(c)))
         arms.append((f"tkv K4V4 default, TKV_DECODE_CONTEXT={c}, early=1", {},
                      lambda c=c: _both(context(c), tuning(cuda_decode, early=1))))
-    cuda_bench.model_step_rows(((32, 8192), (64, 640), (256, 640)), arms)
+    for t in (64, 128):
+        arms.append((f"tkv K4V4 long, early=1, team_steps={t}", {},
+                     lambda t=t: _both(context("long"),
+                                       tuning(cuda_decode, early=1, team_steps=t))))
+    cuda_bench.model_step_rows(((32, 8192), (64, 2048), (64, 640), (256, 640)), arms)
 
 
 def _both(a, b):
@@ -216,9 +224,9 @@ def main():
     ap.add_argument("--context", action="store_true",
                     help="only decode's default under TKV_DECODE_CONTEXT=short and long, with "
                          "36-layer steps")
-    ap.add_argument("--early", action="store_true",
+    ap.add_argument("--teams", action="store_true",
                     help="only decode's default, short and long, with early=0 and 1 (the "
-                         "prologue order), with 36-layer steps")
+                         "prologue order) and the long build's teams, with 36-layer steps")
     ap.add_argument("--all-variants", action="store_true",
                     help="with --quick: every tuning row, not only the first N_MAIN")
     a = ap.parse_args()
@@ -232,8 +240,8 @@ def main():
                   (64, (32768, 1024), 32, 8, 128)]
     if a.context:
         context_rows(copy_gbs)
-    elif a.early:
-        early_rows(copy_gbs)
+    elif a.teams:
+        teams_rows(copy_gbs)
     elif a.sink:
         kernel_rows([(32, 8192, 32, 8, 128), (256, 640, 32, 8, 128)], copy_gbs, VARIANTS[:1],
                     sink=True)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tkv.codec import TurboKVCodec
+from tkv.codec.errors import ShapeError
 from tkv.kernels import TkvLoader, Workspace, _nvrtc, cuda_decode, decode
 from tkv.kernels._util import UnsupportedKernelError, interpreting
 from tkv.kernels.reference import decode_reference
@@ -52,7 +53,14 @@ def _cuobjdump() -> Path | None:
     (64, 8, torch.float32, torch.float16, False, 0, {"early": 1, "sink": True}),
     (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"early": 1, "lut": 1, "warps": 8}),
     (256, 7, torch.bfloat16, torch.bfloat16, True, 1, {"early": 1, "lut": 1}),
-    (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"early": 1, "balanced": True})])
+    (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"early": 1, "balanced": True}),
+    # two teams of 4 warps (one KV head each) for short splits, 8 warps per head for long ones
+    (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"lut": 1, "warps": 8, "team_steps": 64}),
+    (128, 4, torch.bfloat16, torch.bfloat16, True, 2,
+     {"lut": 1, "warps": 8, "team_steps": 64, "early": 1}),
+    (64, 8, torch.float32, torch.float16, False, 0,
+     {"lut": 1, "warps": 8, "team_steps": 64, "early": 1, "sink": True}),
+    (128, 8, torch.float16, torch.float16, False, 1, {"lut": 1, "warps": 8, "team_steps": 9})])
 def test_compiles_offline_within_its_register_budget(d, group, q_dtype, dot, qrot, epilogue,
                                                      tune, tmp_path):
     """NVRTC compiles the kernel for sm_90 on any machine (no GPU needed), with the query
@@ -80,8 +88,10 @@ def test_compiles_offline_within_its_register_budget(d, group, q_dtype, dot, qro
     stack = int(re.search(r"STACK:(\d+)", res).group(1))
     # 8 warps at 128 registers keep the loop's trip count on the stack (one L1-resident load
     # per 32 tokens), with the balanced schedule also its segment state across the loop
-    # (spilled at segment boundaries only); nothing else may spill
-    assert stack <= (0 if defs["WARPS"] == 4 else 16 if defs["BALANCED"] else 8), res
+    # (spilled at segment boundaries only), with teams the team's head and rank (read in
+    # the prologue and the epilogue); nothing else may spill
+    assert stack <= (0 if defs["WARPS"] == 4 else 16 if defs["BALANCED"] or defs["TEAMS"]
+                     else 8), res
 
 
 def test_compile_error_is_named():
@@ -240,6 +250,89 @@ def test_rotation_options_match_triton(splits):
         out = decode(query, *args, num_splits=splits, kernel="cuda", **opts)
         assert torch.isfinite(out).all()
         assert _rel_rows(out, tri) < 1e-2, opts
+
+
+_MIXED = [1, 37, 300, 1024, 77, 16, 17, 15, 2500, 129]   # short splits (teams) and long ones
+
+
+@gpu_only
+@pytest.mark.parametrize("d,hkv,group,block,window,early,sink", [
+    (128, 8, 4, 16, 0, 0, False), (128, 3, 8, 32, 0, 1, False), (64, 4, 1, 64, 100, 0, True),
+    (64, 5, 3, 16, 0, 1, True), (128, 2, 7, 128, 33, 1, False)])
+def test_teams_match_oracle_and_eight_warps(d, hkv, group, block, window, early, sink,
+                                            monkeypatch):
+    """Two teams of 4 warps per CTA (``team_steps``; one KV head each, the odd head's CTA
+    exits) for splits of at most 8 steps, 8 warps per head for longer ones, in one launch: a
+    batch mixing both against the float64 oracle and the 8-warp build without teams, at the
+    workspace's split count and at 1 and 8 splits (partial rows and the reduce pass), the
+    output unrotated and left rotated; an odd number of KV heads (the last team idle), GQA
+    1-8, windows, sink offsets, ``early`` 0 / 1."""
+    monkeypatch.setattr(cuda_decode, "TEAM_FILL", 0)   # teams whatever the grid's size
+    kw = {"k_sink_offset": 3 * torch.randn(d), "v_sink_offset": 3 * torch.randn(d)} \
+        if sink else {}
+    ld, batch, cache = _case(d, hkv, block, _MIXED, **kw)
+    q = torch.randn(len(_MIXED), hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    ws = Workspace(16, 64, 256, "cuda")
+    args = (q, cache, batch.block_table, batch.seq_lens, ld, ws)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld, window=window)
+    tune = {"lut": 1, "warps": 8, "early": early}
+    for splits in (None, 1, 8):
+        for opts in ({}, {"output_rotated": True}):
+            with tuning(cuda_decode, **tune):
+                base = decode(*args, window=window, kernel="cuda", num_splits=splits, **opts)
+            with tuning(cuda_decode, team_steps=8, **tune):
+                out = decode(*args, window=window, kernel="cuda", num_splits=splits, **opts)
+            assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+            assert _rel_rows(out, base.double()) < 1e-2, (splits, opts)
+            if not opts:
+                assert _rel_rows(out, ref) < 2.5e-2, splits
+
+
+@gpu_only
+def test_teams_graph_replay_follows_new_lengths(monkeypatch):
+    """Captured once, replayed with lengths that move sequences between teams and 8 warps
+    (the choice is made on the device), the teams build equals eager on the same lengths."""
+    monkeypatch.setattr(cuda_decode, "TEAM_FILL", 0)
+    lens = [3000, 7, 500, 64]
+    ld, batch, cache = _case(128, 8, 16, lens)
+    q = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+    ws = Workspace(4, 32, 128, "cuda")
+    out = torch.empty_like(q)
+    with tuning(cuda_decode, lut=1, warps=8, team_steps=16):
+        run = lambda: decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out,
+                             kernel="cuda", num_splits=1)
+        g = _capture(run)
+        for new in ([3000, 7, 500, 64], [100, 2900, 1, 500], [1, 1, 1, 3000]):
+            batch.seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
+            run()
+            eager = out.clone()
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), new
+
+
+def test_team_steps_rule():
+    """``team_steps_for``: the threshold passes to the kernel only where the CTAs left working
+    with every sequence in teams (⌈KV heads / 2⌉ per sequence and split) fill ``TEAM_FILL`` of
+    a wave; never with one KV head; the build refuses teams without 8 warps or with the
+    balanced schedule."""
+    slots = 132 * 2
+    assert cuda_decode.team_steps_for(64, 256, 8, 1, slots) == 64    # 1024 working CTAs
+    assert cuda_decode.team_steps_for(64, 64, 8, 1, slots) == 64     # 256 ≥ 0.875 · 264
+    assert cuda_decode.team_steps_for(64, 32, 8, 1, slots) == 0      # 128: half a wave
+    assert cuda_decode.team_steps_for(64, 32, 8, 2, slots) == 64
+    assert cuda_decode.team_steps_for(64, 100, 3, 1, slots) == 0     # 200 < 231
+    assert cuda_decode.team_steps_for(64, 1000, 1, 1, slots) == 0    # one head: no pair
+    ld = TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4), 8, 16)
+    d = cuda_decode.defines(ld, 128, 4, torch.bfloat16, torch.bfloat16, lut=1, warps=8,
+                            team_steps=64)
+    assert d["TEAMS"] == 1 and "TEAM_STEPS" not in d   # the threshold is an argument
+    for bad in ({"lut": 1, "team_steps": 64}, {"lut": 1, "warps": 8, "team_steps": -1},
+                {"lut": 1, "warps": 8, "team_steps": True},
+                {"lut": 1, "warps": 8, "team_steps": 64, "balanced": True, "epilogue": 1}):
+        with pytest.raises(ShapeError, match="team_steps"):
+            cuda_decode.defines(ld, 128, 4, torch.bfloat16, torch.bfloat16, **bad)
 
 
 def test_workspace_cuda_split_rule():

@@ -69,6 +69,7 @@ __all__ = [
     "launch_tuning",
     "resident_ctas",
     "supported",
+    "team_steps_for",
 ]
 
 SOURCE = "decode_k4v4.cu"
@@ -246,7 +247,7 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
             out_dtype: torch.dtype = torch.float32, sub: int | None = None,
             stages: int | None = None, min_ctas: int | None = None,
             lut: int | None = None, warps: int | None = None, early: int | None = None,
-            balanced: bool = False) -> dict[str, int]:
+            team_steps: int | None = None, balanced: bool = False) -> dict[str, int]:
     """The ``-D`` defines of one kernel configuration (the compile key; see the source's
     header). ``sub``: 16-token steps per loop iteration (default 2 at head_dim ≤ 128, else
     1); ``stages``: ring stages per warp (default ``2·sub``, 3 for one step at head_dim ≤
@@ -259,27 +260,35 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
     48 KB static limit); ``early``: 0 (default) or 1, the first ring groups issued before the
     query prologue (rotation, packing) and, with ``lut=1`` on the split schedule, before the
     pair tables are filled — the query rows then get their own shared area
-    (:func:`_query_area`) instead of sharing the ring's; ``balanced``: the balanced (stream-K)
-    schedule of :func:`launch_balanced` (needs ``epilogue`` 1 or 2)."""
+    (:func:`_query_area`) instead of sharing the ring's; ``team_steps``: 0 / None (default) or
+    the most 16-token steps per split at which a sequence is served by two teams of 4 warps,
+    one per KV head (needs ``warps=8`` and the split schedule; builds ``TEAMS=1``, the
+    threshold is a kernel argument, see :func:`team_steps_for`); ``balanced``: the balanced
+    (stream-K) schedule of :func:`launch_balanced` (needs ``epilogue`` 1 or 2)."""
     if balanced and not epilogue:
         raise ShapeError("cuda decode: the balanced schedule writes the output itself "
                          "(epilogue 1 or 2)")
     sub = sub or (SUB if head_dim <= 128 else 1)
     nst = stages or (2 * sub if sub > 1 or head_dim > 128 else 3)
-    lut, warps, early = lut or 0, warps or WARPS, early or 0
+    lut, warps, early, team_steps = lut or 0, warps or WARPS, early or 0, team_steps or 0
+    teams = int(team_steps > 0)
     if (sub not in (1, 2) or nst % sub or not 2 * sub <= nst <= 8
             or not 1 <= (min_ctas or 1) <= 8 or lut not in (0, 1)
-            or warps not in ((4, 8) if lut else (4,)) or early not in (0, 1)):
+            or warps not in ((4, 8) if lut else (4,)) or early not in (0, 1)
+            or isinstance(team_steps, bool) or not isinstance(team_steps, int)
+            or team_steps < 0 or (teams and (warps != 8 or balanced))):
         raise ShapeError(f"cuda decode tuning: sub={sub} (1 or 2), stages={nst} (a multiple of "
                          f"sub in [2·sub, 8]), min_ctas={min_ctas} (1..8), lut={lut} (0 or 1),"
-                         f" warps={warps} (4, or 8 with lut=1), early={early} (0 or 1)")
+                         f" warps={warps} (4, or 8 with lut=1), early={early} (0 or 1), "
+                         f"team_steps={team_steps!r} (an int ≥ 0; > 0 needs warps=8 and the "
+                         f"split schedule)")
     same = loader._prmt_host["k", dot_dtype] == loader._prmt_host["v", dot_dtype]
     tab = lut * TABLE_BYTES * (1 if same else 2)
     # the kernel's SMEM_BYTES (its static_assert checks this bound): the per-warp cp.async
     # ring, or the warps' merge rows, whichever is larger
     k_sink = loader.k_sink_shift is not None
-    area = _smem_area(head_dim, group, warps, nst) + _query_area(head_dim, group, early,
-                                                                 qrot or k_sink)
+    area = _smem_area(head_dim, group, warps, nst, teams) + _query_area(
+        head_dim, group, early, qrot or k_sink, teams)
     return dict(HEAD_DIM=head_dim, GROUP=group, WARPS=warps, SUB=sub, NST=nst,
                 BLOCK_SIZE=loader.block_size, Q_KIND=_Q_KIND[q_dtype], QROT=int(qrot),
                 DOT_BF16=int(dot_dtype == torch.bfloat16),
@@ -290,7 +299,8 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
                 V_SINK=int(loader.v_sink_shift is not None),
                 MIN_CTAS=min_ctas or _min_ctas(head_dim, lut, same, warps),
                 LUT=lut, TAB_SAME=int(same and lut), TAB_BYTES=tab,
-                DYN_BYTES=tab + area if lut else 0, BALANCED=int(bool(balanced)), EARLY=early)
+                DYN_BYTES=tab + area if lut else 0, BALANCED=int(bool(balanced)), EARLY=early,
+                TEAMS=teams)
 
 
 def ctas_per_sm(defs: dict[str, int], device) -> int:
@@ -306,18 +316,23 @@ def ctas_per_sm(defs: dict[str, int], device) -> int:
     return _nvrtc.ctas_per_sm(k, defs["WARPS"] * 32, defs["DYN_BYTES"])
 
 
-def _smem_area(head_dim: int, group: int, warps: int, nst: int) -> int:
-    """The kernel's SMEM_BYTES (its static_assert checks this bound): the per-warp cp.async
-    ring, or the warps' merge rows, whichever is larger (bytes)."""
+def _smem_area(head_dim: int, group: int, warps: int, nst: int, teams: int = 0) -> int:
+    """The kernel's shared memory before Q_AREA: the per-warp cp.async ring, or the warps'
+    merge rows (and one merged row set per KV head a CTA may serve: 2 with ``teams``),
+    whichever is larger (bytes)."""
     stage = (2 * head_dim // 8 + 4 * head_dim // 16) * 32 + 64
-    return max(warps * nst * stage, (warps * (group * head_dim + 24) + group * head_dim) * 4)
+    heads = 2 if teams else 1
+    return max(warps * nst * stage,
+               (warps * (group * head_dim + 24) + heads * group * head_dim) * 4)
 
 
-def _query_area(head_dim: int, group: int, early: int, rows: bool) -> int:
+def _query_area(head_dim: int, group: int, early: int, rows: bool, teams: int = 0) -> int:
     """The kernel's Q_AREA: with ``early`` and query rows in shared memory (``rows``: a
     rotation in the kernel or sink offsets), their own area after the ring / merge rows —
-    ``group`` float32 rows of ``head_dim`` and 8 score words (bytes); else 0."""
-    return (group * head_dim + 8) * 4 if early and rows else 0
+    per KV head the CTA may serve (2 with ``teams``), ``group`` float32 rows of ``head_dim``
+    and 8 score words (bytes); else 0."""
+    heads = 2 if teams else 1
+    return (heads * group * head_dim + 8 * heads) * 4 if early and rows else 0
 
 
 def resident_ctas(loader: TkvLoader, head_dim: int, group: int, dot_dtype: torch.dtype,
@@ -341,8 +356,8 @@ def resident_ctas(loader: TkvLoader, head_dim: int, group: int, dot_dtype: torch
     if torch.device(device).type != "cuda":
         return n
     per_sm = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
-    smem = d["DYN_BYTES"] or (_smem_area(head_dim, group, d["WARPS"], d["NST"])
-                              + _query_area(head_dim, group, d["EARLY"], True))
+    smem = d["DYN_BYTES"] or (_smem_area(head_dim, group, d["WARPS"], d["NST"], d["TEAMS"])
+                              + _query_area(head_dim, group, d["EARLY"], True, d["TEAMS"]))
     return max(1, min(n, per_sm // (smem + 1024)))
 
 
@@ -365,9 +380,16 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
         UnsupportedKernelError: the cache's base is not 16-byte aligned.
         CudaCompileError: the kernel did not compile."""
     defs = _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config)
+    teams = 0
+    if defs["TEAMS"]:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        with torch.cuda.device(q.device):
+            slots = sms * ctas_per_sm(defs, q.device)
+        teams = team_steps_for({**launch_tuning(loader.head_dim), **config}["team_steps"],
+                               q.shape[0], loader.num_kv_heads, splits, slots)
     _launch(defs, (q.shape[0], loader.num_kv_heads, splits), q, block_table, seq_lens,
             num_blocks, cache, loader, part_o, part_lse, scale_log2, window, splits, dot_dtype,
-            q_w, out if epilogue else None, o_w, part_lse, 0)
+            q_w, out if epilogue else None, o_w, part_lse, 0, teams)
 
 
 def launch_balanced(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLoader,
@@ -406,7 +428,22 @@ def launch_balanced(q, block_table, seq_lens, num_blocks: int, cache, loader: Tk
     part_o, part_lse, counters = workspace.balanced_scratch(
         ctas, group, loader.head_dim, q.shape[0] * loader.num_kv_heads)
     _launch(defs, (ctas, 1, 1), q, block_table, seq_lens, num_blocks, cache, loader, part_o,
-            part_lse, scale_log2, window, 1, dot_dtype, q_w, out, o_w, counters, min_steps)
+            part_lse, scale_log2, window, 1, dot_dtype, q_w, out, o_w, counters, min_steps, 0)
+
+
+TEAM_FILL = 0.875   # the least share of a wave the teams' CTAs must fill (team_steps_for)
+
+
+def team_steps_for(team_steps: int, num_seqs: int, num_kv_heads: int, splits: int,
+                   slots: int) -> int:
+    """The ``team_steps`` a launch passes the kernel (``TEAMS=1`` builds): ``team_steps``
+    when the CTAs left working with every sequence in teams — ``num_seqs`` ×
+    ⌈``num_kv_heads`` / 2⌉ × ``splits`` — still fill :data:`TEAM_FILL` of a wave of
+    ``slots`` resident CTAs (SMs × CTAs per SM), else 0 (8 warps per pair: teams would halve
+    the working CTAs and idle SMs). A function of the launch shape only (static under CUDA
+    graphs); the lengths choose per sequence in the kernel."""
+    working = num_seqs * ((num_kv_heads + 1) // 2) * splits
+    return team_steps if num_kv_heads > 1 and working >= TEAM_FILL * slots else 0
 
 
 def _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config):
@@ -424,7 +461,8 @@ def _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config)
 
 
 def _launch(defs, grid, q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,
-            scale_log2, window, splits, dot_dtype, q_w, out, o_w, counters, min_steps):
+            scale_log2, window, splits, dot_dtype, q_w, out, o_w, counters, min_steps,
+            team_steps):
     lay = loader.layout
     st = lay.strides()
     k = _nvrtc.kernel(SOURCE, ENTRY, defs, q.device)
@@ -441,7 +479,7 @@ def _launch(defs, grid, q, block_table, seq_lens, num_blocks, cache, loader, par
             splits, dummy if q_w is None else q_w, dummy if out is None else out,
             0 if out is None else out.stride(0), 0 if out is None else out.stride(1),
             dummy if o_w is None else o_w, k_shift, v_shift, q.shape[0], loader.num_kv_heads,
-            counters, int(min_steps)]
+            counters, int(min_steps), int(team_steps)]
     with torch.cuda.device(q.device):   # PyTorch's launcher takes the current device's stream
         if smem:
             _nvrtc.reserve_dynamic_smem(k, smem)

@@ -43,7 +43,12 @@
 // a pair merged by the CTA that finishes last; EPILOGUE 1 or 2; see the comment at its code),
 // EARLY (optional, default 0; 1: the first ring groups are issued before the query is loaded,
 // rotated and packed and, with LUT 1 and the split schedule, before the pair tables are
-// filled, so the first pages' DRAM latency overlaps that prologue instead of following it).
+// filled, so the first pages' DRAM latency overlaps that prologue instead of following it),
+// TEAMS (optional, default 0; 1 with WARPS 8 and the split schedule: a sequence whose split
+// holds at most `team_steps` (a kernel argument; 0: never) 16-token steps is served by two
+// teams of 4 warps, one per KV head — the CTA of head 2k takes heads 2k and 2k + 1, the CTA of
+// head 2k + 1 exits at once — so short contexts get 4 warps per pair and one table fill per
+// two pairs, long ones 8 warps per pair; the choice is made on the device, per sequence).
 //
 // Shared pair tables (LUT 1). Entry e (a whole code byte) holds the two 16-bit centroids of
 // its low and high nibble, so one 32-bit shared load dequantizes two codes; the table is
@@ -76,13 +81,20 @@ typedef unsigned char u8;
 #define V_STAGE (4 * VB * 32)
 #define STAGE_BYTES (K_STAGE + V_STAGE + 64)
 #define RING_BYTES (WARPS * NST * STAGE_BYTES)
-#define MERGE_BYTES ((WARPS * (GROUP * D + 24) + GROUP * D) * 4)
 #ifndef EARLY
 #define EARLY 0
 #endif
-// EARLY 1: the query's float32 rows (QROT or K_SINK: GROUP·D, then GROUP scores) get their own
-// area after the ring, so a CTA issues its first ring groups before the query prologue
-#define Q_AREA ((QROT || K_SINK) && EARLY ? (GROUP * D + 8) * 4 : 0)
+#ifndef TEAMS
+#define TEAMS 0
+#endif
+#define LOG2_WARPS (WARPS == 8 ? 3 : 2)
+#define NT_MAX (TEAMS ? 2 : 1)   // KV heads a CTA may serve (one per team)
+#define MERGE_BYTES ((WARPS * (GROUP * D + 24) + NT_MAX * GROUP * D) * 4)
+// the query's float32 rows (QROT or K_SINK): NT_MAX·GROUP rows of D, then 8 score words per
+// team; EARLY 1 gives them their own area after the ring, so a CTA issues its first ring
+// groups before the query prologue (else they share the ring's start)
+#define Q_ROWS_BYTES ((NT_MAX * GROUP * D + 8 * NT_MAX) * 4)
+#define Q_AREA ((QROT || K_SINK) && EARLY ? Q_ROWS_BYTES : 0)
 #define SMEM_BYTES ((RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) + Q_AREA)
 #define NEG_INF (__int_as_float(0xff800000))
 #ifndef LUT
@@ -242,12 +254,12 @@ __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
-// y = H x in place for GROUP rows of D floats in shared memory (H the unnormalized Sylvester
+// y = H x in place for `rows` rows of D floats in shared memory (H the unnormalized Sylvester
 // Walsh–Hadamard matrix): log2(D) butterfly stages, the whole CTA, a barrier after each
-__device__ __forceinline__ void fwht_rows(float* x) {
+__device__ __forceinline__ void fwht_rows(float* x, int rows) {
 #pragma unroll 1
   for (int h = 1; h < D; h <<= 1) {
-    for (int p = threadIdx.x; p < GROUP * D / 2; p += WARPS * 32) {
+    for (int p = threadIdx.x; p < rows * D / 2; p += WARPS * 32) {
       const int row = p / (D / 2), r = p % (D / 2);
       const int i = row * D + (r / h) * 2 * h + (r % h);
       const float a = x[i], b = x[i + h];
@@ -272,18 +284,20 @@ __device__ __forceinline__ void store_out(void* out, long long i, float v) {
 #endif
 }
 
-// the warps' online-softmax states (merge area: mo [WARPS][GROUP][D] rows, ml [WARPS][8] maxima,
-// then [WARPS][8] weights, [WARPS][8] flagged-value masses) merged for head h, coordinate d:
-// the row acc and the weight Lsum relative to the common maximum Ms (0 when none is finite)
+// the online-softmax states of warps w0 .. w0 + nw - 1 (merge area: mo [WARPS][GROUP][D] rows,
+// ml [WARPS][8] maxima, then [WARPS][8] weights, [WARPS][8] flagged-value masses) merged for
+// head h, coordinate d: the row acc and the weight Lsum relative to the common maximum Ms (0
+// when none is finite)
 __device__ __forceinline__ void combine(const float* mo, const float* ml, int h, int d,
-                                        float& acc, float& Lsum, float& F, float& Ms) {
+                                        float& acc, float& Lsum, float& F, float& Ms,
+                                        int w0 = 0, int nw = WARPS) {
   float M = NEG_INF;
 #pragma unroll
-  for (int w = 0; w < WARPS; ++w) M = fmaxf(M, ml[w * 8 + h]);
+  for (int w = w0; w < w0 + nw; ++w) M = fmaxf(M, ml[w * 8 + h]);
   Ms = M == NEG_INF ? 0.f : M;
   Lsum = acc = F = 0.f;
 #pragma unroll
-  for (int w = 0; w < WARPS; ++w) {
+  for (int w = w0; w < w0 + nw; ++w) {
     const float f = exp2f(ml[w * 8 + h] - Ms);
     Lsum += ml[WARPS * 8 + w * 8 + h] * f;
     F += ml[WARPS * 16 + w * 8 + h] * f;
@@ -305,15 +319,34 @@ __device__ __forceinline__ void final_row(void* out, float* fin, int idx, long l
 #define BALANCED 0
 #endif
 static_assert(!BALANCED || EPILOGUE != 0, "the balanced schedule writes the output itself");
+static_assert(!TEAMS || (WARPS == 8 && !BALANCED), "teams need 8 warps and the split schedule");
+static_assert(EARLY || (QROT == 0 && K_SINK == 0) ||
+              (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) >= Q_ROWS_BYTES,
+              "the query rows do not fit the ring's area");
+
+// sequence i's attended tokens: its length L, the window's first token `start`, the block
+// table's capacity applied (`lim`), and its 16-token steps [s0, s1)
+struct Span {
+  int L, start, lim, s0, s1;
+};
+
+__device__ __forceinline__ Span span_of(const int* __restrict__ seq_lens, int i, int window,
+                                        long long cap) {
+  Span s;
+  s.L = seq_lens[i];
+  s.start = window > 0 ? max(s.L - window, 0) : 0;
+  s.lim = (int)min((long long)s.L, cap);
+  s.s0 = s.start / 16;
+  s.s1 = (s.lim + 15) / 16;
+  return s;
+}
 
 #if BALANCED
 // the 16-token steps of sequence i (its window and the block table's capacity applied)
 __device__ __forceinline__ int steps_of(const int* __restrict__ seq_lens, int i, int window,
                                         long long cap) {
-  const int L = seq_lens[i];
-  const int start = window > 0 ? max(L - window, 0) : 0;
-  const int lim = (int)min((long long)L, cap);
-  return max((lim + 15) / 16 - start / 16, 0);
+  const Span s = span_of(seq_lens, i, window, cap);
+  return max(s.s1 - s.s0, 0);
 }
 
 // the CTA's inclusive prefix sum of v over its threads (WARPS warps); red: WARPS + 1 longs of
@@ -357,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     const float* __restrict__ q_w, void* __restrict__ out, int so_s, int so_h,
     const float* __restrict__ o_w, const float* __restrict__ k_shift,
     const float* __restrict__ v_shift, int num_seqs, int hkv, int* __restrict__ counters,
-    int min_steps) {
+    int min_steps, int team_steps) {
 #if LUT   // all dynamic: the tables, then the ring / merge area
   static_assert(DYN_BYTES >= TAB_BYTES + SMEM_BYTES, "DYN_BYTES too small for tables + ring");
   u8* const smem = tab_smem + TAB_BYTES;
@@ -368,6 +401,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   const int g = lane >> 2, t = lane & 3;
   const float scale_log2 = (float)scale_log2_d;
   const long long cap = (long long)max_blocks * BLOCK_SIZE;
+#if !BALANCED
+  const Span sp = span_of(seq_lens, blockIdx.x, window, cap);
+  const int per = (max(sp.s1 - sp.s0, 0) + num_splits - 1) / num_splits;   // steps per split
+#endif
+#if TEAMS   // two teams of 4 warps, one per KV head, when the split is short (see the header)
+  int nt = 1;
+  if (hkv > 1 && per <= team_steps) {
+    if (blockIdx.y & 1) return;   // head 2k + 1 is served by the CTA of head 2k
+    nt = 2;
+  }
+  const int lgw = nt == 2 ? LOG2_WARPS - 1 : LOG2_WARPS;
+#else
+  constexpr int nt = 1, lgw = LOG2_WARPS;
+#endif
+  const int tw = 1 << lgw, team = warp >> lgw, wt = warp & (tw - 1);   // team size, team, rank
 
   // the byte tables, resident in regular registers
 #if LUT
@@ -433,24 +481,25 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   while (x < b) {
     const long long seg_end = min(b, P + n);
 #else
-  const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  // the CTA's first KV head, the warp's (its team's) KV head
+  const int seq = blockIdx.x, kvh0 = blockIdx.y, kvh = kvh0 + team, split = blockIdx.z;
   {
 #endif
-  const int L = seq_lens[seq];
-  const int start = window > 0 ? max(L - window, 0) : 0;
-  const int lim = (int)min((long long)L, cap);
-  const int s0 = start / 16, s1 = (lim + 15) / 16;
+#if BALANCED
+  const Span sp = span_of(seq_lens, seq, window, cap);
+  const int kvh0 = kvh;
+#endif
+  const int L = sp.L, start = sp.start, lim = sp.lim, s0 = sp.s0, s1 = sp.s1;
+  const bool live = kvh < hkv;   // false only for team 1 past the last head (hkv odd)
 #if BALANCED
   const int my0 = s0 + (int)(x - P);
   const int my1 = s0 + (int)(seg_end - P);
 #else
-  const int nsteps = max(s1 - s0, 0);
-  const int per = (nsteps + num_splits - 1) / num_splits;
   const int my0 = s0 + split * per;
   const int my1 = min(my0 + per, s1);
 #endif
-  // this warp's 16-token steps: my0 + warp + WARPS·j, j < n_i
-  const int n_i = my1 > my0 + warp ? (my1 - my0 - warp + WARPS - 1) / WARPS : 0;
+  // this warp's 16-token steps: my0 + wt + tw·j, j < n_i
+  const int n_i = live && my1 > my0 + wt ? (my1 - my0 - wt + tw - 1) >> lgw : 0;
   const int* bt_row = block_table + (long long)seq * s_bt;
 
   // the query as the B operand of S^T = K · q^T, in the relabelled k order: chunk c,
@@ -463,24 +512,31 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #if QROT || K_SINK
     // the query rows in shared memory (float32): model-space rows rotated here as
     // H (q_w ⊙ q) (QROT), and the flagged keys' score term from them (K_SINK)
+    // rows [nt][GROUP][D] (team tm's rows: KV head kvh0 + tm), then [nt][8] score words
     float* qs = (float*)(smem + (EARLY ? SMEM_BYTES - Q_AREA : 0));   // EARLY: after the ring
-    for (int i = threadIdx.x; i < GROUP * D; i += WARPS * 32) {
-      float x = load_q(q, qrow + (long long)(i / D) * sq_h + i % D);
+    for (int i = threadIdx.x; i < nt * GROUP * D; i += WARPS * 32) {
+      const int hd = kvh0 + i / (GROUP * D);
+      float x = 0.f;
+      if (hd < hkv) {
+        x = load_q(q, (long long)seq * sq_s + (long long)(hd * GROUP + (i / D) % GROUP) * sq_h +
+                          i % D);
 #if QROT
-      x *= q_w[i % D];
+        x *= q_w[i % D];
 #endif
+      }
       qs[i] = x;
     }
     __syncthreads();
 #if QROT
-    fwht_rows(qs);
+    fwht_rows(qs, nt * GROUP);
 #endif
+    const float* qt = qs + team * GROUP * D;   // the warp's team's rows
 #if K_SINK
-    float* qd = qs + GROUP * D;
-    if (warp == 0) {
+    float* qd = qs + nt * GROUP * D + team * 8;
+    if (wt == 0 && live) {
       for (int h = 0; h < GROUP; ++h) {
         float a = 0.f;
-        for (int d = lane; d < D; d += 32) a += qs[h * D + d] * k_shift[(long long)kvh * D + d];
+        for (int d = lane; d < D; d += 32) a += qt[h * D + d] * k_shift[(long long)kvh * D + d];
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
         if (lane == 0) qd[h] = a * scale_log2;
@@ -496,15 +552,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float e0 = 0.f, e1 = 0.f;
-        if (g < GROUP) {
+        if (g < GROUP && live) {
 #if LUT   // element e: coordinate 2·(t·KB + 2c + r) + e
           const int base = 2 * (t * KB + 2 * c + r), step = 1;
 #else
           const int base = 2 * (t * KB + 4 * (c >> 1) + 2 * r) + (c & 1), step = 2;
 #endif
 #if QROT || K_SINK
-          e0 = qs[g * D + base];
-          e1 = qs[g * D + base + step];
+          e0 = qt[g * D + base];
+          e1 = qt[g * D + base + step];
 #else
           e0 = load_q(q, qrow + (long long)g * sq_h + base);
           e1 = load_q(q, qrow + (long long)g * sq_h + base + step);
@@ -530,7 +586,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   // whether the page is valid
   auto issue = [&](int j, int blk) -> bool {
     if (blk < 0 || blk >= num_blocks) return false;
-    const int pos0 = (my0 + warp + WARPS * j) * 16;
+    const int pos0 = (my0 + wt + (j << lgw)) * 16;
     const long long page = (long long)blk * page_bytes;
     const int tok0 = pos0 % BLOCK_SIZE;
     const u32 st = ring + (j % NST) * STAGE_BYTES;
@@ -556,7 +612,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   };
   // the block-table entry of step j (read one step before its copies are issued)
   auto block_of = [&](int j) -> int {
-    return j < n_i ? bt_row[(my0 + warp + WARPS * j) * 16 / BLOCK_SIZE] : -1;
+    return j < n_i ? bt_row[(my0 + wt + (j << lgw)) * 16 / BLOCK_SIZE] : -1;
   };
 
   float O[NCH][4];
@@ -605,7 +661,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
       const int j = it * SUB + k;
       const u32 st = ring + (j % NST) * STAGE_BYTES;
       const bool ok = (okbits >> (j % NST)) & 1;   // false past n_i too (never issued)
-      const int pos0 = (my0 + warp + WARPS * j) * 16;
+      const int pos0 = (my0 + wt + (j << lgw)) * 16;
       vm[k][0] = ok && pos0 + g >= start && pos0 + g < lim;
       vm[k][1] = ok && pos0 + g + 8 >= start && pos0 + g + 8 < lim;
       // S^T = K · q^T (two accumulators: half the dependent HMMA chain)
@@ -766,7 +822,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   __syncthreads();
   float* mo = (float*)smem;                       // [WARPS][GROUP][D]
   float* ml = mo + WARPS * GROUP * D;   // [WARPS][8] m, then [WARPS][8] l, [WARPS][8] f
-  float* fin = ml + WARPS * 24;         // [GROUP][D] the merged rows (EPILOGUE 2)
+  float* fin = ml + WARPS * 24;         // [nt][GROUP][D] the merged rows (EPILOGUE 2)
   if (g == 0) {
     ml[warp * 8 + 2 * t] = m0; ml[warp * 8 + 2 * t + 1] = m1;
     ml[WARPS * 8 + warp * 8 + 2 * t] = l0; ml[WARPS * 8 + warp * 8 + 2 * t + 1] = l1;
@@ -793,17 +849,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   const bool whole = c0 == c1;
   const int slot = 2 * me + (P <= a ? 0 : 1);
 #endif
-  for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32) {
-    const int h = idx / D, d = idx % D;
+  for (int idx = threadIdx.x; idx < nt * GROUP * D; idx += WARPS * 32) {
+    const int tm = idx / (GROUP * D), hk = kvh0 + tm;   // the element's team and KV head
+    if (hk >= hkv) continue;
+    const int h = (idx / D) % GROUP, d = idx % D;
     float acc, Lsum, F, Ms;
-    combine(mo, ml, h, d, acc, Lsum, F, Ms);
+    combine(mo, ml, h, d, acc, Lsum, F, Ms, tm << lgw, tw);
 #if V_SINK
-    acc += F * v_shift[(long long)kvh * D + d];   // c_v times the flagged softmax mass
+    acc += F * v_shift[(long long)hk * D + d];   // c_v times the flagged softmax mass
 #endif
     float inv = 1.f / (Lsum > 0.f ? Lsum : 1.f);
     if (cap < L) inv = __int_as_float(0x7fc00000);   // a length past the block table: NaN rows
 #if EPILOGUE == 0
-    const long long row = ((long long)seq * (GROUP * hkv) + kvh * GROUP + h) * num_splits + split;
+    const long long row = ((long long)seq * (GROUP * hkv) + hk * GROUP + h) * num_splits + split;
     part_o[row * D + d] = acc * inv;
     if (d == 0) part_lse[row] = Lsum > 0.f ? Ms + log2f(Lsum) : NEG_INF;
 #else
@@ -814,7 +872,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
       continue;
     }
 #endif
-    final_row(out, fin, idx, (long long)seq * so_s + (long long)(kvh * GROUP + h) * so_h + d,
+    final_row(out, fin, idx, (long long)seq * so_s + (long long)(hk * GROUP + h) * so_h + d,
               acc * inv);
 #endif
   }
@@ -888,10 +946,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   // the normalized rows back to model space, o_w ⊙ H o, written as the output
   if (wrote) {
     __syncthreads();
-    fwht_rows(fin);
-    for (int idx = threadIdx.x; idx < GROUP * D; idx += WARPS * 32)
-      store_out(out, (long long)seq * so_s + (long long)(kvh * GROUP + idx / D) * so_h + idx % D,
-                fin[idx] * o_w[idx % D]);
+    fwht_rows(fin, nt * GROUP);
+    for (int idx = threadIdx.x; idx < nt * GROUP * D; idx += WARPS * 32) {
+      const int hk = kvh0 + idx / (GROUP * D);
+      if (hk < hkv)
+        store_out(out, (long long)seq * so_s + (long long)(hk * GROUP + (idx / D) % GROUP) * so_h +
+                           idx % D, fin[idx] * o_w[idx % D]);
+    }
   }
 #endif
 #if BALANCED
