@@ -53,6 +53,8 @@ def _cuobjdump() -> Path | None:
     (64, 8, torch.float32, torch.float16, False, 0, {"early": 1, "sink": True}),
     (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"early": 1, "lut": 1, "warps": 8}),
     (256, 7, torch.bfloat16, torch.bfloat16, True, 1, {"early": 1, "lut": 1}),
+    (256, 8, torch.bfloat16, torch.bfloat16, True, 2, {"early": 1}),   # 48 KB static: rows in
+    (256, 8, torch.float32, torch.bfloat16, True, 1, {"early": 1, "balanced": True}),   # merge
     (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"early": 1, "balanced": True}),
     # two teams of 4 warps (one KV head each) for short splits, 8 warps per head for long ones
     (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"lut": 1, "warps": 8, "team_steps": 64}),

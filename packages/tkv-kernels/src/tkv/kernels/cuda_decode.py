@@ -287,8 +287,8 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
     # the kernel's SMEM_BYTES (its static_assert checks this bound): the per-warp cp.async
     # ring, or the warps' merge rows, whichever is larger
     k_sink = loader.k_sink_shift is not None
-    area = _smem_area(head_dim, group, warps, nst, teams) + _query_area(
-        head_dim, group, early, qrot or k_sink, teams)
+    area = _smem_area(head_dim, group, warps, nst, teams,
+                      _query_area(head_dim, group, early, qrot or k_sink, teams))
     return dict(HEAD_DIM=head_dim, GROUP=group, WARPS=warps, SUB=sub, NST=nst,
                 BLOCK_SIZE=loader.block_size, Q_KIND=_Q_KIND[q_dtype], QROT=int(qrot),
                 DOT_BF16=int(dot_dtype == torch.bfloat16),
@@ -316,19 +316,21 @@ def ctas_per_sm(defs: dict[str, int], device) -> int:
     return _nvrtc.ctas_per_sm(k, defs["WARPS"] * 32, defs["DYN_BYTES"])
 
 
-def _smem_area(head_dim: int, group: int, warps: int, nst: int, teams: int = 0) -> int:
-    """The kernel's shared memory before Q_AREA: the per-warp cp.async ring, or the warps'
-    merge rows (and one merged row set per KV head a CTA may serve: 2 with ``teams``),
-    whichever is larger (bytes)."""
+def _smem_area(head_dim: int, group: int, warps: int, nst: int, teams: int = 0,
+               q_area: int = 0) -> int:
+    """The kernel's SMEM_BYTES (its static_assert checks this bound): the per-warp cp.async
+    ring and the query rows' own area after it (``q_area``, :func:`_query_area`), or the
+    warps' merge rows (and one merged row set per KV head a CTA may serve: 2 with
+    ``teams``), whichever is larger (bytes)."""
     stage = (2 * head_dim // 8 + 4 * head_dim // 16) * 32 + 64
     heads = 2 if teams else 1
-    return max(warps * nst * stage,
+    return max(warps * nst * stage + q_area,
                (warps * (group * head_dim + 24) + heads * group * head_dim) * 4)
 
 
 def _query_area(head_dim: int, group: int, early: int, rows: bool, teams: int = 0) -> int:
     """The kernel's Q_AREA: with ``early`` and query rows in shared memory (``rows``: a
-    rotation in the kernel or sink offsets), their own area after the ring / merge rows —
+    rotation in the kernel or sink offsets), their own area after the ring —
     per KV head the CTA may serve (2 with ``teams``), ``group`` float32 rows of ``head_dim``
     and 8 score words (bytes); else 0."""
     heads = 2 if teams else 1
@@ -356,8 +358,9 @@ def resident_ctas(loader: TkvLoader, head_dim: int, group: int, dot_dtype: torch
     if torch.device(device).type != "cuda":
         return n
     per_sm = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
-    smem = d["DYN_BYTES"] or (_smem_area(head_dim, group, d["WARPS"], d["NST"], d["TEAMS"])
-                              + _query_area(head_dim, group, d["EARLY"], True, d["TEAMS"]))
+    smem = d["DYN_BYTES"] or _smem_area(
+        head_dim, group, d["WARPS"], d["NST"], d["TEAMS"],
+        _query_area(head_dim, group, d["EARLY"], True, d["TEAMS"]))
     return max(1, min(n, per_sm // (smem + 1024)))
 
 
@@ -415,7 +418,7 @@ def launch_balanced(q, block_table, seq_lens, num_blocks: int, cache, loader: Tk
         WorkspaceTooSmallError: the workspace's partial rows or counters are too few.
         CudaCompileError: the kernel did not compile."""
     defs = _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out,
-                        {**config, "balanced": True})
+                        {**config, "balanced": True})   # teams are the split schedule's
     min_steps = MIN_STEPS if min_steps is None else min_steps
     if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
         raise ShapeError(f"min_steps must be an int ≥ 1, got {min_steps!r}")
@@ -455,9 +458,11 @@ def _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config)
     if st["k_token"] != d // 2 or st["v_token"] != d // 2:   # 4-bit sides: d/2 code bytes
         raise UnsupportedKernelError(f"decode(kernel='cuda'): token strides {st}")
     out_dtype = out.dtype if epilogue else torch.float32
+    tune = {**launch_tuning(d), **config}
+    if tune.get("balanced"):   # a context profile's teams do not apply to the balanced schedule
+        tune.pop("team_steps", None)
     return defines(loader, d, group, q.dtype, dot_dtype, qrot=q_w is not None,
-                   epilogue=epilogue, out_dtype=out_dtype,
-                   **{**launch_tuning(d), **config})
+                   epilogue=epilogue, out_dtype=out_dtype, **tune)
 
 
 def _launch(defs, grid, q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,

@@ -1,9 +1,11 @@
 // Split-K paged decode for 4-bit K and V sides, hand-written CUDA (compiled at run time by
 // NVRTC; tkv.kernels.cuda_decode builds the defines and launches it).
 //
-// One CTA = one (sequence, KV head, split), WARPS warps. The split's tokens are cut into
-// 16-token *steps*; warp w takes steps w, w + WARPS, ... and keeps its own online-softmax
-// state, so P never leaves the warp; the warps' states are merged once, at the end.
+// One CTA = one (sequence, KV head, split), WARPS warps (or, with TEAMS, two KV heads served
+// by two teams of WARPS / 2 warps when the split is short). The split's tokens are cut into
+// 16-token *steps*; warp w of a team of tw takes steps w, w + tw, ... and keeps its own
+// online-softmax state, so P never leaves the warp; the team's warps' states are merged once,
+// at the end.
 //
 // Per step and warp, two tensor-core products (mma.m16n8k16, f32 accumulate):
 //   S^T[16 tokens][8 heads] = K[16 tokens][D] · q^T[D][8 heads]
@@ -91,11 +93,12 @@ typedef unsigned char u8;
 #define NT_MAX (TEAMS ? 2 : 1)   // KV heads a CTA may serve (one per team)
 #define MERGE_BYTES ((WARPS * (GROUP * D + 24) + NT_MAX * GROUP * D) * 4)
 // the query's float32 rows (QROT or K_SINK): NT_MAX·GROUP rows of D, then 8 score words per
-// team; EARLY 1 gives them their own area after the ring, so a CTA issues its first ring
-// groups before the query prologue (else they share the ring's start)
+// team; EARLY 1 gives them their own area right after the ring, so a CTA issues its first
+// ring groups before the query prologue (else they share the ring's start). They are packed
+// into registers before the main loop, so the merge area (written after it) may cover them.
 #define Q_ROWS_BYTES ((NT_MAX * GROUP * D + 8 * NT_MAX) * 4)
 #define Q_AREA ((QROT || K_SINK) && EARLY ? Q_ROWS_BYTES : 0)
-#define SMEM_BYTES ((RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) + Q_AREA)
+#define SMEM_BYTES (RING_BYTES + Q_AREA > MERGE_BYTES ? RING_BYTES + Q_AREA : MERGE_BYTES)
 #define NEG_INF (__int_as_float(0xff800000))
 #ifndef LUT
 #define LUT 0
@@ -341,6 +344,11 @@ __device__ __forceinline__ Span span_of(const int* __restrict__ seq_lens, int i,
   return s;
 }
 
+// the 16-token steps of each of a sequence's `splits` splits (the last may hold fewer)
+__device__ __forceinline__ int steps_per_split(const Span& s, int splits) {
+  return (max(s.s1 - s.s0, 0) + splits - 1) / splits;
+}
+
 #if BALANCED
 // the 16-token steps of sequence i (its window and the block table's capacity applied)
 __device__ __forceinline__ int steps_of(const int* __restrict__ seq_lens, int i, int window,
@@ -401,21 +409,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   const int g = lane >> 2, t = lane & 3;
   const float scale_log2 = (float)scale_log2_d;
   const long long cap = (long long)max_blocks * BLOCK_SIZE;
-#if !BALANCED
-  const Span sp = span_of(seq_lens, blockIdx.x, window, cap);
-  const int per = (max(sp.s1 - sp.s0, 0) + num_splits - 1) / num_splits;   // steps per split
-#endif
 #if TEAMS   // two teams of 4 warps, one per KV head, when the split is short (see the header)
   int nt = 1;
-  if (hkv > 1 && per <= team_steps) {
+  if (team_steps > 0 && hkv > 1 && steps_per_split(span_of(seq_lens, blockIdx.x, window, cap),
+                                                   num_splits) <= team_steps) {
     if (blockIdx.y & 1) return;   // head 2k + 1 is served by the CTA of head 2k
     nt = 2;
   }
   const int lgw = nt == 2 ? LOG2_WARPS - 1 : LOG2_WARPS;
-#else
-  constexpr int nt = 1, lgw = LOG2_WARPS;
-#endif
   const int tw = 1 << lgw, team = warp >> lgw, wt = warp & (tw - 1);   // team size, team, rank
+#else   // one team of WARPS warps: compile-time constants, the code of a build without teams
+  constexpr int nt = 1, lgw = LOG2_WARPS, tw = WARPS, team = 0;
+  const int wt = warp;
+#endif
 
   // the byte tables, resident in regular registers
 #if LUT
@@ -485,16 +491,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   const int seq = blockIdx.x, kvh0 = blockIdx.y, kvh = kvh0 + team, split = blockIdx.z;
   {
 #endif
-#if BALANCED
   const Span sp = span_of(seq_lens, seq, window, cap);
+#if BALANCED
   const int kvh0 = kvh;
 #endif
   const int L = sp.L, start = sp.start, lim = sp.lim, s0 = sp.s0, s1 = sp.s1;
+#if TEAMS
   const bool live = kvh < hkv;   // false only for team 1 past the last head (hkv odd)
+#else
+  constexpr bool live = true;
+#endif
 #if BALANCED
   const int my0 = s0 + (int)(x - P);
   const int my1 = s0 + (int)(seg_end - P);
 #else
+  const int per = steps_per_split(sp, num_splits);
   const int my0 = s0 + split * per;
   const int my1 = min(my0 + per, s1);
 #endif
@@ -513,13 +524,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     // the query rows in shared memory (float32): model-space rows rotated here as
     // H (q_w ⊙ q) (QROT), and the flagged keys' score term from them (K_SINK)
     // rows [nt][GROUP][D] (team tm's rows: KV head kvh0 + tm), then [nt][8] score words
-    float* qs = (float*)(smem + (EARLY ? SMEM_BYTES - Q_AREA : 0));   // EARLY: after the ring
+    float* qs = (float*)(smem + (EARLY ? RING_BYTES : 0));   // EARLY: after the ring
+    // (team 1's heads follow team 0's: row i / D of the CTA's first head's query rows)
+    const long long qrow0 = (long long)seq * sq_s + (long long)(kvh0 * GROUP) * sq_h;
     for (int i = threadIdx.x; i < nt * GROUP * D; i += WARPS * 32) {
-      const int hd = kvh0 + i / (GROUP * D);
       float x = 0.f;
-      if (hd < hkv) {
-        x = load_q(q, (long long)seq * sq_s + (long long)(hd * GROUP + (i / D) % GROUP) * sq_h +
-                          i % D);
+      if (!TEAMS || kvh0 + i / (GROUP * D) < hkv) {
+        x = load_q(q, qrow0 + (long long)(i / D) * sq_h + i % D);
 #if QROT
         x *= q_w[i % D];
 #endif
@@ -850,8 +861,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   const int slot = 2 * me + (P <= a ? 0 : 1);
 #endif
   for (int idx = threadIdx.x; idx < nt * GROUP * D; idx += WARPS * 32) {
-    const int tm = idx / (GROUP * D), hk = kvh0 + tm;   // the element's team and KV head
-    if (hk >= hkv) continue;
+    const int tm = TEAMS ? idx / (GROUP * D) : 0, hk = kvh0 + tm;   // its team and KV head
+    if (TEAMS && hk >= hkv) continue;
     const int h = (idx / D) % GROUP, d = idx % D;
     float acc, Lsum, F, Ms;
     combine(mo, ml, h, d, acc, Lsum, F, Ms, tm << lgw, tw);
@@ -948,8 +959,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     __syncthreads();
     fwht_rows(fin, nt * GROUP);
     for (int idx = threadIdx.x; idx < nt * GROUP * D; idx += WARPS * 32) {
-      const int hk = kvh0 + idx / (GROUP * D);
-      if (hk < hkv)
+      const int hk = kvh0 + (TEAMS ? idx / (GROUP * D) : 0);
+      if (!TEAMS || hk < hkv)
         store_out(out, (long long)seq * so_s + (long long)(hk * GROUP + (idx / D) % GROUP) * so_h +
                            idx % D, fin[idx] * o_w[idx % D]);
     }
