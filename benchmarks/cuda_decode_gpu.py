@@ -54,6 +54,9 @@ VARIANTS = [("cuda (decode's default, kernel='auto')", {}, {"kernel": None}),
             ("cuda lut=1 warps=8, 4 splits", {"lut": 1, "warps": 8}, {"num_splits": 4}),
             ("cuda lut=1 warps=8 sub=1 stages=3", {"lut": 1, "warps": 8, "sub": 1, "stages": 3},
              {})]
+# the tuning rows on TKV_DECODE_CONTEXT=short: their keywords are the whole tuning (the default
+# profile, auto, would add its own); the first row is decode's default as shipped
+VARIANTS = VARIANTS[:1] + [(lab, tune, {"_context": "short", **o}) for lab, tune, o in VARIANTS[1:]]
 N_MAIN = 11   # --quick runs VARIANTS[:N_MAIN] unless --all-variants
 # the full grid: the default, its split neighbours and the balanced schedule
 FULL = [v for v in VARIANTS if v[0] in ("cuda (decode's default, kernel='auto')", "cuda 1 split",
@@ -124,11 +127,13 @@ def model_step_rows(shapes, layers=36):
     arms = [("bf16 store + bypass decode", "bf16", None),
             ("tkv K4V4 triton (the default until session 32)", {"kernel": "triton"}, None),
             ("tkv K4V4 default (kernel='auto': cuda)", {}, None),
-            ("tkv K4V4 cuda lut=1 (shared pair tables)", {}, lambda: tuning(cuda_decode, lut=1)),
-            ("tkv K4V4 cuda lut=1 warps=8", {}, lambda: tuning(cuda_decode, lut=1, warps=8)),
-            ("tkv K4V4 cuda balanced", {"schedule": "balanced"}, None),
+            ("tkv K4V4 cuda lut=1 (shared pair tables)", {},
+             lambda: _both(context("short"), tuning(cuda_decode, lut=1))),
+            ("tkv K4V4 cuda lut=1 warps=8", {},
+             lambda: _both(context("short"), tuning(cuda_decode, lut=1, warps=8))),
+            ("tkv K4V4 cuda balanced", {"schedule": "balanced"}, lambda: context("short")),
             ("tkv K4V4 cuda lut=1 balanced", {"schedule": "balanced"},
-             lambda: tuning(cuda_decode, lut=1))]
+             lambda: _both(context("short"), tuning(cuda_decode, lut=1)))]
     cuda_bench.model_step_rows(shapes, arms, layers)
 
 
@@ -140,7 +145,7 @@ def context(name: str):
 
 def context_rows(copy_gbs) -> None:
     """``--context``: decode's default (kernel, tuning, split count all chosen by decode) under
-    ``TKV_DECODE_CONTEXT=short`` and ``long`` side by side at the issue's long shapes, short
+    ``TKV_DECODE_CONTEXT=auto`` (the default), ``short`` and ``long`` side by side at the issue's long shapes, short
     ones, head_dim 64 / 256 and a skewed batch, then the 36-layer step at 8K / 2K / 640
     tokens."""
     shapes = [(8, 8192, 32, 8, 128), (8, 32768, 32, 8, 128), (32, 8192, 32, 8, 128),
@@ -148,11 +153,11 @@ def context_rows(copy_gbs) -> None:
               (1, 131072, 32, 8, 128), (32, 8192, 32, 8, 64), (32, 8192, 32, 8, 256),
               (256, 640, 32, 8, 128), (64, (32768, 1024), 32, 8, 128)]
     variants = [(f"default, TKV_DECODE_CONTEXT={c}", {}, {"kernel": None, "_context": c})
-                for c in ("short", "long")]
+                for c in ("auto", "short", "long")]
     kernel_rows(shapes, copy_gbs, variants)
     arms = [("bf16 store + bypass decode", "bf16", None)]
     arms += [(f"tkv K4V4 default, TKV_DECODE_CONTEXT={c}", {}, lambda c=c: context(c))
-             for c in ("short", "long")]
+             for c in ("auto", "short", "long")]
     cuda_bench.model_step_rows(((32, 8192), (64, 2048), (64, 640), (256, 640)), arms)
 
 
@@ -222,8 +227,8 @@ def main():
     ap.add_argument("--sink", action="store_true",
                     help="only K4V4 with key centering and sink offsets (B=32 L=8K, 256 × 640)")
     ap.add_argument("--context", action="store_true",
-                    help="only decode's default under TKV_DECODE_CONTEXT=short and long, with "
-                         "36-layer steps")
+                    help="only decode's default under TKV_DECODE_CONTEXT=auto, short and long, "
+                         "with 36-layer steps")
     ap.add_argument("--teams", action="store_true",
                     help="only decode's default, short and long, with early=0 and 1 (the "
                          "prologue order) and the long build's teams, with 36-layer steps")

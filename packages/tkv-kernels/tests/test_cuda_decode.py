@@ -24,6 +24,14 @@ GPU = torch.cuda.is_available() and not interpreting()
 gpu_only = pytest.mark.skipif(not GPU, reason="needs CUDA")
 
 
+@pytest.fixture(autouse=True)
+def _short_profile(monkeypatch):
+    """Each test here names its whole tuning: the context profile (default ``auto``: pair
+    tables, 8 warps, teams) adds nothing, as under ``TKV_DECODE_CONTEXT=short``; the profiles
+    themselves are tested by name."""
+    monkeypatch.setattr(cuda_decode, "DECODE_CONTEXT", "short")
+
+
 def _cuobjdump() -> Path | None:
     import triton
     p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -165,7 +173,9 @@ def _rel_rows(out, ref):
     (256, 2, 7, 128, 0, torch.bfloat16), (128, 1, 4, 16, 33, torch.float16)])
 @pytest.mark.parametrize("tune,codebook", [({}, None), ({"lut": 1}, None), ({"lut": 1}, "beta"),
                                            ({"lut": 1, "warps": 8}, None), ({"early": 1}, None),
-                                           ({"lut": 1, "warps": 8, "early": 1}, "beta")])
+                                           ({"lut": 1, "warps": 8, "early": 1}, "beta"),
+                                           # TKV_DECODE_CONTEXT=auto's build (the default)
+                                           ({"lut": 1, "warps": 8, "team_steps": 128}, None)])
 def test_matches_oracle_and_triton(d, hkv, group, block, window, dtype, tune, codebook):
     """Against the float64 oracle (per row, within bf16/fp16 rounding) and the Triton split
     kernel (same inputs), at the workspace's split count and at 1 and 8 splits: lengths 1, 15,
@@ -366,21 +376,30 @@ def test_workspace_cuda_split_rule():
                     off.splits_for(n, hkv)
 
 
-def test_context_profile_sets_the_tuning_and_its_occupancy():
-    """TKV_DECODE_CONTEXT: ``short`` (default) keeps the register lookups (4 CTAs per SM),
-    ``long`` builds the pair tables with 8 warps (2 per SM; 4 warps at head_dim 256);
-    :func:`cuda_decode.resident_ctas` is the register budget off a GPU."""
-    assert cuda_decode.decode_context_from_env({}) == "short"
+def test_context_profile_sets_the_tuning_and_its_occupancy(monkeypatch):
+    """TKV_DECODE_CONTEXT: ``auto`` (default) builds the pair tables with 8 warps and two teams
+    of 4 for short splits at head_dim ≤ 128 (2 CTAs per SM), the register lookups at 256;
+    ``short`` keeps the register lookups (4 CTAs per SM), ``long`` the pair tables with 8 warps
+    (4 at head_dim 256); :func:`cuda_decode.resident_ctas` is the register budget off a GPU."""
+    assert cuda_decode.decode_context_from_env({}) == "auto"
     assert cuda_decode.decode_context_from_env({"TKV_DECODE_CONTEXT": " Long"}) == "long"
+    assert cuda_decode.decode_context_from_env({"TKV_DECODE_CONTEXT": "SHORT"}) == "short"
     with pytest.raises(cuda_decode.DecodeContextConfigError, match="TKV_DECODE_CONTEXT"):
         cuda_decode.decode_context_from_env({"TKV_DECODE_CONTEXT": "32k"})
+    auto = {"lut": 1, "warps": 8, "team_steps": cuda_decode.TEAM_STEPS}
+    assert cuda_decode.context_tuning(128, "auto") == cuda_decode.context_tuning(64, "auto") == auto
+    assert cuda_decode.context_tuning(256, "auto") == {}
     assert cuda_decode.context_tuning(128, "short") == {}
     assert cuda_decode.context_tuning(128, "long") == {"lut": 1, "warps": 8}
     assert cuda_decode.context_tuning(256, "long") == {"lut": 1, "warps": 4}
     ld = TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4), 8, 16)
-    assert cuda_decode.resident_ctas(ld, 128, 4, torch.bfloat16, "cpu") == 4
+    assert cuda_decode.resident_ctas(ld, 128, 4, torch.bfloat16, "cpu") == 4   # short
     with tuning(cuda_decode, lut=1, warps=8):
         assert cuda_decode.resident_ctas(ld, 128, 4, torch.bfloat16, "cpu") == 2
+    for context, ctas in (("auto", 2), ("long", 2), ("short", 4)):
+        monkeypatch.setattr(cuda_decode, "DECODE_CONTEXT", context)
+        assert cuda_decode.launch_tuning(128) == cuda_decode.context_tuning(128, context)
+        assert cuda_decode.resident_ctas(ld, 128, 4, torch.bfloat16, "cpu") == ctas
 
 
 @pytest.mark.parametrize("raw,want", [(None, "split"), ("", "split"), (" Balanced ", "balanced"),

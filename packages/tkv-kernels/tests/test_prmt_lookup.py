@@ -472,14 +472,14 @@ def test_engine_kernel_settings_parses_and_names_every_variable():
 
     got = K.engine_kernel_settings({}, prefill_default="auto")
     assert got == ("auto", True, True, "auto", 0, True, True, 0, "auto", "auto", "auto", "split",
-                   "short")
+                   "auto")
     assert got.describe() == ("TKV_LOOKUP=auto TKV_SMALL_HEAD_GROUPS=1 "
                               "TKV_FUSED_QUERY_ROTATION=1 TKV_PREFILL_ATTENTION=auto "
                               "TKV_PRMTI_MAXNREG=0 TKV_DECODE_PIPELINE=1 "
                               "TKV_DECODE_SINGLE_SPLIT=1 TKV_DECODE_MIN_SPLIT_TILES=0 "
                               "TKV_STORE_ROTATION=auto TKV_DECODE_KERNEL=auto "
                               "TKV_STORE_KERNEL=auto TKV_DECODE_SCHEDULE=split "
-                              "TKV_DECODE_CONTEXT=short")
+                              "TKV_DECODE_CONTEXT=auto")
     env = {"TKV_LOOKUP": "prmt", "TKV_SMALL_HEAD_GROUPS": "0", "TKV_FUSED_QUERY_ROTATION": "0",
            "TKV_PREFILL_ATTENTION": "continuation", "TKV_PRMTI_MAXNREG": "128",
            "TKV_DECODE_PIPELINE": "0", "TKV_DECODE_SINGLE_SPLIT": "0",

@@ -17,7 +17,8 @@ a 16-row M padding and per-token address work. Here every register is placed by 
 * the byte tables are per-thread loads, so they stay in regular registers (``lut=1``, a
   tuning keyword of :func:`defines`: a 256-entry table of centroid pairs in shared memory
   instead, one shared load per code byte; docs/kernels.md, session 35) — with 8 warps per CTA
-  the build of ``TKV_DECODE_CONTEXT=long`` (:func:`context_tuning`; session 36);
+  the build of ``TKV_DECODE_CONTEXT=long`` (:func:`context_tuning`; session 36), and with two
+  teams of 4 warps (one KV head each) for short sequences the default, ``auto`` (session 37);
 * the split count fills one wave of the configuration's resident CTAs
   (:func:`resident_ctas`, :meth:`Workspace.cuda_splits_for`);
 * ``schedule="balanced"`` (:func:`launch_balanced`, ``TKV_DECODE_SCHEDULE``): one grid of
@@ -54,6 +55,7 @@ __all__ = [
     "ENV_DECODE_KERNEL",
     "ENV_DECODE_SCHEDULE",
     "SCHEDULES",
+    "TEAM_STEPS",
     "DecodeContextConfigError",
     "DecodeKernelConfigError",
     "DecodeScheduleConfigError",
@@ -151,7 +153,8 @@ def decode_kernel_from_env(environ=None) -> str:
 DECODE_KERNEL = read_at_import(decode_kernel_from_env)
 
 ENV_DECODE_CONTEXT = "TKV_DECODE_CONTEXT"
-_CONTEXTS = ("short", "long")
+_CONTEXTS = ("auto", "short", "long")
+TEAM_STEPS = 128   # the auto profile's team_steps: two teams per CTA up to 2K tokens per split
 
 
 class DecodeContextConfigError(TkvError, ValueError):
@@ -159,21 +162,28 @@ class DecodeContextConfigError(TkvError, ValueError):
 
 
 def decode_context_from_env(environ=None) -> str:
-    """Which contexts the CUDA decode kernel is built for (``TKV_DECODE_CONTEXT``): ``short``
-    (default: the byte-permute lookups in registers, 4 warps — the best at a few hundred to
-    ~2K cached tokens per sequence) or ``long`` (the shared pair tables, ``lut=1``, with 8
-    warps per CTA at head_dim ≤ 128 — 72-83 % of copy bandwidth at 8K-32K tokens on an H100
-    against 60-72 %, but 3.7 % slower 36-layer steps at 640 tokens; session 36). The kernel
-    configuration is fixed per launch shape (CUDA graphs), so the lengths cannot choose it.
+    """Which contexts the CUDA decode kernel is built for (``TKV_DECODE_CONTEXT``):
+
+    * ``auto`` (default): at head_dim ≤ 128 the shared pair tables (``lut=1``) with 8 warps per
+      CTA, whose sequences of at most :data:`TEAM_STEPS` 16-token steps per split are served
+      by two teams of 4 warps, one KV head each (``team_steps``) — the kernel chooses per
+      sequence from the lengths on the device, so a CUDA graph serves any mix. H100 (session
+      37): 72-86 % of copy bandwidth at 8K-32K tokens (B ≥ 32) against 60-73 % for ``short``,
+      36-layer steps 1.5-9.7 % faster from 640 to 8K tokens. At head_dim 256 ``short``'s build.
+    * ``short``: the byte-permute lookups in registers, 4 warps (sessions 33-36's default).
+    * ``long``: the pair tables with 8 warps (4 at head_dim 256) for every sequence (session
+      36; 20 % slower than ``auto`` at 640 tokens, equal from 8K).
+
     Read once at import into :data:`DECODE_CONTEXT`; a bad value is raised by the engines'
     startup validation or the first kernel call.
 
     Raises:
         DecodeContextConfigError: any other value."""
-    return choice_from_env(environ, ENV_DECODE_CONTEXT, _CONTEXTS, "short",
+    return choice_from_env(environ, ENV_DECODE_CONTEXT, _CONTEXTS, "auto",
                            DecodeContextConfigError,
-                           "expected short (register lookups, 4 warps) or long (shared pair "
-                           "tables, 8 warps)")
+                           "expected auto (shared pair tables, 8 warps, two teams of 4 for "
+                           "short sequences), short (register lookups, 4 warps) or long "
+                           "(shared pair tables, 8 warps)")
 
 
 DECODE_CONTEXT = read_at_import(decode_context_from_env)
@@ -183,10 +193,14 @@ def context_tuning(head_dim: int, context: str | None = None) -> dict[str, int]:
     """The tuning keywords of :func:`defines` a context profile (``context``, default
     :data:`DECODE_CONTEXT`) sets: none for ``short``; for ``long`` the pair tables with 8 warps
     (4 at head_dim 256, where 8 warps leave one CTA per SM: 0.386 against 0.347 ms at B=32,
-    L=8K, H100)."""
-    if (context or DECODE_CONTEXT) != "long":
-        return {}
-    return {"lut": 1, "warps": 8 if head_dim <= 128 else 4}
+    L=8K, H100); for ``auto`` the pair tables with 8 warps and ``team_steps`` =
+    :data:`TEAM_STEPS` at head_dim ≤ 128, none at 256 (not timed at short contexts there)."""
+    context = context or DECODE_CONTEXT
+    if context == "long":
+        return {"lut": 1, "warps": 8 if head_dim <= 128 else 4}
+    if context == "auto" and head_dim <= 128:
+        return {"lut": 1, "warps": 8, "team_steps": TEAM_STEPS}
+    return {}
 
 
 def launch_tuning(head_dim: int) -> dict[str, int]:
