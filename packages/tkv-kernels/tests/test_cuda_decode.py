@@ -160,6 +160,19 @@ def _capture(run):
     return g
 
 
+def _replays_follow_lengths(g, run, batch, out, length_sets):
+    """Graph ``g`` (captured from ``run``, which writes ``out``) replayed under each of
+    ``length_sets`` (written into ``batch.seq_lens``) equals ``run`` eagerly on them."""
+    for new in length_sets:
+        batch.seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
+        run()
+        eager = out.clone()
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), new
+
+
 def _rel_rows(out, ref):
     """Largest per-(sequence, head) relative error."""
     err = (out.double() - ref).flatten(0, 1).norm(dim=-1)
@@ -313,15 +326,8 @@ def test_teams_graph_replay_follows_new_lengths(monkeypatch):
     with tuning(cuda_decode, lut=1, warps=8, team_steps=16):
         run = lambda: decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out,
                              kernel="cuda", num_splits=1)
-        g = _capture(run)
-        for new in ([3000, 7, 500, 64], [100, 2900, 1, 500], [1, 1, 1, 3000]):
-            batch.seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
-            run()
-            eager = out.clone()
-            out.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, eager), new
+        _replays_follow_lengths(_capture(run), run, batch, out,
+                                ([3000, 7, 500, 64], [100, 2900, 1, 500], [1, 1, 1, 3000]))
 
 
 def test_team_steps_rule():
@@ -493,14 +499,8 @@ def test_balanced_schedule_graph_replay_follows_new_lengths():
     run = lambda: decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out,
                          kernel="cuda", schedule="balanced")
     g = _capture(run)
-    for new in ([3000, 7, 500, 64], [100, 2900, 1, 500], [1, 1, 1, 3000]):
-        batch.seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
-        run()
-        eager = out.clone()
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager), new
+    _replays_follow_lengths(g, run, batch, out,
+                            ([3000, 7, 500, 64], [100, 2900, 1, 500], [1, 1, 1, 3000]))
     batch.seq_lens[1] = 10**6
     g.replay()
     torch.cuda.synchronize()
