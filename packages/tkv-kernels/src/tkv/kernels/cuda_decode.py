@@ -169,7 +169,7 @@ def decode_context_from_env(environ=None) -> str:
       by two teams of 4 warps, one KV head each (``team_steps``) — the kernel chooses per
       sequence from the lengths on the device, so a CUDA graph serves any mix. H100 (session
       37): 72-86 % of copy bandwidth at 8K-32K tokens (B ≥ 32) against 60-73 % for ``short``,
-      36-layer steps 1.5-9.7 % faster from 640 to 8K tokens. At head_dim 256 ``short``'s build.
+      36-layer steps 0.3-9.7 % faster from 640 to 8K tokens. At head_dim 256 ``short``'s build.
     * ``short``: the byte-permute lookups in registers, 4 warps (sessions 33-36's default).
     * ``long``: the pair tables with 8 warps (4 at head_dim 256) for every sequence (session
       36; 20 % slower than ``auto`` at 640 tokens, equal from 8K).
