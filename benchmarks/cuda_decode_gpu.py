@@ -106,12 +106,12 @@ def kernel_rows(shapes, copy_gbs, variants, sink=False):
                                                qrot=True, epilogue=2 if bal else 0,
                                                balanced=bal, **cuda_decode.launch_tuning(d))
                     occ = cuda_decode.ctas_per_sm(defs, q.device)
+                    splits = opts.get("num_splits") or ws.cuda_splits_for(
+                        B, hkv,
+                        cuda_decode.resident_ctas(ld, d, hq // hkv, torch.bfloat16, q.device))
             except Exception as e:
                 log({**base, "impl": label, "error": str(e)[:200]})
                 continue
-            with tuning(cuda_decode, **tune), context(ctx):
-                splits = opts.get("num_splits") or ws.cuda_splits_for(
-                    B, hkv, cuda_decode.resident_ctas(ld, d, hq // hkv, torch.bfloat16, q.device))
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             if opts.get("schedule") == "balanced":   # one CTA per resident slot
                 splits = occ * sms / (B * hkv)
@@ -145,9 +145,9 @@ def context(name: str):
 
 def context_rows(copy_gbs) -> None:
     """``--context``: decode's default (kernel, tuning, split count all chosen by decode) under
-    ``TKV_DECODE_CONTEXT=auto`` (the default), ``short`` and ``long`` side by side at the issue's long shapes, short
-    ones, head_dim 64 / 256 and a skewed batch, then the 36-layer step at 8K / 2K / 640
-    tokens."""
+    ``TKV_DECODE_CONTEXT=auto`` (the default), ``short`` and ``long`` side by side at the
+    issue's long shapes, short ones, head_dim 64 / 256 and a skewed batch, then the 36-layer
+    step at 8K / 2K / 640 tokens."""
     shapes = [(8, 8192, 32, 8, 128), (8, 32768, 32, 8, 128), (32, 8192, 32, 8, 128),
               (32, 32768, 32, 8, 128), (128, 8192, 32, 8, 128), (1, 32768, 32, 8, 128),
               (1, 131072, 32, 8, 128), (32, 8192, 32, 8, 64), (32, 8192, 32, 8, 256),

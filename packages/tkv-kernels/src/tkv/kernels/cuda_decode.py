@@ -396,14 +396,11 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
     Raises:
         UnsupportedKernelError: the cache's base is not 16-byte aligned.
         CudaCompileError: the kernel did not compile."""
-    defs = _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config)
+    defs, tune = _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config)
     teams = 0
     if defs["TEAMS"]:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        with torch.cuda.device(q.device):
-            slots = sms * ctas_per_sm(defs, q.device)
-        teams = team_steps_for({**launch_tuning(loader.head_dim), **config}["team_steps"],
-                               q.shape[0], loader.num_kv_heads, splits, slots)
+        teams = team_steps_for(tune["team_steps"], q.shape[0], loader.num_kv_heads, splits,
+                               _resident_slots(defs, q.device))
     _launch(defs, (q.shape[0], loader.num_kv_heads, splits), q, block_table, seq_lens,
             num_blocks, cache, loader, part_o, part_lse, scale_log2, window, splits, dot_dtype,
             q_w, out if epilogue else None, o_w, part_lse, 0, teams)
@@ -431,14 +428,12 @@ def launch_balanced(q, block_table, seq_lens, num_blocks: int, cache, loader: Tk
         UnsupportedKernelError: the cache's base is not 16-byte aligned.
         WorkspaceTooSmallError: the workspace's partial rows or counters are too few.
         CudaCompileError: the kernel did not compile."""
-    defs = _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out,
-                        {**config, "balanced": True})   # teams are the split schedule's
+    defs, _ = _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out,
+                           {**config, "balanced": True})   # teams are the split schedule's
     min_steps = MIN_STEPS if min_steps is None else min_steps
     if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
         raise ShapeError(f"min_steps must be an int ≥ 1, got {min_steps!r}")
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    with torch.cuda.device(q.device):
-        ctas = min(sms * ctas_per_sm(defs, q.device), workspace.balanced_ctas)
+    ctas = min(_resident_slots(defs, q.device), workspace.balanced_ctas)
     if ctas < 1:
         raise _nvrtc.CudaCompileError(f"the balanced schedule's kernel fits no CTA on an SM "
                                       f"({defs})")
@@ -463,7 +458,18 @@ def team_steps_for(team_steps: int, num_seqs: int, num_kv_heads: int, splits: in
     return team_steps if num_kv_heads > 1 and working >= TEAM_FILL * slots else 0
 
 
+def _resident_slots(defs: dict[str, int], device) -> int:
+    """The CTAs of configuration ``defs`` the whole GPU holds at once: SMs × :func:`ctas_per_sm`
+    (the driver's count; a balanced grid's size, the wave a teams launch must fill)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    with torch.cuda.device(device):
+        return sms * ctas_per_sm(defs, device)
+
+
 def _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config):
+    """The launch's defines and the tuning keywords they were built from (the context profile,
+    :data:`TUNING` and ``config`` merged; a profile's ``team_steps`` dropped for the balanced
+    schedule)."""
     lay = loader.layout
     st = lay.strides()
     d = loader.head_dim
@@ -476,7 +482,7 @@ def _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config)
     if tune.get("balanced"):   # a context profile's teams do not apply to the balanced schedule
         tune.pop("team_steps", None)
     return defines(loader, d, group, q.dtype, dot_dtype, qrot=q_w is not None,
-                   epilogue=epilogue, out_dtype=out_dtype, **tune)
+                   epilogue=epilogue, out_dtype=out_dtype, **tune), tune
 
 
 def _launch(defs, grid, q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,
