@@ -104,6 +104,27 @@ def test_compiles_offline_within_its_register_budget(d, group, q_dtype, dot, qro
                      else 8), res
 
 
+@pytest.mark.skipif(torch.version.cuda is None, reason="a CPU-only PyTorch has no NVRTC")
+@pytest.mark.parametrize("tune", [{}, {"lut": 1, "warps": 8, "team_steps": 128}])
+def test_probe_build_compiles_and_leaves_the_default_alone(tune):
+    """The timeline probe (``PROBE=1``) compiles with and without teams; a build without it
+    is the same cubin whether the define is absent or 0 (no probe code in default builds);
+    the balanced schedule refuses it at compile time."""
+    ld = TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4), 8, 16)
+    defs = cuda_decode.defines(ld, 128, 4, torch.bfloat16, torch.bfloat16, qrot=True,
+                               epilogue=2, out_dtype=torch.bfloat16, **tune)
+    plain = _nvrtc.compile_cubin(cuda_decode.SOURCE, cuda_decode.ENTRY, defs, "90")
+    assert _nvrtc.compile_cubin(cuda_decode.SOURCE, cuda_decode.ENTRY, {**defs, "PROBE": 0},
+                                "90") == plain
+    probe = _nvrtc.compile_cubin(cuda_decode.SOURCE, cuda_decode.ENTRY, {**defs, "PROBE": 1},
+                                 "90")
+    assert probe[:4] == b"\x7fELF" and probe != plain
+    bal = cuda_decode.defines(ld, 128, 4, torch.bfloat16, torch.bfloat16, qrot=True,
+                              epilogue=2, out_dtype=torch.bfloat16, balanced=True)
+    with pytest.raises(_nvrtc.CudaCompileError, match="probe"):
+        _nvrtc.compile_cubin(cuda_decode.SOURCE, cuda_decode.ENTRY, {**bal, "PROBE": 1}, "90")
+
+
 def test_compile_error_is_named():
     """A source NVRTC refuses raises CudaCompileError with the log, not a bare RuntimeError."""
     if torch.version.cuda is None:
@@ -328,6 +349,51 @@ def test_teams_graph_replay_follows_new_lengths(monkeypatch):
                              kernel="cuda", num_splits=1)
         _replays_follow_lengths(_capture(run), run, batch, out,
                                 ([3000, 7, 500, 64], [100, 2900, 1, 500], [1, 1, 1, 3000]))
+
+
+@gpu_only
+@pytest.mark.parametrize("tune,splits", [({}, 2), ({"lut": 1, "warps": 8, "team_steps": 16}, 1)])
+def test_timeline_probe_writes_the_same_output_and_ordered_times(tune, splits, monkeypatch):
+    """The probe build (``testing.probe_cuda_decode``) writes exactly the output of the launch
+    it repeats, and each working CTA's timestamps are ordered (entry ≤ prologue ≤ first wait ≤
+    loop end ≤ warps done ≤ exit, the ninth wait inside the loop when there is one), with its
+    SM id and warp 0's steps; a team's idle CTA has only entry and exit."""
+    from tkv.kernels.testing import capture_cuda_decode_launch, probe_cuda_decode
+    monkeypatch.setattr(cuda_decode, "TEAM_FILL", 0)
+    lens = [3000, 7, 500, 64]
+    ld, batch, cache = _case(128, 8, 16, lens)
+    q = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+    ws = Workspace(4, 32, 128, "cuda")
+    part_o, part_lse = ws.partials(4, 32, splits, 128)
+    out = torch.empty_like(q)
+    with tuning(cuda_decode, **tune):
+        launch = capture_cuda_decode_launch(
+            lambda: decode(q, cache, batch.block_table, batch.seq_lens, ld, ws, out=out,
+                           kernel="cuda", num_splits=splits))
+        torch.cuda.synchronize()
+        want = (out.clone(), part_o.clone(), part_lse.clone())
+        out.fill_(float("nan"))
+        part_o.fill_(float("nan"))
+        p = probe_cuda_decode(launch)
+    if splits == 1:
+        assert torch.equal(out, want[0])
+    else:
+        assert torch.equal(part_o, want[1]) and torch.equal(part_lse, want[2])
+    grid = launch["grid"]
+    assert p.shape == (grid[0] * grid[1] * grid[2], 8)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ((p[:, 7] & 0xffffffff) < sms).all()
+    assert (p[:, 0] > 0).all() and (p[:, 0] <= p[:, 6]).all()
+    ran = p[:, 1] > 0   # every CTA but a team's idle one (an empty split runs its epilogue)
+    for a, b in ((0, 1), (1, 4), (4, 5), (5, 6)):
+        assert (p[ran, a] <= p[ran, b]).all(), (a, b)
+    t = p[(p[:, 7] >> 32) > 0]   # warp 0 has steps: its first wait is inside its loop
+    assert t.shape[0] and (t[:, 1] <= t[:, 2]).all() and (t[:, 2] <= t[:, 4]).all()
+    nine = t[:, 3] > 0
+    assert ((t[nine, 2] <= t[nine, 3]) & (t[nine, 3] <= t[nine, 4])).all()
+    assert nine.any()   # the 3,000-token sequence's warps pass their ninth wait
+    assert (p[~ran, 1:6] == 0).all()
+    assert bool((~ran).any()) == bool(tune)   # teams: the odd heads' CTAs of short sequences
 
 
 def test_team_steps_rule():

@@ -1,6 +1,6 @@
 """Helpers to build random paged-cache scenarios (for tests, benchmarks and engine adapters'
-tests): random non-contiguous block tables, slot mappings, poisoned caches; and a check of
-the engine plugins' JIT log hook."""
+tests): random non-contiguous block tables, slot mappings, poisoned caches; a check of the
+engine plugins' JIT log hook; and the CUDA decode kernel's timeline probe."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from .loaders import BypassLoader, Fp8Loader, TkvLoader
 from .store import compress_store
 
 __all__ = [
+    "PROBE_WORDS",
     "PagedBatch",
+    "capture_cuda_decode_launch",
     "check_register_installs_jit_log",
     "fill_cache",
     "jit_hooks_isolated",
@@ -24,6 +26,7 @@ __all__ = [
     "make_paged_batch",
     "no_stream_sync",
     "offset_codec",
+    "probe_cuda_decode",
     "reference_flash_varlen",
     "relative_error",
     "tolerance",
@@ -225,3 +228,52 @@ def check_register_installs_jit_log(register, path, monkeypatch) -> None:
         register()
         assert jit_log._INSTALLED.get("path") == str(path), jit_log._INSTALLED
         assert Path(path).is_file()
+
+
+PROBE_WORDS = 8   # u64 words per CTA of the CUDA decode kernel's timeline probe (PROBE_WORDS)
+
+
+def capture_cuda_decode_launch(fn) -> dict:
+    """Run ``fn`` (e.g. a ``decode`` call) with the CUDA decode kernel's launcher watched:
+    ``{"defs", "grid", "args"}`` of its last split-kernel launch (empty if none), for
+    :func:`probe_cuda_decode`."""
+    from . import cuda_decode
+    seen: dict = {}
+    orig = cuda_decode._launch
+
+    def spy(defs, grid, *args):
+        seen.update(defs=defs, grid=grid, args=args)
+        return orig(defs, grid, *args)
+
+    cuda_decode._launch = spy
+    try:
+        fn()
+    finally:
+        cuda_decode._launch = orig
+    return seen
+
+
+def probe_cuda_decode(launch: dict) -> torch.Tensor:
+    """Relaunch a captured split-schedule launch (:func:`capture_cuda_decode_launch`) built
+    with the kernel's timeline probe (``PROBE=1``, see ``cuda/decode_k4v4.cu``): it computes
+    and writes exactly what the captured launch does, and returns int64 ``(ctas,
+    PROBE_WORDS)`` on the CPU, row = the CTA's linear index ``x + X·(y + Y·z)``: words 0-6 the
+    ``%globaltimer`` (ns) at entry, after the prologue, after the first and the ninth ring
+    wait, after warp 0's loop, once every warp is done, at exit (0 where the CTA did not get
+    there: no steps, fewer than 9 iterations, a team's idle CTA); word 7 the SM id (low 32
+    bits) and warp 0's 16-token steps (high 32). Synchronizes the device.
+
+    Raises:
+        ShapeError: the launch is the balanced schedule's (no probe there)."""
+    from tkv.codec.errors import ShapeError
+
+    from . import cuda_decode
+    defs, grid, args = launch["defs"], launch["grid"], list(launch["args"])
+    if defs["BALANCED"]:
+        raise ShapeError("the timeline probe is the split schedule's")
+    ctas = grid[0] * grid[1] * grid[2]
+    buf = torch.zeros(ctas * PROBE_WORDS, dtype=torch.int64, device=args[0].device)
+    args[-3] = buf   # the counters argument, unused by the split schedule
+    cuda_decode._launch({**defs, "PROBE": 1}, grid, *args)
+    torch.cuda.synchronize(buf.device)
+    return buf.view(ctas, PROBE_WORDS).cpu()

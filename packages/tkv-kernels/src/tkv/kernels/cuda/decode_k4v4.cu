@@ -50,7 +50,13 @@
 // holds at most `team_steps` (a kernel argument; 0: never) 16-token steps is served by two
 // teams of 4 warps, one per KV head — the CTA of head 2k takes heads 2k and 2k + 1, the CTA of
 // head 2k + 1 exits at once — so short contexts get 4 warps per pair and one table fill per
-// two pairs, long ones 8 warps per pair; the choice is made on the device, per sequence).
+// two pairs, long ones 8 warps per pair; the choice is made on the device, per sequence),
+// PROBE (optional, default 0; 1, split schedule only: a timeline probe — thread 0 of every CTA
+// writes PROBE_WORDS u64 words to `counters` (read as u64, row = the CTA's linear index):
+// %globaltimer (ns) at entry, after the prologue, after the first and the ninth ring wait,
+// after warp 0's main loop, once every warp is done, at exit; then its SM id in the low 32
+// bits of the last word and its steps (warp 0) in the high 32. benchmarks/decode_timeline_gpu.py
+// reads it; no build a launch makes by default has it).
 //
 // Shared pair tables (LUT 1). Entry e (a whole code byte) holds the two 16-bit centroids of
 // its low and high nibble, so one 32-bit shared load dequantizes two codes; the table is
@@ -321,6 +327,21 @@ __device__ __forceinline__ void final_row(void* out, float* fin, int idx, long l
 #ifndef BALANCED
 #define BALANCED 0
 #endif
+#ifndef PROBE
+#define PROBE 0
+#endif
+#define PROBE_WORDS 8
+static_assert(!PROBE || !BALANCED, "the timeline probe is the split schedule's");
+#if PROBE
+__device__ __forceinline__ unsigned long long probe_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define PROBE_AT(k) do { if (threadIdx.x == 0) probe_row[k] = probe_now(); } while (0)
+#else
+#define PROBE_AT(k) do { } while (0)
+#endif
 static_assert(!BALANCED || EPILOGUE != 0, "the balanced schedule writes the output itself");
 static_assert(!TEAMS || (WARPS == 8 && !BALANCED), "teams need 8 warps and the split schedule");
 static_assert(EARLY || (QROT == 0 && K_SINK == 0) ||
@@ -409,11 +430,24 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   const int g = lane >> 2, t = lane & 3;
   const float scale_log2 = (float)scale_log2_d;
   const long long cap = (long long)max_blocks * BLOCK_SIZE;
+#if PROBE
+  unsigned long long* const probe_row = (unsigned long long*)counters + PROBE_WORDS *
+      (blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z));
+  PROBE_AT(0);
+  if (threadIdx.x == 0) {
+    u32 sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    probe_row[PROBE_WORDS - 1] = sm;
+  }
+#endif
 #if TEAMS   // two teams of 4 warps, one per KV head, when the split is short (see the header)
   int nt = 1;
   if (team_steps > 0 && hkv > 1 && steps_per_split(span_of(seq_lens, blockIdx.x, window, cap),
                                                    num_splits) <= team_steps) {
-    if (blockIdx.y & 1) return;   // head 2k + 1 is served by the CTA of head 2k
+    if (blockIdx.y & 1) {   // head 2k + 1 is served by the CTA of head 2k
+      PROBE_AT(6);   // words 1-5 stay as the host left them
+      return;
+    }
     nt = 2;
   }
   const int lgw = nt == 2 ? LOG2_WARPS - 1 : LOG2_WARPS;
@@ -658,11 +692,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #endif
 
   const int n_it = (n_i + SUB - 1) / SUB;
+  PROBE_AT(1);
+#if PROBE
+  if (threadIdx.x == 0) probe_row[PROBE_WORDS - 1] |= (unsigned long long)n_i << 32;
+#endif
   for (int it = 0; it < n_it; ++it) {
     __syncwarp();   // every lane is done reading the stages the next issue overwrites
     issue_group((it + NPF) * SUB);
     cp_wait<NPF>();
     __syncwarp();   // the norm words copied by lanes 0..15 are visible to all lanes
+#if PROBE
+    if (it == 0) PROBE_AT(2);
+    if (it == 8) PROBE_AT(3);
+#endif
 
     float x[SUB][4], fv[SUB][2];
     bool vm[SUB][2], vf[SUB][2];
@@ -819,6 +861,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     }
   }
   cp_wait<0>();
+  PROBE_AT(4);
 
   // merge the warps: each writes (m, l) per head and its O^T rows to shared memory
 #pragma unroll
@@ -831,6 +874,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #endif
   }
   __syncthreads();
+  PROBE_AT(5);
   float* mo = (float*)smem;                       // [WARPS][GROUP][D]
   float* ml = mo + WARPS * GROUP * D;   // [WARPS][8] m, then [WARPS][8] l, [WARPS][8] f
   float* fin = ml + WARPS * 24;         // [nt][GROUP][D] the merged rows (EPILOGUE 2)
@@ -992,5 +1036,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   }
 #else
   }
+  PROBE_AT(6);
 #endif
 }
