@@ -12,10 +12,13 @@ For each shape (K4V4, Hq=32, Hkv=8, head_dim 128, block_size 16, random pages) t
   ring waits, after warp 0's loop, when every warp is done, at exit) after an L2 flush, five
   times, and prints the median run's phases: launch spread, prologue, first-page latency, the
   per-iteration time of the first 8 iterations against the rest, the loop, the warps' skew,
-  the epilogue, and how the CTAs' ends spread (the tail of the wave).
+  the epilogue, and how the CTAs' ends spread (the tail of the wave);
+* does both with the L2 emptied by writing a 256 MB buffer (do_bench's flush, the default of
+  every earlier table: it leaves the L2 full of dirty lines the timed call writes back) and by
+  reading it (the L2 left clean, as an engine's weight-reading GEMMs leave it).
 
 Usage: python benchmarks/decode_timeline_gpu.py --out DIR [--tag T] [--shapes B:L ...]
-       [--contexts auto short long] [--runs N]
+       [--contexts auto short long] [--flush write read] [--runs N]
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ SHAPES = ["32:8192", "8:8192", "8:32768", "32:32768", "1:131072", "1:32768", "12
 
 
 def probe_run(launch, flush):
-    """One PROBE=1 launch after an L2 flush: int64 (ctas, PROBE_WORDS) timestamps (ns)."""
-    flush.zero_()
+    """One PROBE=1 launch after an L2 flush (``kernels_gpu.flush_l2``): int64 (ctas,
+    PROBE_WORDS) timestamps (ns)."""
+    kg.flush_l2(flush)
     return probe_cuda_decode(launch)
 
 
@@ -92,6 +96,8 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--shapes", nargs="*", default=SHAPES, help="B:L pairs")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--flush", nargs="*", default=["write", "read"], choices=["write", "read"],
+                    help="how the L2 is emptied before each timed call (kernels_gpu.FLUSH)")
     ap.add_argument("--contexts", nargs="*", default=["auto"],
                     help="TKV_DECODE_CONTEXT values to probe (auto, short, long)")
     args = ap.parse_args()
@@ -99,7 +105,7 @@ def main():
     copy_gbs = kg.copy_bandwidth()
     dev_name = torch.cuda.get_device_name()
     rows = []
-    flush = torch.empty(kg._FLUSH_BYTES, dtype=torch.int8, device=kg.DEV)
+    flush = torch.zeros(kg._FLUSH_BYTES, dtype=torch.int8, device=kg.DEV)
     for spec in args.shapes:
         B, L = (int(x) for x in spec.split(":"))
         ws = Workspace(B, hq, d, kg.DEV)
@@ -109,32 +115,36 @@ def main():
         cache = kg.tkv_cache(ld, nblk)
         nbytes = int(sl.sum()) * ld.layout.bytes_per_token
         x = torch.empty(nbytes // 4, dtype=torch.float32, device=kg.DEV).normal_()
-        ms_read = kg.bench(lambda: x.sum())
+        for fl in args.flush:
+            kg.FLUSH = fl
+            ms_read = kg.bench(lambda: x.sum())
+            for ctx in args.contexts:
+                with mock.patch.object(cuda_decode, "DECODE_CONTEXT", ctx):
+                    call = lambda: decode(q, cache, bt, sl, ld, ws)
+                    seen = capture_cuda_decode_launch(call)
+                    defs, grid, largs = seen["defs"], seen["grid"], seen["args"]
+                    ms = kg.bench(call)
+                    ms_split = kg.bench(lambda: cuda_decode._launch(defs, grid, *largs))
+                    runs = [phases(probe_run(seen, flush), defs["SUB"])
+                            for _ in range(args.runs)]
+                runs.sort(key=lambda r: r["span_us"])
+                row = {"B": B, "L": L, "context": ctx, "flush": fl, "device": dev_name,
+                       "copy_GBps": round(copy_gbs), "MB": round(nbytes / 1e6, 1),
+                       "ms": round(ms, 4), "frac_copy": round(nbytes / ms / 1e6 / copy_gbs, 3),
+                       "ms_split_kernel": round(ms_split, 4), "ms_read_ref": round(ms_read, 4),
+                       "read_ref_frac_copy": round(nbytes / ms_read / 1e6 / copy_gbs, 3),
+                       "grid": list(grid), "lut": defs["LUT"], "warps": defs["WARPS"],
+                       "teams": defs["TEAMS"], "probe_spans_us": [r["span_us"] for r in runs],
+                       **runs[len(runs) // 2]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del seen, largs
+        kg.FLUSH = "write"
         del x
-        for ctx in args.contexts:
-            with mock.patch.object(cuda_decode, "DECODE_CONTEXT", ctx):
-                call = lambda: decode(q, cache, bt, sl, ld, ws)
-                seen = capture_cuda_decode_launch(call)
-                defs, grid, largs = seen["defs"], seen["grid"], seen["args"]
-                ms = kg.bench(call)
-                ms_split = kg.bench(lambda: cuda_decode._launch(defs, grid, *largs))
-                runs = [phases(probe_run(seen, flush), defs["SUB"]) for _ in range(args.runs)]
-            runs.sort(key=lambda r: r["span_us"])
-            row = {"B": B, "L": L, "context": ctx, "device": dev_name,
-                   "copy_GBps": round(copy_gbs), "MB": round(nbytes / 1e6, 1), "ms": round(ms, 4),
-                   "frac_copy": round(nbytes / ms / 1e6 / copy_gbs, 3),
-                   "ms_split_kernel": round(ms_split, 4), "ms_read_ref": round(ms_read, 4),
-                   "read_ref_frac_copy": round(nbytes / ms_read / 1e6 / copy_gbs, 3),
-                   "grid": list(grid), "lut": defs["LUT"], "warps": defs["WARPS"],
-                   "teams": defs["TEAMS"], "probe_spans_us": [r["span_us"] for r in runs],
-                   **runs[len(runs) // 2]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            del seen, largs
         del cache
         torch.cuda.empty_cache()
-    cols = ["B", "L", "context", "MB", "ms", "frac_copy", "ms_split_kernel", "read_ref_frac_copy",
-            "span_us", "entry_spread_us", "prologue_us", "first_wait_us", "iter_first8_us",
+    cols = ["B", "L", "context", "flush", "MB", "ms", "frac_copy", "ms_split_kernel",
+            "read_ref_frac_copy", "span_us", "entry_spread_us", "prologue_us", "first_wait_us", "iter_first8_us",
             "iter_steady_us", "loop_p50_us", "loop_max_us", "warp_skew_us", "epilogue_us",
             "first_end_us", "end_p50_us", "last_end_us", "full_share"]
     lines = [f"decode timeline ({dev_name}, copy {copy_gbs:.0f} GB/s; K4V4 Hq 32 Hkv 8 D 128; "

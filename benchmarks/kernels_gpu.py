@@ -57,13 +57,27 @@ CUDA_KERNEL = False   # --cuda: decode rows and a model-step arm of decode(kerne
 
 TIMING = {"method": None}  # how the last bench() timed: "graph" or "eager" (logged per row)
 _FLUSH_BYTES = 256 << 20      # > the H200's 50 MB L2: every timed call starts from HBM
+# how _graph_ms empties the L2 before each call: "write" (do_bench's way: the buffer zeroed,
+# which leaves up to the L2's size of dirty lines the timed call then writes back while it
+# reads) or "read" (the buffer summed: the L2 left full of clean lines, as after an engine's
+# weight-reading GEMMs)
+FLUSH = "write"
+
+
+def flush_l2(buf: torch.Tensor) -> None:
+    """Evict the L2 by :data:`FLUSH`'s method (``buf``: ``_FLUSH_BYTES`` zeroed int8)."""
+    if FLUSH == "read":
+        buf.view(torch.float32).sum()
+    else:
+        buf.zero_()
 
 
 def _graph_ms(fn, n=20, replays=7):
     """GPU ms per call of ``fn`` from CUDA graphs, L2 flushed before every call like
-    ``do_bench`` does: graph A = n × (flush, fn), graph B = n × flush; median over replays of
-    (A − B) / n. No Python launch overhead (what engines see under CUDA graphs)."""
-    buf = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device=DEV)
+    ``do_bench`` does (:func:`flush_l2`, :data:`FLUSH`): graph A = n × (flush, fn), graph B =
+    n × flush; median over replays of (A − B) / n. No Python launch overhead (what engines see
+    under CUDA graphs)."""
+    buf = torch.zeros(_FLUSH_BYTES, dtype=torch.int8, device=DEV)
     fn()  # compile outside the capture
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -73,7 +87,7 @@ def _graph_ms(fn, n=20, replays=7):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=stream):
                 for _ in range(n):
-                    buf.zero_()
+                    flush_l2(buf)
                     if with_fn:
                         fn()
             graphs.append(g)
