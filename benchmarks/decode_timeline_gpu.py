@@ -3,10 +3,12 @@
 
 For each shape (K4V4, Hq=32, Hkv=8, head_dim 128, block_size 16, random pages) this script
 
-* times decode's default call (CUDA graphs, L2 flushed: ``kernels_gpu.bench``), the split
-  kernel alone (the same launch without the reduce pass), and a streaming read of the same
-  number of bytes (``torch.sum`` over float32: the read-only reference a kernel reading the
-  cache could reach at that size), next to the copy bandwidth measured in the same run;
+* times decode's default call (CUDA graphs, L2 flushed: ``kernels_gpu.bench``), with several
+  splits also through the reduce kernel instead of the in-kernel merge
+  (``cuda_decode.MERGE_SPLITS = False``), the split kernel's launch alone, and a streaming
+  read of the same number of bytes (``torch.sum`` over float32: the read-only reference a
+  kernel reading the cache could reach at that size), next to the copy bandwidth measured in
+  the same run;
 * launches the same build once more with ``PROBE=1`` (``cuda/decode_k4v4.cu``'s timeline
   probe: ``%globaltimer`` at each CTA's entry, after its prologue, after its first and ninth
   ring waits, after warp 0's loop, when every warp is done, at exit) after an L2 flush, five
@@ -124,6 +126,10 @@ def main():
                     seen = capture_cuda_decode_launch(call)
                     defs, grid, largs = seen["defs"], seen["grid"], seen["args"]
                     ms = kg.bench(call)
+                    ms_reduce = None
+                    if grid[2] > 1:   # several splits: also through the reduce kernel
+                        with mock.patch.object(cuda_decode, "MERGE_SPLITS", False):
+                            ms_reduce = round(kg.bench(call), 4)
                     ms_split = kg.bench(lambda: cuda_decode._launch(defs, grid, *largs))
                     runs = [phases(probe_run(seen, flush), defs["SUB"])
                             for _ in range(args.runs)]
@@ -131,6 +137,7 @@ def main():
                 row = {"B": B, "L": L, "context": ctx, "flush": fl, "device": dev_name,
                        "copy_GBps": round(copy_gbs), "MB": round(nbytes / 1e6, 1),
                        "ms": round(ms, 4), "frac_copy": round(nbytes / ms / 1e6 / copy_gbs, 3),
+                       "ms_reduce_pass": ms_reduce,
                        "ms_split_kernel": round(ms_split, 4), "ms_read_ref": round(ms_read, 4),
                        "read_ref_frac_copy": round(nbytes / ms_read / 1e6 / copy_gbs, 3),
                        "grid": list(grid), "lut": defs["LUT"], "warps": defs["WARPS"],
@@ -143,7 +150,8 @@ def main():
         del x
         del cache
         torch.cuda.empty_cache()
-    cols = ["B", "L", "context", "flush", "MB", "ms", "frac_copy", "ms_split_kernel",
+    cols = ["B", "L", "context", "flush", "MB", "ms", "frac_copy", "ms_reduce_pass",
+            "ms_split_kernel",
             "read_ref_frac_copy", "span_us", "entry_spread_us", "prologue_us", "first_wait_us", "iter_first8_us",
             "iter_steady_us", "loop_p50_us", "loop_max_us", "warp_skew_us", "epilogue_us",
             "first_end_us", "end_p50_us", "last_end_us", "full_share"]

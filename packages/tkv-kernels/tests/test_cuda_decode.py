@@ -70,7 +70,13 @@ def _cuobjdump() -> Path | None:
      {"lut": 1, "warps": 8, "team_steps": 64, "early": 1}),
     (64, 8, torch.float32, torch.float16, False, 0,
      {"lut": 1, "warps": 8, "team_steps": 64, "early": 1, "sink": True}),
-    (128, 8, torch.float16, torch.float16, False, 1, {"lut": 1, "warps": 8, "team_steps": 9})])
+    (128, 8, torch.float16, torch.float16, False, 1, {"lut": 1, "warps": 8, "team_steps": 9}),
+    # several splits merged in the kernel by the last one (MERGE_SPLITS)
+    (128, 4, torch.bfloat16, torch.bfloat16, True, 2, {"merge_splits": True}),
+    (64, 8, torch.float32, torch.float16, False, 1, {"merge_splits": True, "sink": True}),
+    (128, 4, torch.bfloat16, torch.bfloat16, True, 2,
+     {"lut": 1, "warps": 8, "team_steps": 128, "merge_splits": True}),
+    (256, 8, torch.bfloat16, torch.bfloat16, True, 2, {"merge_splits": True})])
 def test_compiles_offline_within_its_register_budget(d, group, q_dtype, dot, qrot, epilogue,
                                                      tune, tmp_path):
     """NVRTC compiles the kernel for sm_90 on any machine (no GPU needed), with the query
@@ -394,6 +400,60 @@ def test_timeline_probe_writes_the_same_output_and_ordered_times(tune, splits, m
     assert nine.any()   # the 3,000-token sequence's warps pass their ninth wait
     assert (p[~ran, 1:6] == 0).all()
     assert bool((~ran).any()) == bool(tune)   # teams: the odd heads' CTAs of short sequences
+
+
+@gpu_only
+@pytest.mark.parametrize("tune", [{}, {"lut": 1, "warps": 8, "team_steps": 128}])
+@pytest.mark.parametrize("sink", [False, True])
+def test_splits_merged_in_the_kernel_equal_the_reduce_pass(tune, sink, monkeypatch):
+    """Several splits merged by the split that finishes last (``MERGE_SPLITS``, the default)
+    equal the reduce kernel's merge (``cuda_decode.MERGE_SPLITS = False``) to rounding and the
+    float64 oracle, at 2, 8 and 32 splits, the output unrotated and left rotated, with teams
+    (3 KV heads: an idle team) and sink offsets; the counters are left zero; a CUDA graph
+    replayed under new lengths equals eager."""
+    monkeypatch.setattr(cuda_decode, "TEAM_FILL", 0)
+    kw = {"k_sink_offset": 3 * torch.randn(128), "v_sink_offset": 3 * torch.randn(128)} \
+        if sink else {}
+    ld, batch, cache = _case(128, 3, 16, _MIXED, **kw)
+    q = torch.randn(len(_MIXED), 12, 128, device="cuda", dtype=torch.bfloat16)
+    ws = Workspace(16, 64, 256, "cuda")
+    args = (q, cache, batch.block_table, batch.seq_lens, ld, ws)
+    ref = decode_reference(q, cache, batch.block_table, batch.seq_lens, ld)
+    with tuning(cuda_decode, **tune):
+        for splits in (2, 8, 32):
+            for opts in ({}, {"output_rotated": True}):
+                merged = decode(*args, kernel="cuda", num_splits=splits, **opts)
+                torch.cuda.synchronize()
+                assert not ws._counters.any()
+                monkeypatch.setattr(cuda_decode, "MERGE_SPLITS", False)
+                reduced = decode(*args, kernel="cuda", num_splits=splits, **opts)
+                monkeypatch.setattr(cuda_decode, "MERGE_SPLITS", True)
+                assert torch.isfinite(merged).all()
+                assert _rel_rows(merged, reduced.double()) < 5e-3, (splits, opts)
+                if not opts:
+                    assert _rel_rows(merged, ref) < 2.5e-2, splits
+        out = torch.empty_like(q)
+        run = lambda: decode(*args, out=out, kernel="cuda", num_splits=8)
+        _replays_follow_lengths(_capture(run), run, batch, out,
+                                (_MIXED, _MIXED[::-1], [1] * len(_MIXED)))
+
+
+def test_merge_splits_needs_counters_and_an_output_epilogue():
+    """The in-kernel merge is refused by name without counters for every (sequence, KV
+    head) pair, and at build time without an output epilogue or with the balanced schedule."""
+    ld = TkvLoader(TurboKVCodec(128, k_bits=4, v_bits=4), 2, 16)
+    q = torch.zeros(3, 8, 128)
+    with pytest.raises(ShapeError, match="counters"):
+        cuda_decode.launch_split(q, None, None, 1, None, ld, None, None, 1.0, 0, group=4,
+                                 splits=4, dot_dtype=torch.bfloat16, epilogue=2)
+    with pytest.raises(ShapeError, match="counters"):
+        cuda_decode.launch_split(q, None, None, 1, None, ld, None, None, 1.0, 0, group=4,
+                                 splits=4, dot_dtype=torch.bfloat16, epilogue=1,
+                                 counters=torch.zeros(5, dtype=torch.int32))
+    for kw in ({"epilogue": 0}, {"epilogue": 2, "balanced": True}):
+        with pytest.raises(ShapeError, match="merge_splits"):
+            cuda_decode.defines(ld, 128, 4, torch.bfloat16, torch.bfloat16, merge_splits=True,
+                                **kw)
 
 
 def test_team_steps_rule():

@@ -54,6 +54,7 @@ __all__ = [
     "ENV_DECODE_CONTEXT",
     "ENV_DECODE_KERNEL",
     "ENV_DECODE_SCHEDULE",
+    "MERGE_SPLITS",
     "SCHEDULES",
     "TEAM_STEPS",
     "DecodeContextConfigError",
@@ -155,6 +156,9 @@ DECODE_KERNEL = read_at_import(decode_kernel_from_env)
 ENV_DECODE_CONTEXT = "TKV_DECODE_CONTEXT"
 _CONTEXTS = ("auto", "short", "long")
 TEAM_STEPS = 128   # the auto profile's team_steps: two teams per CTA up to 2K tokens per split
+# decode()'s several splits merged in the kernel by the last split (launch_split, session 38)
+# where the output is written by the kernel anyway; False: the reduce kernel's second launch
+MERGE_SPLITS = True
 
 
 class DecodeContextConfigError(TkvError, ValueError):
@@ -261,7 +265,8 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
             out_dtype: torch.dtype = torch.float32, sub: int | None = None,
             stages: int | None = None, min_ctas: int | None = None,
             lut: int | None = None, warps: int | None = None, early: int | None = None,
-            team_steps: int | None = None, balanced: bool = False) -> dict[str, int]:
+            team_steps: int | None = None, balanced: bool = False,
+            merge_splits: bool = False) -> dict[str, int]:
     """The ``-D`` defines of one kernel configuration (the compile key; see the source's
     header). ``sub``: 16-token steps per loop iteration (default 2 at head_dim ≤ 128, else
     1); ``stages``: ring stages per warp (default ``2·sub``, 3 for one step at head_dim ≤
@@ -278,10 +283,16 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
     the most 16-token steps per split at which a sequence is served by two teams of 4 warps,
     one per KV head (needs ``warps=8`` and the split schedule; builds ``TEAMS=1``, the
     threshold is a kernel argument, see :func:`team_steps_for`); ``balanced``: the balanced
-    (stream-K) schedule of :func:`launch_balanced` (needs ``epilogue`` 1 or 2)."""
+    (stream-K) schedule of :func:`launch_balanced` (needs ``epilogue`` 1 or 2);
+    ``merge_splits``: several splits on the split schedule merged in the kernel by the split
+    that finishes last (``MERGE_SPLITS``, see :func:`launch_split`; needs ``epilogue`` 1 or
+    2)."""
     if balanced and not epilogue:
         raise ShapeError("cuda decode: the balanced schedule writes the output itself "
                          "(epilogue 1 or 2)")
+    if merge_splits and (balanced or not epilogue):
+        raise ShapeError("cuda decode: merge_splits writes the output of the split schedule "
+                         "(epilogue 1 or 2, not balanced)")
     sub = sub or (SUB if head_dim <= 128 else 1)
     nst = stages or (2 * sub if sub > 1 or head_dim > 128 else 3)
     lut, warps, early, team_steps = lut or 0, warps or WARPS, early or 0, team_steps or 0
@@ -314,7 +325,7 @@ def defines(loader: TkvLoader, head_dim: int, group: int, q_dtype: torch.dtype,
                 MIN_CTAS=min_ctas or _min_ctas(head_dim, lut, same, warps),
                 LUT=lut, TAB_SAME=int(same and lut), TAB_BYTES=tab,
                 DYN_BYTES=tab + area if lut else 0, BALANCED=int(bool(balanced)), EARLY=early,
-                TEAMS=teams)
+                TEAMS=teams, MERGE_SPLITS=int(bool(merge_splits)))
 
 
 def ctas_per_sm(defs: dict[str, int], device) -> int:
@@ -382,28 +393,41 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
                  part_o, part_lse, scale_log2: float, window: int, *, group: int,
                  splits: int, dot_dtype: torch.dtype, q_w: torch.Tensor | None = None,
                  epilogue: int = 0, out: torch.Tensor | None = None,
-                 o_w: torch.Tensor | None = None, **config) -> None:
+                 o_w: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                 **config) -> None:
     """Launch the CUDA split kernel on grid ``(num_seqs, num_kv_heads, splits)``.
 
     ``q``: ``(num_seqs, num_q_heads, head_dim)`` (float32 / bf16 / fp16, unit stride on
     head_dim), rotated — or, with ``q_w`` (float32 ``(head_dim,)``, the loader's
     ``q_hadamard``), in model space and rotated in the kernel as ``H (q_w ⊙ q)``.
-    ``epilogue`` (as ``decode._single_split_epilogue``; one split only): 0 writes the partial
-    rows and LSEs (log2 units) into ``part_o`` / ``part_lse`` as
-    ``decode._decode_split_kernel`` does; 1 writes the normalized rows to ``out``; 2 writes
-    them unrotated as ``o_w ⊙ H o``. ``config``: :func:`defines`' tuning keywords.
+    ``epilogue`` (as ``decode._single_split_epilogue``): 0 writes the partial rows and LSEs
+    (log2 units) into ``part_o`` / ``part_lse`` as ``decode._decode_split_kernel`` does, for
+    the reduce kernel; 1 writes the normalized rows to ``out``; 2 writes them unrotated as
+    ``o_w ⊙ H o``. With 1 or 2 and several splits the kernel merges the splits itself
+    (``MERGE_SPLITS``): each writes its partial rows, and the one that finishes last (int32
+    ``counters``, at least ``num_seqs · num_kv_heads`` zeros, e.g.
+    :meth:`Workspace.counters`; it leaves them zero) merges them by their LSEs and writes
+    the output — no reduce launch. ``config``: :func:`defines`' tuning keywords.
 
     Raises:
+        ShapeError: several splits with epilogue 1 or 2 and no (or too few) ``counters``.
         UnsupportedKernelError: the cache's base is not 16-byte aligned.
         CudaCompileError: the kernel did not compile."""
-    defs, tune = _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out, config)
+    merge = splits > 1 and bool(epilogue)
+    if merge and (counters is None or counters.numel() < q.shape[0] * loader.num_kv_heads
+                  or counters.dtype != torch.int32):
+        raise ShapeError(f"cuda decode: merging {splits} splits in the kernel needs int32 "
+                         f"counters for {q.shape[0] * loader.num_kv_heads} (sequence, KV head) "
+                         f"pairs")
+    defs, tune = _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out,
+                              {**config, "merge_splits": merge})
     teams = 0
     if defs["TEAMS"]:
         teams = team_steps_for(tune["team_steps"], q.shape[0], loader.num_kv_heads, splits,
                                _resident_slots(defs, q.device))
     _launch(defs, (q.shape[0], loader.num_kv_heads, splits), q, block_table, seq_lens,
             num_blocks, cache, loader, part_o, part_lse, scale_log2, window, splits, dot_dtype,
-            q_w, out if epilogue else None, o_w, part_lse, 0, teams)
+            q_w, out if epilogue else None, o_w, counters if merge else part_lse, 0, teams)
 
 
 def launch_balanced(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLoader,

@@ -438,9 +438,12 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             on full grids with ``TKV_DECODE_SINGLE_SPLIT=1``) the split kernel normalizes its
             row and writes ``out`` itself — unrotated by Walsh–Hadamard butterflies
             (``loader.out_hadamard``) where the rotation is a power-of-two Hadamard — so the
-            reduce launch and the partials' round trip are skipped. False: always the reduce
-            pass (an A/B knob; same result to float32 rounding). The Gluon kernel always uses
-            the reduce pass.
+            reduce launch and the partials' round trip are skipped; the CUDA kernel with
+            several splits merges them itself, in the split that finishes last
+            (:data:`cuda_decode.MERGE_SPLITS`, default True; the partials then stay in the
+            L2), so it needs no reduce launch either. False: always the reduce pass (an A/B
+            knob; same result to float32 rounding). The Gluon kernel always uses the reduce
+            pass.
         min_split_tiles: length-aware split-K — each sequence uses only
             ``min(splits, max(1, ⌈tiles / min_split_tiles⌉))`` of the grid's splits (tiles of
             ``block_n`` tokens inside its window), decided on the device; the others stay
@@ -597,21 +600,26 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         single_split_epilogue and kernel in ("triton", "cuda"),
         min_split_tiles if kernel == "triton" else 0)
     if kernel == "cuda":
-        bal_epilogue, bal_o_w, _ = _single_split_epilogue(
-            loader, 1, unrotate, d, d_pad, dev,
-            single_split_epilogue and schedule == "balanced" and num_splits is None)
+        # the epilogue the kernel writes the output with, whatever the split count: the
+        # balanced schedule's, and the split schedule's (several splits merged in the kernel)
+        one_epilogue, one_o_w, _ = _single_split_epilogue(
+            loader, 1, unrotate, d, d_pad, dev, single_split_epilogue)
+        bal_epilogue = one_epilogue if schedule == "balanced" and num_splits is None else 0
+        split_epilogue = one_epilogue if splits == 1 or cuda_decode.MERGE_SPLITS else 0
         try:
             if bal_epilogue:
                 cuda_decode.launch_balanced(
                     q, block_table, seq_lens, num_blocks, cache, loader, workspace,
                     scale * _LOG2E, window, group=g, dot_dtype=dot_dtype, out=out,
-                    epilogue=bal_epilogue, q_w=q_w if qrot_log2 else None, o_w=bal_o_w)
+                    epilogue=bal_epilogue, q_w=q_w if qrot_log2 else None, o_w=one_o_w)
                 return out
             cuda_decode.launch_split(
                 q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,
                 scale * _LOG2E, window, group=g, splits=splits, dot_dtype=dot_dtype,
-                q_w=q_w if qrot_log2 else None, epilogue=epilogue if splits == 1 else 0,
-                out=out, o_w=o_w)
+                q_w=q_w if qrot_log2 else None, epilogue=split_epilogue, out=out,
+                o_w=one_o_w, counters=workspace.counters(ns * hkv) if splits > 1 else None)
+            if split_epilogue:
+                return out
         except CudaCompileError as e:
             if not auto_cuda:
                 raise

@@ -258,6 +258,19 @@ class Workspace:
         lse = self._part_lse[:rows].view(ctas, 2, group)
         return o, lse, self._counters[:pairs]
 
+    def counters(self, pairs: int) -> torch.Tensor:
+        """int32 ``(pairs,)`` zeros, one per (sequence, KV head) pair, for the CUDA kernel's
+        in-kernel merges (the split schedule's ``MERGE_SPLITS``; the balanced schedule's cut
+        pairs); every launch leaves them zero. Shared with :meth:`balanced_scratch` (one
+        launch at a time on the workspace's stream).
+
+        Raises:
+            WorkspaceTooSmallError: more pairs than the workspace counts."""
+        if pairs > self._counters.numel():
+            raise WorkspaceTooSmallError(f"workspace counts {self._counters.numel()} (sequence, "
+                                         f"KV head) pairs; the launch needs {pairs}")
+        return self._counters[:pairs]
+
     def rotated_queries(self, num_seqs: int, num_q_heads: int, head_dim: int) -> torch.Tensor:
         """View ``float32 (num_seqs, num_q_heads, head_dim)`` for rotated queries."""
         n = num_seqs * num_q_heads * head_dim

@@ -56,7 +56,11 @@
 // %globaltimer (ns) at entry, after the prologue, after the first and the ninth ring wait,
 // after warp 0's main loop, once every warp is done, at exit; then its SM id in the low 32
 // bits of the last word and its steps (warp 0) in the high 32. benchmarks/decode_timeline_gpu.py
-// reads it; no build a launch makes by default has it).
+// reads it; no build a launch makes by default has it), MERGE_SPLITS (optional, default 0;
+// 1 with EPILOGUE 1 or 2 on the split schedule with several splits: every split writes its
+// partial row and LSE as EPILOGUE 0 does, and the one that finishes last — an atomicAdd on
+// `counters[seq · hkv + first KV head]` after a __threadfence — merges them and writes the
+// output as EPILOGUE 1 / 2 would, instead of the reduce kernel's second launch).
 //
 // Shared pair tables (LUT 1). Entry e (a whole code byte) holds the two 16-bit centroids of
 // its low and high nibble, so one 32-bit shared load dequantizes two codes; the table is
@@ -327,6 +331,11 @@ __device__ __forceinline__ void final_row(void* out, float* fin, int idx, long l
 #ifndef BALANCED
 #define BALANCED 0
 #endif
+#ifndef MERGE_SPLITS
+#define MERGE_SPLITS 0
+#endif
+static_assert(!MERGE_SPLITS || (EPILOGUE != 0 && !BALANCED),
+              "the in-kernel merge of splits writes the output (EPILOGUE 1 or 2), split schedule");
 #ifndef PROBE
 #define PROBE 0
 #endif
@@ -915,7 +924,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #endif
     float inv = 1.f / (Lsum > 0.f ? Lsum : 1.f);
     if (cap < L) inv = __int_as_float(0x7fc00000);   // a length past the block table: NaN rows
-#if EPILOGUE == 0
+#if EPILOGUE == 0 || MERGE_SPLITS
     const long long row = ((long long)seq * (GROUP * hkv) + hk * GROUP + h) * num_splits + split;
     part_o[row * D + d] = acc * inv;
     if (d == 0) part_lse[row] = Lsum > 0.f ? Ms + log2f(Lsum) : NEG_INF;
@@ -994,6 +1003,41 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     }
   }
   const bool wrote = whole || red[WARPS + 1];
+#elif MERGE_SPLITS
+  // the split of this (sequence, KV head[s]) that finishes last merges the splits' rows by
+  // their LSEs (the reduce pass's arithmetic, in the kernel: no second launch) and writes
+  // the output; it resets the counter, so CUDA-graph replays start from zero
+  __shared__ int merger;
+  __threadfence();
+  __syncthreads();
+  const int pc = seq * hkv + kvh0;
+  if (threadIdx.x == 0) merger = atomicAdd(&counters[pc], 1) == num_splits - 1;
+  __syncthreads();
+  const bool wrote = merger;
+  if (wrote) {
+    __threadfence();
+    for (int idx = threadIdx.x; idx < nt * GROUP * D; idx += WARPS * 32) {
+      const int hk = kvh0 + (TEAMS ? idx / (GROUP * D) : 0);
+      if (TEAMS && hk >= hkv) continue;
+      const int h = (idx / D) % GROUP, d = idx % D;
+      const long long row0 = ((long long)seq * (GROUP * hkv) + hk * GROUP + h) * num_splits;
+      float mx = NEG_INF, den = 0.f, num = 0.f;
+      for (int sp = 0; sp < num_splits; ++sp) {
+        const float ls = __ldcg(part_lse + row0 + sp);
+        const float o = __ldcg(part_o + (row0 + sp) * D + d);
+        const float mn = fmaxf(mx, ls);
+        const float ms = mn == NEG_INF ? 0.f : mn;
+        const float sc = exp2f(mx - ms), w = exp2f(ls - ms);
+        den = den * sc + w;
+        num = num * sc + o * w;
+        mx = mn;
+      }
+      float v = num / (den > 0.f ? den : 1.f);
+      if (cap < L) v = __int_as_float(0x7fc00000);
+      final_row(out, fin, idx, (long long)seq * so_s + (long long)(hk * GROUP + h) * so_h + d, v);
+    }
+    if (threadIdx.x == 0) counters[pc] = 0;   // ready for the next launch (CUDA graphs)
+  }
 #else
   constexpr bool wrote = true;
 #endif
