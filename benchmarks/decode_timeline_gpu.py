@@ -115,7 +115,7 @@ def main():
         q = torch.randn(B, hq, d, device=kg.DEV, dtype=torch.bfloat16)
         ld = TkvLoader(TurboKVCodec(d, k_bits=4, v_bits=4, device=kg.DEV), hkv, block)
         cache = kg.tkv_cache(ld, nblk)
-        nbytes = int(sl.sum()) * ld.layout.bytes_per_token
+        nbytes = int(int(sl.sum()) * ld.layout.bytes_per_token)
         x = torch.empty(nbytes // 4, dtype=torch.float32, device=kg.DEV).normal_()
         for fl in args.flush:
             kg.FLUSH = fl

@@ -272,8 +272,9 @@ def probe_cuda_decode(launch: dict) -> torch.Tensor:
     if defs["BALANCED"]:
         raise ShapeError("the timeline probe is the split schedule's")
     ctas = grid[0] * grid[1] * grid[2]
-    buf = torch.zeros(ctas * PROBE_WORDS, dtype=torch.int64, device=args[0].device)
-    args[-3] = buf   # the counters argument, unused by the split schedule
+    head = (grid[0] * grid[1] + 1) // 2   # the in-kernel merge's int32 counters, as u64 words
+    buf = torch.zeros(head + ctas * PROBE_WORDS, dtype=torch.int64, device=args[0].device)
+    args[-3] = buf   # the counters argument: the merge's counters, then the probe's rows
     cuda_decode._launch({**defs, "PROBE": 1}, grid, *args)
     torch.cuda.synchronize(buf.device)
-    return buf.view(ctas, PROBE_WORDS).cpu()
+    return buf[head:].view(ctas, PROBE_WORDS).cpu()

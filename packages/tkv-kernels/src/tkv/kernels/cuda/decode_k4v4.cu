@@ -52,7 +52,8 @@
 // head 2k + 1 exits at once — so short contexts get 4 warps per pair and one table fill per
 // two pairs, long ones 8 warps per pair; the choice is made on the device, per sequence),
 // PROBE (optional, default 0; 1, split schedule only: a timeline probe — thread 0 of every CTA
-// writes PROBE_WORDS u64 words to `counters` (read as u64, row = the CTA's linear index):
+// writes PROBE_WORDS u64 words to `counters` after its first ⌈num_seqs · hkv / 2⌉ u64 words
+// (MERGE_SPLITS' counters; row = the CTA's linear index):
 // %globaltimer (ns) at entry, after the prologue, after the first and the ninth ring wait,
 // after warp 0's main loop, once every warp is done, at exit; then its SM id in the low 32
 // bits of the last word and its steps (warp 0) in the high 32. benchmarks/decode_timeline_gpu.py
@@ -440,7 +441,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   const float scale_log2 = (float)scale_log2_d;
   const long long cap = (long long)max_blocks * BLOCK_SIZE;
 #if PROBE
-  unsigned long long* const probe_row = (unsigned long long*)counters + PROBE_WORDS *
+  // after the (num_seqs · hkv) int32 counters of MERGE_SPLITS, rounded up to whole u64 words
+  unsigned long long* const probe_row = (unsigned long long*)counters + (num_seqs * hkv + 1) / 2
+      + PROBE_WORDS *
       (blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z));
   PROBE_AT(0);
   if (threadIdx.x == 0) {
