@@ -21,6 +21,14 @@ def log(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
+def both(a, b):
+    """Both context managers ``a`` and ``b`` as one."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(a)
+    stack.enter_context(b)
+    return stack
+
+
 def model_step_rows(shapes, arms, layers: int = 36) -> None:
     """Time kernels_gpu's ``layers``-layer engine-like step per (B, L) in ``shapes`` for each
     arm ``(label, attn, setting)``: ``attn`` as ``kg.make_model_step`` takes it (``"bf16"``

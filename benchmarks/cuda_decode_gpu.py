@@ -128,12 +128,12 @@ def model_step_rows(shapes, layers=36):
             ("tkv K4V4 triton (the default until session 32)", {"kernel": "triton"}, None),
             ("tkv K4V4 default (kernel='auto': cuda)", {}, None),
             ("tkv K4V4 cuda lut=1 (shared pair tables)", {},
-             lambda: _both(context("short"), tuning(cuda_decode, lut=1))),
+             lambda: cuda_bench.both(context("short"), tuning(cuda_decode, lut=1))),
             ("tkv K4V4 cuda lut=1 warps=8", {},
-             lambda: _both(context("short"), tuning(cuda_decode, lut=1, warps=8))),
+             lambda: cuda_bench.both(context("short"), tuning(cuda_decode, lut=1, warps=8))),
             ("tkv K4V4 cuda balanced", {"schedule": "balanced"}, lambda: context("short")),
             ("tkv K4V4 cuda lut=1 balanced", {"schedule": "balanced"},
-             lambda: _both(context("short"), tuning(cuda_decode, lut=1)))]
+             lambda: cuda_bench.both(context("short"), tuning(cuda_decode, lut=1)))]
     cuda_bench.model_step_rows(shapes, arms, layers)
 
 
@@ -181,21 +181,12 @@ def teams_rows(copy_gbs) -> None:
     for c in ("short", "long"):
         arms.append((f"tkv K4V4 default, TKV_DECODE_CONTEXT={c}", {}, lambda c=c: context(c)))
         arms.append((f"tkv K4V4 default, TKV_DECODE_CONTEXT={c}, early=1", {},
-                     lambda c=c: _both(context(c), tuning(cuda_decode, early=1))))
+                     lambda c=c: cuda_bench.both(context(c), tuning(cuda_decode, early=1))))
     for t in (64, 128):
         arms.append((f"tkv K4V4 long, early=1, team_steps={t}", {},
-                     lambda t=t: _both(context("long"),
+                     lambda t=t: cuda_bench.both(context("long"),
                                        tuning(cuda_decode, early=1, team_steps=t))))
     cuda_bench.model_step_rows(((32, 8192), (64, 2048), (64, 640), (256, 640)), arms)
-
-
-def _both(a, b):
-    """Both context managers ``a`` and ``b`` as one."""
-    from contextlib import ExitStack
-    stack = ExitStack()
-    stack.enter_context(a)
-    stack.enter_context(b)
-    return stack
 
 
 def table(copy_gbs) -> str:

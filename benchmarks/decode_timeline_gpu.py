@@ -20,7 +20,7 @@ For each shape (K4V4, Hq=32, Hkv=8, head_dim 128, block_size 16, random pages) t
   reading it (the L2 left clean, as an engine's weight-reading GEMMs leave it).
 
 Usage: python benchmarks/decode_timeline_gpu.py --out DIR [--tag T] [--shapes B:L ...]
-       [--contexts auto short long] [--flush write read] [--runs N]
+       [--contexts auto short long] [--early] [--flush write read] [--runs N] [--model-step]
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import cuda_bench
 import kernels_gpu as kg
 
 from tkv.codec import TurboKVCodec
 from tkv.kernels import TkvLoader, Workspace, cuda_decode, decode
-from tkv.kernels.testing import capture_cuda_decode_launch, probe_cuda_decode
+from tkv.kernels.testing import capture_cuda_decode_launch, probe_cuda_decode, tuning
 
 SHAPES = ["32:8192", "8:8192", "8:32768", "32:32768", "1:131072", "1:32768", "128:8192",
           "256:640"]
@@ -102,8 +103,15 @@ def main():
                     help="how the L2 is emptied before each timed call (kernels_gpu.FLUSH)")
     ap.add_argument("--contexts", nargs="*", default=["auto"],
                     help="TKV_DECODE_CONTEXT values to probe (auto, short, long)")
+    ap.add_argument("--early", action="store_true",
+                    help="each context also with early=1 (the prefetched prologue)")
+    ap.add_argument("--model-step", action="store_true",
+                    help="then 36-layer engine-like steps: bf16, each context (and early=1)")
     args = ap.parse_args()
     hq, hkv, d, block = 32, 8, 128, 16
+    variants = [(c, {}) for c in args.contexts]
+    if args.early:
+        variants += [(c, {"early": 1}) for c in args.contexts]
     copy_gbs = kg.copy_bandwidth()
     dev_name = torch.cuda.get_device_name()
     rows = []
@@ -120,8 +128,9 @@ def main():
         for fl in args.flush:
             kg.FLUSH = fl
             ms_read = kg.bench(lambda: x.sum())
-            for ctx in args.contexts:
-                with mock.patch.object(cuda_decode, "DECODE_CONTEXT", ctx):
+            for ctx, tune in variants:
+                with mock.patch.object(cuda_decode, "DECODE_CONTEXT", ctx), \
+                        tuning(cuda_decode, **tune):
                     call = lambda: decode(q, cache, bt, sl, ld, ws)
                     seen = capture_cuda_decode_launch(call)
                     defs, grid, largs = seen["defs"], seen["grid"], seen["args"]
@@ -134,7 +143,9 @@ def main():
                     runs = [phases(probe_run(seen, flush), defs["SUB"])
                             for _ in range(args.runs)]
                 runs.sort(key=lambda r: r["span_us"])
-                row = {"B": B, "L": L, "context": ctx, "flush": fl, "device": dev_name,
+                row = {"B": B, "L": L, "context": ctx + "".join(f", {k}={v}" for k, v in
+                                                                tune.items()),
+                       "flush": fl, "device": dev_name,
                        "copy_GBps": round(copy_gbs), "MB": round(nbytes / 1e6, 1),
                        "ms": round(ms, 4), "frac_copy": round(nbytes / ms / 1e6 / copy_gbs, 3),
                        "ms_reduce_pass": ms_reduce,
@@ -159,6 +170,19 @@ def main():
              "µs from the first CTA's entry, medians over CTAs of the median-span probe run)",
              "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c)) for c in cols) + " |" for r in rows]
+    steps = []
+    if args.model_step:
+        cuda_bench.ROWS.clear()
+        arms = [("bf16 store + bypass decode", "bf16", None)]
+        for ctx, tune in variants:
+            label = f"tkv K4V4 default, TKV_DECODE_CONTEXT={ctx}" + "".join(
+                f", {k}={v}" for k, v in tune.items())
+            arms.append((label, {}, lambda c=ctx, t=tune: cuda_bench.both(
+                mock.patch.object(cuda_decode, "DECODE_CONTEXT", c), tuning(cuda_decode, **t))))
+        cuda_bench.model_step_rows(((32, 8192), (8, 8192), (64, 2048), (256, 640)), arms)
+        steps = cuda_bench.model_step_lines()
+        rows += cuda_bench.ROWS
+    lines += steps
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "decode_timeline_gpu" + (f"_{args.tag}" if args.tag else "")

@@ -412,6 +412,7 @@ def test_splits_merged_in_the_kernel_equal_the_reduce_pass(tune, sink, monkeypat
     (3 KV heads: an idle team) and sink offsets; the counters are left zero; a CUDA graph
     replayed under new lengths equals eager."""
     monkeypatch.setattr(cuda_decode, "TEAM_FILL", 0)
+    monkeypatch.setattr(cuda_decode, "MERGE_MAX_SPLITS", 32)   # the merge at every count here
     kw = {"k_sink_offset": 3 * torch.randn(128), "v_sink_offset": 3 * torch.randn(128)} \
         if sink else {}
     ld, batch, cache = _case(128, 3, 16, _MIXED, **kw)

@@ -54,6 +54,7 @@ __all__ = [
     "ENV_DECODE_CONTEXT",
     "ENV_DECODE_KERNEL",
     "ENV_DECODE_SCHEDULE",
+    "MERGE_MAX_SPLITS",
     "MERGE_SPLITS",
     "SCHEDULES",
     "TEAM_STEPS",
@@ -157,8 +158,12 @@ ENV_DECODE_CONTEXT = "TKV_DECODE_CONTEXT"
 _CONTEXTS = ("auto", "short", "long")
 TEAM_STEPS = 128   # the auto profile's team_steps: two teams per CTA up to 2K tokens per split
 # decode()'s several splits merged in the kernel by the last split (launch_split, session 38)
-# where the output is written by the kernel anyway; False: the reduce kernel's second launch
+# where the output is written by the kernel anyway, up to MERGE_MAX_SPLITS splits (the merging
+# CTA folds them one by one: at 32 splits the reduce kernel's many CTAs were faster, H100 B=1:
+# 0.0372 against 0.0382 ms at 32K tokens; at 4 splits, B=8 × 8K, the merge 0.0500 against
+# 0.0508, 0.0524 against 0.0606 with the register lookups); False: the reduce kernel always
 MERGE_SPLITS = True
+MERGE_MAX_SPLITS = 8
 
 
 class DecodeContextConfigError(TkvError, ValueError):

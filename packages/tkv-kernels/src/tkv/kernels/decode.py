@@ -439,9 +439,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             row and writes ``out`` itself — unrotated by Walsh–Hadamard butterflies
             (``loader.out_hadamard``) where the rotation is a power-of-two Hadamard — so the
             reduce launch and the partials' round trip are skipped; the CUDA kernel with
-            several splits merges them itself, in the split that finishes last
-            (:data:`cuda_decode.MERGE_SPLITS`, default True; the partials then stay in the
-            L2), so it needs no reduce launch either. False: always the reduce pass (an A/B
+            several splits (up to :data:`cuda_decode.MERGE_MAX_SPLITS`) merges them itself, in
+            the split that finishes last (:data:`cuda_decode.MERGE_SPLITS`, default True; the
+            partials then stay in the L2), so it needs no reduce launch either. False: always the reduce pass (an A/B
             knob; same result to float32 rounding). The Gluon kernel always uses the reduce
             pass.
         min_split_tiles: length-aware split-K — each sequence uses only
@@ -605,7 +605,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
         one_epilogue, one_o_w, _ = _single_split_epilogue(
             loader, 1, unrotate, d, d_pad, dev, single_split_epilogue)
         bal_epilogue = one_epilogue if schedule == "balanced" and num_splits is None else 0
-        split_epilogue = one_epilogue if splits == 1 or cuda_decode.MERGE_SPLITS else 0
+        split_epilogue = one_epilogue if splits == 1 or (
+            cuda_decode.MERGE_SPLITS and splits <= cuda_decode.MERGE_MAX_SPLITS) else 0
         try:
             if bal_epilogue:
                 cuda_decode.launch_balanced(

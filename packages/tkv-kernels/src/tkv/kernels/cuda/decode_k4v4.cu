@@ -45,7 +45,12 @@
 // a pair merged by the CTA that finishes last; EPILOGUE 1 or 2; see the comment at its code),
 // EARLY (optional, default 0; 1: the first ring groups are issued before the query is loaded,
 // rotated and packed and, with LUT 1 and the split schedule, before the pair tables are
-// filled, so the first pages' DRAM latency overlaps that prologue instead of following it),
+// filled, so the first pages' DRAM latency overlaps that prologue instead of following it;
+// on the split schedule also every small read of the prologue — the length, the byte tables,
+// the query rows, q_w, the first groups' block-table entries — is requested into the L1 at
+// entry (prefetch.global.L1) and the epilogue's o_w before the warps' merge, so the CTA waits
+// for two DRAM round trips before its first copies (length, then block table) instead of one
+// per read),
 // TEAMS (optional, default 0; 1 with WARPS 8 and the split schedule: a sequence whose split
 // holds at most `team_steps` (a kernel argument; 0: never) 16-token steps is served by two
 // teams of 4 warps, one per KV head — the CTA of head 2k takes heads 2k and 2k + 1, the CTA of
@@ -268,14 +273,20 @@ __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
+// the 128-byte line at p into the L1 (no register, no fault: a hint)
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" :: "l"(p));
+}
+
 // y = H x in place for `rows` rows of D floats in shared memory (H the unnormalized Sylvester
 // Walsh–Hadamard matrix): log2(D) butterfly stages, the whole CTA, a barrier after each
 __device__ __forceinline__ void fwht_rows(float* x, int rows) {
 #pragma unroll 1
-  for (int h = 1; h < D; h <<= 1) {
+  for (int lh = 0; (1 << lh) < D; ++lh) {
+    const int h = 1 << lh;
     for (int p = threadIdx.x; p < rows * D / 2; p += WARPS * 32) {
       const int row = p / (D / 2), r = p % (D / 2);
-      const int i = row * D + (r / h) * 2 * h + (r % h);
+      const int i = row * D + ((r >> lh) << (lh + 1)) + (r & (h - 1));
       const float a = x[i], b = x[i + h];
       x[i] = a + b;
       x[i + h] = a - b;
@@ -450,6 +461,29 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     u32 sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     probe_row[PROBE_WORDS - 1] = sm;
+  }
+#endif
+#if EARLY && !BALANCED
+  // every small global read of the prologue and the epilogue requested at once, before the
+  // first of them is waited for: the length, the byte tables, the query rows of the heads the
+  // CTA may serve, the rotation's weights (then L1 hits instead of one DRAM round trip each)
+  {
+    const int tid = threadIdx.x;
+    constexpr int QB = Q_KIND == 0 ? 4 : 2, LINES = (D * QB + 127) / 128;
+    if (tid == 0) prefetch_l1(seq_lens + blockIdx.x);
+#if LUT
+    if (tid == 1) prefetch_l1(k_tab);
+    if (tid == 2) prefetch_l1(v_tab);
+#endif
+    for (int i = tid; i < NT_MAX * GROUP * LINES; i += WARPS * 32) {
+      const int r = i / LINES, h = blockIdx.y * GROUP + r;
+      if (h < hkv * GROUP)
+        prefetch_l1((const u8*)q + ((long long)blockIdx.x * sq_s + (long long)h * sq_h) * QB +
+                    (i % LINES) * 128);
+    }
+#if QROT
+    if (tid >= 32 && tid < 32 + D / 32) prefetch_l1(q_w + (tid - 32) * 32);
+#endif
   }
 #endif
 #if TEAMS   // two teams of 4 warps, one per KV head, when the split is short (see the header)
@@ -678,6 +712,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;   // heads 2t, 2t+1
   float f0 = 0.f, f1 = 0.f;   // V_SINK: the flagged values' softmax mass (rescaled like l)
   u32 okbits = 0;
+#if EARLY && !BALANCED
+  // the block-table entries of the CTA's first ring groups (every warp's): one or two lines
+  {
+    const int e0 = my0 * 16 / BLOCK_SIZE, e1 = min((my1 - 1) * 16 / BLOCK_SIZE, max_blocks - 1);
+    const int e = e0 + (int)threadIdx.x * 32;   // 32 entries (128 bytes) per thread
+    if (my1 > my0 && threadIdx.x < 2 && e <= e1) prefetch_l1(bt_row + e);
+  }
+#endif
   int nblk = block_of(0);
   // the ring: NST = SUB·(NPF + 1) stages; an iteration consumes SUB steps (one commit
   // group) while the NPF groups after it are in flight
@@ -874,6 +916,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   }
   cp_wait<0>();
   PROBE_AT(4);
+#if EPILOGUE == 2 && EARLY && !BALANCED
+  // the unrotation's weights, requested before the merge so their latency hides under it
+  constexpr int OWN = D > WARPS * 32 ? D / (WARPS * 32) : 1;
+  float ow[OWN];
+#pragma unroll
+  for (int k = 0; k < OWN; ++k) ow[k] = o_w[((int)threadIdx.x + k * WARPS * 32) % D];
+#endif
 
   // merge the warps: each writes (m, l) per head and its O^T rows to shared memory
 #pragma unroll
@@ -964,7 +1013,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #pragma unroll 2
         for (int c = c0 + warp; c <= c1; c += WARPS) {
           const int sl = c == c0 ? first : 2 * c;
-          float ls[8], o[8];
+          float ls[4], o[4];
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             const int idx = lane + 32 * (j0 + j);
@@ -1051,9 +1100,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     fwht_rows(fin, nt * GROUP);
     for (int idx = threadIdx.x; idx < nt * GROUP * D; idx += WARPS * 32) {
       const int hk = kvh0 + (TEAMS ? idx / (GROUP * D) : 0);
+#if EARLY && !BALANCED
+      const float w = ow[(idx / (WARPS * 32)) % OWN];   // o_w[idx % D]
+#else
+      const float w = o_w[idx % D];
+#endif
       if (!TEAMS || hk < hkv)
         store_out(out, (long long)seq * so_s + (long long)(hk * GROUP + (idx / D) % GROUP) * so_h +
-                           idx % D, fin[idx] * o_w[idx % D]);
+                           idx % D, fin[idx] * w);
     }
   }
 #endif
