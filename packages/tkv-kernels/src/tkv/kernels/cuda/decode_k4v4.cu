@@ -282,11 +282,10 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
 // Walsh–Hadamard matrix): log2(D) butterfly stages, the whole CTA, a barrier after each
 __device__ __forceinline__ void fwht_rows(float* x, int rows) {
 #pragma unroll 1
-  for (int lh = 0; (1 << lh) < D; ++lh) {
-    const int h = 1 << lh;
+  for (int h = 1; h < D; h <<= 1) {
     for (int p = threadIdx.x; p < rows * D / 2; p += WARPS * 32) {
       const int row = p / (D / 2), r = p % (D / 2);
-      const int i = row * D + ((r >> lh) << (lh + 1)) + (r & (h - 1));
+      const int i = row * D + (r / h) * 2 * h + (r % h);
       const float a = x[i], b = x[i + h];
       x[i] = a + b;
       x[i + h] = a - b;
@@ -1101,13 +1100,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
     for (int idx = threadIdx.x; idx < nt * GROUP * D; idx += WARPS * 32) {
       const int hk = kvh0 + (TEAMS ? idx / (GROUP * D) : 0);
 #if EARLY && !BALANCED
-      const float w = ow[(idx / (WARPS * 32)) % OWN];   // o_w[idx % D]
+#define TKV_OW(idx) ow[((idx) / (WARPS * 32)) % OWN]   // o_w[idx % D], loaded before the merge
 #else
-      const float w = o_w[idx % D];
+#define TKV_OW(idx) o_w[(idx) % D]
 #endif
       if (!TEAMS || hk < hkv)
         store_out(out, (long long)seq * so_s + (long long)(hk * GROUP + (idx / D) % GROUP) * so_h +
-                           idx % D, fin[idx] * w);
+                           idx % D, fin[idx] * TKV_OW(idx));
+#undef TKV_OW
     }
   }
 #endif
