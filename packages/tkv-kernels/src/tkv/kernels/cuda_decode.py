@@ -415,15 +415,17 @@ def launch_split(q, block_table, seq_lens, num_blocks: int, cache, loader: TkvLo
     the output — no reduce launch. ``config``: :func:`defines`' tuning keywords.
 
     Raises:
-        ShapeError: several splits with epilogue 1 or 2 and no (or too few) ``counters``.
+        ShapeError: several splits with epilogue 1 or 2 and no ``counters`` (or too few, not
+            int32, not contiguous, on another device).
         UnsupportedKernelError: the cache's base is not 16-byte aligned.
         CudaCompileError: the kernel did not compile."""
     merge = splits > 1 and bool(epilogue)
     if merge and (counters is None or counters.numel() < q.shape[0] * loader.num_kv_heads
-                  or counters.dtype != torch.int32):
-        raise ShapeError(f"cuda decode: merging {splits} splits in the kernel needs int32 "
-                         f"counters for {q.shape[0] * loader.num_kv_heads} (sequence, KV head) "
-                         f"pairs")
+                  or counters.dtype != torch.int32 or counters.device != q.device
+                  or not counters.is_contiguous()):
+        raise ShapeError(f"cuda decode: merging {splits} splits in the kernel needs contiguous "
+                         f"int32 counters on {q.device} for {q.shape[0] * loader.num_kv_heads} "
+                         f"(sequence, KV head) pairs")
     defs, tune = _defines_for(q, cache, loader, group, dot_dtype, q_w, epilogue, out,
                               {**config, "merge_splits": merge})
     teams = 0

@@ -264,10 +264,13 @@ def probe_cuda_decode(launch: dict) -> torch.Tensor:
     bits) and warp 0's 16-token steps (high 32). Synchronizes the device.
 
     Raises:
-        ShapeError: the launch is the balanced schedule's (no probe there)."""
+        ShapeError: nothing was captured (the call ran no CUDA split kernel, e.g. the Triton
+            fallback) or the launch is the balanced schedule's (no probe there)."""
     from tkv.codec.errors import ShapeError
 
     from . import cuda_decode
+    if not launch:
+        raise ShapeError("no CUDA decode launch was captured (the call ran another kernel)")
     defs, grid, args = launch["defs"], launch["grid"], list(launch["args"])
     if defs["BALANCED"]:
         raise ShapeError("the timeline probe is the split schedule's")

@@ -1012,7 +1012,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
 #pragma unroll 2
         for (int c = c0 + warp; c <= c1; c += WARPS) {
           const int sl = c == c0 ? first : 2 * c;
-          float ls[4], o[4];
+          float ls[8], o[8];
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             const int idx = lane + 32 * (j0 + j);
@@ -1097,18 +1097,27 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
   if (wrote) {
     __syncthreads();
     fwht_rows(fin, nt * GROUP);
+#if EARLY && !BALANCED
+    // OWN consecutive rows' elements per pass, so ow's index is a compile-time constant
+    for (int i0 = threadIdx.x; i0 < nt * GROUP * D; i0 += OWN * WARPS * 32) {
+#pragma unroll
+      for (int k = 0; k < OWN; ++k) {
+        const int idx = i0 + k * WARPS * 32;   // o_w[idx % D] == ow[k]
+        const int hk = kvh0 + (TEAMS ? idx / (GROUP * D) : 0);
+        if (idx < nt * GROUP * D && (!TEAMS || hk < hkv))
+          store_out(out, (long long)seq * so_s +
+                             (long long)(hk * GROUP + (idx / D) % GROUP) * so_h + idx % D,
+                    fin[idx] * ow[k]);
+      }
+    }
+#else
     for (int idx = threadIdx.x; idx < nt * GROUP * D; idx += WARPS * 32) {
       const int hk = kvh0 + (TEAMS ? idx / (GROUP * D) : 0);
-#if EARLY && !BALANCED
-#define TKV_OW(idx) ow[((idx) / (WARPS * 32)) % OWN]   // o_w[idx % D], loaded before the merge
-#else
-#define TKV_OW(idx) o_w[(idx) % D]
-#endif
       if (!TEAMS || hk < hkv)
         store_out(out, (long long)seq * so_s + (long long)(hk * GROUP + (idx / D) % GROUP) * so_h +
-                           idx % D, fin[idx] * TKV_OW(idx));
-#undef TKV_OW
+                           idx % D, fin[idx] * o_w[idx % D]);
     }
+#endif
   }
 #endif
 #if BALANCED
