@@ -21,6 +21,14 @@ def log(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
+def context(name: str):
+    """``TKV_DECODE_CONTEXT=name`` for the block (cuda_decode.DECODE_CONTEXT patched)."""
+    from unittest import mock
+
+    from tkv.kernels import cuda_decode
+    return mock.patch.object(cuda_decode, "DECODE_CONTEXT", name)
+
+
 def both(a, b):
     """Both context managers ``a`` and ``b`` as one."""
     stack = contextlib.ExitStack()

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import cuda_bench
 import kernels_gpu as kg
-from cuda_bench import ROWS, log, model_step_lines, write_results
+from cuda_bench import ROWS, context, log, model_step_lines, write_results
 
 from tkv.codec import TurboKVCodec
 from tkv.kernels import TkvLoader, Workspace, cuda_decode, decode
@@ -135,12 +135,6 @@ def model_step_rows(shapes, layers=36):
             ("tkv K4V4 cuda lut=1 balanced", {"schedule": "balanced"},
              lambda: cuda_bench.both(context("short"), tuning(cuda_decode, lut=1)))]
     cuda_bench.model_step_rows(shapes, arms, layers)
-
-
-def context(name: str):
-    """``TKV_DECODE_CONTEXT=name`` for the block (cuda_decode.DECODE_CONTEXT patched)."""
-    from unittest import mock
-    return mock.patch.object(cuda_decode, "DECODE_CONTEXT", name)
 
 
 def context_rows(copy_gbs) -> None:

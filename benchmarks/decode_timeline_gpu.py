@@ -129,8 +129,7 @@ def main():
             kg.FLUSH = fl
             ms_read = kg.bench(lambda: x.sum())
             for ctx, tune in variants:
-                with mock.patch.object(cuda_decode, "DECODE_CONTEXT", ctx), \
-                        tuning(cuda_decode, **tune):
+                with cuda_bench.context(ctx), tuning(cuda_decode, **tune):
                     call = lambda: decode(q, cache, bt, sl, ld, ws)
                     seen = capture_cuda_decode_launch(call)
                     defs, grid, largs = seen["defs"], seen["grid"], seen["args"]
@@ -178,7 +177,7 @@ def main():
             label = f"tkv K4V4 default, TKV_DECODE_CONTEXT={ctx}" + "".join(
                 f", {k}={v}" for k, v in tune.items())
             arms.append((label, {}, lambda c=ctx, t=tune: cuda_bench.both(
-                mock.patch.object(cuda_decode, "DECODE_CONTEXT", c), tuning(cuda_decode, **t))))
+                cuda_bench.context(c), tuning(cuda_decode, **t))))
         cuda_bench.model_step_rows(((32, 8192), (8, 8192), (64, 2048), (256, 640)), arms)
         steps = cuda_bench.model_step_lines()
         rows += cuda_bench.ROWS

@@ -441,9 +441,9 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
             reduce launch and the partials' round trip are skipped; the CUDA kernel with
             several splits (up to :data:`cuda_decode.MERGE_MAX_SPLITS`) merges them itself, in
             the split that finishes last (:data:`cuda_decode.MERGE_SPLITS`, default True; the
-            partials then stay in the L2), so it needs no reduce launch either. False: always the reduce pass (an A/B
-            knob; same result to float32 rounding). The Gluon kernel always uses the reduce
-            pass.
+            partials then stay in the L2), so it needs no reduce launch either. False: always
+            the reduce pass (an A/B knob; same result to float32 rounding). The Gluon kernel
+            always uses the reduce pass.
         min_split_tiles: length-aware split-K — each sequence uses only
             ``min(splits, max(1, ⌈tiles / min_split_tiles⌉))`` of the grid's splits (tiles of
             ``block_n`` tokens inside its window), decided on the device; the others stay
@@ -618,7 +618,8 @@ def decode(query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torc
                 q, block_table, seq_lens, num_blocks, cache, loader, part_o, part_lse,
                 scale * _LOG2E, window, group=g, splits=splits, dot_dtype=dot_dtype,
                 q_w=q_w if qrot_log2 else None, epilogue=split_epilogue, out=out,
-                o_w=one_o_w, counters=workspace.counters(ns * hkv) if splits > 1 else None)
+                o_w=one_o_w,
+                counters=workspace.counters(ns * hkv) if split_epilogue and splits > 1 else None)
             if split_epilogue:
                 return out
         except CudaCompileError as e:

@@ -256,7 +256,7 @@ class Workspace:
                 f"{ctas} CTAs × 2 × {group} rows of {head_dim} and {pairs} pairs")
         o = self._part_o[: rows * head_dim].view(ctas, 2, group, head_dim)
         lse = self._part_lse[:rows].view(ctas, 2, group)
-        return o, lse, self._counters[:pairs]
+        return o, lse, self.counters(pairs)
 
     def counters(self, pairs: int) -> torch.Tensor:
         """int32 ``(pairs,)`` zeros, one per (sequence, KV head) pair, for the CUDA kernel's

@@ -273,7 +273,8 @@ __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
-// the 128-byte line at p into the L1 (no register, no fault: a hint)
+// the 128-byte line at p into the L1 (a hint, no register; callers pass only addresses
+// inside their buffers: PTX does not promise that a bad one is ignored)
 __device__ __forceinline__ void prefetch_l1(const void* p) {
   asm volatile("prefetch.global.L1 [%0];" :: "l"(p));
 }
@@ -327,6 +328,17 @@ __device__ __forceinline__ void combine(const float* mo, const float* ml, int h,
     F += ml[WARPS * 16 + w * 8 + h] * f;
     acc += mo[(w * GROUP + h) * D + d] * f;
   }
+}
+
+// one more normalized part row (value o, LSE ls in log2 units) folded into a running merge:
+// max mx, weight den, weighted sum num (the result is num / den)
+__device__ __forceinline__ void lse_fold(float& mx, float& den, float& num, float ls, float o) {
+  const float mn = fmaxf(mx, ls);
+  const float ms = mn == NEG_INF ? 0.f : mn;
+  const float sc = exp2f(mx - ms), w = exp2f(ls - ms);
+  den = den * sc + w;
+  num = num * sc + o * w;
+  mx = mn;
 }
 
 // element idx (head idx / D, coordinate idx % D) of a finished row set, value v: EPILOGUE 1
@@ -1020,7 +1032,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
             o[j] = idx < GROUP * D ? __ldcg(part_o + (long long)sl * GROUP * D + idx) : 0.f;
           }
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
+          for (int j = 0; j < 8; ++j) {   // lse_fold's arithmetic, inline: the balanced build
+            // with the call compiles differently and has not run on a GPU that way yet
             const float mn = fmaxf(mx[j], ls[j]);
             const float ms = mn == NEG_INF ? 0.f : mn;
             const float sc = exp2f(mx[j] - ms), w = exp2f(ls[j] - ms);
@@ -1076,12 +1089,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tkv_decode_k4
       for (int sp = 0; sp < num_splits; ++sp) {
         const float ls = __ldcg(part_lse + row0 + sp);
         const float o = __ldcg(part_o + (row0 + sp) * D + d);
-        const float mn = fmaxf(mx, ls);
-        const float ms = mn == NEG_INF ? 0.f : mn;
-        const float sc = exp2f(mx - ms), w = exp2f(ls - ms);
-        den = den * sc + w;
-        num = num * sc + o * w;
-        mx = mn;
+        lse_fold(mx, den, num, ls, o);
       }
       float v = num / (den > 0.f ? den : 1.f);
       if (cap < L) v = __int_as_float(0x7fc00000);
